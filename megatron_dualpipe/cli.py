@@ -1,0 +1,128 @@
+"""The ``megatron-dualpipe`` command: ``simulate`` (and, as they land, ``train``, ``bench``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .schedules.cost import CostModel
+from .schedules.generators import GENERATORS, generate
+from .schedules.ir import Schedule, ScheduleError
+from .schedules.report import comparison_table, rank_table
+from .schedules.simulate import SimResult, simulate
+from .schedules.validate import validate
+
+__all__ = ["main"]
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="simulate a pipeline schedule under a cost model",
+        description="Generate, validate and simulate a schedule; print its figures.",
+    )
+    p.add_argument("--schedule", default="dualpipev", choices=[*GENERATORS, "all"])
+    p.add_argument("--pp", type=int, default=4, help="pipeline-parallel ranks")
+    p.add_argument("--microbatches", type=int, default=None, help="default: 2 x PP + 2")
+    p.add_argument("--chunks", type=int, default=2, help="stages per rank for interleaved-1f1b")
+    p.add_argument("--cost", default="F=1,B=1,W=1", help="e.g. F=1,B=1,W=1,FB=1.6 (or overlap=0.8)")
+    p.add_argument(
+        "--cost-per",
+        choices=["rank", "stage"],
+        default="rank",
+        help="costs are for one rank's share of the model (compare schedules at equal model "
+        "size; schedules with more, smaller stages scale them down) or for one stage as given",
+    )
+    p.add_argument("--latency", type=float, default=0.0, help="time of one P2P hop")
+    p.add_argument("--load", type=Path, help="simulate a schedule from a text or JSON file")
+    p.add_argument("--grid", action="store_true", help="print a text timeline")
+    p.add_argument("--png", type=Path, help="write a PNG timeline")
+    p.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace JSON")
+    p.add_argument("--json", type=Path, help="write the figures and the timeline as JSON")
+    p.add_argument("--save", type=Path, help="write the generated schedule in text form")
+
+
+def _load(path: Path) -> Schedule:
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        return Schedule.from_json(json.loads(text))
+    return Schedule.from_text(text)
+
+
+def _simulate_one(schedule: Schedule, args: argparse.Namespace) -> SimResult:
+    validate(schedule)
+    cost = CostModel.parse(args.cost, latency=args.latency)
+    if args.cost_per == "rank":
+        p = schedule.placement
+        cost = cost.per_stage(p.num_ranks, p.num_model_stages)
+    return simulate(schedule, cost)
+
+
+def _suffixed(path: Path, name: str, many: bool) -> Path:
+    return path.with_name(f"{path.stem}_{name}{path.suffix}") if many else path
+
+
+def _write_outputs(results: list[SimResult], args: argparse.Namespace) -> None:
+    from .schedules.export import to_grid, to_png, write_chrome_trace
+
+    many = len(results) > 1
+    for r in results:
+        name = r.schedule.name
+        if args.grid:
+            print(to_grid(r))
+        if args.png:
+            to_png(r, str(_suffixed(args.png, name, many)))
+            print(f"wrote {_suffixed(args.png, name, many)}")
+        if args.trace:
+            write_chrome_trace(r, str(_suffixed(args.trace, name, many)))
+            print(f"wrote {_suffixed(args.trace, name, many)}")
+    if args.json:
+        payload = [r.to_json() for r in results]
+        args.json.write_text(json.dumps(payload if many else payload[0]), encoding="utf-8")
+        print(f"wrote {args.json}")
+
+
+def _run_simulate(args: argparse.Namespace) -> None:
+    if args.load:
+        schedules, skipped = [_load(args.load)], {}
+    else:
+        mbs = args.microbatches if args.microbatches is not None else 2 * args.pp + 2
+        names = list(GENERATORS) if args.schedule == "all" else [args.schedule]
+        schedules, skipped = [], {}
+        for name in names:
+            options = {"chunks": args.chunks} if name == "interleaved-1f1b" else {}
+            try:
+                schedules.append(generate(name, args.pp, mbs, **options))
+            except ScheduleError as err:
+                if len(names) == 1:
+                    raise
+                skipped[name] = str(err)
+    results = [_simulate_one(s, args) for s in schedules]
+    if len(results) == 1:
+        print(rank_table(results[0]))
+    else:
+        print(comparison_table(results, skipped))
+    _write_outputs(results, args)
+    if args.save:
+        args.save.write_text(schedules[0].to_text(), encoding="utf-8")
+        print(f"wrote {args.save}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="megatron-dualpipe", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_simulate(sub)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "simulate":
+            _run_simulate(args)
+    except (ScheduleError, OSError) as err:
+        print(f"megatron-dualpipe: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

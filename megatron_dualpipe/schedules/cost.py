@@ -1,0 +1,96 @@
+"""The cost model: how long each action takes in the simulator."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from .ir import Action, Kind, ScheduleError
+
+__all__ = ["CostModel"]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Durations in arbitrary time units.
+
+    ``f``, ``b`` and ``w`` are one stage's forward, input-gradient (dX) and weight-gradient
+    (dW) times; a full backward (BW) takes ``b + w``. An FB pair takes ``fb`` when given,
+    else ``overlap`` times the sum of its halves (1.0: no overlap benefit). ``latency`` is
+    the time one message takes over one hop. ``stage_scale`` (per model stage) and
+    ``rank_scale`` (per rank) multiply compute times, for uneven stages or slow ranks.
+    """
+
+    f: float = 1.0
+    b: float = 1.0
+    w: float = 1.0
+    fb: float | None = None
+    overlap: float = 1.0
+    latency: float = 0.0
+    stage_scale: tuple[float, ...] | None = None
+    rank_scale: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("f", "b", "w", "overlap", "latency"):
+            if getattr(self, name) < 0:
+                raise ScheduleError(f"cost {name} must not be negative")
+        if self.fb is not None and self.fb < 0:
+            raise ScheduleError("cost FB must not be negative")
+
+    @staticmethod
+    def parse(text: str, latency: float = 0.0) -> CostModel:
+        """Read ``F=1,B=1,W=1,FB=1.6`` (any subset; ``overlap=0.8`` also accepted)."""
+        fields: dict[str, float] = {}
+        names = {"F": "f", "B": "b", "W": "w", "FB": "fb", "OVERLAP": "overlap"}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep or key.strip().upper() not in names:
+                raise ScheduleError(
+                    f"cannot read cost {item!r}: write KEY=VALUE with KEY one of F, B, W, FB, "
+                    "overlap, e.g. F=1,B=1,W=1,FB=1.6"
+                )
+            try:
+                fields[names[key.strip().upper()]] = float(value)
+            except ValueError:
+                raise ScheduleError(f"cost {key} must be a number, got {value!r}") from None
+        return CostModel(latency=latency, **fields)
+
+    def per_stage(self, num_ranks: int, num_model_stages: int) -> CostModel:
+        """Convert costs given for one rank's share of the model (one 1F1B stage) into
+        costs of one stage of a model cut into ``num_model_stages`` stages."""
+        factor = num_ranks / num_model_stages
+        fb = None if self.fb is None else self.fb * factor
+        return replace(self, f=self.f * factor, b=self.b * factor, w=self.w * factor, fb=fb)
+
+    def _scale(self, stage: int, rank: int) -> float:
+        scale = 1.0
+        if self.stage_scale is not None:
+            scale *= self.stage_scale[stage]
+        if self.rank_scale is not None:
+            scale *= self.rank_scale[rank]
+        return scale
+
+    def duration(self, action: Action, rank: int, model_stage: Callable[[int], int]) -> float:
+        """How long a compute action takes on ``rank``; ``model_stage`` maps a stage to the
+        part of the model it runs (for ``stage_scale``)."""
+        if action.kind is Kind.FB:
+            if self.fb is not None:
+                return self.fb * self._scale(model_stage(action.stage), rank)
+            return self.overlap * sum(self.duration(h, rank, model_stage) for h in action.sub)
+        base = {Kind.F: self.f, Kind.B: self.b, Kind.W: self.w, Kind.BW: self.b + self.w}
+        if action.kind not in base:
+            return 0.0
+        return base[action.kind] * self._scale(model_stage(action.stage), rank)
+
+    def check_fits(self, num_model_stages: int, num_ranks: int) -> None:
+        """Raise if the per-stage or per-rank scales do not match the schedule."""
+        if self.stage_scale is not None and len(self.stage_scale) != num_model_stages:
+            raise ScheduleError(
+                f"stage_scale has {len(self.stage_scale)} entries but the model has "
+                f"{num_model_stages} stages"
+            )
+        if self.rank_scale is not None and len(self.rank_scale) != num_ranks:
+            raise ScheduleError(
+                f"rank_scale has {len(self.rank_scale)} entries but the schedule has "
+                f"{num_ranks} ranks"
+            )

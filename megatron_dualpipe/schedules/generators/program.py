@@ -1,0 +1,67 @@
+"""A builder for one rank's compute order, used by the generators."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from ..ir import Action, Kind, Placement, ScheduleError
+
+
+class RankProgram:
+    """Appends one rank's compute actions as an algorithm issues them.
+
+    Each chunk keeps a queue of the micro-batches it will forward and, separately, of those
+    it will backward, so generators can say "forward chunk 0" the way the papers do. A
+    backward issued with ``split=True`` becomes a B (dX) whose W is queued first-in
+    first-out, exactly like a weight-gradient store; ``weight()`` issues the oldest one.
+    """
+
+    def __init__(self, placement: Placement, rank: int, microbatches: list[Iterable[int]]):
+        self.placement = placement
+        self.rank = rank
+        self.actions: list[Action] = []
+        self._to_forward = [deque(mbs) for mbs in microbatches]
+        self._to_backward = [deque(q) for q in self._to_forward]
+        self._deferred_w: deque[Action] = deque()
+
+    def _action(self, kind: Kind, chunk: int, microbatch: int) -> Action:
+        return Action(kind, self.placement.stage_of(self.rank, chunk), microbatch, chunk)
+
+    def _next(self, queue: deque[int], chunk: int, what: str) -> int:
+        if not queue:
+            raise ScheduleError(f"rank {self.rank}: no micro-batch left to {what} on chunk {chunk}")
+        return queue.popleft()
+
+    def _make_forward(self, chunk: int) -> Action:
+        return self._action(Kind.F, chunk, self._next(self._to_forward[chunk], chunk, "forward"))
+
+    def _make_backward(self, chunk: int, split: bool) -> Action:
+        mb = self._next(self._to_backward[chunk], chunk, "backward")
+        if not split:
+            return self._action(Kind.BW, chunk, mb)
+        self._deferred_w.append(self._action(Kind.W, chunk, mb))
+        return self._action(Kind.B, chunk, mb)
+
+    def forward(self, chunk: int = 0) -> None:
+        """Forward the chunk's next micro-batch."""
+        self.actions.append(self._make_forward(chunk))
+
+    def backward(self, chunk: int = 0, *, split: bool = False) -> None:
+        """Backward the chunk's oldest forwarded micro-batch (dX only if ``split``)."""
+        self.actions.append(self._make_backward(chunk, split))
+
+    def weight(self) -> None:
+        """Run the oldest deferred weight-gradient pass."""
+        if not self._deferred_w:
+            raise ScheduleError(f"rank {self.rank} has no deferred W to run")
+        self.actions.append(self._deferred_w.popleft())
+
+    def forward_backward(self, forward_chunk: int, backward_chunk: int) -> None:
+        """Forward one chunk and fully backward another, issued together to overlap."""
+        forward = self._make_forward(forward_chunk)
+        self.actions.append(Action.overlapped(forward, self._make_backward(backward_chunk, False)))
+
+    @property
+    def deferred(self) -> int:
+        return len(self._deferred_w)

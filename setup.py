@@ -1,0 +1,35 @@
+"""Packaging for megatron-dualpipe."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-dualpipe",
+    version="0.1.0",
+    description="DualPipe and DualPipeV pipeline schedules for Megatron-Core",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_dualpipe", "megatron_dualpipe.*"]),
+    include_package_data=True,
+    install_requires=[
+        "matplotlib>=3.7",
+        "PyYAML>=6.0",
+        "scipy>=1.11",
+    ],
+    extras_require={
+        # Users bring their own (CUDA) torch; megatron-core needs torch >= 2.6.
+        "torch": ["torch>=2.6"],
+        "megatron": ["torch>=2.6", "megatron-core==0.16.1"],
+        "te": ["transformer-engine[pytorch]>=2.3"],
+        "test": [
+            "torch>=2.6",
+            "megatron-core==0.16.1",
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "ruff>=0.6",
+            # DeepSeek's reference DualPipe: tests compare our compute order with it.
+            "dualpipe==1.0.0",
+        ],
+    },
+    entry_points={"console_scripts": ["megatron-dualpipe=megatron_dualpipe.cli:main"]},
+)

@@ -1,0 +1,154 @@
+"""`megatron-dualpipe simulate`: tables, the stable --json shape, pictures, hand-written input."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_dualpipe.cli import main
+from megatron_dualpipe.schedules.generators import generate
+
+
+def test_simulate_prints_per_rank_figures(capsys: pytest.CaptureFixture) -> None:
+    assert (
+        main(
+            [
+                "simulate",
+                "--schedule",
+                "dualpipev",
+                "--pp",
+                "8",
+                "--microbatches",
+                "20",
+                "--cost",
+                "F=1,B=1,W=1,FB=1.6",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "dualpipev: PP=8 micro-batches=20 stages=16" in out
+    assert (
+        len([line for line in out.splitlines() if line.strip().startswith(tuple("01234567"))]) == 8
+    )
+
+
+def test_json_has_the_documented_shape(tmp_path: Path) -> None:
+    path = tmp_path / "out.json"
+    assert (
+        main(
+            [
+                "simulate",
+                "--schedule",
+                "dualpipe",
+                "--pp",
+                "4",
+                "--microbatches",
+                "8",
+                "--cost",
+                "F=1,B=1,W=1,FB=2.5",
+                "--json",
+                str(path),
+            ]
+        )
+        == 0
+    )
+    data = json.loads(path.read_text())
+    assert {"schedule", "pp", "microbatches", "makespan", "bubble_ratio", "ranks"} <= data.keys()
+    assert (data["schedule"], data["pp"], data["microbatches"]) == ("dualpipe", 4, 8)
+    assert [r["rank"] for r in data["ranks"]] == [0, 1, 2, 3]
+    rank0 = data["ranks"][0]
+    assert {"bubble_ratio", "peak_activations", "actions"} <= rank0.keys()
+    starts = [a["start"] for a in rank0["actions"]]
+    assert starts == sorted(starts)
+    fb = next(a for a in rank0["actions"] if a["kind"] == "FB")
+    assert [s["kind"] for s in fb["sub"]] == ["F", "BW"]
+    assert {"kind", "stage", "chunk", "microbatch", "start", "end"} <= fb.keys()
+    # Each rank of DualPipe runs M forwards: M/2 per direction.
+    assert (
+        sum(1 for a in rank0["actions"] if a["kind"] == "F")
+        + sum(1 for a in rank0["actions"] if a["kind"] == "FB")
+        == 8
+    )
+
+
+def test_all_compares_every_schedule(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    assert (
+        main(
+            [
+                "simulate",
+                "--schedule",
+                "all",
+                "--pp",
+                "4",
+                "--microbatches",
+                "8",
+                "--json",
+                str(tmp_path / "all.json"),
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    for name in ("1f1b", "interleaved-1f1b", "zb1p", "dualpipe", "dualpipev"):
+        assert name in out
+    assert [d["schedule"] for d in json.loads((tmp_path / "all.json").read_text())] == [
+        "1f1b",
+        "interleaved-1f1b",
+        "zb1p",
+        "dualpipe",
+        "dualpipev",
+    ]
+
+
+def test_all_notes_schedules_that_do_not_apply(capsys: pytest.CaptureFixture) -> None:
+    assert main(["simulate", "--schedule", "all", "--pp", "3", "--microbatches", "6"]) == 0
+    assert "dualpipe: not simulated: dualpipe needs an even number of pipeline ranks" in (
+        capsys.readouterr().out
+    )
+
+
+def test_png_and_trace_are_written(tmp_path: Path) -> None:
+    png, trace = tmp_path / "t.png", tmp_path / "t.json"
+    assert (
+        main(
+            [
+                "simulate",
+                "--schedule",
+                "dualpipev",
+                "--pp",
+                "4",
+                "--microbatches",
+                "10",
+                "--png",
+                str(png),
+                "--trace",
+                str(trace),
+            ]
+        )
+        == 0
+    )
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(trace.read_text())["traceEvents"]
+
+
+def test_load_simulates_a_hand_written_schedule(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "hand.txt"
+    path.write_text(generate("zb1p", 2, 4).to_text())
+    assert main(["simulate", "--load", str(path)]) == 0
+    assert "zb1p: PP=2 micro-batches=4" in capsys.readouterr().out
+    text = path.read_text().replace(" 1W3", "")
+    path.write_text(text)
+    assert main(["simulate", "--load", str(path)]) == 2
+    assert "rank 1: 1B3 has no matching 1W3" in capsys.readouterr().err
+
+
+def test_bad_configuration_is_one_sentence(capsys: pytest.CaptureFixture) -> None:
+    assert main(["simulate", "--schedule", "dualpipev", "--pp", "4", "--microbatches", "6"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "megatron-dualpipe: error: dualpipev needs at least 2 x PP = 8 micro-batches, "
+        "got 6: raise the global batch size or lower PP"
+    )
+    assert main(["simulate", "--cost", "F=1,Q=2"]) == 2
+    assert "cannot read cost 'Q=2'" in capsys.readouterr().err
