@@ -1,12 +1,14 @@
 """Packaging for megatron-dualpipe."""
 
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 setup(
     name="megatron-dualpipe",
     version="0.1.0",
     description="DualPipe and DualPipeV pipeline schedules for Megatron-Core",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_dualpipe", "megatron_dualpipe.*"]),

@@ -119,7 +119,7 @@ def _check_same_messages(lowered: Schedule) -> None:
         need = {a for a in wanted if a.kind in COMM_KINDS}
         if need - have:
             missing = min(need - have)
-            raise ScheduleError(f"rank {rank}: {missing} is missing: its peer's message is unmatched")
+            raise ScheduleError(f"rank {rank}: {missing} is missing: its peer's message is lost")
         if have - need:
             extra = min(have - need)
             raise ScheduleError(f"rank {rank}: {extra} has no counterpart in the compute order")
