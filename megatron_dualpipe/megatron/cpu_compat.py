@@ -1,0 +1,416 @@
+"""Run megatron-core 0.16.1 on CPU + gloo, for tests and the demo.
+
+``apply_cpu_compat()`` removes the CUDA assumptions that stop megatron-core from
+running on a machine without a GPU: GPTModel with the local layer spec (dense, and
+MoE with the alltoall or allgather token dispatcher), ``parallel_state`` over gloo,
+``p2p_communication``, Megatron's three built-in schedules, its
+DistributedDataParallel and its (non-distributed, fp32) optimizer.
+
+Every patch is module-scoped: it rebinds a name inside the megatron module that uses
+it and leaves ``torch`` itself alone. Most sites only need a device: the name ``torch``
+inside each module in ``_TORCH_ON_CPU_SITES`` is rebound to a view of torch whose
+``torch.cuda`` reports the CPU as current device, makes synchronize/empty_cache
+no-ops, offers stand-in streams and events, and whose tensor factories map
+``device="cuda"`` to the CPU. Everything else in that view is the real torch.
+
+The remaining patches, each against the megatron-core 0.16.1 line it addresses:
+
+- tensor_parallel/random.py:235 (add), :248-255 (fork), reached from
+  dot_product_attention.py:217 and layers.py:142: the RNG tracker keeps CUDA
+  generator states. Its class is replaced by one that keeps CPU generator states
+  and swaps them into torch's default CPU generator inside ``fork()``, so dropout
+  inside forked regions stays reproducible.
+- models/common/language_module/language_module.py:244: ``weight.data.cuda()`` for
+  tied embeddings with PP > 1; ``Tensor.cuda`` is the identity while
+  ``setup_embeddings_and_output_layer`` runs.
+- transformer/moe/moe_utils.py:1192 (via router.py:100): ``te_general_gemm`` is only
+  defined when Transformer Engine imports; it is defined as None otherwise.
+- transformer/moe/token_dispatcher.py:876-893 -> moe_utils.py:1093: split sizes
+  become numpy only for CUDA tensors and gloo's all_to_all_single rejects tensors;
+  the dispatcher's ``maybe_move_tensor_to_cpu`` always gives numpy when asked.
+- optimizer/clip_grads.py:167 (called from optimizer.py:215, :1324) asserts
+  ``param.grad.type() == 'torch.cuda.FloatTensor'``; the optimizer module's
+  ``clip_grad_by_total_norm_fp32`` is one that asserts fp32 on any device.
+
+Not covered: activation recomputation (random.py ``_get_cuda_rng_state``), the
+distributed optimizer (distrib_optimizer.py:420 checks ``torch.cuda.FloatTensor``),
+fp16/bf16 optimizers, TE layers, CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from megatron.core.tensor_parallel import random as _mrandom
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["CpuRNGStatesTracker", "apply_cpu_compat", "cpu_compat_applied"]
+
+_CPU = torch.device("cpu")
+
+# Megatron modules whose global name ``torch`` is rebound to the CPU view, and the
+# megatron-core 0.16.1 lines that need it.
+_TORCH_ON_CPU_SITES: tuple[tuple[str, str], ...] = (
+    (
+        "megatron.core.utils",
+        "utils.py:631 global memory buffer (attention scores, dot_product_attention.py:189) "
+        "on torch.cuda.current_device(); :1207 grad-norm fallback kernel on device='cuda'",
+    ),
+    (
+        "megatron.core.models.common.embeddings.rotary_pos_embedding",
+        "rotary_pos_embedding.py:162 moves inv_freq to torch.cuda.current_device()",
+    ),
+    (
+        "megatron.core.transformer.utils",
+        "transformer/utils.py:35, :40 default causal masks on device='cuda' "
+        "(fused_softmax.py:327 when no attention mask is passed)",
+    ),
+    (
+        "megatron.core.tensor_parallel.layers",
+        "layers.py:261, :552, :873, :899, :1197, :1218 parameters and all-gather buffers on "
+        "torch.cuda.current_device() unless use_cpu_initialization",
+    ),
+    (
+        "megatron.core.tensor_parallel.mappings",
+        "mappings.py:91, :141, :148, :181, :442 gather/scatter outputs on "
+        "torch.cuda.current_device() (allgather dispatcher, EP)",
+    ),
+    (
+        "megatron.core.pipeline_parallel.p2p_communication",
+        "p2p_communication.py:190-202, :313, :321 receive buffers on "
+        "torch.cuda.current_device(); :242, :398 torch.cuda.synchronize()",
+    ),
+    (
+        "megatron.core.pipeline_parallel.schedules",
+        "schedules.py:596, :983, :2138 torch.zeros([], dtype=torch.int, device='cuda')",
+    ),
+    (
+        "megatron.core.transformer.moe.router",
+        "router.py:90-92 moves the gate to torch.cuda.current_device(); :169-198 aux-loss tensors",
+    ),
+    (
+        "megatron.core.transformer.moe.token_dispatcher",
+        "token_dispatcher.py:445 torch.cuda.Stream(); :871-895 current_stream, stream, "
+        "record_event",
+    ),
+    (
+        "megatron.core.distributed.param_and_grad_buffer",
+        "param_and_grad_buffer.py:783-806 DDP param/grad buffers on torch.cuda.current_device()",
+    ),
+    (
+        "megatron.core.optimizer.optimizer",
+        "optimizer.py:907 FP32Optimizer scale on device='cuda' (:473-485 for fp16/bf16)",
+    ),
+    (
+        "megatron.core.optimizer.clip_grads",
+        "clip_grads.py:90, :103, :115 grad-norm tensors on device='cuda'",
+    ),
+)
+
+# Tensor factories whose ``device="cuda"`` the CPU view maps to the CPU.
+_FACTORIES = (
+    "arange",
+    "as_tensor",
+    "empty",
+    "empty_strided",
+    "full",
+    "ones",
+    "rand",
+    "randint",
+    "randn",
+    "tensor",
+    "zeros",
+)
+
+_applied = False
+
+
+def cpu_compat_applied() -> bool:
+    """Whether ``apply_cpu_compat`` has patched megatron in this process."""
+    return _applied
+
+
+def apply_cpu_compat() -> None:
+    """Patch megatron-core 0.16.1 so it runs on CPU + gloo; idempotent.
+
+    Does nothing when CUDA is available. Call it before building models or running
+    schedules; forked children inherit the patches. Imports the megatron modules it
+    patches.
+    """
+    global _applied
+    if _applied or torch.cuda.is_available():
+        return
+    for module_name, _why in _TORCH_ON_CPU_SITES:
+        importlib.import_module(module_name).torch = _TORCH_ON_CPU
+    _install_cpu_rng_tracker()
+    _make_tensor_cuda_identity_in_embedding_setup()
+    _patch_moe()
+    _patch_grad_clipping()
+    _applied = True
+
+
+# --------------------------------------------------------------------------------------
+# The CPU view of torch.
+
+
+class _CpuStream:
+    """Stand-in for ``torch.cuda.Stream``: CPU work is synchronous, so waits are no-ops."""
+
+    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
+        self.device = _CPU
+
+    def wait_stream(self, stream: Any) -> None:
+        """Nothing to wait for."""
+
+    def wait_event(self, event: Any) -> None:
+        """Nothing to wait for."""
+
+    def record_event(self, event: _CpuEvent | None = None) -> _CpuEvent:
+        """Return ``event`` (or a new one), already complete."""
+        return event if event is not None else _CpuEvent()
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+    def query(self) -> bool:
+        """Always complete."""
+        return True
+
+
+class _CpuEvent:
+    """Stand-in for ``torch.cuda.Event``: always complete."""
+
+    def __init__(
+        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
+    ) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        """Nothing to record."""
+
+    def wait(self, stream: Any = None) -> None:
+        """Nothing to wait for."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+    def query(self) -> bool:
+        """Always complete."""
+        return True
+
+    def elapsed_time(self, end_event: _CpuEvent) -> float:
+        """Events carry no timestamps on CPU."""
+        return 0.0
+
+
+_CURRENT_STREAM = _CpuStream()
+
+
+def _current_device() -> torch.device:
+    return _CPU
+
+
+def _no_op(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _current_stream(device: Any = None) -> _CpuStream:
+    return _CURRENT_STREAM
+
+
+def _stream(stream: Any) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
+
+
+class _CudaOnCpu(types.ModuleType):
+    """``torch.cuda`` as seen by a patched megatron module."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.cuda")
+        self.current_device = _current_device
+        self.synchronize = _no_op
+        self.empty_cache = _no_op
+        self.Stream = _CpuStream
+        self.Event = _CpuEvent
+        self.current_stream = _current_stream
+        self.default_stream = _current_stream
+        self.stream = _stream
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _cuda_to_cpu(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    @functools.wraps(factory)
+    def on_cpu(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = _CPU
+        return factory(*args, **kwargs)
+
+    return on_cpu
+
+
+class _TorchOnCpu(types.ModuleType):
+    """``torch`` as seen by a patched megatron module: the real one except for
+    ``torch.cuda`` and ``device="cuda"`` in tensor factories."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = _CudaOnCpu()
+        for name in _FACTORIES:
+            setattr(self, name, _cuda_to_cpu(getattr(torch, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+_TORCH_ON_CPU = _TorchOnCpu()
+
+
+# --------------------------------------------------------------------------------------
+# RNG tracker (tensor_parallel/random.py:235, :248-255).
+
+
+class CpuRNGStatesTracker(_mrandom.CudaRNGStatesTracker):
+    """Megatron's RNG tracker with its named states held as CPU generator states.
+
+    ``fork(name)`` swaps the named state into torch's default CPU generator (what
+    dropout draws from on CPU) and swaps it back out on exit, nesting as the CUDA
+    tracker does (random.py:242-279). Same seeds give the same dropout masks. Dropout
+    outside a fork draws from the default CPU generator, which the caller seeds.
+    """
+
+    def add(self, name: str, seed: int) -> None:
+        """Track a new state ``name`` seeded with ``seed`` (both must be new)."""
+        if seed in self.seeds_:
+            raise RuntimeError(f"seed {seed} already exists")
+        if name in self.states_:
+            raise RuntimeError(f"rng state {name} already exists")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = _mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+        """Draw from state ``name`` inside the block; the outer state resumes after."""
+        if name not in self.states_:
+            raise RuntimeError(f"rng state {name} is not added")
+        outer_name = self._current_state_name
+        outer_state = torch.get_rng_state()
+        if outer_name != "default-rng":
+            self.states_[outer_name] = outer_state
+        torch.set_rng_state(self.states_[name])
+        self._current_state_name = name
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            if outer_name != "default-rng":
+                outer_state = self.states_[outer_name]
+            torch.set_rng_state(outer_state)
+            self._current_state_name = outer_name
+
+
+def _install_cpu_rng_tracker() -> None:
+    # initialize_rng_tracker (random.py:286-342) instantiates the module's class.
+    _mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
+    current = _mrandom._CUDA_RNG_STATE_TRACKER
+    if current is not None and not isinstance(current, CpuRNGStatesTracker):
+        _mrandom.initialize_rng_tracker(force_reset=True)
+
+
+# --------------------------------------------------------------------------------------
+# Tied embeddings (language_module.py:244).
+
+
+class _TensorCudaIsIdentity(TorchFunctionMode):
+    """Within this mode ``tensor.cuda()`` returns the tensor itself."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func is torch.Tensor.cuda:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def _make_tensor_cuda_identity_in_embedding_setup() -> None:
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.setup_embeddings_and_output_layer
+
+    @functools.wraps(original)
+    def setup_embeddings_and_output_layer(self: Any) -> None:
+        with _TensorCudaIsIdentity():
+            original(self)
+
+    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+
+# --------------------------------------------------------------------------------------
+# MoE (moe_utils.py:1192, token_dispatcher.py:876-893).
+
+
+def _split_sizes_to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """``moe_utils.maybe_move_tensor_to_cpu`` for CPU tensors: numpy when asked."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.detach().cpu().numpy()
+    return tensor
+
+
+def _patch_moe() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_to_host
+
+
+# --------------------------------------------------------------------------------------
+# Gradient clipping (clip_grads.py:167).
+
+
+def _clip_grad_by_total_norm_fp32(
+    parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
+) -> None:
+    """``clip_grads.clip_grad_by_total_norm_fp32`` with its CUDA-only type assertion
+    relaxed to fp32 on any device; scales exactly as its fallback kernel does
+    (utils.py:1212, ``dst.copy_(src * scale)``)."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = []
+    for param in parameters:
+        grad = getattr(param, attr, None)
+        if grad is None:
+            continue
+        allowed = (torch.float32, torch.bfloat16) if use_decoupled_grad else (torch.float32,)
+        if grad.dtype not in allowed:
+            raise TypeError(f"gradient clipping expects {allowed} gradients, got {grad.dtype}")
+        grads.append(grad.detach())
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for grad in grads:
+            grad.copy_(grad * clip_coeff)
+
+
+def _patch_grad_clipping() -> None:
+    from megatron.core.optimizer import optimizer
+
+    optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32

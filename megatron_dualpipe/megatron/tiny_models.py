@@ -1,0 +1,309 @@
+"""A small Megatron GPT, deterministic data for it, and name-keyed weight exchange.
+
+Tests and the demo build the same model at every parallel layout and check that a
+pipelined run gives the losses and gradients of a single-process run. What makes
+that checkable is a layout-independent name for every parameter, its *global name*:
+the name the parameter has in an unpipelined model with one expert-parallel rank.
+A pipeline stage's ``decoder.layers.K`` becomes ``decoder.layers.G`` with ``G`` the
+layer's global index (Megatron's layer offset, as stored in ``layer_number``, so it
+also holds for custom layouts), a local expert ``J`` becomes its global expert index,
+and a last stage's tied ``output_layer.weight`` becomes
+``embedding.word_embeddings.weight``.
+
+Everything here needs ``parallel_state`` to be initialised in the calling process.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
+from functools import partial
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import unwrap_model
+
+__all__ = [
+    "SEQ_LENGTH",
+    "VOCAB_SIZE",
+    "build_model_chunks",
+    "build_reference_gpt",
+    "build_tiny_gpt",
+    "global_gradients",
+    "global_named_parameters",
+    "global_state",
+    "gpt_forward_step",
+    "load_global_state",
+    "reference_config",
+    "run_reference_step",
+    "synthetic_microbatches",
+    "tiny_gpt_config",
+]
+
+VOCAB_SIZE = 128
+SEQ_LENGTH = 16
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
+_TIED_OUTPUT = "output_layer.weight"
+_WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+
+
+def tiny_gpt_config(
+    *,
+    num_layers: int = 8,
+    hidden_size: int = 64,
+    num_attention_heads: int = 4,
+    num_moe_experts: int | None = None,
+    moe_router_topk: int = 2,
+    moe_token_dispatcher_type: str = "alltoall",
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
+    expert_model_parallel_size: int = 1,
+    **overrides: Any,
+) -> TransformerConfig:
+    """TransformerConfig of a small fp32 GPT for CPU runs: no dropout, no fusions,
+    CPU initialisation. With ``num_moe_experts`` every layer is MoE (dropless, no
+    auxiliary loss, so routing is per token and layout-independent) and linear layers
+    have no bias (a biased SequentialMLP fails in 0.16.1, mlp.py:247). ``overrides``
+    go to TransformerConfig as they are (e.g. ``batch_p2p_comm=False``).
+    """
+    moe = num_moe_experts is not None
+    kwargs: dict[str, Any] = dict(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+        ffn_hidden_size=4 * hidden_size,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+        add_bias_linear=not moe,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+    )
+    if moe:
+        kwargs.update(
+            num_moe_experts=num_moe_experts,
+            moe_router_topk=moe_router_topk,
+            moe_token_dispatcher_type=moe_token_dispatcher_type,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_grouped_gemm=False,
+        )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def reference_config(config: TransformerConfig) -> TransformerConfig:
+    """The same model without pipeline or expert parallelism (for a one-rank reference)."""
+    return replace(
+        config,
+        pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None,
+        expert_model_parallel_size=1,
+    )
+
+
+def build_tiny_gpt(
+    config: TransformerConfig,
+    *,
+    pre_process: bool,
+    post_process: bool,
+    vp_stage: int | None = None,
+    share_embeddings_and_output_weights: bool = False,
+    position_embedding_type: str = "learned_absolute",
+    vocab_size: int = VOCAB_SIZE,
+    max_sequence_length: int = SEQ_LENGTH,
+) -> GPTModel:
+    """One GPTModel chunk with the local (non-TE) layer spec; pre/post as given."""
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+        position_embedding_type=position_embedding_type,
+        vp_stage=vp_stage,
+    )
+
+
+def build_model_chunks(config: TransformerConfig, **model_kwargs: Any) -> list[GPTModel]:
+    """This rank's model chunks (one per virtual stage) in Megatron's standard placement."""
+    vp = config.virtual_pipeline_model_parallel_size
+    stages: Sequence[int | None] = [None] if vp is None else range(vp)
+    return [
+        build_tiny_gpt(
+            config,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=s),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=s),
+            vp_stage=s,
+            **model_kwargs,
+        )
+        for s in stages
+    ]
+
+
+def build_reference_gpt(config: TransformerConfig, **model_kwargs: Any) -> GPTModel:
+    """The whole model in one chunk; needs PP = EP = 1 in ``parallel_state``."""
+    return build_tiny_gpt(
+        reference_config(config), pre_process=True, post_process=True, **model_kwargs
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Global parameter names.
+
+
+def _global_name(model: GPTModel, name: str) -> str:
+    match = _LAYER.match(name)
+    if match is not None:
+        layer = model.decoder.layers[int(match.group(1))]
+        rest = match.group(2)
+        expert = _LOCAL_EXPERT.match(rest)
+        if expert is not None:
+            global_expert = layer.mlp.local_expert_indices[int(expert.group(1))]
+            rest = f"mlp.experts.local_experts.{global_expert}.{expert.group(2)}"
+        return f"decoder.layers.{layer.layer_number - 1}.{rest}"
+    if name == _TIED_OUTPUT and model.share_embeddings_and_output_weights:
+        return _WORD_EMBEDDINGS
+    return name
+
+
+def global_named_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Parameters of one model chunk (wrappers such as DDP allowed) by global name."""
+    inner = unwrap_model(model)
+    named = {_global_name(inner, name): p for name, p in inner.named_parameters()}
+    if len(named) != len(list(inner.parameters())):
+        raise ValueError("two parameters of one model chunk map to the same global name")
+    return named
+
+
+def global_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Detached copies of a chunk's parameters by global name (picklable)."""
+    return {n: p.detach().clone() for n, p in global_named_parameters(model).items()}
+
+
+def load_global_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy values into a chunk's parameters by global name.
+
+    Every parameter of the chunk must be in ``state`` with the same shape; ``state``
+    may hold more (a stage holds a part of the reference model).
+    """
+    params = global_named_parameters(model)
+    missing = sorted(set(params) - set(state))
+    if missing:
+        raise KeyError(f"no value for parameters {missing}")
+    with torch.no_grad():
+        for name, param in params.items():
+            if param.shape != state[name].shape:
+                raise ValueError(
+                    f"{name}: shape {tuple(param.shape)} != {tuple(state[name].shape)}"
+                )
+            param.copy_(state[name])
+
+
+def global_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of a chunk's gradients by global name: ``main_grad`` under Megatron's DDP,
+    else ``grad``; parameters without a gradient are left out."""
+    grads = {}
+    for name, param in global_named_parameters(model).items():
+        grad = getattr(param, "main_grad", None)
+        if grad is None:
+            grad = param.grad
+        if grad is not None:
+            grads[name] = grad.detach().clone()
+    return grads
+
+
+# --------------------------------------------------------------------------------------
+# Data, forward step, reference step.
+
+
+def synthetic_microbatches(
+    num_microbatches: int,
+    *,
+    micro_batch_size: int,
+    seq_length: int = SEQ_LENGTH,
+    vocab_size: int = VOCAB_SIZE,
+    seed: int = 0,
+) -> list[dict[str, torch.Tensor]]:
+    """Deterministic micro-batches from ``seed``: each a dict with ``tokens``,
+    ``labels`` (the tokens shifted by one), ``position_ids``, a causal boolean
+    ``attention_mask`` [b, 1, s, s] (True = masked) and a ``loss_mask`` of ones."""
+    generator = torch.Generator().manual_seed(seed)
+    position_ids = torch.arange(seq_length).expand(micro_batch_size, seq_length)
+    causal = torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool), diagonal=1)
+    attention_mask = causal.expand(micro_batch_size, 1, seq_length, seq_length)
+    batches = []
+    for _ in range(num_microbatches):
+        text = torch.randint(vocab_size, (micro_batch_size, seq_length + 1), generator=generator)
+        batches.append(
+            {
+                "tokens": text[:, :-1].contiguous(),
+                "labels": text[:, 1:].contiguous(),
+                "position_ids": position_ids.clone(),
+                "attention_mask": attention_mask.clone(),
+                "loss_mask": torch.ones(micro_batch_size, seq_length),
+            }
+        )
+    return batches
+
+
+def _masked_mean(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> torch.Tensor:
+    losses = output_tensor.float()
+    mask = loss_mask.float()
+    return (losses * mask).sum() / mask.sum()
+
+
+def _loss_func(
+    loss_mask: torch.Tensor, output_tensor: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = _masked_mean(loss_mask, output_tensor)
+    # The schedules divide the returned loss in place (schedules.py:268-269): clone.
+    return loss, {"loss": loss.detach().clone()}
+
+
+def _forward(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    return model(
+        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+    )
+
+
+def gpt_forward_step(
+    data_iterator: Iterator[Mapping[str, torch.Tensor]], model: torch.nn.Module
+) -> tuple[torch.Tensor, Any]:
+    """``forward_step_func`` for Megatron's schedules: takes the next micro-batch from
+    ``data_iterator`` (every stage reads its own iterator over the same batches) and
+    returns the output with a loss function giving the masked mean token loss."""
+    batch = next(data_iterator)
+    return _forward(model, batch), partial(_loss_func, batch["loss_mask"])
+
+
+def run_reference_step(
+    model: torch.nn.Module, microbatches: Sequence[Mapping[str, torch.Tensor]]
+) -> list[float]:
+    """Forward and backward every micro-batch in order on a one-stage model, each loss
+    weighted by 1/len(microbatches) as Megatron's schedules do; returns the losses."""
+    losses = []
+    for batch in microbatches:
+        loss = _masked_mean(batch["loss_mask"], _forward(model, batch))
+        (loss / len(microbatches)).backward()
+        losses.append(loss.item())
+    return losses

@@ -1,0 +1,61 @@
+"""Contracts of the multi-process harness: ordered results, failures surface, hangs die."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.multiproc import WorkerTimeoutError, run_workers
+
+
+def _rank_info(rank: int, world_size: int, scale: int) -> tuple[int, int, int, float]:
+    # Stagger the finish so arrival order differs from rank order.
+    time.sleep(0.05 * (world_size - rank))
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    return rank, world_size, rank * scale, total.item()
+
+
+def _fail_on_rank(rank: int, world_size: int, bad_rank: int) -> int:
+    if rank == bad_rank:
+        raise ValueError(f"deliberate failure on rank {rank}")
+    dist.all_reduce(torch.ones(1))  # the peers fail too, as they would in a real run
+    return rank
+
+
+def _hang_on_rank(rank: int, world_size: int, bad_rank: int, pid_file: str) -> int:
+    if rank == bad_rank:
+        with open(pid_file, "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(3600)
+    return rank
+
+
+def test_results_come_back_in_rank_order() -> None:
+    results = run_workers(_rank_info, 4, args=(10,), timeout_s=30)
+    assert results == [(r, 4, 10 * r, 6.0) for r in range(4)]
+
+
+def test_raising_worker_fails_the_call_with_its_traceback() -> None:
+    with pytest.raises(AssertionError) as info:
+        run_workers(_fail_on_rank, 3, args=(1,), timeout_s=30)
+    headline, *details = str(info.value).splitlines()
+    # The root cause leads, with its traceback; the peers' broken connections follow.
+    assert "first rank 1: ValueError: deliberate failure on rank 1" in headline
+    assert details[0] == "--- rank 1 (error) ---"
+    assert 'raise ValueError(f"deliberate failure on rank {rank}")' in "\n".join(details)
+
+
+def test_hanging_worker_is_killed_within_the_timeout(tmp_path) -> None:
+    pid_file = tmp_path / "pid"
+    start = time.monotonic()
+    with pytest.raises(WorkerTimeoutError, match=r"ranks \[1\]"):
+        run_workers(_hang_on_rank, 2, args=(1, str(pid_file)), timeout_s=3)
+    assert time.monotonic() - start < 6
+    hung_pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(hung_pid, 0)  # killed and reaped, not left behind
