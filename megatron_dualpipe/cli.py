@@ -1,4 +1,4 @@
-"""The ``megatron-dualpipe`` command: ``simulate`` (and, as they land, ``train``, ``bench``)."""
+"""The ``megatron-dualpipe`` command: ``simulate`` and ``bench`` (``train`` as it lands)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from .bench import SECTIONS
+from .bench.launch import BenchError
 from .schedules.cost import CostModel
 from .schedules.generators import GENERATORS, generate
 from .schedules.ir import Schedule, ScheduleError
@@ -42,6 +44,25 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace JSON")
     p.add_argument("--json", type=Path, help="write the figures and the timeline as JSON")
     p.add_argument("--save", type=Path, help="write the generated schedule in text form")
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmark every schedule: simulated grid and measured runs",
+        description="Simulate every schedule (ours and torch.distributed.pipelining's) on a "
+        "grid of PP, micro-batches and cost profiles, then measure torch's runtime on "
+        "sleep-op stages; print tables as it goes.",
+    )
+    p.add_argument("--quick", action="store_true", help="a reduced grid: PP 4 and 8 only")
+    p.add_argument("--json", type=Path, help="write every section's figures as JSON")
+    p.add_argument("--out", type=Path, help="folder for BENCHMARKS.md and the figures")
+    p.add_argument(
+        "--only",
+        action="append",
+        choices=list(SECTIONS),
+        help="run only this section (repeatable); default: all",
+    )
 
 
 def _load(path: Path) -> Schedule:
@@ -110,15 +131,25 @@ def _run_simulate(args: argparse.Namespace) -> None:
         print(f"wrote {args.save}")
 
 
+def _run_bench(args: argparse.Namespace) -> None:
+    from .bench import run  # the bench sections import torch only when they run
+
+    sections = tuple(args.only) if args.only else None
+    run(quick=args.quick, json_path=args.json, out_dir=args.out, sections=sections)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-dualpipe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_simulate(sub)
+    _add_bench(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "simulate":
             _run_simulate(args)
-    except (ScheduleError, OSError) as err:
+        elif args.command == "bench":
+            _run_bench(args)
+    except (ScheduleError, OSError, BenchError) as err:
         print(f"megatron-dualpipe: error: {err}", file=sys.stderr)
         return 2
     return 0

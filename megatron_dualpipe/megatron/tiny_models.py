@@ -196,8 +196,11 @@ def global_named_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parame
 
 
 def global_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Detached copies of a chunk's parameters by global name (picklable)."""
-    return {n: p.detach().clone() for n, p in global_named_parameters(model).items()}
+    """Detached copies of a chunk's parameters by global name (picklable); tensor-parallel
+    parts are gathered whole (collective over the TP group)."""
+    return {
+        n: _tp_gather(p, p.detach().clone()) for n, p in global_named_parameters(model).items()
+    }
 
 
 def load_global_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
@@ -212,23 +215,52 @@ def load_global_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor])
         raise KeyError(f"no value for parameters {missing}")
     with torch.no_grad():
         for name, param in params.items():
-            if param.shape != state[name].shape:
-                raise ValueError(
-                    f"{name}: shape {tuple(param.shape)} != {tuple(state[name].shape)}"
-                )
-            param.copy_(state[name])
+            value = _tp_shard(param, state[name])
+            if param.shape != value.shape:
+                raise ValueError(f"{name}: shape {tuple(param.shape)} != {tuple(value.shape)}")
+            param.copy_(value)
+
+
+def _tp_split(param: torch.nn.Parameter) -> int | None:
+    """The dimension a tensor-parallel parameter is split along (None if replicated)."""
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return None
+    if not getattr(param, "tensor_model_parallel", False):
+        return None
+    return param.partition_dim
+
+
+def _tp_shard(param: torch.nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+    """This tensor-parallel rank's part of ``full`` (contiguous blocks, Megatron's split)."""
+    dim = _tp_split(param)
+    if dim is None:
+        return full
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return full.chunk(tp, dim=dim)[parallel_state.get_tensor_model_parallel_rank()]
+
+
+def _tp_gather(param: torch.nn.Parameter, part: torch.Tensor) -> torch.Tensor:
+    """The whole tensor from every tensor-parallel rank's ``part`` (collective)."""
+    dim = _tp_split(param)
+    if dim is None:
+        return part
+    group = parallel_state.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(part) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(parts, part.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
 
 
 def global_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Copies of a chunk's gradients by global name: ``main_grad`` under Megatron's DDP,
-    else ``grad``; parameters without a gradient are left out."""
+    else ``grad``; tensor-parallel parts are gathered whole (collective over the TP group);
+    parameters without a gradient are left out."""
     grads = {}
     for name, param in global_named_parameters(model).items():
         grad = getattr(param, "main_grad", None)
         if grad is None:
             grad = param.grad
         if grad is not None:
-            grads[name] = grad.detach().clone()
+            grads[name] = _tp_gather(param, grad.detach().clone())
     return grads
 
 

@@ -1,0 +1,21 @@
+"""Regenerate docs/BENCHMARKS.md, its figures and docs/benchmarks.json (the full grid and
+the measured peers). Extra arguments go to ``megatron-dualpipe bench``, e.g. ``--quick``.
+
+    python bench/run_all.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from megatron_dualpipe.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    docs = ROOT / "docs"
+    sys.exit(
+        main(["bench", "--out", str(docs), "--json", str(docs / "benchmarks.json"), *sys.argv[1:]])
+    )

@@ -1,0 +1,72 @@
+"""What the benchmarks compare: the schedules (ours and torch.distributed.pipelining's,
+imported into our IR) and the cost profiles.
+
+Costs in a profile are for one rank's share of the model (one 1F1B stage); a benchmark
+converts them with :meth:`CostModel.per_stage` so that schedules with more, smaller stages
+are compared at equal model size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..runtime.torch_schedules import import_torch_schedule
+from ..schedules import CostModel, Schedule, generate
+
+__all__ = ["PROFILES", "SCHEDULES", "Profile", "ScheduleEntry", "per_stage_cost"]
+
+
+@dataclass(frozen=True)
+class ScheduleEntry:
+    """A schedule by name, where it comes from (``ours`` or ``torch``) and its builder
+    ``build(ranks, microbatches) -> Schedule`` (raises ScheduleError where not legal)."""
+
+    name: str
+    source: str
+    build: Callable[[int, int], Schedule]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A named cost model; ``key`` is a file-name-safe identifier."""
+
+    key: str
+    label: str
+    cost: CostModel
+
+
+def _ours(name: str, **options: int) -> ScheduleEntry:
+    return ScheduleEntry(name, "ours", lambda r, m: generate(name, r, m, **options))
+
+
+def _torch(name: str) -> ScheduleEntry:
+    return ScheduleEntry(name, "torch", lambda r, m: import_torch_schedule(name, r, m))
+
+
+#: In table order; the first is the baseline for "vs 1F1B".
+SCHEDULES: tuple[ScheduleEntry, ...] = (
+    _ours("1f1b"),
+    _ours("interleaved-1f1b", chunks=2),
+    _ours("zb1p"),
+    _ours("dualpipe"),
+    _ours("dualpipev"),
+    _torch("torch-1f1b"),
+    _torch("torch-interleaved-zb"),
+    _torch("torch-zbv"),
+    _torch("torch-dualpipev"),
+)
+
+PROFILES: tuple[Profile, ...] = (
+    Profile("equal", "F=B=W", CostModel(f=1.0, b=1.0, w=1.0)),
+    Profile("w-half", "W=0.5B", CostModel(f=1.0, b=1.0, w=0.5)),
+    # An F&B pair of a forward and a full backward takes 0.7 x (F+B+W): MoE-style overlap
+    # of one micro-batch's all-to-all with another's compute.
+    Profile("moe-overlap", "F&B=0.7(F+B+W)", CostModel(f=1.0, b=1.0, w=1.0, overlap=0.7)),
+)
+
+
+def per_stage_cost(cost: CostModel, schedule: Schedule) -> CostModel:
+    """``cost`` (per rank share) as the cost of one of ``schedule``'s stages."""
+    p = schedule.placement
+    return cost.per_stage(p.num_ranks, p.num_model_stages)

@@ -1,0 +1,119 @@
+"""Layers whose weight gradient (dW) can be deferred to a W action.
+
+The protocol a layer follows to join the dX/dW split:
+
+1. in ``forward``, read :func:`~.weight_grad_store.active_store` and keep it with the
+   autograd context;
+2. in ``backward``, compute the input gradient (and the gradient of every parameter it
+   does not defer) at once; then, if that store is not None and ``store.capturing``, pass
+   the weight-gradient work to ``store.defer(work)``, else do it now. ``work`` must
+   accumulate into the parameters' ``.grad`` exactly as autograd would;
+3. say which parameters it defers (:class:`DeferrableLayer`).
+
+:class:`DeferrableLinear` does this for ``torch.nn.Linear``; the bias gradient is cheap and
+is computed with dX. Note: deferred gradients are written straight into ``.grad``, so
+hooks registered with ``register_post_accumulate_grad_hook`` do not fire for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .weight_grad_store import WeightGradStore, active_store
+
+__all__ = ["DeferrableLayer", "DeferrableLinear", "make_deferrable"]
+
+
+@runtime_checkable
+class DeferrableLayer(Protocol):
+    """A layer that hands its weight-gradient work to the active store (see module doc)."""
+
+    def deferred_parameters(self) -> Iterator[nn.Parameter]:
+        """The parameters whose gradient waits for the W action when deferral is on."""
+        ...
+
+
+def _weight_grad(grad_output: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    """dW of ``y = x W^T``: ``grad_output^T x`` over all leading dimensions."""
+    return (
+        grad_output.reshape(-1, grad_output.shape[-1]).t().mm(inputs.reshape(-1, inputs.shape[-1]))
+    )
+
+
+def _accumulate(param: nn.Parameter, grad_output: torch.Tensor, inputs: torch.Tensor) -> None:
+    """Add dW into ``param.grad`` as autograd's accumulation would."""
+    grad = _weight_grad(grad_output, inputs)
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad += grad
+
+
+class _LinearFunction(torch.autograd.Function):
+    """``F.linear`` whose backward defers dW into the store captured at forward time."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        inputs: torch.Tensor,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        store: WeightGradStore | None,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(inputs, weight)
+        # The parameter itself: what saved_tensors returns may be an alias of it (under
+        # saved-tensor hooks), and dW must land in the parameter's own .grad.
+        ctx.param = weight
+        ctx.store = store
+        return F.linear(inputs, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        inputs, weight = ctx.saved_tensors
+        needs_input, needs_weight, needs_bias, _ = ctx.needs_input_grad
+        grad_input = grad_output.matmul(weight) if needs_input else None
+        grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0) if needs_bias else None
+        grad_weight = None
+        if needs_weight:
+            store: WeightGradStore | None = ctx.store
+            if store is not None and store.capturing:
+                param = ctx.param
+                store.defer(lambda: _accumulate(param, grad_output, inputs))
+            else:
+                grad_weight = _weight_grad(grad_output, inputs)
+        return grad_input, grad_weight, grad_bias, None
+
+
+class DeferrableLinear(nn.Linear):
+    """A drop-in ``nn.Linear`` whose weight gradient can be deferred to a W action.
+
+    Outside an executor's forward (no active store) it behaves as ``nn.Linear``; so does
+    its backward in a BW action, where the store is not capturing.
+    """
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return _LinearFunction.apply(inputs, self.weight, self.bias, active_store())
+
+    def deferred_parameters(self) -> Iterator[nn.Parameter]:
+        yield self.weight
+
+
+def make_deferrable(module: nn.Module) -> list[str]:
+    """Turn every plain ``nn.Linear`` in ``module`` (itself included) into a
+    :class:`DeferrableLinear`, in place, and return their qualified names.
+
+    The modules stay the same objects (their class is switched), so parameters, buffers,
+    hooks and optimizer references are untouched. Subclasses of ``nn.Linear`` are left
+    alone: their forward may differ.
+    """
+    converted = []
+    for name, child in module.named_modules():
+        if type(child) is nn.Linear:
+            child.__class__ = DeferrableLinear
+            converted.append(name)
+    return converted

@@ -1,0 +1,127 @@
+"""Measured timelines: record one rank's actions, gather all ranks' on rank 0.
+
+The gathered result is a :class:`~megatron_dualpipe.schedules.simulate.SimResult`, so the
+simulator's exports (text grid, Chrome trace, PNG) draw a measured step exactly as they
+draw a simulated one, and the two can be put side by side. Times are milliseconds since
+the earliest rank started recording (the executor starts right after a barrier). Each
+rank measures with its monotonic clock from an origin it also reads on the wall clock;
+the wall-clock origins align the ranks: exactly on one host, to the hosts' clock sync
+(NTP: about a millisecond) across hosts. The result's cost model is fitted from the
+measurement: the mean duration of each kind of action.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from ..schedules.cost import CostModel
+from ..schedules.export import to_png, write_chrome_trace
+from ..schedules.ir import Action, Kind, Schedule
+from ..schedules.simulate import Message, RankStats, SimResult, TimedAction
+
+__all__ = ["RankTimeline", "gather_timeline"]
+
+#: ``(Kind.RECV_F or Kind.RECV_B, receiving stage, micro-batch)``, as in :mod:`.p2p`.
+_Key = tuple[Kind, int, int]
+
+
+@dataclass
+class RankTimeline:
+    """What one rank did in one step: its compute actions with start and end, the
+    messages it sent (key, receiver, time) and received (key, sender, time), in ms."""
+
+    rank: int
+    peak_activations: int = 0
+    actions: list[TimedAction] = field(default_factory=list)
+    sent: list[tuple[_Key, int, float]] = field(default_factory=list)
+    received: list[tuple[_Key, int, float]] = field(default_factory=list)
+    origin: float = field(default_factory=time.perf_counter)
+    wall_origin: float = field(default_factory=time.time)
+
+    def now(self) -> float:
+        """Milliseconds since this timeline's origin."""
+        return (time.perf_counter() - self.origin) * 1e3
+
+    def shifted(self, ms: float) -> RankTimeline:
+        """The same timeline with every time ``ms`` later."""
+        return RankTimeline(
+            self.rank,
+            self.peak_activations,
+            [TimedAction(t.action, t.start + ms, t.end + ms) for t in self.actions],
+            [(key, peer, at + ms) for key, peer, at in self.sent],
+            [(key, peer, at + ms) for key, peer, at in self.received],
+            self.origin,
+            self.wall_origin,
+        )
+
+    def add(self, action: Action, start: float, end: float) -> None:
+        self.actions.append(TimedAction(action, start, end))
+
+
+def _fitted_cost(timelines: list[RankTimeline]) -> CostModel:
+    """Mean measured duration per kind; BW splits into B and W where those were measured,
+    else counts wholly as B."""
+    durations: dict[Kind, list[float]] = {}
+    for timeline in timelines:
+        for timed in timeline.actions:
+            durations.setdefault(timed.action.kind, []).append(timed.end - timed.start)
+    mean = {kind: statistics.fmean(values) for kind, values in durations.items()}
+    f = mean.get(Kind.F, 0.0)
+    if Kind.B in mean or Kind.W in mean:
+        b, w = mean.get(Kind.B, 0.0), mean.get(Kind.W, 0.0)
+    else:
+        b, w = mean.get(Kind.BW, 0.0), 0.0
+    return CostModel(f=f, b=b, w=w, fb=mean.get(Kind.FB))
+
+
+def gather_timeline(
+    timeline: RankTimeline,
+    schedule: Schedule,
+    *,
+    group: dist.ProcessGroup | None = None,
+    trace_path: str | None = None,
+    png_path: str | None = None,
+) -> SimResult | None:
+    """Collect every rank's timeline on rank 0 of ``group`` (a collective call).
+
+    Returns, on rank 0 only, the measured step as a SimResult of ``schedule`` (the
+    schedule the ranks executed), and writes it as a Chrome trace and/or PNG when paths
+    are given; other ranks get None.
+    """
+    is_root = dist.get_rank(group) == 0
+    gathered: list[RankTimeline] | None = [None] * dist.get_world_size(group) if is_root else None
+    dist.gather_object(timeline, gathered, group=group, group_dst=0)
+    if gathered is None:
+        return None
+    start = min(t.wall_origin for t in gathered)
+    ranks = sorted(
+        (t.shifted((t.wall_origin - start) * 1e3) for t in gathered), key=lambda t: t.rank
+    )
+    sent = {key: (t.rank, at) for t in ranks for key, _, at in t.sent}
+    messages = [
+        Message(key[0], key[1], key[2], src, t.rank, sent[key][1], at)
+        for t in ranks
+        for key, src, at in t.received
+        if key in sent
+    ]
+    makespan = max((a.end for t in ranks for a in t.actions), default=0.0)
+    stats = [
+        RankStats(
+            t.rank,
+            t.actions,
+            sum(a.end - a.start for a in t.actions),
+            t.peak_activations,
+            makespan,
+        )
+        for t in ranks
+    ]
+    result = SimResult(schedule, _fitted_cost(ranks), makespan, stats, messages)
+    if trace_path is not None:
+        write_chrome_trace(result, trace_path)
+    if png_path is not None:
+        to_png(result, png_path, title=f"{schedule.name} (measured, ms)")
+    return result

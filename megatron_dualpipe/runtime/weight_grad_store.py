@@ -1,0 +1,111 @@
+"""The deferred weight-gradient (dW) store of one pipeline executor.
+
+A B action (dX only) runs its backward while the store *captures*: every layer that can
+defer hands its weight-gradient work to the store instead of doing it, and the work
+recorded during that one backward becomes one entry. A W action runs the oldest entry.
+Entries are first-in first-out, the order Transformer Engine's per-module ``wgrad_store``
+also follows, so a schedule whose W actions are not in B order is a bug and fails loudly.
+
+Layers find the store through :func:`active_store`, read during their *forward* (always on
+the caller's thread) and kept with the autograd context: the backward may run on another
+thread (CUDA autograd), where a context variable would not be visible, but the store
+object is. Each executor owns its store; there is no process-wide state.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+__all__ = ["WeightGradStore", "active_store"]
+
+_ACTIVE: ContextVar[WeightGradStore | None] = ContextVar("weight_grad_store", default=None)
+
+
+def active_store() -> WeightGradStore | None:
+    """The store of the forward now running, or None outside any executor's forward.
+
+    Deferrable layers call this in ``forward`` and keep the result for their backward.
+    """
+    return _ACTIVE.get()
+
+
+@dataclass
+class _Entry:
+    key: Hashable
+    work: list[Callable[[], None]] = field(default_factory=list)
+    owner: object = None
+
+
+class WeightGradStore:
+    """A FIFO of deferred weight-gradient work, one entry per captured backward."""
+
+    def __init__(self) -> None:
+        self._queue: deque[_Entry] = deque()
+        self._capturing: _Entry | None = None
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Make this the store that layers see (via :func:`active_store`) during a forward."""
+        token = _ACTIVE.set(self)
+        try:
+            yield
+        finally:
+            _ACTIVE.reset(token)
+
+    @contextmanager
+    def capture(self, key: Hashable, owner: object = None) -> Iterator[None]:
+        """Record the work deferred inside the block as one entry named ``key``.
+
+        ``owner`` is kept alive as long as the entry (the executor passes the token that
+        counts the micro-batch's activations as live). The entry is queued even when no
+        layer deferred anything, so every B still pairs with exactly one W. On an
+        exception nothing is queued.
+        """
+        if self._capturing is not None:
+            raise RuntimeError(
+                f"weight-gradient capture of {key} started inside that of {self._capturing.key}"
+            )
+        entry = _Entry(key, owner=owner)
+        self._capturing = entry
+        try:
+            yield
+        finally:
+            self._capturing = None
+        self._queue.append(entry)
+
+    @property
+    def capturing(self) -> bool:
+        """True while a B's backward runs: layers must defer their weight gradients."""
+        return self._capturing is not None
+
+    def defer(self, work: Callable[[], None]) -> None:
+        """Queue ``work`` (which accumulates weight gradients) into the entry being captured."""
+        if self._capturing is None:
+            raise RuntimeError("defer() called while no backward is being captured")
+        self._capturing.work.append(work)
+
+    def run(self, key: Hashable) -> None:
+        """Run and drop the oldest entry, which must be ``key``'s.
+
+        Its work runs in the order it was recorded; the entry (and what it holds alive) is
+        released before this returns.
+        """
+        if not self._queue:
+            raise RuntimeError(f"W for {key}: no deferred weight gradient is queued")
+        oldest = self._queue[0]
+        if oldest.key != key:
+            raise RuntimeError(
+                f"W for {key} but the oldest deferred weight gradient is {oldest.key}: "
+                "W actions must follow their B actions in first-in first-out order"
+            )
+        entry = self._queue.popleft()
+        for work in entry.work:
+            work()
+
+    def __len__(self) -> int:
+        """Entries waiting for their W."""
+        return len(self._queue)

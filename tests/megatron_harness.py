@@ -1,0 +1,469 @@
+"""Shared harness of the multi-process Megatron tests: a pipelined training step under
+any schedule (Megatron's own or ours) against a one-process, unpipelined reference run of
+the same model on the same data.
+
+Every rank loads the reference model's weights by global parameter name, runs one
+training step with Megatron's schedule, and returns its losses and gradients by
+global name; each is compared with the reference per parameter. Relative error of a
+tensor is max|a - b| / max|b| (fp32, bound 1e-5). Megatron and torch are imported
+here, once, so forked workers start in about a second; megatron's process groups use
+a 6 s timeout so a deadlock fails fast.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import schedules as megatron_schedules
+from megatron.core.tensor_parallel import random as megatron_random
+
+from megatron_dualpipe.megatron import tiny_models as tm
+from megatron_dualpipe.megatron.cpu_compat import apply_cpu_compat
+from megatron_dualpipe.megatron.deferral import (
+    ddp_config_for_deferral,
+    enable_weight_grad_deferral,
+)
+from megatron_dualpipe.megatron.mirror import prepare_mirrors
+from megatron_dualpipe.megatron.placement import StagePlacementLayout, chunk_roles
+from megatron_dualpipe.megatron.registry import get_forward_backward_func
+from megatron_dualpipe.runtime import WeightGradStore
+from megatron_dualpipe.schedules.generators import generate
+from megatron_dualpipe.schedules.ir import Kind
+from tests.multiproc import run_workers
+
+apply_cpu_compat()  # before forking: every worker inherits the patches
+
+REL_TOL = 1e-5
+NUM_MICROBATCHES = 8
+MICRO_BATCH_SIZE = 2
+INIT_SEED = 1234
+DATA_SEED = 99
+TIMEOUT_MIN = 0.1
+PG_TIMEOUT_S = 6.0
+RUN_TIMEOUT_S = 60.0
+# Optimizer check: SGD keeps the update linear in the gradient, so the 1e-5 bound on
+# gradients carries over; the step moves every weight tensor by 1e-4 (layer norms) to
+# 0.4 of its size, so a wrong update (unclipped, wrong group, missed parameter) shows
+# above the 1e-5 bound. The clip threshold is below the gradient norm (~0.9).
+LR = 10.0
+MOMENTUM = 0.9
+CLIP_GRAD = 0.05
+
+
+@dataclass(frozen=True)
+class Model:
+    """What the model is, independent of how it is parallelised."""
+
+    moe: bool = False
+    tied: bool = False
+    rope: bool = False
+
+    def config(self, **parallel: Any) -> Any:
+        moe = {"num_moe_experts": 4, "moe_router_topk": 2} if self.moe else {}
+        return tm.tiny_gpt_config(**moe, **parallel)
+
+    def build_kwargs(self) -> dict[str, Any]:
+        return {
+            "share_embeddings_and_output_weights": self.tied,
+            "position_embedding_type": "rope" if self.rope else "learned_absolute",
+        }
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one run is parallelised and which Megatron machinery it goes through.
+    ``schedule`` None lets Megatron choose (1F1B, or interleaved with ``vp``)."""
+
+    pp: int
+    vp: int | None = None
+    ep: int = 1
+    dp: int = 1
+    tp: int = 1
+    ddp: bool = False
+    overlap_grad_reduce: bool = False
+    optimizer: bool = False
+    dispatcher: str = "alltoall"
+    batch_p2p_comm: bool = False
+    schedule: str | None = None
+    microbatches: int = NUM_MICROBATCHES
+    #: Our schedules: Megatron's linear layers defer dW to the W actions.
+    deferral: bool = True
+
+    @property
+    def defers(self) -> bool:
+        return self.deferral and self.schedule in ("zb1p", "dualpipe", "dualpipev")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+
+def _init_parallel(pp: int = 1, vp: int | None = None, ep: int = 1, tp: int = 1) -> None:
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vp,
+        expert_model_parallel_size=ep,
+        distributed_timeout_minutes=TIMEOUT_MIN,
+    )
+    megatron_random.model_parallel_cuda_manual_seed(INIT_SEED)
+
+
+def _data(dp_rank: int, microbatches: int = NUM_MICROBATCHES) -> list[dict[str, torch.Tensor]]:
+    return tm.synthetic_microbatches(
+        microbatches, micro_batch_size=MICRO_BATCH_SIZE, seed=DATA_SEED + dp_rank
+    )
+
+
+def _merge(per_chunk: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    merged: dict[str, torch.Tensor] = {}
+    for part in per_chunk:
+        clash = set(merged) & set(part)
+        assert not clash, f"parameters held by two chunks of one rank: {sorted(clash)}"
+        merged.update(part)
+    return merged
+
+
+def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    scale = expected.abs().max().item()
+    diff = (actual - expected).abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+def _assert_close_by_name(
+    what: str, actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]
+) -> float:
+    errors = {name: _rel_err(actual[name], expected[name]) for name in actual}
+    bad = {n: e for n, e in errors.items() if not e <= REL_TOL}
+    assert not bad, f"{what}: relative error above {REL_TOL}: " + ", ".join(
+        f"{n}={e:.2e}" for n, e in sorted(bad.items(), key=lambda kv: -kv[1])[:8]
+    )
+    return max(errors.values(), default=0.0)
+
+
+# --------------------------------------------------------------------------------------
+# Workers (run in forked processes).
+
+
+def _reference_worker(
+    rank: int, world_size: int, model: Model, dp: int, microbatches: int
+) -> dict[str, Any]:
+    """One rank, no pipeline: the weights every run starts from, plus the losses and
+    gradients of a plain loop, of Megatron's no-pipelining schedule, and of one clipped
+    SGD step."""
+    _init_parallel()
+    try:
+        config = model.config()
+        torch.manual_seed(INIT_SEED)
+        reference = tm.build_reference_gpt(config, **model.build_kwargs())
+        state = tm.global_state(reference)
+        batches = [batch for d in range(dp) for batch in _data(d, microbatches)]
+        losses = tm.run_reference_step(reference, batches)
+        grads = tm.global_gradients(reference)
+
+        params = tm.global_named_parameters(reference)
+        grad_norm = torch.nn.utils.clip_grad_norm_(list(params.values()), CLIP_GRAD).item()
+        torch.optim.SGD(params.values(), lr=LR, momentum=MOMENTUM).step()
+        stepped = tm.global_state(reference)
+
+        twin = tm.build_reference_gpt(config, **model.build_kwargs())
+        tm.load_global_state(twin, state)
+        loss_dicts = megatron_schedules.forward_backward_no_pipelining(
+            forward_step_func=tm.gpt_forward_step,
+            data_iterator=iter(batches),
+            model=[twin],
+            num_microbatches=len(batches),
+            seq_length=tm.SEQ_LENGTH,
+            micro_batch_size=MICRO_BATCH_SIZE,
+        )
+        return {
+            "state": state,
+            "losses": losses,
+            "grads": grads,
+            "grad_norm": grad_norm,
+            "stepped": stepped,
+            "no_pipelining_losses": [d["loss"].item() for d in loss_dicts],
+            "no_pipelining_grads": tm.global_gradients(twin),
+        }
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _build_chunks(model: Model, layout: Layout) -> list[torch.nn.Module]:
+    """This rank's chunks: Megatron's placement, or our schedule's (V, mirror)."""
+    parallel: dict[str, Any] = dict(
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vp,
+        expert_model_parallel_size=layout.ep,
+        tensor_model_parallel_size=layout.tp,
+        batch_p2p_comm=layout.batch_p2p_comm,
+    )
+    if model.moe:
+        parallel["moe_token_dispatcher_type"] = layout.dispatcher
+    if layout.schedule not in ("dualpipe", "dualpipev"):
+        return list(tm.build_model_chunks(model.config(**parallel), **model.build_kwargs()))
+    num_layers = model.config().num_layers
+    placement = StagePlacementLayout(layout.schedule, layout.pp, num_layers)
+    config = model.config(**parallel, pipeline_model_parallel_layout=placement)
+    roles = chunk_roles(
+        layout.schedule, layout.pp, parallel_state.get_pipeline_model_parallel_rank(), num_layers
+    )
+    return [
+        tm.build_tiny_gpt(
+            config,
+            pre_process=role.pre_process,
+            post_process=role.post_process,
+            vp_stage=role.chunk,
+            **model.build_kwargs(),
+        )
+        for role in roles
+    ]
+
+
+def _ready_chunks(
+    model: Model, layout: Layout, state: dict[str, torch.Tensor], *, ddp: bool
+) -> list[torch.nn.Module]:
+    """This rank's chunks with the reference weights, dW deferral (our schedules), DDP and
+    its config hooks, and dualpipe's mirror copies made equal."""
+    chunks = _build_chunks(model, layout)
+    config = chunks[0].config
+    for chunk in chunks:
+        tm.load_global_state(chunk, state)
+    if layout.defers:
+        assert enable_weight_grad_deferral(chunks) > 0
+    if ddp:
+        chunks = [DistributedDataParallel(config, _ddp_config(layout), c) for c in chunks]
+        config.finalize_model_grads_func = finalize_model_grads
+        if layout.overlap_grad_reduce:
+            config.no_sync_func = [c.no_sync for c in chunks]
+    if layout.schedule == "dualpipe":
+        prepare_mirrors(chunks)
+    return chunks
+
+
+def _step(schedule: Any, chunks: list[torch.nn.Module], batches: list, layout: Layout) -> list:
+    """One forward-backward call; Megatron's own schedules take one iterator per chunk."""
+    return schedule(
+        forward_step_func=tm.gpt_forward_step,
+        data_iterator=[iter(batches) for _ in chunks] if layout.schedule is None else iter(batches),
+        model=chunks,
+        num_microbatches=layout.microbatches,
+        seq_length=tm.SEQ_LENGTH,
+        micro_batch_size=MICRO_BATCH_SIZE,
+    )
+
+
+def _count_deferred_work() -> list[int]:
+    """Count, in this worker process, the dW work layers hand to a weight-gradient store."""
+    count = [0]
+    defer = WeightGradStore.defer
+
+    def counting(store: WeightGradStore, work: Any) -> None:
+        count[0] += 1
+        defer(store, work)
+
+    WeightGradStore.defer = counting
+    return count
+
+
+def _ddp_config(layout: Layout) -> DistributedDataParallelConfig:
+    if layout.defers:
+        return ddp_config_for_deferral(overlap_grad_reduce=layout.overlap_grad_reduce)
+    return DistributedDataParallelConfig(overlap_grad_reduce=layout.overlap_grad_reduce)
+
+
+def _loss_microbatches(layout: Layout) -> list[int]:
+    """The micro-batches whose loss this rank computes, in the order it computes them."""
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    if layout.schedule in (None, "1f1b", "interleaved-1f1b"):
+        last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        return list(range(layout.microbatches)) if last else []
+    schedule = generate(layout.schedule, layout.pp, layout.microbatches)
+    p = schedule.placement
+    return [
+        half.microbatch
+        for action in schedule.ranks[pp_rank]
+        for half in action.computes
+        if half.kind is Kind.F and p.next_stage(half.stage) is None
+    ]
+
+
+def _pipelined_worker(
+    rank: int, world_size: int, model: Model, layout: Layout, state: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """One training step with the schedule of ``layout`` on this rank."""
+    _init_parallel(layout.pp, layout.vp, layout.ep, layout.tp)
+    try:
+        chunks = _ready_chunks(model, layout, state, ddp=layout.ddp)
+        optimizer = None
+        if layout.optimizer:
+            optimizer = get_megatron_optimizer(
+                OptimizerConfig(
+                    optimizer="sgd",
+                    lr=LR,
+                    sgd_momentum=MOMENTUM,
+                    weight_decay=0.0,
+                    clip_grad=CLIP_GRAD,
+                ),
+                chunks,
+            )
+
+        batches = _data(parallel_state.get_data_parallel_rank(), layout.microbatches)
+        schedule = get_forward_backward_func(pipeline_schedule=layout.schedule)
+        deferred = _count_deferred_work()
+        loss_dicts = _step(schedule, chunks, batches, layout)
+        result: dict[str, Any] = {
+            "schedule": getattr(schedule, "__name__", None) or schedule.args[0],
+            "dp_rank": parallel_state.get_data_parallel_rank(),
+            "loss_microbatches": _loss_microbatches(layout),
+            "losses": [d["loss"].item() for d in loss_dicts],
+            "grads": _merge([tm.global_gradients(c) for c in chunks]),
+            "deferred": deferred[0],
+        }
+        if optimizer is not None:
+            success, grad_norm, _ = optimizer.step()
+            assert success, "optimizer step skipped"
+            result["grad_norm"] = grad_norm
+            result["stepped"] = _merge([tm.global_state(c) for c in chunks])
+        return result
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+# --------------------------------------------------------------------------------------
+# Running and checking.
+
+
+@functools.cache
+def _reference(model: Model, dp: int, microbatches: int = NUM_MICROBATCHES) -> dict[str, Any]:
+    (result,) = run_workers(
+        _reference_worker,
+        1,
+        args=(model, dp, microbatches),
+        timeout_s=RUN_TIMEOUT_S,
+        pg_timeout_s=PG_TIMEOUT_S,
+    )
+    return result
+
+
+def _run(model: Model, layout: Layout) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    reference = _reference(model, layout.dp, layout.microbatches)
+    results = run_workers(
+        _pipelined_worker,
+        layout.world_size,
+        args=(model, layout, reference["state"]),
+        timeout_s=RUN_TIMEOUT_S,
+        pg_timeout_s=PG_TIMEOUT_S,
+    )
+    return reference, results
+
+
+def _check(model: Model, layout: Layout, expected_schedule: str) -> dict[str, float]:
+    """Run ``layout`` and assert it matches the reference; returns the max errors."""
+    reference, results = _run(model, layout)
+    assert {r["schedule"] for r in results} == {expected_schedule}
+
+    worst = {"loss": 0.0, "grad": 0.0}
+    for rank, result in enumerate(results):
+        # With deferral, every rank's B actions leave their dW to the W actions.
+        assert (result["deferred"] > 0) == layout.defers, (rank, result["deferred"])
+        worst["grad"] = max(
+            worst["grad"],
+            _assert_close_by_name(f"rank {rank} gradients", result["grads"], reference["grads"]),
+        )
+        m = layout.microbatches
+        expected = reference["losses"][result["dp_rank"] * m : (result["dp_rank"] + 1) * m]
+        assert len(result["losses"]) == len(result["loss_microbatches"])
+        for mb, loss in zip(result["loss_microbatches"], result["losses"], strict=True):
+            error = abs(loss - expected[mb]) / abs(expected[mb])
+            assert error <= REL_TOL, f"rank {rank} micro-batch {mb}: {loss} != {expected[mb]}"
+            worst["loss"] = max(worst["loss"], error)
+    for d in range(layout.dp):
+        computed = sorted(mb for r in results if r["dp_rank"] == d for mb in r["loss_microbatches"])
+        # TP ranks each compute every loss of their stage.
+        assert computed == sorted(list(range(layout.microbatches)) * layout.tp)
+    covered = set().union(*(r["grads"] for r in results))
+    assert covered == set(reference["grads"]), (
+        f"gradients missing: {sorted(set(reference['grads']) - covered)}, "
+        f"unexpected: {sorted(covered - set(reference['grads']))}"
+    )
+    if layout.optimizer:
+        worst["grad_norm"] = max(
+            abs(r["grad_norm"] - reference["grad_norm"]) / reference["grad_norm"] for r in results
+        )
+        assert worst["grad_norm"] <= REL_TOL
+        assert reference["grad_norm"] > CLIP_GRAD, "clipping not exercised"
+        for rank, result in enumerate(results):
+            worst["stepped"] = max(
+                worst.get("stepped", 0.0),
+                _assert_close_by_name(
+                    f"rank {rank} weights after the SGD step",
+                    result["stepped"],
+                    reference["stepped"],
+                ),
+            )
+    print(f"\n{layout}: max relative errors {worst}")
+    return worst
+
+
+def _trajectory_worker(
+    rank: int,
+    world_size: int,
+    model: Model,
+    layout: Layout,
+    state: dict[str, torch.Tensor],
+    steps: int,
+) -> dict[str, Any]:
+    """``steps`` training iterations on one batch with Megatron's DDP and Adam; returns the
+    micro-batches whose losses this rank computes and, per iteration, those losses."""
+    _init_parallel(layout.pp, layout.vp, layout.ep, layout.tp)
+    try:
+        chunks = _ready_chunks(model, layout, state, ddp=True)
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=1.0), chunks
+        )
+        schedule = get_forward_backward_func(pipeline_schedule=layout.schedule)
+        trajectory = []
+        batches = _data(0, layout.microbatches)  # the same batch each time: the loss falls
+        for _ in range(steps):
+            for chunk in chunks:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            loss_dicts = _step(schedule, chunks, batches, layout)
+            success, _, _ = optimizer.step()
+            assert success, "optimizer step skipped"
+            trajectory.append([d["loss"].item() for d in loss_dicts])
+        return {"mbs": _loss_microbatches(layout), "losses": trajectory}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _trajectory(model: Model, layout: Layout, steps: int = 5) -> list[float]:
+    """The mean loss of each of ``steps`` iterations (one data-parallel rank)."""
+    reference = _reference(model, layout.dp, layout.microbatches)
+    results = run_workers(
+        _trajectory_worker,
+        layout.world_size,
+        args=(model, layout, reference["state"], steps),
+        timeout_s=RUN_TIMEOUT_S,
+        pg_timeout_s=PG_TIMEOUT_S,
+    )
+    means = []
+    for step in range(steps):
+        by_mb = {
+            mb: loss for r in results for mb, loss in zip(r["mbs"], r["losses"][step], strict=True)
+        }
+        assert sorted(by_mb) == list(range(layout.microbatches))
+        means.append(sum(by_mb.values()) / len(by_mb))
+    return means

@@ -1,0 +1,83 @@
+"""Contract of the watchdog: a hang becomes an error on every rank that waits, naming the
+rank, the action it waited on and the peer, within about one timeout."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import torch
+from torch import nn
+
+from megatron_dualpipe.runtime import PipelineExecutor, PipelineWaitError, TensorSpec
+from megatron_dualpipe.schedules.generators import generate
+from tests.multiproc import run_workers
+
+torch.autograd.backward(torch.ones(2, requires_grad=True) * 2, torch.ones(2))  # warm up
+
+RANKS, MICROBATCHES, FAULTY_RANK = 4, 4, 1
+TIMEOUT_S = 1.0
+
+
+class Faulty(nn.Linear):
+    """A stage that crashes, or stalls for ``2 x TIMEOUT_S``, on its second forward."""
+
+    def __init__(self, fault: str):
+        super().__init__(4, 4)
+        self.fault = fault
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 2:
+            if self.fault == "crash":
+                raise RuntimeError("simulated crash")
+            time.sleep(2 * TIMEOUT_S)
+        return super().forward(x)
+
+
+def run_with_fault(rank: int, world_size: int, fault: str) -> tuple[str, str, float]:
+    """Run 1F1B with a fault on FAULTY_RANK; report (error type, message, seconds)."""
+    module = Faulty(fault) if rank == FAULTY_RANK else nn.Linear(4, 4)
+    executor = PipelineExecutor(
+        generate("1f1b", world_size, MICROBATCHES),
+        rank,
+        [module],
+        specs={s: TensorSpec((2, 4)) for s in range(world_size)},
+        loss_fn=lambda out, mb: out.sum(),
+        timeout_s=TIMEOUT_S,
+    )
+    start = time.monotonic()
+    try:
+        executor.run([torch.ones(2, 4)] * MICROBATCHES)
+    except Exception as error:  # report it, so that every rank's outcome comes back
+        return type(error).__name__, str(error), time.monotonic() - start
+    return "", "finished", time.monotonic() - start
+
+
+_MESSAGE = re.compile(r"pipeline rank (\d) gave up on (.+) \(peer: rank (\d)\) after [\d.]+ s: ")
+
+
+def _check_waiters(outcomes: list[tuple[str, str, float]], deadline_s: float) -> None:
+    for rank, (kind, message, seconds) in enumerate(outcomes):
+        if rank == FAULTY_RANK:
+            continue
+        assert kind == PipelineWaitError.__name__, f"rank {rank}: {kind}: {message}"
+        match = _MESSAGE.match(message)
+        assert match, message
+        assert int(match.group(1)) == rank
+        assert re.search(r"\d+(RECV_F|RECV_B|SEND_F|SEND_B)\d+", match.group(2)), message
+        assert int(match.group(3)) in (rank - 1, rank + 1), message
+        assert seconds < deadline_s, f"rank {rank} took {seconds:.1f} s: {message}"
+
+
+def test_a_dead_peer_fails_every_waiting_rank_at_once() -> None:
+    outcomes = run_workers(run_with_fault, RANKS, args=("crash",), timeout_s=30)
+    assert outcomes[FAULTY_RANK][:2] == ("RuntimeError", "simulated crash")
+    _check_waiters(outcomes, deadline_s=TIMEOUT_S)
+
+
+def test_a_receive_that_never_arrives_fails_every_waiting_rank_within_the_timeout() -> None:
+    outcomes = run_workers(run_with_fault, RANKS, args=("stall",), timeout_s=30)
+    _check_waiters(outcomes, deadline_s=TIMEOUT_S + 1.0)
+    assert "no progress within the 1 s timeout" in "".join(m for _, m, _ in outcomes)
