@@ -99,6 +99,7 @@ class Layout:
     microbatches: int = NUM_MICROBATCHES
     #: Our schedules: Megatron's linear layers defer dW to the W actions.
     deferral: bool = True
+    distributed_optimizer: bool = False
 
     @property
     def defers(self) -> bool:
@@ -278,9 +279,13 @@ def _count_deferred_work() -> list[int]:
 
 
 def _ddp_config(layout: Layout) -> DistributedDataParallelConfig:
+    options = dict(
+        overlap_grad_reduce=layout.overlap_grad_reduce,
+        use_distributed_optimizer=layout.distributed_optimizer,
+    )
     if layout.defers:
-        return ddp_config_for_deferral(overlap_grad_reduce=layout.overlap_grad_reduce)
-    return DistributedDataParallelConfig(overlap_grad_reduce=layout.overlap_grad_reduce)
+        return ddp_config_for_deferral(**options)
+    return DistributedDataParallelConfig(**options)
 
 
 def _loss_microbatches(layout: Layout) -> list[int]:
@@ -315,6 +320,7 @@ def _pipelined_worker(
                     sgd_momentum=MOMENTUM,
                     weight_decay=0.0,
                     clip_grad=CLIP_GRAD,
+                    use_distributed_optimizer=layout.distributed_optimizer,
                 ),
                 chunks,
             )
@@ -431,7 +437,14 @@ def _trajectory_worker(
     try:
         chunks = _ready_chunks(model, layout, state, ddp=True)
         optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=1.0), chunks
+            OptimizerConfig(
+                optimizer="adam",
+                lr=1e-3,
+                weight_decay=0.01,
+                clip_grad=1.0,
+                use_distributed_optimizer=layout.distributed_optimizer,
+            ),
+            chunks,
         )
         schedule = get_forward_backward_func(pipeline_schedule=layout.schedule)
         trajectory = []

@@ -69,3 +69,14 @@ def test_without_deferral_matches_reference(schedule: str) -> None:
         pp=2, dp=2, ddp=True, overlap_grad_reduce=True, schedule=schedule, deferral=False
     )
     _check(Model(), layout, schedule)
+
+
+@pytest.mark.parametrize("schedule", ["zb1p", "dualpipe", "dualpipev"])
+def test_distributed_optimizer_follows_1f1b_loss_trajectory(schedule: str) -> None:
+    """DP=2 with Megatron's distributed optimizer (Adam, sharded state, reduce-scatter of
+    gradients) against 1F1B with the plain optimizer: the same five losses."""
+    expected = _trajectory(Model(), Layout(pp=2, dp=2, ddp=True, microbatches=4))
+    layout = Layout(
+        pp=2, dp=2, ddp=True, microbatches=4, distributed_optimizer=True, schedule=schedule
+    )
+    assert _trajectory(Model(), layout) == pytest.approx(expected, rel=1e-5)

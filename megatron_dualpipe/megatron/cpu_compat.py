@@ -31,10 +31,12 @@ The remaining patches, each against the megatron-core 0.16.1 line it addresses:
 - optimizer/clip_grads.py:167 (called from optimizer.py:215, :1324) asserts
   ``param.grad.type() == 'torch.cuda.FloatTensor'``; the optimizer module's
   ``clip_grad_by_total_norm_fp32`` is one that asserts fp32 on any device.
+- optimizer/distrib_optimizer.py:420 sorts parameters by ``type() ==
+  'torch.cuda.FloatTensor'``: while it builds its groups, CPU tensors report CUDA type
+  names.
 
-Not covered: activation recomputation (random.py ``_get_cuda_rng_state``), the
-distributed optimizer (distrib_optimizer.py:420 checks ``torch.cuda.FloatTensor``),
-fp16/bf16 optimizers, TE layers, CUDA graphs.
+Not covered: activation recomputation (random.py ``_get_cuda_rng_state``), fp16/bf16
+optimizers, TE layers, CUDA graphs.
 """
 
 from __future__ import annotations
@@ -111,6 +113,10 @@ _TORCH_ON_CPU_SITES: tuple[tuple[str, str], ...] = (
         "megatron.core.optimizer.clip_grads",
         "clip_grads.py:90, :103, :115 grad-norm tensors on device='cuda'",
     ),
+    (
+        "megatron.core.optimizer.distrib_optimizer",
+        "distrib_optimizer.py:791, :1077 buffers on torch.cuda.current_device()",
+    ),
 )
 
 # Tensor factories whose ``device="cuda"`` the CPU view maps to the CPU.
@@ -152,6 +158,7 @@ def apply_cpu_compat() -> None:
     _make_tensor_cuda_identity_in_embedding_setup()
     _patch_moe()
     _patch_grad_clipping()
+    _patch_distributed_optimizer_types()
     _applied = True
 
 
@@ -348,6 +355,36 @@ class _TensorCudaIsIdentity(TorchFunctionMode):
         if func is torch.Tensor.cuda:
             return args[0]
         return func(*args, **(kwargs or {}))
+
+
+class _CpuTypesLookCuda(TorchFunctionMode):
+    """Within this mode ``tensor.type()`` names CPU tensors as their CUDA types."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        result = func(*args, **(kwargs or {}))
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return result.replace("torch.", "torch.cuda.", 1) if ".cuda." not in result else result
+        return result
+
+
+def _patch_distributed_optimizer_types() -> None:
+    """distrib_optimizer.py:420 sorts parameters by ``type() == 'torch.cuda.FloatTensor'``."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._build_model_and_main_param_groups
+
+    @functools.wraps(original)
+    def build_groups(*args: Any, **kwargs: Any) -> Any:
+        with _CpuTypesLookCuda():
+            return original(*args, **kwargs)
+
+    DistributedOptimizer._build_model_and_main_param_groups = staticmethod(build_groups)
 
 
 def _make_tensor_cuda_identity_in_embedding_setup() -> None:
