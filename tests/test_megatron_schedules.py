@@ -80,3 +80,14 @@ def test_distributed_optimizer_follows_1f1b_loss_trajectory(schedule: str) -> No
         pp=2, dp=2, ddp=True, microbatches=4, distributed_optimizer=True, schedule=schedule
     )
     assert _trajectory(Model(), layout) == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["dualpipe", "dualpipev"])
+def test_tied_embeddings_are_refused_in_one_sentence(schedule: str) -> None:
+    with pytest.raises(AssertionError, match=f"{schedule} does not support tied embeddings yet"):
+        _check(Model(tied=True), Layout(pp=2, schedule=schedule), schedule)
+
+
+def test_tied_embeddings_work_with_zb1p() -> None:
+    # zb1p keeps Megatron's placement, so Megatron's embedding group ties them correctly.
+    _check(Model(tied=True), Layout(pp=2, ddp=True, schedule="zb1p"), "zb1p")

@@ -12,6 +12,7 @@ from ..schedules.generators import generate
 from ..schedules.ir import ScheduleError
 
 __all__ = [
+    "check_model",
     "OUR_SCHEDULES",
     "MEGATRON_SCHEDULES",
     "DualPipeConfigError",
@@ -88,3 +89,20 @@ def check_run(
         raise DualPipeConfigError(
             f"{schedule} does not support multi-token prediction yet: unset --mtp-num-layers"
         )
+
+
+def check_model(schedule: str, model_chunks: Any) -> None:
+    """Refuse model features the schedule's placement breaks: DualPipe(V) keep embedding
+    and output layer where Megatron's embedding group does not expect them, so tied
+    embeddings would be synchronised between the wrong ranks."""
+    if schedule not in ("dualpipe", "dualpipev"):
+        return
+    for chunk in model_chunks:
+        while hasattr(chunk, "module"):
+            chunk = chunk.module
+        if getattr(chunk, "share_embeddings_and_output_weights", False):
+            raise DualPipeConfigError(
+                f"{schedule} does not support tied embeddings yet: set "
+                "--untie-embeddings-and-output-weights (share_embeddings_and_output_weights="
+                "False)"
+            )

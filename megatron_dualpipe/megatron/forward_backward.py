@@ -29,7 +29,7 @@ from megatron.core.utils import get_model_config
 from ..runtime import PipelineExecutor, TensorSpec
 from ..schedules.generators import generate
 from ..schedules.ir import Action, Kind, Schedule
-from .checks import check_run
+from .checks import check_model, check_run
 from .mirror import sync_mirror_gradients
 from .placement import chunk_roles
 from .stage import MegatronStage, StepInputs
@@ -191,6 +191,7 @@ def _forward_backward(
         virtual_pipeline_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         context_parallel_size=parallel_state.get_context_parallel_world_size(),
     )
+    check_model(schedule_name, model)
     if adjust_tensor_shapes_fn is not None:
         raise ValueError(f"{schedule_name} does not support adjust_tensor_shapes_fn")
     if config.timers is not None:
