@@ -161,27 +161,21 @@ class _Engine:
         ]
         self.facts: dict[tuple, tuple[float, int, int]] = {}
 
-    def _inputs(self, action: Action) -> list[tuple]:
-        """Message keys a compute action consumes (compute-only schedules)."""
-        keys = []
-        for h in action.sub or (action,):
-            if h.kind is Kind.F:
-                if self.prev_remote[h.stage]:
-                    keys.append((Kind.RECV_F, h.stage, h.microbatch))
-            elif h.kind is not Kind.W and self.next_remote[h.stage]:
-                keys.append((Kind.RECV_B, h.stage, h.microbatch))
-        return keys
-
-    def _outputs(self, action: Action) -> list[tuple]:
-        """Message keys a compute action produces (compute-only schedules)."""
-        keys = []
-        for h in action.sub or (action,):
-            if h.kind is Kind.F:
-                if self.next_remote[h.stage]:
-                    keys.append((Kind.RECV_F, self.next_stage[h.stage], h.microbatch))
-            elif h.kind is not Kind.W and self.prev_remote[h.stage]:
-                keys.append((Kind.RECV_B, self.prev_stage[h.stage], h.microbatch))
-        return keys
+    def _routes(self) -> tuple[dict, dict]:
+        """Per (kind, stage): the receive kind a compute half waits for, and the (receive
+        kind, stage) of the message it sends; None where the neighbour is local or absent."""
+        inputs: dict[tuple[Kind, int], Kind | None] = {}
+        outputs: dict[tuple[Kind, int], tuple[Kind, int] | None] = {}
+        for s in range(len(self.next_stage)):
+            forward_out = (Kind.RECV_F, self.next_stage[s]) if self.next_remote[s] else None
+            backward_out = (Kind.RECV_B, self.prev_stage[s]) if self.prev_remote[s] else None
+            inputs[(Kind.F, s)] = Kind.RECV_F if self.prev_remote[s] else None
+            outputs[(Kind.F, s)] = forward_out
+            for kind in (Kind.B, Kind.BW):
+                inputs[(kind, s)] = Kind.RECV_B if self.next_remote[s] else None
+                outputs[(kind, s)] = backward_out
+            inputs[(Kind.W, s)] = outputs[(Kind.W, s)] = None
+        return inputs, outputs
 
     def _send(self, key: tuple, now: float, rank: int) -> None:
         self.arrived[key] = (now, rank)
@@ -212,47 +206,58 @@ class _Engine:
         return facts
 
     def run(self) -> None:
+        """Advance ranks until every one has finished or waits for a message never sent."""
         programs, implicit = self.schedule.ranks, self.implicit
+        route_in, route_out = self._routes()
+        arrived, receive, send = self.arrived, self._receive, self._send
+        recv_f, recv_b, send_f, send_b = Kind.RECV_F, Kind.RECV_B, Kind.SEND_F, Kind.SEND_B
+        next_stage, prev_stage = self.next_stage, self.prev_stage
         while self.ready:
             rank = self.ready.popleft()
             actions, timeline = programs[rank], self.timelines[rank]
-            i, now = self.pc[rank], self.clock[rank]
+            i, now, busy = self.pc[rank], self.clock[rank], self.busy[rank]
             live, peak = self.live[rank], self.peak[rank]
             while i < len(actions):
                 action = actions[i]
                 kind = action.kind
-                if kind is Kind.RECV_F or kind is Kind.RECV_B:
-                    got = self._receive((kind, action.stage, action.microbatch), now, rank)
+                if kind is recv_f or kind is recv_b:
+                    got = receive((kind, action.stage, action.microbatch), now, rank)
                     if got is None:
                         break
                     now = got
-                elif kind is Kind.SEND_F:
-                    key = (Kind.RECV_F, self.next_stage[action.stage], action.microbatch)
-                    self._send(key, now, rank)
-                elif kind is Kind.SEND_B:
-                    key = (Kind.RECV_B, self.prev_stage[action.stage], action.microbatch)
-                    self._send(key, now, rank)
+                elif kind is send_f:
+                    send((recv_f, next_stage[action.stage], action.microbatch), now, rank)
+                elif kind is send_b:
+                    send((recv_b, prev_stage[action.stage], action.microbatch), now, rank)
                 else:
+                    halves = action.sub or (action,)
                     if implicit:
-                        keys = self._inputs(action)
-                        missing = [k for k in keys if k not in self.arrived]
-                        if missing:  # wait for all inputs before consuming any
-                            self._receive(missing[0], now, rank)
+                        keys = [
+                            (r, h.stage, h.microbatch)
+                            for h in halves
+                            if (r := route_in[(h.kind, h.stage)]) is not None
+                        ]
+                        if any(k not in arrived for k in keys):
+                            # Wait for all inputs before consuming any.
+                            receive(next(k for k in keys if k not in arrived), now, rank)
                             break
                         for key in keys:
-                            now = self._receive(key, now, rank)
+                            now = receive(key, now, rank)
                     duration, alloc, free = self._compute_facts(action, rank)
                     live += alloc
-                    peak = max(peak, live)
+                    if live > peak:
+                        peak = live
                     live -= free
                     timeline.append(_new_timed((action, now, now + duration)))
-                    self.busy[rank] += duration
+                    busy += duration
                     now += duration
                     if implicit:
-                        for key in self._outputs(action):
-                            self._send(key, now, rank)
+                        for h in halves:
+                            out = route_out[(h.kind, h.stage)]
+                            if out is not None:
+                                send((out[0], out[1], h.microbatch), now, rank)
                 i += 1
-            self.pc[rank], self.clock[rank] = i, now
+            self.pc[rank], self.clock[rank], self.busy[rank] = i, now, busy
             self.live[rank], self.peak[rank] = live, peak
 
     def result(self) -> SimResult:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from functools import partial
 
 from ..ir import Action, Kind, Placement, ScheduleError
+
+# Actions built without NamedTuple's Python-level __new__: generators make ~10^5 of them.
+_new_action = partial(tuple.__new__, Action)
 
 
 class RankProgram:
@@ -24,9 +28,10 @@ class RankProgram:
         self._to_forward = [deque(mbs) for mbs in microbatches]
         self._to_backward = [deque(q) for q in self._to_forward]
         self._deferred_w: deque[Action] = deque()
+        self._stages = [placement.stage_of(rank, c) for c in range(len(microbatches))]
 
     def _action(self, kind: Kind, chunk: int, microbatch: int) -> Action:
-        return Action(kind, self.placement.stage_of(self.rank, chunk), microbatch, chunk)
+        return _new_action((kind, self._stages[chunk], microbatch, chunk, ()))
 
     def _next(self, queue: deque[int], chunk: int, what: str) -> int:
         if not queue:
