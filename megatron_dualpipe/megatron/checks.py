@@ -60,7 +60,8 @@ def check_run(
     """Refuse unsupported combinations for one of :data:`OUR_SCHEDULES`.
 
     ``config`` is a Megatron TransformerConfig (or anything with its attribute names);
-    checked: layers divisible into stages, untied embeddings, no MTP.
+    checked: layers divisible into stages, no MTP. (Tied embeddings are a property of the
+    model: :func:`check_model`.)
     """
     if schedule not in OUR_SCHEDULES:
         known = ", ".join((*MEGATRON_SCHEDULES, *OUR_SCHEDULES))
