@@ -1,5 +1,6 @@
-"""Regenerate docs/BENCHMARKS.md, its figures and docs/benchmarks.json (the full grid and
-the measured peers). Extra arguments go to ``megatron-dualpipe bench``, e.g. ``--quick``.
+"""Regenerate docs/BENCHMARKS.md, its figures and docs/benchmarks.json (the simulated grid,
+Megatron's, torch's and our schedules measured side by side, and torch's runtime alone).
+Takes a few minutes. Extra arguments go to ``megatron-dualpipe bench``, e.g. ``--quick``.
 
     python bench/run_all.py
 """

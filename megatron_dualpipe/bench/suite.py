@@ -2,9 +2,9 @@
 JSON and as a markdown document with its figures.
 
 A section is a function ``(BenchContext) -> Section`` registered in :data:`SECTIONS`;
-``simulated`` (every schedule through the simulator) and ``peers`` (torch's own runtime
-measured on sleep ops) exist now; a measured comparison of our runtime and Megatron's
-schedules joins as another entry.
+``simulated`` (every schedule through the simulator), ``measured`` (Megatron-Core's
+schedules, torch's and ours measured in one interleaved run on sleep ops) and ``peers``
+(torch's runtime alone, with CPU times; left out of ``--quick``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SECTIONS", "BenchContext", "Section", "run"]
+__all__ = ["QUICK_SKIPS", "SECTIONS", "BenchContext", "Section", "run"]
 
 Progress = Callable[[str], None]
 
@@ -139,10 +139,177 @@ def peers_section(ctx: BenchContext) -> Section:
     )
 
 
+# -- measured: Megatron, torch and ours --------------------------------------------------
+_MEASURED_INTRO = """\
+One run, one sleep model, one data set, one machine: Megatron-Core's own 1F1B and
+interleaved 1F1B ({chunks} chunks), run by its schedule functions
+(`forward_backward_pipelining_without_interleaving` / `_with_interleaving`) on
+`MegatronModule` stages; torch.distributed.pipelining's `Schedule1F1B`,
+`ScheduleZBVZeroBubble` and `ScheduleDualPipeV`; and ours (zb1p, dualpipe, dualpipev) on
+our `PipelineExecutor` with dW deferral on. {pp} forked CPU+gloo ranks, {m} micro-batches;
+every stage is made of sleep layers whose F, dX and dW sleep separately (two autograd
+nodes per layer); a rank's share of the model is {layers} layers of {layer_ms:g} ms per
+pass (F=B=W={share:g} ms per rank share); schedules with two stages per rank run half as
+many layers per stage. {launches} launches; in each, every rank builds every schedule,
+runs {warmup} warm-up round(s), then {steps} measured rounds; a round runs each schedule
+once behind a barrier, starting at a different schedule each round.{quick_note}
+
+- step: first start to last end over the ranks, median over all measured steps;
+  `vs {base}`: median over rounds of the step over {base}'s step in the same round.
+- bubble per rank: 1 - busy / step, busy = the time the rank spent inside its sleeps
+  (median over steps); `bubble vs base`: mean bubble over the ranks over {base}'s.
+- sim.: the simulator on the same schedule (ours: the one the executor ran; Megatron's:
+  our IR's 1f1b / interleaved-1f1b as a model of its order; torch's: the imported
+  schedule as torch runs it), same costs, {latency:g} ms per hop.
+- peak act.: the most live (stage, micro-batch) activations on each rank, in units of
+  that schedule's stage (half a 1F1B stage for V shapes and interleaving); measured by the
+  executor (`StepResult.peak_activations`) for ours, simulated for all; "max in 1F1B
+  stages" converts the simulated peak. params: parameters per rank over an even 1/PP
+  share (DualPipe holds two copies of every stage; its step includes the gradient swap
+  between the copies).
+
+Load average before the run: {load_before}; after: {load_after}. The measured section
+took {elapsed:.0f} s."""
+
+
+def _figure_pair(ctx: BenchContext, run: Any) -> str:
+    """Write ours-measured and ours-simulated timelines as PNGs; their markdown."""
+    from ..schedules.export import to_png
+    from .measured_report import replayed_ms
+
+    if ctx.out_dir is None or run.timeline is None:
+        return ""
+    name = run.config.timeline
+    measured = ctx.out_dir / f"bench_measured_{name}.png"
+    simulated = ctx.out_dir / f"bench_measured_{name}_sim.png"
+    to_png(run.timeline, str(measured), title=f"{name}, measured (ms)")
+    to_png(run.timeline_simulated, str(simulated), title=f"{name}, simulated (ms)")
+    ctx.progress(f"  wrote {measured}\n  wrote {simulated}")
+    replay = replayed_ms(run.timeline)
+    fitted = run.timeline.cost
+    between = run.timeline.makespan - replay
+    p = run.timeline.schedule.placement
+    stage_ms = run.config.share_ms * p.num_ranks / p.num_model_stages
+    return (
+        f"**Timeline of {name}: measured (left; one extra step recorded at the end of the "
+        f"last launch) and simulated (right), in ms.** The measured step is "
+        f"{run.timeline.makespan:.0f} ms against {run.timeline_simulated.makespan:.0f} ms "
+        f"simulated. Its actions took on average F {fitted.f:.1f}, B {fitted.b:.1f}, "
+        f"W {fitted.w:.1f}"
+        + (f", FB {fitted.fb:.1f}" if fitted.fb is not None else "")
+        + f" ms (nominal: F=B=W={stage_ms:g} ms per stage, FB = F + a full backward = "
+        f"{3 * stage_ms:g} ms); replaying the same order with those durations and free messages "
+        f"gives {replay:.0f} ms, so about {between:.0f} ms of the step is spent between "
+        "actions (messages, wake-ups, the runtime itself) rather than in them.\n\n"
+        f"| measured | simulated |\n|:---:|:---:|\n"
+        f"| [![{name} measured]({measured.name})]({measured.name}) "
+        f"| [![{name} simulated]({simulated.name})]({simulated.name}) |"
+    )
+
+
+def measured_section(ctx: BenchContext) -> Section:
+    """Measure Megatron's, torch's and our schedules in one interleaved run."""
+    from . import measured
+    from .catalog import PROFILES
+    from .measured_report import (
+        comparison_table,
+        headline,
+        measured_table,
+        memory_table,
+        not_ahead,
+    )
+    from .simulated import simulate_cell
+
+    full = measured.MeasuredConfig()
+    config = measured.QUICK if ctx.quick else full
+    ctx.progress(
+        f"  {config.launches} launch(es) of {config.pp} ranks x "
+        f"({config.warmup} warm-up + {config.steps} measured) rounds of "
+        f"{len(config.schedules)} schedules (load average "
+        f"{', '.join(f'{x:.1f}' for x in os.getloadavg())})"
+    )
+    run = measured.measure(config, verbose=True)
+    main_table, compare, memory = measured_table(run), comparison_table(run), memory_table(run)
+    ctx.progress("\n" + main_table + "\n\n" + compare + "\n\n" + memory + "\n")
+    overlap = next(p for p in PROFILES if p.key == "moe-overlap")
+    overlap_rows = {
+        r.schedule: r.makespan
+        for r in simulate_cell(overlap, config.pp, config.microbatches)
+        if r.makespan is not None
+    }
+    statements = not_ahead(run, overlap_rows)
+    quick_note = (
+        f"\n\nThis is the `--quick` configuration ({config.launches} launches x "
+        f"{config.steps} measured rounds, so that the whole quick run takes about two "
+        f"minutes on this machine); the full run measures {full.launches} launches x "
+        f"{full.steps} rounds."
+        if ctx.quick
+        else ""
+    )
+    intro = _MEASURED_INTRO.format(
+        chunks=2,
+        pp=config.pp,
+        m=config.microbatches,
+        layers=config.layers_per_share,
+        layer_ms=1000 * config.layer_s(),
+        share=config.share_ms,
+        launches=config.launches,
+        warmup=config.warmup,
+        steps=config.steps,
+        quick_note=quick_note,
+        base=run.results[0].schedule,
+        latency=config.latency_ms,
+        load_before=", ".join(f"{x:.1f}" for x in run.load_before),
+        load_after=", ".join(f"{x:.1f}" for x in run.load_after),
+        elapsed=run.elapsed_s,
+    )
+    parts = [
+        intro,
+        main_table,
+        "**Ours against each peer** (step-time ratio: median over rounds of the paired "
+        "ratio, per-round range in brackets; below 1: ours is faster)",
+        compare,
+        "**Memory and time per rank** (`ran`: the function or class that ran the step)",
+        memory,
+    ]
+    figure = _figure_pair(ctx, run)
+    if figure:
+        parts.append(figure)
+    parts += ["### Where we are not ahead, and why", "\n".join(statements)]
+    data = {
+        "config": asdict(config),
+        "elapsed_s": run.elapsed_s,
+        "load_before": run.load_before,
+        "load_after": run.load_after,
+        "headline": headline(run),
+        "rounds": run.rounds,
+        "results": [
+            {**asdict(r), "vs_simulated": r.vs_simulated, "mean_bubble": r.mean_bubble}
+            for r in run.results
+        ],
+        "timeline_ms": None if run.timeline is None else run.timeline.makespan,
+        "timeline_simulated_ms": (
+            None if run.timeline_simulated is None else run.timeline_simulated.makespan
+        ),
+    }
+    return Section(
+        "measured",
+        "Measured: Megatron-Core, torch.distributed.pipelining and ours",
+        "\n\n".join(parts),
+        data,
+    )
+
+
 #: Section key -> builder, in run order.
 SECTIONS: dict[str, Callable[[BenchContext], Section]] = {
     "simulated": simulated_section,
+    "measured": measured_section,
     "peers": peers_section,
+}
+
+#: Sections ``--quick`` leaves out (unless named with ``--only``), and why.
+QUICK_SKIPS: dict[str, str] = {
+    "peers": "the measured section runs torch's schedules too",
 }
 
 
@@ -168,7 +335,12 @@ def run(
     """Run ``sections`` (default: all, in :data:`SECTIONS` order), printing progress and
     tables through ``progress``. With ``out_dir``: write the figures and
     ``BENCHMARKS.md`` there; with ``json_path``: write every section's data."""
-    keys = list(SECTIONS) if sections is None else list(sections)
+    if sections is None:
+        keys = [k for k in SECTIONS if not (quick and k in QUICK_SKIPS)]
+        for key in (k for k in SECTIONS if k not in keys):
+            progress(f"== {key}: left out of --quick ({QUICK_SKIPS[key]}) ==")
+    else:
+        keys = list(sections)
     unknown = [k for k in keys if k not in SECTIONS]
     if unknown:
         raise ValueError(f"unknown bench section(s) {unknown}: choose from {list(SECTIONS)}")

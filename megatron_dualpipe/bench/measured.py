@@ -1,0 +1,535 @@
+"""Measured: Megatron-Core's own schedules, torch.distributed.pipelining's and ours, on the
+same sleep-op model (:mod:`.sleep_model`), the same data and the same forked CPU+gloo
+ranks, interleaved step by step in one run of several launches.
+
+Per launch every rank builds every schedule once (Megatron's need ``parallel_state`` and
+a :class:`SleepMegatronStage` per chunk; torch's are :mod:`.peers`'s stages; ours are
+:class:`~megatron_dualpipe.runtime.PipelineExecutor` s with dW deferral on), then runs
+``warmup + steps`` rounds; a round runs each schedule once, behind a barrier, starting at
+a different schedule each round. Per schedule and step: the step time (first start to
+last end over the ranks, one monotonic clock for the whole machine), each rank's busy time
+(the time its sleeps took) and CPU time, and, for ours, each rank's measured peak of live
+activations (``StepResult.peak_activations``). Ratios to the baseline are taken per
+round (the baseline ran in the same round, seconds apart), then the median is quoted.
+
+Costs: a rank's share of the model is ``layers_per_share`` layers whose F, dX and dW each
+sleep ``share_ms / layers_per_share``; a schedule with ``S`` model stages over ``R`` ranks
+gives each stage ``layers_per_share * R / S`` of them (V shapes and interleaving: half).
+DualPipe keeps two copies of every stage (twice the parameters) and its step includes the
+gradient swap between the copies (:func:`~megatron_dualpipe.runtime.sync_mirror_grads`).
+
+Simulated counterparts use the same costs and ``latency_ms`` per hop: ours are the
+schedules the executors ran; Megatron's are our IR's ``1f1b`` and ``interleaved-1f1b``
+(the same orders Megatron's schedule functions follow, as a model); torch's are the
+imported schedules as torch runs them (``runtime.torch_schedules.as_torch_runs``).
+
+Tables and plain statements of the results: :mod:`.measured_report`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..runtime.torch_schedules import as_torch_runs, import_torch_schedule
+from ..schedules import CostModel, Schedule, SimResult, generate, lower, simulate
+from .launch import run_ranks
+
+__all__ = [
+    "BASELINE",
+    "MEASURED_SCHEDULES",
+    "MeasuredConfig",
+    "MeasuredResult",
+    "MeasuredRun",
+    "ir_schedule",
+    "measure",
+]
+
+#: Name -> (who runs it, what it is). Table order; the first is the baseline.
+MEASURED_SCHEDULES: dict[str, tuple[str, str]] = {
+    "megatron-1f1b": ("megatron", "forward_backward_pipelining_without_interleaving"),
+    "megatron-interleaved": ("megatron", "forward_backward_pipelining_with_interleaving"),
+    "torch-1f1b": ("torch", "Schedule1F1B"),
+    "torch-zbv": ("torch", "ScheduleZBVZeroBubble"),
+    "torch-dualpipev": ("torch", "ScheduleDualPipeV"),
+    "zb1p": ("ours", "zb1p"),
+    "dualpipe": ("ours", "dualpipe"),
+    "dualpipev": ("ours", "dualpipev"),
+}
+BASELINE = "megatron-1f1b"
+#: Megatron's interleaved schedule: model chunks per rank.
+INTERLEAVED_CHUNKS = 2
+
+
+@dataclass(frozen=True)
+class MeasuredConfig:
+    """What to measure. ``share_ms``: F (= dX = dW) of one rank's share of the model.
+    ``launches`` x (``warmup`` + ``steps``) rounds; the warm-up rounds are dropped.
+    ``timeline``: one of ours whose step is recorded once more, untimed, at the end of the
+    last launch, for the measured-vs-simulated figure (None: none)."""
+
+    pp: int = 4
+    microbatches: int = 16
+    share_ms: float = 20.0
+    layers_per_share: int = 2
+    launches: int = 3
+    steps: int = 3
+    warmup: int = 1
+    width: int = 16
+    rows_per_microbatch: int = 2
+    latency_ms: float = 0.2
+    schedules: tuple[str, ...] = tuple(MEASURED_SCHEDULES)
+    timeline: str | None = "dualpipev"
+    timeout_s: float = 300.0
+    pg_timeout_s: float = 60.0
+
+    def layer_s(self) -> float:
+        """Seconds each layer's F, dX and dW sleep."""
+        return self.share_ms / 1000.0 / self.layers_per_share
+
+    def cost(self) -> CostModel:
+        """Per rank share, in ms, with the per-hop latency."""
+        return CostModel(self.share_ms, self.share_ms, self.share_ms, latency=self.latency_ms)
+
+
+#: ``bench --quick``: 2 launches x (1 warm-up + 2 measured) rounds of the 8 schedules.
+QUICK = MeasuredConfig(launches=2, steps=2)
+
+
+@dataclass
+class MeasuredResult:
+    """One schedule's figures; times in ms.
+
+    ``step_ms``: median over every measured step of every launch; ``vs_baseline``: median
+    over rounds of this schedule's step over the baseline's in the same round; ``bubble``:
+    per rank, median over steps of 1 - busy / step; ``bubble_vs_baseline``: mean bubble
+    over the ranks over the baseline's. ``peak_activations`` (ours: measured, per rank,
+    most over the steps) and ``simulated_peak`` count one stage's activations of one
+    micro-batch as 1; ``stage_size`` converts them into units of a 1F1B stage's.
+    ``runner``: the function or class that ran the step (Megatron: its schedule
+    function's qualified name); ``losses``: micro-batch losses the last stage returned
+    in its last step (Megatron: the length of its loss list)."""
+
+    schedule: str
+    source: str
+    runner: str
+    pp: int
+    microbatches: int
+    stages: int
+    param_factor: float
+    stage_size: float
+    step_ms: float
+    step_ms_all: list[float] = field(default_factory=list)
+    vs_baseline: float = float("nan")
+    busy_ms: list[float] = field(default_factory=list)
+    cpu_ms: list[float] = field(default_factory=list)
+    bubble: list[float] = field(default_factory=list)
+    bubble_vs_baseline: float = float("nan")
+    simulated_ms: float = 0.0
+    simulated_bubble: list[float] = field(default_factory=list)
+    peak_activations: list[int] | None = None
+    simulated_peak: list[int] = field(default_factory=list)
+    losses: int = 0
+
+    @property
+    def mean_bubble(self) -> float:
+        return statistics.fmean(self.bubble) if self.bubble else float("nan")
+
+    @property
+    def vs_simulated(self) -> float:
+        """Measured over simulated step time."""
+        return self.step_ms / self.simulated_ms if self.simulated_ms else float("nan")
+
+
+@dataclass
+class MeasuredRun:
+    """The results in table order, the figure's two results (ours measured and
+    simulated, or None), the config and the load average before and after."""
+
+    config: MeasuredConfig
+    results: list[MeasuredResult]
+    timeline: SimResult | None = None
+    timeline_simulated: SimResult | None = None
+    elapsed_s: float = 0.0
+    load_before: tuple[float, ...] = ()
+    load_after: tuple[float, ...] = ()
+    #: Per measured round (launch by launch): schedule -> step time (ms).
+    rounds: list[dict[str, float]] = field(default_factory=list)
+
+    def by_name(self) -> dict[str, MeasuredResult]:
+        return {r.schedule: r for r in self.results}
+
+    def ratio(self, name: str, other: str) -> float:
+        """Median over rounds of ``name``'s step time over ``other``'s in the same round."""
+        values = [r[name] / r[other] for r in self.rounds if name in r and other in r]
+        return statistics.median(values) if values else float("nan")
+
+    def ratio_range(self, name: str, other: str) -> tuple[float, float]:
+        """The least and most of those per-round ratios."""
+        values = [r[name] / r[other] for r in self.rounds if name in r and other in r]
+        return (min(values), max(values)) if values else (float("nan"), float("nan"))
+
+
+# -- schedules in our IR (simulation, placement) ----------------------------------------
+def ir_schedule(name: str, pp: int, microbatches: int) -> Schedule:
+    """The lowered IR schedule that runs (ours), or models (Megatron's, torch's), ``name``."""
+    source, _ = MEASURED_SCHEDULES[name]
+    if source == "ours":
+        schedule = generate(name, pp, microbatches)
+    elif name == "megatron-1f1b":
+        schedule = generate("1f1b", pp, microbatches)
+    elif name == "megatron-interleaved":
+        schedule = generate("interleaved-1f1b", pp, microbatches, chunks=INTERLEAVED_CHUNKS)
+    else:
+        schedule = as_torch_runs(import_torch_schedule(name, pp, microbatches))
+    return lower(schedule)
+
+
+def _stage_layers(config: MeasuredConfig, schedule: Schedule) -> int:
+    p = schedule.placement
+    layers, rest = divmod(config.layers_per_share * p.num_ranks, p.num_model_stages)
+    if rest or layers < 1:
+        raise ValueError(
+            f"{schedule.name}: {config.layers_per_share} layers per rank share do not split "
+            f"into {p.num_model_stages} stages over {p.num_ranks} ranks"
+        )
+    return layers
+
+
+def _simulate(config: MeasuredConfig, schedule: Schedule) -> SimResult:
+    p = schedule.placement
+    return simulate(schedule, config.cost().per_stage(p.num_ranks, p.num_model_stages))
+
+
+# -- the ranks ---------------------------------------------------------------------------
+def _data(config: MeasuredConfig):
+    """The whole batch (every schedule gets the same): micro-batch i is rows
+    ``[i * rows, (i + 1) * rows)``."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(config.microbatches * config.rows_per_microbatch, config.width, generator=gen)
+    return x, torch.zeros_like(x)
+
+
+class _Runner:
+    """One schedule on one rank: ``step()`` runs one training step and returns what it
+    reports (ours: peak live activations; all: the losses the last stage got). Gradients
+    accumulate over the steps, as in gradient accumulation, alike for every runtime."""
+
+    runner: str = ""
+
+    def step(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class _TorchRunner(_Runner):
+    def __init__(self, name: str, rank: int, config: MeasuredConfig, clock) -> None:
+        from .peers import PeerConfig, _build
+
+        peer = PeerConfig(
+            pp=config.pp,
+            microbatches=config.microbatches,
+            share_ms=config.share_ms,
+            layers_per_share=config.layers_per_share,
+            width=config.width,
+            rows_per_microbatch=config.rows_per_microbatch,
+        )
+        self.schedule, self.first, self.last = _build(name, rank, peer, clock)
+        self.runner = type(self.schedule).__name__
+        self.x, self.target = _data(config)
+
+    def step(self) -> dict[str, Any]:
+        losses: list[Any] = []
+        args = (self.x,) if self.first else ()
+        kwargs = {"target": self.target, "losses": losses} if self.last else {}
+        self.schedule.step(*args, **kwargs)
+        return {"losses": len(losses)}
+
+
+class _OurRunner(_Runner):
+    def __init__(self, name: str, rank: int, config: MeasuredConfig, clock) -> None:
+        import torch
+
+        from ..runtime import PipelineExecutor, TensorSpec
+        from .sleep_model import SleepCosts, SleepStage
+
+        schedule = ir_schedule(name, config.pp, config.microbatches)
+        p = schedule.placement
+        layers = _stage_layers(config, schedule)
+        t = config.layer_s()
+        costs = SleepCosts(t, t, t)
+        modules = []
+        for chunk in range(p.num_chunks):
+            # Seeded by model stage: DualPipe's two copies of a stage start equal (built
+            # afresh, not deep-copied, so that both sleep on this rank's clock).
+            torch.manual_seed(p.model_stage(p.stage_of(rank, chunk)))
+            modules.append(SleepStage(layers, config.width, costs, clock))
+        self.modules, self.placement, self.rank = modules, p, rank
+        self.mirror = p.kind == "mirror"
+        self.timeout_s = config.pg_timeout_s
+        m = config.microbatches
+        self.executor = PipelineExecutor(
+            schedule,
+            rank,
+            modules,
+            specs={
+                s: TensorSpec((config.rows_per_microbatch, config.width))
+                for s in range(p.num_stages)
+            },
+            loss_fn=lambda out, mb: (out**2).mean() / m,
+            defer_weight_grads=True,
+            timeout_s=config.pg_timeout_s,
+        )
+        self.runner = f"PipelineExecutor({name})"
+        x, _ = _data(config)
+        self.inputs = list(x.chunk(m))
+
+    def step(self, record: bool = False) -> dict[str, Any]:
+        from ..runtime import sync_mirror_grads
+
+        result = self.executor.run(self.inputs, record_timeline=record)
+        if self.mirror:
+            sync_mirror_grads(self.modules, self.placement, self.rank, timeout_s=self.timeout_s)
+        return {"peak": result.peak_activations, "losses": len(result.losses), "result": result}
+
+
+class _MegatronRunner(_Runner):
+    def __init__(self, name: str, rank: int, config: MeasuredConfig, clock) -> None:
+        from megatron.core.pipeline_parallel import schedules as megatron_schedules
+
+        from .megatron_stage import build_megatron_chunks, sleep_forward_step
+
+        chunks = INTERLEAVED_CHUNKS if name == "megatron-interleaved" else 1
+        self.fn = getattr(megatron_schedules, MEASURED_SCHEDULES[name][1])
+        self.runner = f"{self.fn.__module__}.{self.fn.__qualname__}"
+        self.chunks = build_megatron_chunks(
+            config.pp,
+            rank,
+            chunks,
+            config.layers_per_share,
+            config.width,
+            clock,
+            config.layer_s(),
+        )
+        self.forward_step = sleep_forward_step
+        x, _ = _data(config)
+        rows = config.rows_per_microbatch
+        # Megatron's activations are [sequence, micro-batch, hidden]: rows as the sequence.
+        self.batches = [mb.reshape(rows, 1, config.width) for mb in x.chunk(config.microbatches)]
+        self.seq_length, self.microbatches = rows, config.microbatches
+
+    def step(self) -> dict[str, Any]:
+        loss_dicts = self.fn(
+            forward_step_func=self.forward_step,
+            data_iterator=[iter(self.batches) for _ in self.chunks],
+            model=self.chunks,
+            num_microbatches=self.microbatches,
+            seq_length=self.seq_length,
+            micro_batch_size=1,
+        )
+        return {"losses": len(loss_dicts)}
+
+
+def _make_runner(name: str, rank: int, config: MeasuredConfig, clock) -> _Runner:
+    source = MEASURED_SCHEDULES[name][0]
+    cls = {"torch": _TorchRunner, "ours": _OurRunner, "megatron": _MegatronRunner}[source]
+    return cls(name, rank, config, clock)
+
+
+def _round_order(names: list[str], round_index: int) -> list[str]:
+    """``names`` rotated: each round starts with a different schedule."""
+    k = round_index % len(names)
+    return names[k:] + names[:k]
+
+
+def _measured_rank(
+    rank: int, world_size: int, config: MeasuredConfig, launch: int, record: bool, verbose: bool
+) -> dict[str, Any]:
+    """Worker body of one launch: build every schedule, run the rounds, return per
+    schedule a list of per-step records and, if ``record``, the gathered timeline."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from ..runtime import gather_timeline
+    from .sleep_model import SleepClock
+
+    names = list(config.schedules)
+    uses_megatron = any(MEASURED_SCHEDULES[n][0] == "megatron" for n in names)
+    if uses_megatron:
+        parallel_state.initialize_model_parallel(
+            pipeline_model_parallel_size=config.pp,
+            distributed_timeout_minutes=config.pg_timeout_s / 60.0,
+        )
+    try:
+        clock = SleepClock()
+        runners = {name: _make_runner(name, rank, config, clock) for name in names}
+        records: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+        for round_index in range(config.warmup + config.steps):
+            order = _round_order(names, launch * (config.warmup + config.steps) + round_index)
+            for name in order:
+                runner = runners[name]
+                dist.barrier()
+                clock.reset()
+                cpu = time.process_time()
+                start = time.perf_counter()
+                info = runner.step()
+                end = time.perf_counter()
+                info.pop("result", None)
+                records[name].append(
+                    {
+                        "start": start,
+                        "end": end,
+                        "busy": clock.busy,
+                        "cpu": time.process_time() - cpu,
+                        "round": round_index,
+                        **info,
+                    }
+                )
+                if verbose and rank == 0:
+                    tag = "warm-up" if round_index < config.warmup else "step"
+                    print(
+                        f"    launch {launch + 1} {tag} {round_index + 1}/"
+                        f"{config.warmup + config.steps} {name:<21} rank 0: "
+                        f"{1000 * (end - start):7.1f} ms",
+                        flush=True,
+                    )
+        timeline = None
+        if record and config.timeline in runners:
+            runner = runners[config.timeline]
+            assert isinstance(runner, _OurRunner)
+            result = runner.step(record=True)["result"]
+            timeline = gather_timeline(result.timeline, runner.executor.schedule)
+        dist.barrier()
+        return {
+            "records": records,
+            "runners": {n: r.runner for n, r in runners.items()},
+            "timeline": timeline,
+        }
+    finally:
+        if uses_megatron:
+            parallel_state.destroy_model_parallel()
+
+
+# -- the parent ----------------------------------------------------------------------------
+def _prepare_parent(config: MeasuredConfig) -> None:
+    """Import (and patch) what the workers need before forking, so they start warm."""
+    import torch
+    import torch.distributed.pipelining  # noqa: F401
+
+    if any(MEASURED_SCHEDULES[n][0] == "megatron" for n in config.schedules):
+        from ..megatron.cpu_compat import apply_cpu_compat
+
+        apply_cpu_compat()
+        from megatron.core.pipeline_parallel import schedules  # noqa: F401
+    # The first backward from a non-scalar output imports torch.fx: pay it once, here.
+    param = torch.nn.Parameter(torch.ones(2))
+    torch.autograd.backward(param * 2, torch.ones(2))
+
+
+def measure(config: MeasuredConfig | None = None, verbose: bool = False) -> MeasuredRun:
+    """Launch ``config.pp`` ranks ``config.launches`` times, measure every schedule, and
+    return their results. Raises ``BenchError`` if a rank fails or hangs."""
+    import os
+
+    config = config or MeasuredConfig()
+    unknown = [n for n in config.schedules if n not in MEASURED_SCHEDULES]
+    if unknown:
+        raise ValueError(
+            f"unknown measured schedule(s) {unknown}: choose from {list(MEASURED_SCHEDULES)}"
+        )
+    if config.schedules[0] != BASELINE:
+        raise ValueError(f"the first schedule must be the baseline {BASELINE!r}")
+    schedules = {n: ir_schedule(n, config.pp, config.microbatches) for n in config.schedules}
+    for schedule in schedules.values():
+        _stage_layers(config, schedule)  # fail here, not in the ranks
+    load_before = os.getloadavg()
+    start = time.perf_counter()
+    _prepare_parent(config)
+    launches = []
+    for launch in range(config.launches):
+        sys.stdout.flush()
+        last = launch == config.launches - 1
+        launches.append(
+            run_ranks(
+                _measured_rank,
+                config.pp,
+                (config, launch, last and config.timeline is not None, verbose),
+                timeout_s=config.timeout_s,
+                pg_timeout_s=config.pg_timeout_s,
+            )
+        )
+    elapsed = time.perf_counter() - start
+    return _summarise(config, schedules, launches, elapsed, load_before, os.getloadavg())
+
+
+def _summarise(config, schedules, launches, elapsed, load_before, load_after) -> MeasuredRun:
+    measured = range(config.warmup, config.warmup + config.steps)
+    # (launch, round) -> schedule -> (step ms, per-rank busy ms, per-rank cpu ms)
+    steps: dict[str, list[float]] = {n: [] for n in config.schedules}
+    by_round: dict[tuple[int, int], dict[str, float]] = {}
+    busy: dict[str, list[list[float]]] = {n: [[] for _ in range(config.pp)] for n in steps}
+    cpu: dict[str, list[list[float]]] = {n: [[] for _ in range(config.pp)] for n in steps}
+    bubble: dict[str, list[list[float]]] = {n: [[] for _ in range(config.pp)] for n in steps}
+    peaks: dict[str, list[int]] = {}
+    losses: dict[str, int] = {}
+    for li, per_rank in enumerate(launches):
+        for name in config.schedules:
+            for i in measured:
+                recs = [r["records"][name][i] for r in per_rank]
+                step = 1000 * (max(r["end"] for r in recs) - min(r["start"] for r in recs))
+                steps[name].append(step)
+                by_round.setdefault((li, i), {})[name] = step
+                for rank, rec in enumerate(recs):
+                    busy[name][rank].append(1000 * rec["busy"])
+                    cpu[name][rank].append(1000 * rec["cpu"])
+                    bubble[name][rank].append(1 - 1000 * rec["busy"] / step)
+                    if "peak" in rec:
+                        peaks.setdefault(name, [0] * config.pp)
+                        peaks[name][rank] = max(peaks[name][rank], rec["peak"])
+                losses[name] = sum(rec.get("losses", 0) for rec in recs)
+    runners = launches[0][0]["runners"]
+    results = []
+    for name in config.schedules:
+        source = MEASURED_SCHEDULES[name][0]
+        schedule = schedules[name]
+        p = schedule.placement
+        sim = _simulate(config, schedule)
+        ratios = [r[name] / r[BASELINE] for r in by_round.values() if BASELINE in r]
+        results.append(
+            MeasuredResult(
+                schedule=name,
+                source=source,
+                runner=runners[name],
+                pp=config.pp,
+                microbatches=config.microbatches,
+                stages=p.num_stages,
+                param_factor=p.param_factor,
+                stage_size=p.num_ranks / p.num_model_stages,
+                step_ms=statistics.median(steps[name]),
+                step_ms_all=steps[name],
+                vs_baseline=statistics.median(ratios),
+                busy_ms=[statistics.median(b) for b in busy[name]],
+                cpu_ms=[statistics.median(c) for c in cpu[name]],
+                bubble=[statistics.median(b) for b in bubble[name]],
+                simulated_ms=sim.makespan,
+                simulated_bubble=[r.bubble_ratio for r in sim.ranks],
+                peak_activations=peaks.get(name),
+                simulated_peak=[r.peak_activations for r in sim.ranks],
+                losses=losses[name],
+            )
+        )
+    base = results[0].mean_bubble
+    for r in results:
+        r.bubble_vs_baseline = r.mean_bubble / base if base > 0 else float("nan")
+    timeline = next((r["timeline"] for r in launches[-1] if r["timeline"] is not None), None)
+    timeline_sim = None
+    if timeline is not None:
+        timeline_sim = _simulate(config, schedules[config.timeline])
+    rounds = [by_round[key] for key in sorted(by_round)]
+    return MeasuredRun(
+        config, results, timeline, timeline_sim, elapsed, load_before, load_after, rounds
+    )
