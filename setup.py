@@ -21,11 +21,13 @@ setup(
     extras_require={
         # Users bring their own (CUDA) torch; megatron-core needs torch >= 2.6.
         "torch": ["torch>=2.6"],
-        "megatron": ["torch>=2.6", "megatron-core==0.16.1"],
+        # psutil: megatron-core's dist_checkpointing writer needs it (checkpoints hang without).
+        "megatron": ["torch>=2.6", "megatron-core==0.16.1", "psutil>=5.9"],
         "te": ["transformer-engine[pytorch]>=2.3"],
         "test": [
             "torch>=2.6",
             "megatron-core==0.16.1",
+            "psutil>=5.9",
             "pytest>=8",
             "pytest-timeout>=2.3",
             "ruff>=0.6",

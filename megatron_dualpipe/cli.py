@@ -1,4 +1,4 @@
-"""The ``megatron-dualpipe`` command: ``simulate`` and ``bench`` (``train`` as it lands)."""
+"""The ``megatron-dualpipe`` command: ``simulate``, ``train`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from .schedules.ir import Schedule, ScheduleError
 from .schedules.report import comparison_table, rank_table
 from .schedules.simulate import SimResult, simulate
 from .schedules.validate import validate
+from .training import ConfigError, TrainError
 
 __all__ = ["main"]
 
@@ -51,10 +52,15 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "bench",
         help="benchmark every schedule: simulated grid and measured runs",
         description="Simulate every schedule (ours and torch.distributed.pipelining's) on a "
-        "grid of PP, micro-batches and cost profiles, then measure torch's runtime on "
-        "sleep-op stages; print tables as it goes.",
+        "grid of PP, micro-batches and cost profiles, then measure ours, Megatron's and "
+        "torch's runtimes side by side on sleep-op stages; print tables as it goes.",
     )
-    p.add_argument("--quick", action="store_true", help="a reduced grid: PP 4 and 8 only")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="about two minutes: PP 4 and 8 in the grid, fewer measured rounds, no separate "
+        "torch-peers section",
+    )
     p.add_argument("--json", type=Path, help="write every section's figures as JSON")
     p.add_argument("--out", type=Path, help="folder for BENCHMARKS.md and the figures")
     p.add_argument(
@@ -63,6 +69,30 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         choices=list(SECTIONS),
         help="run only this section (repeatable); default: all",
     )
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="pretrain a GPT on megatron-core with a pipeline schedule",
+        description="Train the model of a YAML config (keys mirror Megatron-LM's flags). "
+        "Without torchrun or srun and without a GPU, forks world_size CPU ranks itself.",
+    )
+    p.add_argument("--config", type=Path, required=True, help="e.g. configs/tiny_gpt_cpu.yaml")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key (repeatable), e.g. --set pipeline_schedule=1f1b",
+    )
+
+
+def _run_train(args: argparse.Namespace) -> None:
+    from .training import load_config, train  # train imports torch and megatron
+
+    train(load_config(args.config, args.overrides), source=str(args.config))
 
 
 def _load(path: Path) -> Schedule:
@@ -142,14 +172,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-dualpipe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_simulate(sub)
+    _add_train(sub)
     _add_bench(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "simulate":
             _run_simulate(args)
+        elif args.command == "train":
+            _run_train(args)
         elif args.command == "bench":
             _run_bench(args)
-    except (ScheduleError, OSError, BenchError) as err:
+    except (ScheduleError, OSError, BenchError, ConfigError, TrainError) as err:
         print(f"megatron-dualpipe: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -1,0 +1,430 @@
+"""The training configuration: a YAML file (plus ``--set key=value`` overrides) read into a
+typed, validated :class:`TrainConfig`.
+
+Keys mirror Megatron-LM's command-line flags in snake_case (``--num-layers`` is
+``num_layers``). Loading never imports torch or megatron. Every problem is one
+:class:`ConfigError` sentence of the form ``<source>: <key>: <what is wrong and what to
+do>``: unknown keys, wrong types, values out of range, and the pipeline schedule's own
+constraints (checked with the schedule generators, as at run time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+import types
+import typing
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..megatron.checks import MEGATRON_SCHEDULES, OUR_SCHEDULES, DualPipeConfigError, check_run
+
+__all__ = ["config_from_values", "ConfigError", "TrainConfig", "load_config", "parse_overrides"]
+
+SCHEDULES = (*MEGATRON_SCHEDULES, *OUR_SCHEDULES)
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the source, the key and the fix."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run. Fields without a default are required; the others default to
+    Megatron-LM's defaults except: dropout 0 (Megatron-LM: 0.1; with dropout the masks
+    depend on the order micro-batches run in, so losses would differ between schedules),
+    ``moe_router_load_balancing_type`` "none" (Megatron-LM: "aux_loss"), no evaluation
+    unless ``eval_interval`` is set, and ``world_size`` one model replica (TP x PP).
+    Under torchrun or srun the launcher's world size replaces ``world_size``."""
+
+    # Model.
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    vocab_size: int
+    # Batches and steps.
+    micro_batch_size: int
+    global_batch_size: int
+    train_iters: int
+    lr: float
+    # Parallelism.
+    pipeline_schedule: str = "1f1b"
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    tensor_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    world_size: int | None = None
+    # Model details.
+    num_query_groups: int | None = None
+    ffn_hidden_size: int | None = None
+    max_position_embeddings: int | None = None
+    position_embedding_type: str = "learned_absolute"
+    normalization: str = "LayerNorm"
+    swiglu: bool = False
+    add_bias_linear: bool = True
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    # Mixture of experts.
+    num_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_router_load_balancing_type: str = "none"
+    moe_aux_loss_coeff: float = 0.0
+    moe_router_dtype: str | None = None
+    # Optimizer and learning-rate schedule.
+    optimizer: str = "adam"
+    min_lr: float = 0.0
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = None
+    lr_decay_style: str = "linear"
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    clip_grad: float = 1.0
+    bf16: bool = False
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    seed: int = 1234
+    # Evaluation, logging, checkpoints, outputs.
+    eval_interval: int | None = None
+    eval_iters: int = 0
+    log_interval: int = 100
+    save: str | None = None
+    save_interval: int | None = None
+    exit_interval: int | None = None
+    load: str | None = None
+    output_dir: str | None = None
+    distributed_timeout_minutes: float = 10.0
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks over ``tensor x pipeline`` model replicas."""
+        return self.launch_world_size // (
+            self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        )
+
+    @property
+    def launch_world_size(self) -> int:
+        """``world_size``, or one model replica (TP x PP) when unset."""
+        if self.world_size is not None:
+            return self.world_size
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per step on each data-parallel rank."""
+        return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    @property
+    def model_chunks(self) -> int:
+        """Model chunks each pipeline rank holds."""
+        if self.pipeline_schedule in ("dualpipe", "dualpipev"):
+            return 2
+        return self.virtual_pipeline_model_parallel_size or 1
+
+    def with_world_size(self, world_size: int, source: str) -> TrainConfig:
+        """This config for a launcher-given world size, validated again."""
+        if world_size == self.launch_world_size:
+            return self
+        return _validated(dataclasses.replace(self, world_size=world_size), source)
+
+
+# --------------------------------------------------------------------------------------
+# Reading.
+
+_CHOICES: dict[str, tuple[str | None, ...]] = {
+    "pipeline_schedule": SCHEDULES,
+    "position_embedding_type": ("learned_absolute", "rope"),
+    "normalization": ("LayerNorm", "RMSNorm"),
+    "moe_token_dispatcher_type": ("alltoall", "allgather"),
+    "moe_router_load_balancing_type": ("none", "aux_loss", "seq_aux_loss"),
+    "moe_router_dtype": (None, "fp32", "fp64"),
+    "optimizer": ("adam", "sgd"),
+    "lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
+}
+_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_TYPES = typing.get_type_hints(TrainConfig)
+
+
+def load_config(path: str | Path, overrides: Iterable[str] = ()) -> TrainConfig:
+    """Read, override and validate a YAML config; raises :class:`ConfigError`.
+
+    ``overrides`` are ``key=value`` strings (the CLI's ``--set``); their values are
+    converted to the key's type. ``output_dir`` defaults to ``runs/<config file stem>``.
+    """
+    source = str(path)
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as err:
+        raise ConfigError(f"{source}: cannot read the config: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{source}: not valid YAML: {_one_line(err)}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a mapping of keys to values at the top level")
+    values = {str(k): _coerce(source, str(k), v) for k, v in raw.items()}
+    values.update(parse_overrides(overrides))
+    return config_from_values(values, source, str(Path("runs") / Path(path).stem))
+
+
+def config_from_values(values: dict[str, Any], source: str, output_dir: str) -> TrainConfig:
+    """Validate ``values`` (known keys, typed as :func:`parse_overrides` types them) into a
+    config; ``output_dir`` is the default output folder. Raises :class:`ConfigError`."""
+    values = {"output_dir": output_dir, **values}
+    missing = [n for n, f in _FIELDS.items() if _required(f) and n not in values]
+    if missing:
+        raise ConfigError(f"{source}: {missing[0]}: required key missing")
+    return _validated(TrainConfig(**values), source)
+
+
+def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
+    """``["key=value", ...]`` to typed values; raises :class:`ConfigError` naming ``--set``."""
+    values: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep:
+            raise ConfigError(f"--set {item}: write key=value")
+        values[key] = _from_text("--set", key, text.strip())
+    return values
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split())
+
+
+def _check_key(source: str, key: str) -> type:
+    if key not in _FIELDS:
+        close = difflib.get_close_matches(key, _FIELDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{source}: {key}: unknown key{hint}")
+    return _TYPES[key]
+
+
+def _base(tp: Any) -> tuple[type, bool]:
+    """``int | None`` -> (int, True); ``int`` -> (int, False)."""
+    if isinstance(tp, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0], True
+    return tp, False
+
+
+_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _coerce(source: str, key: str, value: Any) -> Any:
+    """A YAML value checked against the key's type (ints accepted as floats; float
+    literals YAML 1.1 reads as strings, such as ``1e-4``, accepted as floats)."""
+    base, optional = _base(_check_key(source, key))
+    if value is None and optional:
+        return None
+    if base is bool and isinstance(value, bool):
+        return value
+    if base is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if base is float and not isinstance(value, bool):
+        if isinstance(value, int | float):
+            return float(value)
+        if isinstance(value, str) and _FLOAT.match(value.strip()):
+            return float(value)
+    if base is str and isinstance(value, str):
+        return value
+    nullable = " or null" if optional else ""
+    raise ConfigError(
+        f"{source}: {key}: expected {_NAMES[base]}{nullable}, got {value!r} "
+        f"({type(value).__name__})"
+    )
+
+
+def _from_text(source: str, key: str, text: str) -> Any:
+    """An override's text converted to the key's type."""
+    base, optional = _base(_check_key(source, key))
+    if optional and text.lower() in ("null", "none", "~", ""):
+        return None
+    try:
+        if base is bool:
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+            raise ValueError
+        if base is int:
+            return int(text)
+        if base is float:
+            return float(text)
+    except ValueError:
+        raise ConfigError(f"{source}: {key}: expected {_NAMES[base]}, got {text!r}") from None
+    return text
+
+
+# --------------------------------------------------------------------------------------
+# Validation.
+
+
+def _validated(cfg: TrainConfig, source: str) -> TrainConfig:
+    """``cfg`` if it can run; else ConfigError with ``source``, the key and the fix."""
+    for check in (_check_values, _check_parallel, _check_model, _check_schedule, _check_io):
+        problem = check(cfg)
+        if problem is not None:
+            key, message = problem
+            raise ConfigError(f"{source}: {key}: {message}")
+    return cfg
+
+
+Problem = tuple[str, str] | None
+
+
+def _check_values(cfg: TrainConfig) -> Problem:
+    for key, choices in _CHOICES.items():
+        if getattr(cfg, key) not in choices:
+            names = ", ".join(c for c in choices if c is not None)
+            return key, f"{getattr(cfg, key)!r} is not one of {names}"
+    for name, tp in _TYPES.items():
+        value = getattr(cfg, name)
+        base, _ = _base(tp)
+        if base is int and value is not None and value < _minimum(name):
+            return name, f"must be >= {_minimum(name)}, got {value}"
+        if base is float and value is not None and (value < 0 or not math.isfinite(value)):
+            return name, f"must be a finite number >= 0, got {value}"
+    if cfg.min_lr > cfg.lr:
+        return "min_lr", f"must not exceed lr ({cfg.lr}), got {cfg.min_lr}"
+    decay = cfg.lr_decay_iters or cfg.train_iters
+    if cfg.lr_warmup_iters >= decay:
+        return "lr_warmup_iters", f"must be below the decay iterations ({decay})"
+    return None
+
+
+def _minimum(name: str) -> int:
+    """Smallest legal value of an integer key."""
+    return 0 if name in ("seed", "eval_iters", "lr_warmup_iters") else 1
+
+
+def _check_parallel(cfg: TrainConfig) -> Problem:
+    tp, pp, ep = (
+        cfg.tensor_model_parallel_size,
+        cfg.pipeline_model_parallel_size,
+        cfg.expert_model_parallel_size,
+    )
+    world = cfg.launch_world_size
+    if world % (tp * pp):
+        return "world_size", (
+            f"{world} ranks do not split into tensor x pipeline groups of {tp} x {pp}: "
+            f"use a multiple of {tp * pp}"
+        )
+    dp = cfg.data_parallel_size
+    if cfg.global_batch_size % (cfg.micro_batch_size * dp):
+        return "global_batch_size", (
+            f"{cfg.global_batch_size} is not divisible by micro_batch_size x data-parallel "
+            f"size = {cfg.micro_batch_size} x {dp}"
+        )
+    if ep > 1 and not cfg.is_moe:
+        return "expert_model_parallel_size", "needs num_experts (a MoE model) when above 1"
+    if dp % ep:
+        return "expert_model_parallel_size", (
+            f"{ep} must divide the data-parallel size {dp} (world_size / (TP x PP))"
+        )
+    if cfg.sequence_parallel and tp == 1:
+        return "sequence_parallel", "needs tensor_model_parallel_size > 1"
+    return None
+
+
+def _check_model(cfg: TrainConfig) -> Problem:
+    tp = cfg.tensor_model_parallel_size
+    if cfg.hidden_size % cfg.num_attention_heads:
+        return "num_attention_heads", (
+            f"{cfg.num_attention_heads} does not divide hidden_size {cfg.hidden_size}"
+        )
+    if cfg.num_attention_heads % tp:
+        return "num_attention_heads", f"must be divisible by tensor_model_parallel_size {tp}"
+    groups = cfg.num_query_groups
+    if groups is not None and (cfg.num_attention_heads % groups or groups % tp):
+        return "num_query_groups", (
+            f"{groups} must divide num_attention_heads {cfg.num_attention_heads} and be "
+            f"divisible by tensor_model_parallel_size {tp}"
+        )
+    if (cfg.max_position_embeddings or cfg.seq_length) < cfg.seq_length:
+        return "max_position_embeddings", f"must be >= seq_length {cfg.seq_length}"
+    if cfg.is_moe:
+        if cfg.num_experts % cfg.expert_model_parallel_size:
+            return "num_experts", (
+                f"{cfg.num_experts} is not divisible by expert_model_parallel_size "
+                f"{cfg.expert_model_parallel_size}"
+            )
+        if cfg.moe_router_topk > cfg.num_experts:
+            return "moe_router_topk", f"must not exceed num_experts {cfg.num_experts}"
+        if cfg.add_bias_linear:
+            return "add_bias_linear", (
+                "MoE layers of Megatron-Core's local spec fail with biased linears "
+                "(SequentialMLP, 0.16.1): set add_bias_linear: false"
+            )
+    return None
+
+
+def _check_schedule(cfg: TrainConfig) -> Problem:
+    schedule, pp = cfg.pipeline_schedule, cfg.pipeline_model_parallel_size
+    vp, m = cfg.virtual_pipeline_model_parallel_size, cfg.num_microbatches
+    where = (
+        f" (micro-batches per step = global_batch_size / (micro_batch_size x data-parallel "
+        f"size) = {cfg.global_batch_size} / ({cfg.micro_batch_size} x {cfg.data_parallel_size}))"
+    )
+    if schedule == "interleaved-1f1b":
+        if pp < 2 or vp is None or vp < 2:
+            return "pipeline_schedule", (
+                "interleaved-1f1b needs pipeline_model_parallel_size >= 2 and "
+                "virtual_pipeline_model_parallel_size >= 2"
+            )
+        if m % pp:
+            return "pipeline_schedule", (
+                f"interleaved-1f1b needs the micro-batches ({m}) to be a multiple of PP = {pp}"
+                + where
+            )
+    elif vp is not None:
+        return "virtual_pipeline_model_parallel_size", (
+            f"only interleaved-1f1b uses virtual pipeline stages; unset it for {schedule}"
+        )
+    stages = pp * cfg.model_chunks if schedule != "dualpipe" else pp
+    if cfg.num_layers % stages:
+        return "num_layers", (
+            f"{schedule} cuts the model into {stages} stages of equal size, but {cfg.num_layers} "
+            f"is not divisible by {stages}"
+        )
+    if schedule in OUR_SCHEDULES and pp < 2:
+        return "pipeline_model_parallel_size", f"{schedule} needs at least 2 pipeline ranks"
+    if schedule in OUR_SCHEDULES:
+        try:
+            check_run(schedule, pipeline_size=pp, num_microbatches=m)
+        except DualPipeConfigError as err:
+            return "pipeline_schedule", str(err) + (where if "micro-batches" in str(err) else "")
+    return None
+
+
+def _check_io(cfg: TrainConfig) -> Problem:
+    if cfg.save_interval is not None and cfg.save is None:
+        return "save_interval", "needs save (a checkpoint directory)"
+    if cfg.eval_interval is not None and cfg.eval_iters == 0:
+        return "eval_iters", "must be >= 1 when eval_interval is set"
+    return None

@@ -1,0 +1,348 @@
+"""One rank's pretraining run: the loop Megatron-LM's ``pretrain`` runs, on megatron-core.
+
+Per iteration: zero DDP's gradient buffers, run the schedule's forward-backward function
+over ``global_batch_size / (micro_batch_size x DP)`` micro-batches of this data-parallel
+rank, step Megatron's optimizer (gradient clipping inside) and, when the step succeeded,
+the learning-rate scheduler. The loss of an iteration is the mean over every micro-batch
+of the global batch, reduced over all ranks in float64; the rank with the lowest global
+rank among those computing losses prints Megatron-LM's log line. Evaluation runs the same
+forward-backward function with ``forward_only=True`` on ``eval_iters`` fixed batches of the
+validation split. The last iteration is measured (:mod:`.measure`) and summarised.
+
+The process group must be initialised; this module initialises and destroys Megatron's
+``parallel_state``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.utils import unwrap_model
+
+from ..megatron.registry import get_forward_backward_func, install
+from .checkpoint import TrainState, load_checkpoint, save_checkpoint
+from .config import TrainConfig
+from .data import MicroBatch, SyntheticData
+from .measure import StepRecorder, predict, write_side_by_side_png
+from .model import build_model, transformer_config
+from .optim import build_optimizer
+from .report import (
+    LogWindow,
+    ProgressBar,
+    StepSummary,
+    iteration_line,
+    summary_lines,
+    validation_lines,
+)
+
+__all__ = ["TrainResult", "forward_step", "run_rank"]
+
+LOSS_KEY = "lm loss"
+
+
+@dataclass
+class TrainResult:
+    """What one rank reports: per iteration the global-batch loss (identical on all
+    ranks), validation losses by iteration, the lines this rank printed, the iteration it
+    resumed from, the iterations it saved and (rank 0) the measured step."""
+
+    losses: dict[int, float] = field(default_factory=dict)
+    validation: dict[int, float] = field(default_factory=dict)
+    lines: list[str] = field(default_factory=list)
+    resumed_from: int | None = None
+    saved: list[int] = field(default_factory=list)
+    summary: StepSummary | None = None
+
+
+def _loss_func(
+    loss_mask: torch.Tensor, output_tensor: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    mask = loss_mask.float()
+    loss = (output_tensor.float() * mask).sum() / mask.sum()
+    # Megatron's schedules divide the returned loss in place: report a copy.
+    return loss, {LOSS_KEY: loss.detach().clone()}
+
+
+def forward_step(
+    data_iterator: Iterator[MicroBatch], model: torch.nn.Module
+) -> tuple[torch.Tensor, Callable[..., Any]]:
+    """Megatron's ``forward_step_func``: the next micro-batch through ``model`` (causal
+    attention, no explicit mask), with the masked mean token loss as loss function."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+class _Run:
+    """The state of one rank's run; see the module docstring."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+        self.rank = dist.get_rank()
+        self.result = TrainResult()
+        install(cfg.pipeline_schedule)
+        self.forward_backward = get_forward_backward_func(pipeline_schedule=cfg.pipeline_schedule)
+        self.config = transformer_config(cfg, on_gpu=self.device.type == "cuda")
+        self.model = build_model(cfg, self.config)
+        self.optimizer, self.scheduler = build_optimizer(cfg, self.model)
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        self.printer = self._loss_rank()
+        self.bar: ProgressBar | None = None
+        data = dict(
+            seed=cfg.seed,
+            seq_length=cfg.seq_length,
+            vocab_size=cfg.vocab_size,
+            micro_batch_size=cfg.micro_batch_size,
+            dp_rank=parallel_state.get_data_parallel_rank(),
+            dp_size=cfg.data_parallel_size,
+            device=self.device,
+        )
+        self.train_data = SyntheticData(split="train", **data)
+        self.valid_data = SyntheticData(split="valid", **data)
+        self.state = TrainState()
+
+    # -- output ------------------------------------------------------------------------
+    def _loss_rank(self) -> int:
+        """The lowest global rank holding a chunk that computes the loss; collective."""
+        has_loss = any(unwrap_model(chunk).post_process for chunk in self.model)
+        rank = torch.tensor(self.rank if has_loss else dist.get_world_size(), device=self.device)
+        dist.all_reduce(rank, op=dist.ReduceOp.MIN)
+        return int(rank)
+
+    def say(self, lines: list[str], *, rank: int | None = 0) -> None:
+        """Print ``lines`` on ``rank`` (None: the loss-printing rank, which also draws the
+        progress bar) and keep them in the result."""
+        if self.rank != (self.printer if rank is None else rank):
+            return
+        if self.bar is not None:
+            self.bar.clear()
+        for line in lines:
+            print(line, flush=True)
+        self.result.lines.extend(lines)
+
+    # -- one step ----------------------------------------------------------------------
+    def _data_iterator(self, data: SyntheticData, first_sample: int) -> Any:
+        batches = data.step(first_sample, self.cfg.num_microbatches)
+        if self.cfg.pipeline_schedule == "interleaved-1f1b":
+            return [iter(batches) for _ in self.model]
+        return iter(batches)
+
+    def _run_schedule(self, data_iterator: Any, forward_only: bool) -> float:
+        """One forward-backward call; returns the global mean loss (all ranks)."""
+        loss_dicts = self.forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=data_iterator,
+            model=self.model,
+            num_microbatches=self.cfg.num_microbatches,
+            seq_length=self.cfg.seq_length,
+            micro_batch_size=self.cfg.micro_batch_size,
+            forward_only=forward_only,
+        )
+        local = [float(d[LOSS_KEY]) for d in loss_dicts]
+        total = torch.tensor(
+            [math.fsum(local), len(local)], dtype=torch.float64, device=self.device
+        )
+        dist.all_reduce(total)
+        return float(total[0] / total[1])
+
+    def train_step(self, measure: bool) -> tuple[float, bool, float | None, StepRecorder | None]:
+        """One iteration; with ``measure``, its forward-backward call is recorded."""
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        data = self._data_iterator(self.train_data, self.state.consumed_train_samples)
+        recorder = None
+        if measure:
+            recorder = StepRecorder(
+                self.cfg.pipeline_schedule, self.model, self.cfg.num_microbatches
+            )
+            with recorder:
+                loss = self._run_schedule(data, forward_only=False)
+        else:
+            loss = self._run_schedule(data, forward_only=False)
+        success, grad_norm, _ = self.optimizer.step()
+        if success:
+            self.scheduler.step(increment=1)
+        self.state.iteration += 1
+        self.state.consumed_train_samples += self.cfg.global_batch_size
+        norm = None if grad_norm is None else float(grad_norm)
+        return loss, success, norm, recorder
+
+    def evaluate(self) -> float:
+        """The mean loss over ``eval_iters`` validation batches (forward only)."""
+        for chunk in self.model:
+            chunk.eval()
+        with torch.no_grad():
+            losses = [
+                self._run_schedule(
+                    self._data_iterator(self.valid_data, k * self.cfg.global_batch_size), True
+                )
+                for k in range(self.cfg.eval_iters)
+            ]
+        for chunk in self.model:
+            chunk.train()
+        return math.fsum(losses) / len(losses)
+
+    # -- the run -----------------------------------------------------------------------
+    def resume(self) -> None:
+        """Load the latest checkpoint under ``load``, if there is one."""
+        if self.cfg.load is None:
+            return
+        loaded = load_checkpoint(self.cfg, self.model, self.optimizer, self.scheduler)
+        if loaded is None:
+            self.say([f" no checkpoint under {self.cfg.load}: training from scratch"], rank=None)
+            return
+        self.state, directory = loaded
+        self.result.resumed_from = self.state.iteration
+        self.say(
+            [f" loaded checkpoint {directory} at iteration {self.state.iteration:8d}"], rank=None
+        )
+
+    def save(self) -> None:
+        """Save a checkpoint of the current iteration under ``save``."""
+        directory = save_checkpoint(
+            self.cfg, self.model, self.optimizer, self.scheduler, self.state
+        )
+        self.result.saved.append(self.state.iteration)
+        self.say(
+            [f" saved checkpoint at iteration {self.state.iteration:8d} to {directory}"],
+            rank=None,
+        )
+
+    def train(self) -> None:
+        """Iterate up to ``train_iters`` (or the next ``exit_interval``), logging,
+        evaluating and saving on their intervals; measure and summarise the last step."""
+        last = self._last_iteration()
+        if self.rank == self.printer:
+            self.bar = ProgressBar(self.cfg.train_iters)
+        window = LogWindow()
+        saved_at = self.state.iteration if self.result.resumed_from is not None else None
+        recorder = None
+        while self.state.iteration < last:
+            start = time.perf_counter()
+            loss, success, grad_norm, recorder = self.train_step(self.state.iteration + 1 == last)
+            window.add(loss, time.perf_counter() - start, success)
+            self.result.losses[self.state.iteration] = loss
+            if self._after_step(window, grad_norm, last):
+                saved_at = self.state.iteration
+            if self.bar is not None:
+                self.bar.update(self.state.iteration)
+        if self.bar is not None:
+            self.bar.clear()
+            self.bar = None
+        if self.cfg.save and saved_at != self.state.iteration:
+            self.save()
+        if self.state.iteration < self.cfg.train_iters:
+            self.say([f" exiting program at iteration {self.state.iteration:8d}"], rank=None)
+        if recorder is not None:
+            self.summarise(recorder)
+
+    def _after_step(self, window: LogWindow, grad_norm: float | None, last: int) -> bool:
+        """Log, evaluate and save as their intervals say; True when a checkpoint was saved."""
+        cfg, iteration = self.cfg, self.state.iteration
+        if iteration % cfg.log_interval == 0 or iteration == last:
+            log = window.flush(
+                iteration=iteration,
+                train_iters=cfg.train_iters,
+                consumed_samples=self.state.consumed_train_samples,
+                learning_rate=self.optimizer.param_groups[0]["lr"],
+                global_batch_size=cfg.global_batch_size,
+                loss_scale=float(self.optimizer.get_loss_scale()),
+                grad_norm=grad_norm,
+            )
+            self.say([iteration_line(log)], rank=None)
+        if cfg.eval_interval and iteration % cfg.eval_interval == 0:
+            value = self.evaluate()
+            self.result.validation[iteration] = value
+            self.say(validation_lines(iteration, value), rank=None)
+        if cfg.save and cfg.save_interval and iteration % cfg.save_interval == 0:
+            self.save()
+            return True
+        return False
+
+    def _last_iteration(self) -> int:
+        """``train_iters``, or the first multiple of ``exit_interval`` after the start."""
+        exit_interval = self.cfg.exit_interval
+        if exit_interval is None:
+            return self.cfg.train_iters
+        following = (self.state.iteration // exit_interval + 1) * exit_interval
+        return min(self.cfg.train_iters, following)
+
+    def summarise(self, recorder: StepRecorder) -> None:
+        """Gather the measured step; rank 0 prints the summary and writes the PNG."""
+        measured = recorder.gather()
+        if measured is None or self.rank != 0:
+            return
+        predicted = predict(measured)
+        png = None
+        if self.cfg.output_dir is not None:
+            out = Path(self.cfg.output_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            png = out / "timeline.png"
+            write_side_by_side_png(measured, predicted, png)
+        summary = StepSummary.of(self.state.iteration, measured, predicted, png and str(png))
+        self.result.summary = summary
+        self.say(summary_lines(summary))
+
+
+def _seed(cfg: TrainConfig) -> None:
+    """Megatron-LM's seeding: offset by pipeline rank; the tracker adds TP/EP offsets."""
+    seed = cfg.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def _header_line(cfg: TrainConfig, backend: str) -> str:
+    """The run's one-line description."""
+    device = "GPU" if backend == "nccl" else "CPU"
+    return (
+        f" megatron-dualpipe train: {cfg.launch_world_size} {device} ranks ({backend}), "
+        f"{cfg.pipeline_schedule}, PP={cfg.pipeline_model_parallel_size} "
+        f"TP={cfg.tensor_model_parallel_size} EP={cfg.expert_model_parallel_size} "
+        f"DP={cfg.data_parallel_size}, {cfg.num_layers} layers"
+        f"{f', {cfg.num_experts} experts' if cfg.is_moe else ''}, "
+        f"{cfg.num_microbatches} micro-batches of {cfg.micro_batch_size} per step, "
+        f"{cfg.train_iters} iterations"
+    )
+
+
+def run_rank(cfg: TrainConfig) -> TrainResult:
+    """Train on this rank (the default process group must exist); collective."""
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=cfg.expert_model_parallel_size,
+        distributed_timeout_minutes=cfg.distributed_timeout_minutes,
+    )
+    try:
+        _seed(cfg)
+        run = _Run(cfg)
+        run.say([_header_line(cfg, dist.get_backend())])
+        began = time.perf_counter()
+        run.resume()
+        run.train()
+        seconds = time.perf_counter() - began
+        run.say([f" training done: iteration {run.state.iteration} after {seconds:.1f} s"])
+        return run.result
+    finally:
+        parallel_state.destroy_model_parallel()

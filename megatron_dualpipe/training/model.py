@@ -1,0 +1,199 @@
+"""Build this rank's model chunks for a :class:`~.config.TrainConfig`.
+
+A GPT (dense, or MoE when ``num_experts`` is set) from Megatron-Core's local layer spec,
+cut by the schedule's placement (V for dualpipev, mirrored copies for dualpipe, Megatron's
+own split otherwise), initialised layout-independently, wrapped in Megatron's
+DistributedDataParallel, with the config hooks Megatron's training loop sets.
+
+Initialisation: every parameter is drawn from a generator seeded by ``(seed, global
+parameter name, tensor-parallel rank)``, so the weights do not depend on the pipeline
+schedule or on which rank holds which layer (Megatron's own initialisation draws from
+per-pipeline-rank streams). Rules: matrices N(0, init_method_std), the output projections
+of attention and MLP (``linear_proj``, ``linear_fc2``) N(0, init_method_std /
+sqrt(2 num_layers)); biases 0; normalisation weights 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from ..megatron.checks import OUR_SCHEDULES
+from ..megatron.deferral import ddp_config_for_deferral, enable_weight_grad_deferral
+from ..megatron.mirror import prepare_mirrors
+from ..megatron.placement import StagePlacementLayout, chunk_roles
+from ..megatron.tiny_models import global_named_parameters
+from .config import TrainConfig
+
+__all__ = ["build_model", "transformer_config"]
+
+_SCALED_OUTPUTS = ("linear_proj.weight", "linear_fc2.weight")
+
+
+def transformer_config(cfg: TrainConfig, *, on_gpu: bool) -> TransformerConfig:
+    """Megatron's TransformerConfig for ``cfg`` (raises Megatron's own errors)."""
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    layout = None
+    if cfg.pipeline_schedule in ("dualpipe", "dualpipev"):
+        layout = StagePlacementLayout(
+            cfg.pipeline_schedule, cfg.pipeline_model_parallel_size, cfg.num_layers
+        )
+    kwargs: dict[str, Any] = dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        normalization=cfg.normalization,
+        add_bias_linear=cfg.add_bias_linear,
+        hidden_dropout=cfg.hidden_dropout,
+        attention_dropout=cfg.attention_dropout,
+        init_method_std=cfg.init_method_std,
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=cfg.expert_model_parallel_size,
+        sequence_parallel=cfg.sequence_parallel,
+        pipeline_model_parallel_layout=layout,
+        # Two chunks per rank at PP=2 with batched P2P give wrong gradients (Megatron-LM #750).
+        batch_p2p_comm=cfg.pipeline_schedule != "interleaved-1f1b",
+        bf16=cfg.bf16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=False,  # see init_weights
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+    if cfg.swiglu:
+        kwargs.update(gated_linear_unit=True, activation_func=F.silu)
+    if cfg.is_moe:
+        kwargs.update(
+            num_moe_experts=cfg.num_experts,
+            moe_router_topk=cfg.moe_router_topk,
+            moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
+            moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+            moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
+            moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
+            moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+            moe_router_dtype=cfg.moe_router_dtype,
+            moe_grouped_gemm=False,
+        )
+    config = TransformerConfig(**kwargs)
+    # Not a TransformerConfig field: the runtime's watchdog reads it (forward_backward.py).
+    config.distributed_timeout_minutes = cfg.distributed_timeout_minutes
+    return config
+
+
+def _chunk_ends(cfg: TrainConfig) -> list[tuple[bool, bool, int | None]]:
+    """(pre_process, post_process, vp_stage) of each local chunk, chunk 0 first."""
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    if cfg.pipeline_schedule in ("dualpipe", "dualpipev"):
+        roles = chunk_roles(
+            cfg.pipeline_schedule, cfg.pipeline_model_parallel_size, pp_rank, cfg.num_layers
+        )
+        return [(r.pre_process, r.post_process, r.chunk) for r in roles]
+    stages: list[int | None] = (
+        list(range(cfg.virtual_pipeline_model_parallel_size))
+        if cfg.virtual_pipeline_model_parallel_size
+        else [None]
+    )
+    return [
+        (
+            parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=s),
+            parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=s),
+            s,
+        )
+        for s in stages
+    ]
+
+
+def _name_seed(seed: int, name: str, tp_rank: int) -> int:
+    digest = hashlib.blake2b(f"{seed}:{name}:{tp_rank}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@torch.no_grad()
+def init_weights(chunk: torch.nn.Module, cfg: TrainConfig) -> None:
+    """Initialise ``chunk`` by global parameter name (see the module docstring)."""
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    scaled_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
+    for name, param in global_named_parameters(chunk).items():
+        if param.dim() == 1:
+            param.fill_(0.0 if name.endswith("bias") else 1.0)
+            continue
+        generator = torch.Generator(device=param.device)
+        generator.manual_seed(_name_seed(cfg.seed, name, tp_rank))
+        std = scaled_std if name.endswith(_SCALED_OUTPUTS) else cfg.init_method_std
+        param.normal_(0.0, std, generator=generator)
+
+
+def _ddp_config(cfg: TrainConfig, deferred: bool) -> DistributedDataParallelConfig:
+    kwargs: dict[str, Any] = dict(
+        overlap_grad_reduce=cfg.overlap_grad_reduce,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+        grad_reduce_in_fp32=cfg.bf16,
+    )
+    return (
+        ddp_config_for_deferral(**kwargs) if deferred else DistributedDataParallelConfig(**kwargs)
+    )
+
+
+def build_model(cfg: TrainConfig, config: TransformerConfig) -> list[DistributedDataParallel]:
+    """This rank's chunks, initialised and wrapped in DDP; ``config`` gets the hooks
+    (``no_sync_func``, ``finalize_model_grads_func``). Needs ``parallel_state``.
+
+    Under our schedules every Megatron linear layer defers its weight gradient (dW) to the
+    schedule's W actions (``megatron.deferral``); dualpipe's mirrored copies are made equal.
+    """
+    spec = get_gpt_layer_local_spec(
+        num_experts=cfg.num_experts, moe_grouped_gemm=False, normalization=cfg.normalization
+    )
+    chunks = []
+    for pre_process, post_process, vp_stage in _chunk_ends(cfg):
+        chunk = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=cfg.vocab_size,
+            max_sequence_length=cfg.max_position_embeddings or cfg.seq_length,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=False,
+            position_embedding_type=cfg.position_embedding_type,
+            vp_stage=vp_stage,
+        )
+        if torch.cuda.is_available():
+            chunk.cuda(torch.cuda.current_device())
+        init_weights(chunk, cfg)
+        chunks.append(chunk)
+    deferred = cfg.pipeline_schedule in OUR_SCHEDULES
+    if deferred:
+        enable_weight_grad_deferral(chunks)
+    ddp_config = _ddp_config(cfg, deferred)
+    model = [
+        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
+    ]
+    if cfg.pipeline_schedule == "dualpipe":
+        prepare_mirrors(model)
+    config.finalize_model_grads_func = finalize_model_grads
+    if cfg.overlap_grad_reduce:
+        no_sync = [m.no_sync for m in model]
+        config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    return model

@@ -1,0 +1,55 @@
+"""Megatron's optimizer and learning-rate schedule for a :class:`~.config.TrainConfig`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from .config import TrainConfig
+
+__all__ = ["build_optimizer"]
+
+
+def build_optimizer(
+    cfg: TrainConfig, model: list[Any]
+) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
+    """``get_megatron_optimizer`` over the model chunks (Adam or SGD, gradient clipping at
+    ``clip_grad``, the distributed optimizer when asked) and an ``OptimizerParamScheduler``
+    stepped once per iteration: linear warm-up from 0 over ``lr_warmup_iters``, then
+    ``lr_decay_style`` down to ``min_lr`` at ``lr_decay_iters`` (default ``train_iters``);
+    constant weight decay."""
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer=cfg.optimizer,
+            lr=cfg.lr,
+            min_lr=cfg.min_lr,
+            weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.adam_beta1,
+            adam_beta2=cfg.adam_beta2,
+            adam_eps=cfg.adam_eps,
+            sgd_momentum=cfg.sgd_momentum,
+            clip_grad=cfg.clip_grad,
+            bf16=cfg.bf16,
+            params_dtype=dtype,
+            use_distributed_optimizer=cfg.use_distributed_optimizer,
+        ),
+        model,
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        lr_warmup_steps=cfg.lr_warmup_iters,
+        lr_decay_steps=cfg.lr_decay_iters or cfg.train_iters,
+        lr_decay_style=cfg.lr_decay_style,
+        start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay,
+        wd_incr_steps=cfg.train_iters,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler

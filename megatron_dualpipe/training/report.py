@@ -1,0 +1,186 @@
+"""What ``train`` prints: Megatron-LM's iteration and validation log lines, a progress bar
+on terminals, and the end-of-run summary of the measured step."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import TextIO
+
+from ..schedules.simulate import SimResult
+
+__all__ = [
+    "IterationLog",
+    "LogWindow",
+    "ProgressBar",
+    "StepSummary",
+    "iteration_line",
+    "summary_lines",
+    "validation_lines",
+]
+
+
+@dataclass(frozen=True)
+class IterationLog:
+    """The figures of one iteration log line (averages over the logging interval)."""
+
+    iteration: int
+    train_iters: int
+    consumed_samples: int
+    elapsed_ms: float
+    learning_rate: float
+    global_batch_size: int
+    lm_loss: float
+    loss_scale: float
+    grad_norm: float | None
+    skipped: int
+    nans: int
+
+
+class LogWindow:
+    """The iterations since the last log line: their losses, times, skips and NaNs."""
+
+    def __init__(self) -> None:
+        self._losses: list[float] = []
+        self._seconds: list[float] = []
+        self._skipped = 0
+        self._nans = 0
+
+    def add(self, loss: float, seconds: float, success: bool) -> None:
+        self._losses.append(loss)
+        self._seconds.append(seconds)
+        self._skipped += not success
+        self._nans += not math.isfinite(loss)
+
+    def flush(
+        self,
+        *,
+        iteration: int,
+        train_iters: int,
+        consumed_samples: int,
+        learning_rate: float,
+        global_batch_size: int,
+        loss_scale: float,
+        grad_norm: float | None,
+    ) -> IterationLog:
+        """The log line's figures (means over the window); starts a new window."""
+        log = IterationLog(
+            iteration=iteration,
+            train_iters=train_iters,
+            consumed_samples=consumed_samples,
+            elapsed_ms=1e3 * math.fsum(self._seconds) / len(self._seconds),
+            learning_rate=learning_rate,
+            global_batch_size=global_batch_size,
+            lm_loss=math.fsum(self._losses) / len(self._losses),
+            loss_scale=loss_scale,
+            grad_norm=grad_norm,
+            skipped=self._skipped,
+            nans=self._nans,
+        )
+        self.__init__()
+        return log
+
+
+def iteration_line(log: IterationLog) -> str:
+    """Megatron-LM's training log line; the loss with 7 significant digits."""
+    parts = [
+        f" iteration {log.iteration:8d}/{log.train_iters:8d} |",
+        f" consumed samples: {log.consumed_samples:12d} |",
+        f" elapsed time per iteration (ms): {log.elapsed_ms:.1f} |",
+        f" learning rate: {log.learning_rate:.6E} |",
+        f" global batch size: {log.global_batch_size:5d} |",
+        f" lm loss: {log.lm_loss:.6E} |",
+        f" loss scale: {log.loss_scale:.1f} |",
+    ]
+    if log.grad_norm is not None:
+        parts.append(f" grad norm: {log.grad_norm:.3f} |")
+    parts.append(f" number of skipped iterations: {log.skipped:3d} |")
+    parts.append(f" number of nan iterations: {log.nans:3d} |")
+    return "".join(parts)
+
+
+def validation_lines(iteration: int, lm_loss: float) -> list[str]:
+    """Megatron-LM's validation block: the loss and its perplexity between rules."""
+    ppl = math.exp(min(20.0, lm_loss))
+    text = (
+        f" validation loss at iteration {iteration} | lm loss value: {lm_loss:.6E} |"
+        f" lm loss PPL: {ppl:.6E} | "
+    )
+    rule = "-" * (len(text) + 1)
+    return [rule, text, rule]
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    """The measured step: per pipeline rank its busy time (ms), measured bubble ratio and
+    the simulator's bubble ratio for the same schedule and mean action durations."""
+
+    iteration: int
+    schedule: str
+    microbatches: int
+    makespan_ms: float
+    busy_ms: tuple[float, ...]
+    bubble: tuple[float, ...]
+    simulated_bubble: tuple[float, ...]
+    png: str | None
+
+    @staticmethod
+    def of(
+        iteration: int, measured: SimResult, predicted: SimResult, png: str | None
+    ) -> StepSummary:
+        return StepSummary(
+            iteration=iteration,
+            schedule=measured.schedule.name,
+            microbatches=measured.schedule.num_microbatches,
+            makespan_ms=measured.makespan,
+            busy_ms=tuple(r.busy for r in measured.ranks),
+            bubble=tuple(r.bubble_ratio for r in measured.ranks),
+            simulated_bubble=tuple(r.bubble_ratio for r in predicted.ranks),
+            png=png,
+        )
+
+
+def summary_lines(summary: StepSummary) -> list[str]:
+    """The end-of-run summary of the measured step."""
+    lines = [
+        f" measured step: iteration {summary.iteration}, {summary.schedule}, "
+        f"PP={len(summary.busy_ms)}, {summary.microbatches} micro-batches, "
+        f"makespan {summary.makespan_ms:.1f} ms (data-parallel rank 0)"
+    ]
+    for rank, (busy, bubble, simulated) in enumerate(
+        zip(summary.busy_ms, summary.bubble, summary.simulated_bubble, strict=True)
+    ):
+        lines.append(
+            f"   pipeline rank {rank}: busy {busy:.1f} ms, bubble {bubble:.1%} "
+            f"(simulated {simulated:.1%})"
+        )
+    if summary.png is not None:
+        lines.append(f" timeline (measured above, simulated below): {summary.png}")
+    return lines
+
+
+class ProgressBar:
+    """A one-line bar on ``stream`` when it is a terminal and ``CI`` is unset; else silent.
+    Call :meth:`clear` before printing other lines."""
+
+    WIDTH = 30
+
+    def __init__(self, total: int, stream: TextIO | None = None):
+        self.total = max(total, 1)
+        self.stream = sys.stdout if stream is None else stream
+        self.enabled = self.stream.isatty() and not os.environ.get("CI")
+
+    def update(self, done: int) -> None:
+        if not self.enabled:
+            return
+        filled = self.WIDTH * done // self.total
+        bar = "#" * filled + "-" * (self.WIDTH - filled)
+        self.stream.write(f"\r [{bar}] {done}/{self.total} iterations")
+        self.stream.flush()
+
+    def clear(self) -> None:
+        if self.enabled:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()

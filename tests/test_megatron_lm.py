@@ -1,0 +1,317 @@
+"""The Megatron-LM route: ``--pipeline-schedule`` through ``megatron_dualpipe.megatron_lm``
+and ``patches/megatron-lm-core_v0.16.1.patch``.
+
+- add_arguments adds the flag in its own group; apply checks the combination before any
+  process-group work (one sentence saying what to change) and installs the schedule;
+- the model-building, batch and loss-reporting hooks the patch calls behave;
+- the patch is a well-formed git patch that touches exactly the intended files and calls only
+  hooks that exist (CI has no Megatron-LM checkout to apply it to).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from megatron_dualpipe import megatron_lm
+from megatron_dualpipe.megatron import registry
+from megatron_dualpipe.megatron.checks import DualPipeConfigError
+from megatron_dualpipe.megatron.placement import StagePlacementLayout
+from tests.multiproc import run_workers
+
+PATCH = Path(__file__).resolve().parents[1] / "patches" / "megatron-lm-core_v0.16.1.patch"
+PATCHED_FILES = {
+    "pretrain_gpt.py",
+    "megatron/training/training.py",
+    "megatron/training/initialize.py",
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_recorded_schedule():
+    registry.set_pipeline_schedule(None)
+    yield
+    registry.set_pipeline_schedule(None)
+
+
+def _args(**overrides: Any) -> argparse.Namespace:
+    """Megatron-LM's validated arguments, as far as apply and the hooks read them."""
+    values: dict[str, Any] = dict(
+        pipeline_schedule="dualpipev",
+        pipeline_model_parallel_size=4,
+        virtual_pipeline_model_parallel_size=None,
+        context_parallel_size=1,
+        num_layers=16,
+        mtp_num_layers=None,
+        micro_batch_size=1,
+        global_batch_size=16,
+        data_parallel_size=2,
+        rampup_batch_size=None,
+        untie_embeddings_and_output_weights=True,
+        yaml_cfg=None,
+        pipeline_model_parallel_layout=None,
+    )
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
+
+# --------------------------------------------------------------------------------------
+# add_arguments
+
+
+def test_add_arguments_adds_the_flag_in_its_own_group() -> None:
+    parser = argparse.ArgumentParser()
+    assert megatron_lm.add_arguments(parser) is parser  # extra_args_provider contract
+    group = next(g for g in parser._action_groups if g.title == "megatron-dualpipe")
+    action = next(a for a in group._group_actions if a.dest == "pipeline_schedule")
+    assert action.option_strings == ["--pipeline-schedule"]
+    assert tuple(action.choices) == megatron_lm.PIPELINE_SCHEDULES
+    assert all(name in action.help for name in megatron_lm.PIPELINE_SCHEDULES)
+    assert parser.parse_args([]).pipeline_schedule is None
+    for name in megatron_lm.PIPELINE_SCHEDULES:
+        assert parser.parse_args(["--pipeline-schedule", name]).pipeline_schedule == name
+
+
+def test_add_arguments_refuses_an_unknown_schedule(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = megatron_lm.add_arguments(argparse.ArgumentParser(prog="pretrain_gpt.py"))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--pipeline-schedule", "dualpipx"])
+    assert "invalid choice: 'dualpipx'" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------
+# apply
+
+
+@pytest.mark.parametrize("schedule", ["zb1p", "dualpipe", "dualpipev"])
+def test_apply_installs_a_good_combination(schedule: str) -> None:
+    megatron_lm.apply(_args(pipeline_schedule=schedule))
+    assert registry.pipeline_schedule() == schedule
+    assert registry.get_forward_backward_func().args == (schedule,)
+
+
+def test_apply_without_the_argument_does_nothing() -> None:
+    megatron_lm.apply(argparse.Namespace(num_layers=3))
+    megatron_lm.apply(_args(pipeline_schedule=None))
+    assert registry.pipeline_schedule() is None
+
+
+def test_apply_selects_megatrons_own_1f1b() -> None:
+    megatron_lm.apply(_args(pipeline_schedule="1f1b"))
+    assert registry.pipeline_schedule() == "1f1b"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(global_batch_size=12), "dualpipev needs at least 2 x PP = 8 micro-batches, got 6"),
+        (dict(num_layers=12), "--num-layers 12 is not divisible by 8"),
+        (
+            dict(
+                pipeline_schedule="dualpipe",
+                pipeline_model_parallel_size=3,
+                num_layers=6,
+                global_batch_size=24,
+            ),
+            "even number of pipeline ranks",
+        ),
+        (dict(pipeline_model_parallel_size=1), "needs --pipeline-model-parallel-size >= 2"),
+        (dict(virtual_pipeline_model_parallel_size=2), "places its own model chunks"),
+        (dict(context_parallel_size=2), "--context-parallel-size 1"),
+        (dict(mtp_num_layers=1), "unset --mtp-num-layers"),
+        (dict(untie_embeddings_and_output_weights=False), "--untie-embeddings-and-output-weights"),
+        (dict(rampup_batch_size=["4", "4", "100"]), "unset --rampup-batch-size"),
+        (dict(yaml_cfg="model.yaml"), "drop --yaml-cfg"),
+        (dict(pipeline_model_parallel_layout="Et|tL"), "unset --pipeline-model-parallel-layout"),
+        (
+            dict(pipeline_schedule="1f1b", virtual_pipeline_model_parallel_size=2),
+            "1f1b runs one model chunk per rank",
+        ),
+        (dict(pipeline_schedule="interleaved-1f1b"), "interleaved-1f1b needs pipeline parallelism"),
+    ],
+)
+def test_apply_refuses_a_bad_combination_in_one_sentence(
+    overrides: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(DualPipeConfigError) as err:
+        megatron_lm.apply(_args(**overrides))
+    text = str(err.value)
+    assert message in text
+    assert "\n" not in text
+    assert registry.pipeline_schedule() is None  # nothing installed
+
+
+def test_apply_can_exit_with_the_sentence(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        megatron_lm.apply(_args(global_batch_size=4), exit_on_error=True)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: dualpipev needs at least 2 x PP = 8 micro-batches")
+    assert err.count("\n") == 1
+
+
+# --------------------------------------------------------------------------------------
+# The hooks the patch calls
+
+
+class _Chunk:
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+
+
+def test_build_model_chunks_places_the_v() -> None:
+    args = _args(pipeline_model_parallel_size=2, num_layers=8, global_batch_size=8)
+    seen: list[argparse.Namespace] = []
+
+    def config_from_args(a: argparse.Namespace) -> argparse.Namespace:
+        seen.append(a)
+        return argparse.Namespace(pipeline_model_parallel_layout=a.pipeline_model_parallel_layout)
+
+    chunks = megatron_lm.build_model_chunks(
+        _Chunk, args, config_from_args, pp_rank=0, pg_collection="pgs"
+    )
+    assert [(c.kwargs["pre_process"], c.kwargs["post_process"]) for c in chunks] == [
+        (True, False),
+        (False, True),
+    ]
+    assert [c.kwargs["vp_stage"] for c in chunks] == [c.vp_stage for c in chunks] == [0, 1]
+    assert all(c.kwargs["pg_collection"] == "pgs" for c in chunks)
+    layout = chunks[0].kwargs["config"].pipeline_model_parallel_layout
+    assert isinstance(layout, StagePlacementLayout)
+    # rank 0 holds layers 0-1 (chunk 0) and 6-7 (chunk 1) of 8
+    assert [layout.get_layer_offset(vp_stage=c, pp_rank=0) for c in (0, 1)] == [0, 6]
+    assert len(seen) == 1 and args.pipeline_model_parallel_layout is None  # args untouched
+    middle = megatron_lm.build_model_chunks(_Chunk, args, config_from_args, pp_rank=1)
+    assert [(c.kwargs["pre_process"], c.kwargs["post_process"]) for c in middle] == [
+        (False, False),
+        (False, False),
+    ]
+
+
+def test_build_model_chunks_refuses_a_config_without_our_layout() -> None:
+    args = _args(pipeline_model_parallel_size=2, num_layers=8, global_batch_size=8)
+    with pytest.raises(DualPipeConfigError, match="StagePlacementLayout"):
+        megatron_lm.build_model_chunks(
+            _Chunk,
+            args,
+            lambda a: None,
+            pp_rank=0,
+            config=argparse.Namespace(pipeline_model_parallel_layout=None),
+        )
+
+
+@pytest.mark.parametrize(
+    ("schedule", "two_chunks"),
+    [
+        (None, False),
+        ("1f1b", False),
+        ("interleaved-1f1b", False),
+        ("zb1p", False),
+        ("dualpipe", True),
+        ("dualpipev", True),
+    ],
+)
+def test_which_schedules_use_the_placement_and_batch_hooks(
+    schedule: str | None, two_chunks: bool
+) -> None:
+    args = _args(pipeline_schedule=schedule)
+    assert megatron_lm.places_model_chunks(args) is two_chunks
+    assert megatron_lm.full_batch_on_this_rank(args) is two_chunks
+    losses = [{"lm loss": torch.tensor([1.0, 2.0])}]
+    if not two_chunks:
+        assert megatron_lm.losses_on_last_stage(losses, args) is losses
+
+
+def _gather_losses(rank: int, world_size: int, schedule: str) -> list[dict[str, list[float]]]:
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world_size)
+    try:
+        # dualpipev: the losses are all on pipeline rank 0; dualpipe: on the first and last
+        has_losses = rank == 0 or (schedule == "dualpipe" and rank == world_size - 1)
+        mine = (
+            [{"lm loss": torch.tensor([10.0 * rank + m, 4.0])} for m in range(2)]
+            if has_losses
+            else []
+        )
+        out = megatron_lm.losses_on_last_stage(mine, _args(pipeline_schedule=schedule))
+        return [{k: v.tolist() for k, v in report.items()} for report in out]
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("schedule", ["dualpipev", "dualpipe"])
+def test_losses_reach_the_last_stage(schedule: str) -> None:
+    per_rank = run_workers(_gather_losses, 4, args=(schedule,), timeout_s=60)
+    first = [{"lm loss": [0.0, 4.0]}, {"lm loss": [1.0, 4.0]}]
+    last = [{"lm loss": [30.0, 4.0]}, {"lm loss": [31.0, 4.0]}] if schedule == "dualpipe" else []
+    assert per_rank == [[], [], [], first + last]
+
+
+# --------------------------------------------------------------------------------------
+# The patch file
+
+
+def _parse_patch(text: str) -> dict[str, list[tuple[int, int, int, int, list[str]]]]:
+    """{path: [(old_start, old_len, new_start, new_len, body lines)]}; raises on malformed."""
+    files: dict[str, list[tuple[int, int, int, int, list[str]]]] = {}
+    lines = text.splitlines()
+    i = next(n for n, line in enumerate(lines) if line.startswith("diff --git "))
+    current: list[tuple[int, int, int, int, list[str]]] | None = None
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("diff --git "):
+            match = re.fullmatch(r"diff --git a/(\S+) b/(\S+)", line)
+            assert match and match[1] == match[2], line
+            assert lines[i + 1].startswith("index "), lines[i + 1]
+            assert lines[i + 2] == f"--- a/{match[1]}", lines[i + 2]
+            assert lines[i + 3] == f"+++ b/{match[1]}", lines[i + 3]
+            current = files.setdefault(match[1], [])
+            i += 4
+            continue
+        match = re.fullmatch(r"@@ -(\d+),(\d+) \+(\d+),(\d+) @@.*", line)
+        assert match and current is not None, f"line {i + 1}: {line!r}"
+        old_start, old_len, new_start, new_len = map(int, match.groups())
+        body, old, new = [], 0, 0
+        i += 1
+        while i < len(lines) and (old < old_len or new < new_len):
+            body.append(lines[i])
+            kind = lines[i][:1]
+            assert kind in (" ", "-", "+") or lines[i] == "", f"line {i + 1}: {lines[i]!r}"
+            old += kind in (" ", "-", "")
+            new += kind in (" ", "+", "")
+            i += 1
+        assert (old, new) == (old_len, new_len), f"hunk {line!r}: counts do not match its body"
+        current.append((old_start, old_len, new_start, new_len, body))
+    return files
+
+
+def test_patch_is_a_well_formed_git_patch_of_the_intended_files() -> None:
+    files = _parse_patch(PATCH.read_text())
+    assert set(files) == PATCHED_FILES
+    for path, hunks in files.items():
+        starts = [h[0] for h in hunks]
+        assert starts == sorted(starts), f"{path}: hunks out of order"
+        for _, _, _, _, body in hunks:
+            assert any(line.startswith("+") for line in body), f"{path}: a hunk adds nothing"
+
+
+def test_patch_calls_only_hooks_that_exist() -> None:
+    files = _parse_patch(PATCH.read_text())
+    added = "\n".join(
+        line[1:]
+        for hunks in files.values()
+        for *_, body in hunks
+        for line in body
+        if line.startswith("+")
+    )
+    used = set(re.findall(r"dualpipe_lm\.(\w+)", added))
+    used |= set(re.findall(r"from megatron_dualpipe\.megatron_lm import (\w+)", added))
+    assert used >= {"add_arguments", "apply", "build_model_chunks", "losses_on_last_stage"}
+    assert used <= set(megatron_lm.__all__), used - set(megatron_lm.__all__)
+    assert "--pipeline-schedule" in PATCH.read_text().split("diff --git", 1)[0]  # usage header

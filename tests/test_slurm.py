@@ -1,0 +1,287 @@
+"""The Slurm launchers (scripts/slurm/*.sbatch) hold their contract.
+
+- The CPU launcher, on a real Slurm (``bash .ci/slurm_up.sh``: two pretend nodes on this
+  machine), starts one rank per task across nodes that rendezvous from SLURM_* variables,
+  trains end to end, and makes ``sbatch --wait`` return the training's exit code: 0 with the
+  iteration log lines, non-zero with the one-sentence error for a bad configuration.
+- The GPU launcher (no GPUs here) hands srun the right rendezvous, NCCL settings and
+  arguments, and refuses an allocation that is not one task per GPU; checked with stand-in
+  ``srun`` / ``scontrol`` commands.
+
+Until ``megatron-dualpipe train`` exists the end-to-end run uses a stand-in trainer
+(tests/data/slurm_probe.py: the same arguments, a gloo all_reduce over all ranks).
+The real-Slurm tests are skipped, with the reason, where sbatch or the controller is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_SCRIPT = ROOT / "scripts" / "slurm" / "pretrain_cpu.sbatch"
+GPU_SCRIPT = ROOT / "scripts" / "slurm" / "pretrain_gpu.sbatch"
+PROBE = ROOT / "tests" / "data" / "slurm_probe.py"
+TRAIN_CONFIG = ROOT / "configs" / "tiny_gpt_cpu.yaml"
+# Slurm kills a job after this many minutes; the test gives up a little later.
+JOB_TIME_LIMIT_MIN = 2
+WAIT_TIMEOUT_S = 60 * JOB_TIME_LIMIT_MIN + 30
+
+
+def _slurm_missing() -> str | None:
+    """Why the real-Slurm tests cannot run here, or None."""
+    if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
+        return "sbatch/sinfo not on PATH (run `bash .ci/slurm_up.sh` to test the launchers)"
+    try:
+        proc = subprocess.run(
+            ["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True, timeout=5
+        )
+    except subprocess.TimeoutExpired:  # a controller that is down makes sinfo retry for ~15 s
+        return "Slurm controller not answering; start it with `bash .ci/slurm_up.sh`"
+    except OSError as err:
+        return f"sinfo failed ({err}); start Slurm with `bash .ci/slurm_up.sh`"
+    if proc.returncode != 0:
+        first = (proc.stderr.strip().splitlines() or ["no output"])[0]
+        return f"Slurm controller not reachable ({first}); start it with `bash .ci/slurm_up.sh`"
+    usable = [s for s in proc.stdout.split() if re.match(r"(idle|mix|alloc|compl)", s)]
+    if len(usable) < 2:
+        return f"Slurm has {len(usable)} usable nodes, the tests need 2 (`bash .ci/slurm_up.sh`)"
+    return None
+
+
+def _train_available() -> bool:
+    """Whether the real trainer and its tiny CPU config exist yet."""
+    return importlib.util.find_spec("megatron_dualpipe.training") is not None and (
+        TRAIN_CONFIG.is_file()
+    )
+
+
+_MISSING = _slurm_missing()
+needs_slurm = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
+
+
+@dataclass
+class Job:
+    """A finished batch job: ``sbatch --wait``'s exit code and the job's output file."""
+
+    returncode: int
+    output: str
+
+
+def _submit(
+    tmp_path: Path, config: Path, *train_args: str, stand_in: bool, tasks_per_node: int
+) -> Job:
+    """``sbatch --wait`` the CPU launcher on 2 nodes; return its exit code and output."""
+    name = f"test-slurm-{uuid.uuid4().hex[:8]}"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.pop("TRAIN_CMD", None)
+    if stand_in:
+        env["TRAIN_CMD"] = f"{sys.executable} {PROBE}"
+    cmd = [
+        "sbatch",
+        "--wait",
+        "--parsable",
+        f"--job-name={name}",
+        f"--output={tmp_path}/job-%j.out",
+        f"--chdir={ROOT}",
+        "--nodes=2",
+        f"--ntasks-per-node={tasks_per_node}",
+        f"--time={JOB_TIME_LIMIT_MIN}",
+        str(CPU_SCRIPT),
+        str(config),
+        *train_args,
+        # what the job writes (timelines, checkpoints) stays out of the checkout
+        *("--set", f"output_dir={tmp_path / 'run'}"),
+    ]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=WAIT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        subprocess.run(["scancel", f"--name={name}"], check=False)
+        raise
+    job_id = proc.stdout.strip().split(";")[0]
+    assert job_id.isdigit(), f"sbatch did not submit: {proc.stdout}{proc.stderr}"
+    out = tmp_path / f"job-{job_id}.out"
+    return Job(proc.returncode, out.read_text() if out.exists() else "")
+
+
+def _probe_config(tmp_path: Path) -> Path:
+    config = tmp_path / "probe.yaml"
+    config.write_text("pipeline_schedule: 1f1b\ntrain_iters: 1\n")
+    return config
+
+
+@needs_slurm
+def test_cpu_launcher_ranks_rendezvous_across_nodes(tmp_path: Path) -> None:
+    """2 nodes x 2 tasks: ranks from SLURM_PROCID, local ranks per node, one gloo group."""
+    job = _submit(
+        tmp_path,
+        _probe_config(tmp_path),
+        "--set",
+        "train_iters=3",
+        stand_in=True,
+        tasks_per_node=2,
+    )
+    assert job.returncode == 0, job.output
+    assert re.search(r"4 tasks, master n1:\d+", job.output), job.output
+    seen = set(re.findall(r"probe: rank (\d)/4 local (\d) node (\S+) all_reduce ok", job.output))
+    assert seen == {("0", "0", "n1"), ("1", "1", "n1"), ("2", "0", "n2"), ("3", "1", "n2")}, (
+        job.output
+    )
+    assert job.output.count("train_iters=3") == 4, job.output
+
+
+@needs_slurm
+@pytest.mark.skipif(
+    not _train_available(),
+    reason="megatron_dualpipe.training or configs/tiny_gpt_cpu.yaml not there yet",
+)
+def test_cpu_launcher_trains_end_to_end(tmp_path: Path) -> None:
+    """2 nodes x 1 task, 3 iterations of the tiny CPU config: exit code 0, one loss line per
+    iteration."""
+    job = _submit(
+        tmp_path,
+        TRAIN_CONFIG,
+        *("--set", "train_iters=3", "--set", "log_interval=1"),
+        stand_in=False,
+        tasks_per_node=1,
+    )
+    assert job.returncode == 0, job.output
+    logged = re.findall(r"iteration\s+(\d+)/\s*3 \|.*\blm loss: (\S+)", job.output)
+    assert [it for it, _ in logged] == ["1", "2", "3"], job.output
+    assert all(math.isfinite(float(loss)) for _, loss in logged), job.output
+    assert "Traceback" not in job.output, job.output
+
+
+@needs_slurm
+def test_cpu_launcher_bad_config_fails_with_one_sentence(tmp_path: Path) -> None:
+    """A bad configuration: sbatch --wait returns non-zero, the output says what to change."""
+    real = _train_available()
+    config = TRAIN_CONFIG if real else _probe_config(tmp_path)
+    job = _submit(
+        tmp_path,
+        config,
+        "--set",
+        "pipeline_schedule=nosuch",
+        stand_in=not real,
+        tasks_per_node=1,
+    )
+    assert job.returncode != 0, job.output
+    assert re.search(r"error: .*'nosuch'.* one of .*dualpipev", job.output), job.output
+    assert "Traceback" not in job.output, job.output
+
+
+@needs_slurm
+def test_cpu_launcher_missing_config_is_refused(tmp_path: Path) -> None:
+    """The launcher itself refuses a config path that does not exist, before srun."""
+    job = _submit(tmp_path, tmp_path / "nope.yaml", stand_in=True, tasks_per_node=1)
+    assert job.returncode == 2, job.output
+    assert "nope.yaml not found" in job.output, job.output
+    assert "srun" not in job.output, job.output
+
+
+# --------------------------------------------------------------------------------------
+# The GPU launcher, with stand-in srun and scontrol (runs anywhere bash does).
+
+
+def _run_gpu_script(
+    tmp_path: Path, hosts: int = 2, **slurm_env: str
+) -> tuple[subprocess.CompletedProcess, str]:
+    """Run pretrain_gpu.sbatch as a batch job's shell would, with ``hosts`` nodes gpu7,
+    gpu8, ...; return it and what srun got."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    record = tmp_path / "srun.txt"
+    (bin_dir / "scontrol").write_text(
+        f"#!/usr/bin/env bash\nfor ((i = 7; i < {7 + hosts}; i++)); do echo gpu$i; done\n"
+    )
+    (bin_dir / "srun").write_text(
+        "#!/usr/bin/env bash\n"
+        f"{{ printf '%s\\n' \"$@\"; env | grep -E '^(MASTER|NCCL|TORCH_NCCL|CUDA|SRUN|OMP)'; }}"
+        f" > {record}\n"
+    )
+    for tool in ("scontrol", "srun"):
+        (bin_dir / tool).chmod(0o755)
+    config = tmp_path / "cfg.yaml"
+    config.write_text("train_iters: 1\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NCCL_"))}
+    env.pop("MASTER_PORT", None)
+    env.update(
+        PATH=f"{bin_dir}{os.pathsep}{env['PATH']}",
+        SLURM_JOB_ID="123457",
+        SLURM_JOB_NODELIST="gpu[7-8]",
+        SLURM_NNODES="2",
+        SLURM_NTASKS="16",
+        SLURM_NTASKS_PER_NODE="8",
+        SLURM_GPUS_ON_NODE="8",
+        SLURM_CPUS_PER_TASK="6",
+        TRAIN_CMD="megatron-dualpipe train",
+    )
+    env.update(slurm_env)
+    proc = subprocess.run(
+        ["bash", str(GPU_SCRIPT), str(config), "--set", "pipeline_schedule=dualpipev"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return proc, record.read_text() if record.exists() else ""
+
+
+def test_gpu_launcher_hands_srun_rendezvous_nccl_and_arguments(tmp_path: Path) -> None:
+    proc, srun = _run_gpu_script(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = srun.splitlines()
+    assert lines[0] == "--kill-on-bad-exit=1"
+    assert "export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID" in srun
+    cfg = str(tmp_path / "cfg.yaml")
+    tail = ["megatron-dualpipe", "train", "--config", cfg, "--set", "pipeline_schedule=dualpipev"]
+    assert lines[lines.index("srun-task") + 1 :][: len(tail)] == tail, srun
+    env = dict(line.split("=", 1) for line in lines if re.match(r"^[A-Z_]+=", line))
+    assert env["MASTER_ADDR"] == "gpu7"
+    assert env["MASTER_PORT"] == str(20000 + 123457 % 10000)
+    assert env["SRUN_CPUS_PER_TASK"] == "6"
+    assert env["OMP_NUM_THREADS"] == "6"
+    assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert "NCCL_DEBUG" in env
+
+
+def test_gpu_launcher_takes_the_first_of_many_hosts(tmp_path: Path) -> None:
+    """A node list longer than a pipe buffer must not kill the script (SIGPIPE)."""
+    proc, srun = _run_gpu_script(tmp_path, hosts=20000)
+    assert proc.returncode == 0, proc.stderr
+    assert "MASTER_ADDR=gpu7" in srun.splitlines()
+
+
+def test_gpu_launcher_refuses_other_than_one_task_per_gpu(tmp_path: Path) -> None:
+    proc, srun = _run_gpu_script(tmp_path, SLURM_NTASKS_PER_NODE="4")
+    assert proc.returncode == 2
+    assert "--ntasks-per-node (4) must equal --gpus-per-node (8)" in proc.stderr
+    assert srun == ""
+
+
+def test_gpu_launcher_refuses_an_allocation_without_gpus(tmp_path: Path) -> None:
+    proc, srun = _run_gpu_script(tmp_path, SLURM_GPUS_ON_NODE="")
+    assert proc.returncode == 2
+    assert "no GPUs in this allocation" in proc.stderr
+    assert srun == ""
+
+
+@pytest.mark.parametrize(
+    "script", [CPU_SCRIPT, GPU_SCRIPT, ROOT / ".ci" / "slurm_up.sh", ROOT / ".ci" / "slurm_down.sh"]
+)
+def test_scripts_parse(script: Path) -> None:
+    """bash -n: every launcher and CI script is valid bash."""
+    proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr

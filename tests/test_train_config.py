@@ -1,0 +1,154 @@
+"""``megatron-dualpipe train`` configs: every shipped config validates (and Megatron-Core
+accepts its model), and each kind of mistake is refused with one sentence naming the
+source, the key and the fix, before anything runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_dualpipe.training import ConfigError, load_config
+from megatron_dualpipe.training.config import parse_overrides
+
+CONFIGS = sorted(Path(__file__).resolve().parents[1].glob("configs/*.yaml"))
+TINY = next(p for p in CONFIGS if p.name == "tiny_gpt_cpu.yaml")
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "x.yaml"
+    base = TINY.read_text(encoding="utf-8")
+    path.write_text(base + "\n" + text, encoding="utf-8")
+    return path
+
+
+def _error(path: Path, overrides: tuple[str, ...] = ()) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_the_four_configs_are_there() -> None:
+    assert {p.name for p in CONFIGS} >= {
+        "tiny_gpt_cpu.yaml",
+        "tiny_moe_cpu.yaml",
+        "deepseek_v3_like_pp16.yaml",
+        "dense_70b_dualpipe.yaml",
+    }
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_validates_and_megatron_accepts_its_model(path: Path) -> None:
+    from megatron_dualpipe.training.model import transformer_config
+
+    cfg = load_config(path)
+    assert cfg.output_dir == str(Path("runs") / path.stem)
+    config = transformer_config(cfg, on_gpu=False)
+    assert config.num_layers == cfg.num_layers
+    assert cfg.num_microbatches * cfg.micro_batch_size * cfg.data_parallel_size == (
+        cfg.global_batch_size
+    )
+
+
+def test_realistic_configs_are_what_they_say() -> None:
+    deepseek = load_config(next(p for p in CONFIGS if p.name.startswith("deepseek")))
+    assert deepseek.pipeline_schedule == "dualpipev"
+    assert deepseek.pipeline_model_parallel_size == 16
+    assert deepseek.is_moe and deepseek.expert_model_parallel_size > 1
+    dense = load_config(next(p for p in CONFIGS if p.name.startswith("dense_70b")))
+    assert dense.pipeline_schedule == "dualpipe"
+    assert dense.pipeline_model_parallel_size == 8
+    params = 12 * dense.num_layers * dense.hidden_size**2  # order of magnitude
+    assert 50e9 < params < 100e9
+
+
+def test_unknown_key(tmp_path: Path) -> None:
+    message = _error(_write(tmp_path, "num_layer: 8"))
+    assert message == f"{tmp_path / 'x.yaml'}: num_layer: unknown key (did you mean 'num_layers'?)"
+
+
+def test_wrong_type(tmp_path: Path) -> None:
+    message = _error(_write(tmp_path, "hidden_size: wide"))
+    assert message == (f"{tmp_path / 'x.yaml'}: hidden_size: expected an integer, got 'wide' (str)")
+    assert "micro_batch_size: expected an integer, got 2.5 (float)" in _error(
+        _write(tmp_path, "micro_batch_size: 2.5")
+    )
+
+
+def test_dualpipe_with_odd_pp(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        "pipeline_schedule: dualpipe\npipeline_model_parallel_size: 3\nworld_size: 3\n"
+        "num_layers: 6\nglobal_batch_size: 24",
+    )
+    assert _error(path) == (
+        f"{path}: pipeline_schedule: dualpipe needs an even number of pipeline ranks, got 3: "
+        "use an even PP or dualpipev"
+    )
+
+
+def test_too_few_microbatches(tmp_path: Path) -> None:
+    path = _write(tmp_path, "global_batch_size: 6")
+    assert _error(path) == (
+        f"{path}: pipeline_schedule: dualpipev needs at least 2 x PP = 4 micro-batches, got 3: "
+        "raise the global batch size or lower PP (micro-batches per step = global_batch_size / "
+        "(micro_batch_size x data-parallel size) = 6 / (2 x 1))"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("num_layers: 6", "num_layers: dualpipev cuts the model into 4 stages"),
+        ("global_batch_size: 15", "global_batch_size: 15 is not divisible by"),
+        ("world_size: 3", "world_size: 3 ranks do not split"),
+        ("pipeline_schedule: gpipe", "pipeline_schedule: 'gpipe' is not one of 1f1b,"),
+        ("num_experts: 4", "add_bias_linear: MoE layers of Megatron-Core's local spec"),
+        ("lr: -1.0", "lr: must be a finite number >= 0, got -1.0"),
+        ("save_interval: 5", "save_interval: needs save"),
+        ("virtual_pipeline_model_parallel_size: 2", "only interleaved-1f1b uses virtual"),
+    ],
+)
+def test_other_mistakes(tmp_path: Path, text: str, expected: str) -> None:
+    assert expected in _error(_write(tmp_path, text))
+
+
+def test_overrides_are_converted_to_the_key_type() -> None:
+    assert parse_overrides(
+        ["lr=1e-4", "train_iters=7", "bf16=true", "save=ckpt", "eval_interval=null"]
+    ) == {"lr": 1e-4, "train_iters": 7, "bf16": True, "save": "ckpt", "eval_interval": None}
+    cfg = load_config(TINY, ["pipeline_schedule=1f1b", "lr=5e-4"])
+    assert (cfg.pipeline_schedule, cfg.lr) == ("1f1b", 5e-4)
+
+
+def test_override_mistakes_name_set() -> None:
+    assert _error(TINY, ("train_iters=ten",)) == (
+        "--set: train_iters: expected an integer, got 'ten'"
+    )
+    assert _error(TINY, ("schedule=1f1b",)).startswith("--set: schedule: unknown key")
+    assert _error(TINY, ("pipeline_model_parallel_size=3",)) == (
+        f"{TINY}: world_size: 2 ranks do not split into tensor x pipeline groups of 1 x 3: "
+        "use a multiple of 3"
+    )
+
+
+def test_yaml_float_literals_without_a_dot_are_numbers(tmp_path: Path) -> None:
+    assert load_config(_write(tmp_path, "lr: 1e-3")).lr == 1e-3
+
+
+def test_cli_prints_the_sentence_and_fails(tmp_path: Path) -> None:
+    path = _write(tmp_path, "num_layer: 8")
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        f"megatron-dualpipe: error: {path}: num_layer: unknown key (did you mean 'num_layers'?)"
+    )
