@@ -129,6 +129,28 @@ def _specs(
 
 
 _EXECUTORS: dict[tuple, tuple[PipelineExecutor, list[MegatronStage]]] = {}
+_BACKWARD_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _backward_group() -> dist.ProcessGroup | None:
+    """A second group over this rank's pipeline ranks, for gradients, where the backend
+    ignores tags (NCCL): it keeps the two directions between a pair of ranks apart.
+
+    Creating groups is collective over the whole world: every rank learns every pipeline
+    group and creates one backward group per pipeline group, in the same order.
+    """
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    if dist.get_backend(pp_group) == "gloo":
+        return None
+    mine = tuple(dist.get_process_group_ranks(pp_group))
+    if mine not in _BACKWARD_GROUPS:
+        every: list[tuple[int, ...] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        for ranks in sorted(set(every)):
+            group = dist.new_group(list(ranks))
+            if ranks == mine:
+                _BACKWARD_GROUPS[ranks] = group
+    return _BACKWARD_GROUPS[mine]
 
 
 def _executor(
@@ -151,6 +173,7 @@ def _executor(
             specs=make_specs(schedule),
             loss_fn=lambda loss, mb: loss,
             group=parallel_state.get_pipeline_model_parallel_group(),
+            backward_group=_backward_group(),
             defer_weight_grads=True,
             timeout_s=60.0 * timeout if timeout else 600.0,
             variable_shapes=bool(config.variable_seq_lengths),
