@@ -9,13 +9,13 @@ from pathlib import Path
 
 from .bench import SECTIONS
 from .bench.launch import BenchError
+from .megatron.training import ConfigError, TrainError
 from .schedules.cost import CostModel
 from .schedules.generators import GENERATORS, generate
 from .schedules.ir import Schedule, ScheduleError
 from .schedules.report import comparison_table, rank_table
 from .schedules.simulate import SimResult, simulate
 from .schedules.validate import validate
-from .training import ConfigError, TrainError
 
 __all__ = ["main"]
 
@@ -90,7 +90,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_train(args: argparse.Namespace) -> None:
-    from .training import load_config, train  # train imports torch and megatron
+    from .megatron.training import load_config, train  # train imports torch and megatron
 
     train(load_config(args.config, args.overrides), source=str(args.config))
 

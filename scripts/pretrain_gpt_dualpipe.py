@@ -23,8 +23,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_dualpipe.training import ConfigError, TrainError, train  # noqa: E402
-from megatron_dualpipe.training.config import (  # noqa: E402
+from megatron_dualpipe.megatron.training import ConfigError, TrainError, train  # noqa: E402
+from megatron_dualpipe.megatron.training.config import (  # noqa: E402
     SCHEDULES,
     config_from_values,
     parse_overrides,

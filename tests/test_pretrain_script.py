@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dualpipe.training import ConfigError, load_config
+from megatron_dualpipe.megatron.training import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location(

@@ -15,7 +15,6 @@ The real-Slurm tests are skipped, with the reason, where sbatch or the controlle
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import re
@@ -57,13 +56,6 @@ def _slurm_missing() -> str | None:
     if len(usable) < 2:
         return f"Slurm has {len(usable)} usable nodes, the tests need 2 (`bash .ci/slurm_up.sh`)"
     return None
-
-
-def _train_available() -> bool:
-    """Whether the real trainer and its tiny CPU config exist yet."""
-    return importlib.util.find_spec("megatron_dualpipe.training") is not None and (
-        TRAIN_CONFIG.is_file()
-    )
 
 
 _MISSING = _slurm_missing()
@@ -142,10 +134,6 @@ def test_cpu_launcher_ranks_rendezvous_across_nodes(tmp_path: Path) -> None:
 
 
 @needs_slurm
-@pytest.mark.skipif(
-    not _train_available(),
-    reason="megatron_dualpipe.training or configs/tiny_gpt_cpu.yaml not there yet",
-)
 def test_cpu_launcher_trains_end_to_end(tmp_path: Path) -> None:
     """2 nodes x 1 task, 3 iterations of the tiny CPU config: exit code 0, one loss line per
     iteration."""
@@ -166,14 +154,12 @@ def test_cpu_launcher_trains_end_to_end(tmp_path: Path) -> None:
 @needs_slurm
 def test_cpu_launcher_bad_config_fails_with_one_sentence(tmp_path: Path) -> None:
     """A bad configuration: sbatch --wait returns non-zero, the output says what to change."""
-    real = _train_available()
-    config = TRAIN_CONFIG if real else _probe_config(tmp_path)
     job = _submit(
         tmp_path,
-        config,
+        TRAIN_CONFIG,
         "--set",
         "pipeline_schedule=nosuch",
-        stand_in=not real,
+        stand_in=False,
         tasks_per_node=1,
     )
     assert job.returncode != 0, job.output

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dualpipe.training import ConfigError, load_config
-from megatron_dualpipe.training.config import parse_overrides
+from megatron_dualpipe.megatron.training import ConfigError, load_config
+from megatron_dualpipe.megatron.training.config import parse_overrides
 
 CONFIGS = sorted(Path(__file__).resolve().parents[1].glob("configs/*.yaml"))
 TINY = next(p for p in CONFIGS if p.name == "tiny_gpt_cpu.yaml")
@@ -43,7 +43,7 @@ def test_the_four_configs_are_there() -> None:
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_config_validates_and_megatron_accepts_its_model(path: Path) -> None:
-    from megatron_dualpipe.training.model import transformer_config
+    from megatron_dualpipe.megatron.training.model import transformer_config
 
     cfg = load_config(path)
     assert cfg.output_dir == str(Path("runs") / path.stem)

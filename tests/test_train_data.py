@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_dualpipe.training.data import SyntheticData, sample_tokens
+from megatron_dualpipe.megatron.training.data import SyntheticData, sample_tokens
 
 SEQ, VOCAB, MBS = 16, 128, 2
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dualpipe.training import launch, load_config
+from megatron_dualpipe.megatron.training import launch, load_config
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_gpt_cpu.yaml"
 _LAUNCH_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")

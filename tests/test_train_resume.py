@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dualpipe.training import TrainError, load_config, train
+from megatron_dualpipe.megatron.training import TrainError, load_config, train
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_gpt_cpu.yaml"
 ITERATIONS, SAVED_AT = 10, 5

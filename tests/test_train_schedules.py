@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dualpipe.training import load_config, train
+from megatron_dualpipe.megatron.training import load_config, train
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_gpt_cpu.yaml"
 SCHEDULES = ("1f1b", "zb1p", "dualpipe", "dualpipev", "interleaved-1f1b")

@@ -31,7 +31,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.utils import unwrap_model
 
-from ..megatron.registry import get_forward_backward_func, install
+from ..registry import get_forward_backward_func, install
 from .checkpoint import TrainState, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .data import MicroBatch, SyntheticData

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from ..megatron.checks import MEGATRON_SCHEDULES, OUR_SCHEDULES, DualPipeConfigError, check_run
+from ..checks import MEGATRON_SCHEDULES, OUR_SCHEDULES, DualPipeConfigError, check_run
 
 __all__ = ["config_from_values", "ConfigError", "TrainConfig", "load_config", "parse_overrides"]
 

@@ -31,11 +31,11 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from ..megatron.checks import OUR_SCHEDULES
-from ..megatron.deferral import ddp_config_for_deferral, enable_weight_grad_deferral
-from ..megatron.mirror import prepare_mirrors
-from ..megatron.placement import StagePlacementLayout, chunk_roles
-from ..megatron.tiny_models import global_named_parameters
+from ..checks import OUR_SCHEDULES
+from ..deferral import ddp_config_for_deferral, enable_weight_grad_deferral
+from ..mirror import prepare_mirrors
+from ..placement import StagePlacementLayout, chunk_roles
+from ..tiny_models import global_named_parameters
 from .config import TrainConfig
 
 __all__ = ["build_model", "transformer_config"]

@@ -1,4 +1,5 @@
-"""Layer 4: ``megatron-dualpipe train``, a pretraining loop on megatron-core.
+"""The pretraining loop behind ``megatron-dualpipe train``, on megatron-core (part of the
+Megatron adapter layer: the only layer that imports megatron.core).
 
 - :mod:`.config`: the YAML config, read and validated into a :class:`TrainConfig`
   (no torch or megatron import);

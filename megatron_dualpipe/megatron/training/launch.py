@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..megatron.cpu_compat import apply_cpu_compat
+from ..cpu_compat import apply_cpu_compat
 from .checkpoint import check_loadable
 from .config import ConfigError, TrainConfig
 from .errors import TrainError

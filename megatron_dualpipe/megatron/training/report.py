@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 from typing import TextIO
 
-from ..schedules.simulate import SimResult
+from ...schedules.simulate import SimResult
 
 __all__ = [
     "IterationLog",

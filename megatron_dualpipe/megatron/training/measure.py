@@ -28,12 +28,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules as megatron_schedules
 
-from ..megatron.checks import OUR_SCHEDULES
-from ..runtime import PipelineExecutor, RankTimeline, gather_timeline
-from ..schedules.export import to_png
-from ..schedules.generators import generate
-from ..schedules.ir import Action, Kind, Schedule
-from ..schedules.simulate import SimResult, simulate
+from ...runtime import PipelineExecutor, RankTimeline, gather_timeline
+from ...schedules.export import to_png
+from ...schedules.generators import generate
+from ...schedules.ir import Action, Kind, Schedule
+from ...schedules.simulate import SimResult, simulate
+from ..checks import OUR_SCHEDULES
 
 __all__ = ["StepRecorder", "predict", "write_side_by_side_png"]
 
