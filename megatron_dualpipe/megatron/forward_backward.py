@@ -26,7 +26,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.utils import get_model_config
 
-from ..runtime import PipelineExecutor, TensorSpec
+from ..runtime import PipelineExecutor, RankTimeline, TensorSpec
 from ..schedules.generators import generate
 from ..schedules.ir import Action, Kind, Schedule
 from .checks import check_model, check_run
@@ -34,7 +34,23 @@ from .mirror import sync_mirror_gradients
 from .placement import chunk_roles
 from .stage import MegatronStage, StepInputs
 
-__all__ = ["make_forward_backward_func"]
+__all__ = ["make_forward_backward_func", "record_timelines"]
+
+#: Where recorded steps go while :func:`record_timelines` is active.
+_timeline_sink: Callable[[RankTimeline, Schedule], None] | None = None
+
+
+@contextlib.contextmanager
+def record_timelines(sink: Callable[[RankTimeline, Schedule], None]) -> Iterator[None]:
+    """Within the block, every step of our schedules records its timeline (each action's
+    start and end; ranks aligned by a barrier first) and hands it to ``sink`` with the
+    schedule. Megatron's signature has no room for this, hence a context."""
+    global _timeline_sink
+    previous, _timeline_sink = _timeline_sink, sink
+    try:
+        yield
+    finally:
+        _timeline_sink = previous
 
 
 def make_forward_backward_func(schedule: str) -> Callable[..., list[Any]]:
@@ -251,11 +267,15 @@ def _forward_backward(
     if not forward_only:
         for chunk in range(len(model)):
             grad_sync.disable(chunk)
-    executor.run(
+    sink = _timeline_sink
+    result = executor.run(
         entering,
         forward_only=forward_only,
         action_context=None if forward_only else grad_sync.around,
+        record_timeline=sink is not None,
     )
+    if sink is not None:
+        sink(result.timeline, schedule)
     for stage in stages:
         stage.begin_step(None, None)
 

@@ -1,9 +1,8 @@
 """Measure one training step's timeline on every pipeline rank, under any schedule.
 
 - Our schedules (zb1p, dualpipe, dualpipev): the runtime executor records the step itself
-  (``PipelineExecutor.run(record_timeline=True)``): every F, B, W, BW and FB with its
-  start and end. The forward-backward function does not expose that argument, so while a
-  :class:`StepRecorder` is active ``PipelineExecutor.run`` is called with it set.
+  (every F, B, W, BW and FB with its start and end), asked through
+  :func:`..forward_backward.record_timelines`.
 - Megatron's own schedules (1f1b, interleaved-1f1b): Megatron's ``forward_step`` and
   ``backward_step`` (looked up by name in ``megatron.core.pipeline_parallel.schedules``
   at each call) are timed while the recorder is active: each forward is an F and each
@@ -28,12 +27,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules as megatron_schedules
 
-from ...runtime import PipelineExecutor, RankTimeline, gather_timeline
+from ...runtime import RankTimeline, gather_timeline
 from ...schedules.export import to_png
 from ...schedules.generators import generate
 from ...schedules.ir import Action, Kind, Schedule
 from ...schedules.simulate import SimResult, simulate
 from ..checks import OUR_SCHEDULES
+from ..forward_backward import record_timelines
 
 __all__ = ["StepRecorder", "predict", "write_side_by_side_png"]
 
@@ -56,10 +56,12 @@ class StepRecorder:
         self.timeline: RankTimeline | None = None
         self.schedule: Schedule | None = None
         self._restore: list[tuple[Any, str, Any]] = []
+        self._recording: Any = None
 
     def __enter__(self) -> StepRecorder:
         if self.schedule_name in OUR_SCHEDULES:
-            self.patch(PipelineExecutor, "run", self._recording_run(PipelineExecutor.run))
+            self._recording = record_timelines(self._keep)
+            self._recording.__enter__()
         else:
             chunks = len(self.model)
             options = {"chunks": chunks} if chunks > 1 else {}
@@ -70,6 +72,9 @@ class StepRecorder:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._recording is not None:
+            self._recording.__exit__(None, None, None)
+            self._recording = None
         for owner, name, original in reversed(self._restore):
             setattr(owner, name, original)
         self._restore.clear()
@@ -79,15 +84,8 @@ class StepRecorder:
         self._restore.append((owner, name, getattr(owner, name)))
         setattr(owner, name, replacement)
 
-    def _recording_run(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def run(executor: PipelineExecutor, *args: Any, **kwargs: Any) -> Any:
-            kwargs["record_timeline"] = True
-            result = original(executor, *args, **kwargs)
-            self.timeline, self.schedule = result.timeline, executor.schedule
-            return result
-
-        return run
+    def _keep(self, timeline: RankTimeline, schedule: Schedule) -> None:
+        self.timeline, self.schedule = timeline, schedule
 
     def gather(self) -> SimResult | None:
         """The measured step on pipeline rank 0 (None elsewhere); collective."""
