@@ -103,7 +103,7 @@ def _load(path: Path) -> Schedule:
 
 
 def _simulate_one(schedule: Schedule, args: argparse.Namespace) -> SimResult:
-    validate(schedule)
+    validate(schedule, dry_run=False)  # simulate() below is the dry run
     cost = CostModel.parse(args.cost, latency=args.latency)
     if args.cost_per == "rank":
         p = schedule.placement
