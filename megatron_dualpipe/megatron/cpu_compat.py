@@ -117,6 +117,14 @@ _TORCH_ON_CPU_SITES: tuple[tuple[str, str], ...] = (
         "megatron.core.optimizer.distrib_optimizer",
         "distrib_optimizer.py:791, :1077 buffers on torch.cuda.current_device()",
     ),
+    (
+        "megatron.core.dist_checkpointing.strategies.filesystem_async",
+        "filesystem_async.py:230 torch.cuda.synchronize() after staging tensors to the host",
+    ),
+    (
+        "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+        "state_dict_saver.py:252 a failure flag on torch.cuda.current_device()",
+    ),
 )
 
 # Tensor factories whose ``device="cuda"`` the CPU view maps to the CPU.

@@ -7,8 +7,7 @@ Megatron adapter layer: the only layer that imports megatron.core).
 - :mod:`.model`: this rank's model chunks under the schedule's placement, in DDP;
 - :mod:`.optim`: Megatron's optimizer and learning-rate scheduler;
 - :mod:`.loop`: one rank's run (train, evaluate, log, checkpoint, measure);
-- :mod:`.checkpoint`: layout-agnostic dist_checkpointing checkpoints
-  (:mod:`.cpu_saving` lets them be saved without CUDA);
+- :mod:`.checkpoint`: layout-agnostic dist_checkpointing checkpoints;
 - :mod:`.measure`: one step's measured timeline beside the simulator's;
 - :mod:`.report`: the printed lines;
 - :mod:`.launch`: torchrun, srun or the embedded CPU launcher, and :func:`train`;

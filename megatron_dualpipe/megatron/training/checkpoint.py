@@ -35,8 +35,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import unwrap_model
 
+from ..cpu_compat import apply_cpu_compat
 from .config import TrainConfig
-from .cpu_saving import allow_cpu_saving
 from .errors import TrainError
 
 __all__ = [
@@ -150,7 +150,7 @@ def save_checkpoint(
     """Save a checkpoint of ``state.iteration`` under ``cfg.save``; collective. Returns its
     directory. The tracker file is written after every rank has saved."""
     assert cfg.save is not None
-    allow_cpu_saving()
+    apply_cpu_compat()  # dist_checkpointing's writer assumes CUDA (no-op with CUDA)
     directory = _iteration_dir(cfg.save, state.iteration)
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
