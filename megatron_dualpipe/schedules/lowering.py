@@ -11,6 +11,8 @@ queue (at PP=2 the previous and next rank are the same rank).
 
 from __future__ import annotations
 
+from functools import partial
+
 from .ir import COMM_KINDS, Action, Kind, Placement, Schedule
 
 __all__ = ["lower", "message_key", "peer_of", "Channel"]
@@ -56,6 +58,10 @@ def _remote_neighbours(placement: Placement) -> tuple[list[bool], list[bool]]:
     return prev_remote, next_remote
 
 
+# Actions built without NamedTuple's Python-level __new__: lowering makes ~10^5 of them.
+_new_action = partial(tuple.__new__, Action)
+
+
 def lower(schedule: Schedule) -> Schedule:
     """Return ``schedule`` with its communication inserted (compute order unchanged)."""
     prev_remote, next_remote = _remote_neighbours(schedule.placement)
@@ -71,14 +77,14 @@ def lower(schedule: Schedule) -> Schedule:
                 s, m, c = half.stage, half.microbatch, half.chunk
                 if half.kind is Kind.F:
                     if prev_remote[s]:
-                        before.append(Action(Kind.RECV_F, s, m, c))
+                        before.append(_new_action((Kind.RECV_F, s, m, c, ())))
                     if next_remote[s]:
-                        after.append(Action(Kind.SEND_F, s, m, c))
+                        after.append(_new_action((Kind.SEND_F, s, m, c, ())))
                 elif half.kind is not Kind.W:
                     if next_remote[s]:
-                        before.append(Action(Kind.RECV_B, s, m, c))
+                        before.append(_new_action((Kind.RECV_B, s, m, c, ())))
                     if prev_remote[s]:
-                        after.append(Action(Kind.SEND_B, s, m, c))
+                        after.append(_new_action((Kind.SEND_B, s, m, c, ())))
             lowered += before
             lowered.append(action)
             lowered += after

@@ -17,31 +17,34 @@ __all__ = ["validate"]
 
 
 def _check_placement(schedule: Schedule) -> None:
+    """Every action names a stage of its own rank, with that stage's chunk, and a
+    micro-batch that passes that stage."""
     p = schedule.placement
     if len(schedule.ranks) != p.num_ranks:
         raise ScheduleError(
             f"the schedule lists {len(schedule.ranks)} ranks, its placement {p.num_ranks}"
         )
+    where = [(p.rank_of(s), p.chunk_of(s)) for s in range(p.num_stages)]
     for rank, actions in enumerate(schedule.ranks):
         for action in actions:
-            for half in action.computes:
-                p.check_stage(half.stage)
-                if p.rank_of(half.stage) != rank:
+            for half in action.sub or (action,):
+                stage, mb = half.stage, half.microbatch
+                p.check_stage(stage)
+                owner, chunk = where[stage]
+                if owner != rank:
                     raise ScheduleError(
-                        f"rank {rank}: {half} runs stage {half.stage}, which lives on rank "
-                        f"{p.rank_of(half.stage)}"
+                        f"rank {rank}: {half} runs stage {stage}, which lives on rank {owner}"
                     )
-                if half.chunk != p.chunk_of(half.stage):
+                if half.chunk != chunk:
                     raise ScheduleError(
-                        f"rank {rank}: {half} names chunk {half.chunk}, stage {half.stage} is "
-                        f"chunk {p.chunk_of(half.stage)}"
+                        f"rank {rank}: {half} names chunk {half.chunk}, stage {stage} is "
+                        f"chunk {chunk}"
                     )
-                if not 0 <= half.microbatch < p.num_microbatches:
+                if not 0 <= mb < p.num_microbatches:
                     raise ScheduleError(f"rank {rank}: {half} names a micro-batch out of range")
-                if half.kind in COMPUTE_PLAIN and half.stage not in p.path(half.microbatch):
+                if half.kind in COMPUTE_PLAIN and stage not in p.path(mb):
                     raise ScheduleError(
-                        f"rank {rank}: {half}: micro-batch {half.microbatch} does not pass "
-                        f"stage {half.stage}"
+                        f"rank {rank}: {half}: micro-batch {mb} does not pass stage {stage}"
                     )
 
 
