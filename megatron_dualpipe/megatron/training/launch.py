@@ -7,12 +7,12 @@ Three ways, decided by the environment:
   ``MASTER_ADDR`` and ``MASTER_PORT`` exported by the batch script): this process is one
   rank; the launcher's world size replaces the config's ``world_size``.
 - **embedded** (neither, and no GPU): this process forks ``world_size`` CPU ranks after
-  importing megatron (about a second each instead of a fresh import), joined over gloo.
-  Rank 0 hosts the rendezvous on a port picked here (retried on a fresh port if another
-  process takes it first). A failing rank's traceback is raised here as
-  :class:`LaunchError` after the others get a short grace period; the rest are killed, as
-  are all ranks if this process is interrupted. Hangs end as errors through the process
-  groups' timeout (``distributed_timeout_minutes``).
+  importing megatron (about a second each instead of a fresh import), joined over gloo
+  (:mod:`megatron_dualpipe.runtime.launch`). Rank 0 hosts the rendezvous on a port picked
+  here (retried on a fresh port if another process takes it first). A failing rank's
+  traceback is raised here as :class:`LaunchError` after the others get a short grace
+  period; the rest are killed, as are all ranks if this process is interrupted. Hangs end
+  as errors through the process groups' timeout (``distributed_timeout_minutes``).
 - with a GPU and no launcher: one rank in this process when ``world_size`` is 1; more
   need torchrun or srun.
 
@@ -23,25 +23,16 @@ model exists. Configuration problems are reported before any process-group work.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import importlib.util
-import multiprocessing
-import multiprocessing.connection
 import os
-import pickle
-import signal
 import socket
-import sys
-import time
-import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ...runtime.launch import LaunchFailure, run_ranks
 from ..cpu_compat import apply_cpu_compat
 from .checkpoint import check_loadable
 from .config import ConfigError, TrainConfig
@@ -52,9 +43,6 @@ from .model import transformer_config
 __all__ = ["LaunchError", "RankEnv", "launcher_env", "train"]
 
 _HOST = "127.0.0.1"
-#: After the first failing rank, how long the others get to report before being killed.
-_GRACE_S = 2.0
-_RENDEZVOUS_ATTEMPTS = 3
 
 
 class LaunchError(TrainError):
@@ -179,148 +167,26 @@ def _free_port() -> int:
 
 
 def _run_forked(cfg: TrainConfig) -> TrainResult:
+    """Fork the configured world size here (the runtime's launcher) and return rank 0's
+    result with the lines every rank printed."""
     world = cfg.launch_world_size
-    for attempt in range(_RENDEZVOUS_ATTEMPTS):
-        results, errors = _fork_once(cfg, world, _free_port())
-        rendezvous_failed = errors and all(kind == "setup" for _, kind, _ in errors)
-        if not rendezvous_failed or attempt + 1 == _RENDEZVOUS_ATTEMPTS:
-            break
-    if errors:
-        rank, _, text = errors[0]
-        raise LaunchError(f"rank {rank} of {world} failed: {text}")
+    try:
+        results = run_ranks(
+            _train_rank,
+            world,
+            args=(cfg,),
+            timeout_s=None,
+            pg_timeout_s=60.0 * cfg.distributed_timeout_minutes,
+            threads_per_rank=max(1, (os.cpu_count() or 1) // world),
+            plain_errors=(ConfigError, TrainError),
+        )
+    except LaunchFailure as failure:
+        raise LaunchError(failure.first) from None
     merged = results[0]
-    merged.lines = [line for r in range(world) for line in results[r].lines]
+    merged.lines = [line for result in results for line in result.lines]
     return merged
 
 
-def _fork_once(
-    cfg: TrainConfig, world: int, port: int
-) -> tuple[dict[int, TrainResult], list[tuple[int, str, str]]]:
-    """Fork the ranks once; returns their results and their errors (rank, kind, text),
-    the earliest failure first. No rank outlives the call."""
-    ctx = multiprocessing.get_context("fork")
-    procs, pending = [], {}
-    try:
-        for rank in range(world):
-            receive, send = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=_rank_main,
-                args=(send, os.getpid(), cfg, rank, world, port),
-                name=f"rank{rank}",
-            )
-            proc.start()
-            send.close()
-            with contextlib.suppress(OSError):
-                os.setpgid(proc.pid, 0)
-            procs.append(proc)
-            pending[receive] = rank
-        return _collect(pending)
-    finally:
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.join()
-        for conn in pending:
-            conn.close()
-
-
-def _collect(
-    pending: dict[Any, int],
-) -> tuple[dict[int, TrainResult], list[tuple[int, str, str]]]:
-    results: dict[int, TrainResult] = {}
-    failed: list[tuple[float, int, str, str]] = []
-    waiting = dict(pending)
-    deadline = None
-    while waiting:
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ready = multiprocessing.connection.wait(list(waiting), timeout=timeout)
-        if not ready:
-            break
-        for conn in ready:
-            rank = waiting.pop(conn)
-            try:
-                status, payload, when = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError):
-                status, payload, when = (
-                    "error",
-                    "the rank exited without a report",
-                    time.monotonic(),
-                )
-            if status == "ok":
-                results[rank] = payload
-            else:
-                failed.append((when, rank, status, payload))
-        if failed and deadline is None:
-            deadline = time.monotonic() + _GRACE_S
-    return results, [(rank, kind, text) for _, rank, kind, text in sorted(failed)]
-
-
-def _rank_main(
-    conn: multiprocessing.connection.Connection,
-    parent: int,
-    cfg: TrainConfig,
-    rank: int,
-    world: int,
-    port: int,
-) -> None:
-    """One forked rank: report ("ok", result) or (kind, error) and leave by os._exit. The
-    error is the message of a ConfigError or TrainError (a problem the message explains),
-    else the exception and its traceback."""
-    code = 1
-    try:
-        with contextlib.suppress(OSError):
-            os.setpgid(0, 0)
-        _die_with(parent)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        os.environ.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(rank),
-            MASTER_ADDR=_HOST,
-            MASTER_PORT=str(port),
-        )
-        try:
-            dist.init_process_group(
-                "gloo",
-                init_method="env://",
-                rank=rank,
-                world_size=world,
-                timeout=timedelta(minutes=cfg.distributed_timeout_minutes),
-            )
-        except BaseException:
-            _report(conn, "setup", traceback.format_exc())
-        else:
-            try:
-                result = run_rank(cfg)
-            except (ConfigError, TrainError) as err:
-                _report(conn, "error", str(err))
-            except BaseException as err:
-                _report(conn, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
-            else:
-                dist.destroy_process_group()
-                _report(conn, "ok", result)
-        code = 0
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
-
-
-def _report(conn: multiprocessing.connection.Connection, status: str, payload: Any) -> None:
-    try:
-        message = pickle.dumps((status, payload, time.monotonic()))
-    except Exception:
-        text = "the result could not be pickled:\n" + traceback.format_exc()
-        message = pickle.dumps(("error", text, time.monotonic()))
-    conn.send_bytes(message)
-    conn.close()
-
-
-def _die_with(parent: int) -> None:
-    """Have Linux kill this rank when the launching process dies."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:
-        os._exit(1)
+def _train_rank(rank: int, world_size: int, cfg: TrainConfig) -> TrainResult:
+    del rank, world_size  # the launcher set RANK / WORLD_SIZE and the process group
+    return run_rank(cfg)

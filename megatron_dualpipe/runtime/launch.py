@@ -1,0 +1,296 @@
+"""Run a function on N forked CPU+gloo ranks and collect what each returns.
+
+Forked, not spawned: the caller imports torch (and whatever the ranks need, megatron
+included) once, and every rank starts from that state in about a second. Rank 0 hosts the
+rendezvous store on a port the parent picked (never handed out twice in one process): the
+parent must not host it, since forking while its server thread runs deadlocks a child now
+and then. A rare loss of that port between pick and bind shows up as a failure before
+``fn`` starts, and the launch is retried on a fresh port.
+
+A call never hangs and leaves nothing behind: after the first failure the other ranks get
+a short grace to report (usually a broken connection), then every rank still running is
+killed with SIGKILL together with its process group; so it is at ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["LaunchFailure", "run_ranks"]
+
+_HOST = "127.0.0.1"
+_FAILURE_GRACE_S = 2.0
+_LAUNCH_ATTEMPTS = 3
+_ports_handed_out: set[int] = set()
+
+
+class LaunchFailure(RuntimeError):
+    """Some ranks failed or overran the deadline (and were killed).
+
+    ``errors`` are (rank, kind, text), kind "setup" (before ``fn`` ran) or "error", in the
+    order the ranks failed, so the root cause comes first; ``unfinished`` are the ranks
+    killed at the deadline or after the first failure."""
+
+    def __init__(
+        self,
+        world_size: int,
+        errors: list[tuple[int, str, str]],
+        unfinished: list[int],
+        timeout_s: float | None,
+    ) -> None:
+        self.world_size, self.errors, self.unfinished = world_size, errors, unfinished
+        if errors:
+            rank, _, text = errors[0]
+            parts = [f"--- rank {r} ({kind}) ---\n{t}" for r, kind, t in errors]
+            if unfinished:
+                parts.append(f"(ranks {unfinished} were killed after the first failure)")
+            message = (
+                f"{len(errors)} of {world_size} ranks failed, first rank {rank}: "
+                f"{text.splitlines()[0] if text else '?'}\n" + "\n".join(parts)
+            )
+        else:
+            message = (
+                f"ranks {unfinished} of {world_size} did not finish within {timeout_s:.1f} s "
+                "and were killed"
+            )
+        super().__init__(message)
+
+    @property
+    def first(self) -> str:
+        """One line for the root cause: ``rank R of N failed: <its text>``, or the ranks
+        that overran the deadline."""
+        if not self.errors:
+            return str(self)
+        rank, _, text = self.errors[0]
+        return f"rank {rank} of {self.world_size} failed: {text}"
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: Sequence[Any] = (),
+    timeout_s: float | None = 60.0,
+    pg_timeout_s: float = 10.0,
+    threads_per_rank: int = 1,
+    plain_errors: tuple[type[BaseException], ...] = (),
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked ranks, each with the
+    default gloo process group (``pg_timeout_s``) and the torchrun environment variables
+    set; return their picklable results in rank order, or raise :class:`LaunchFailure`.
+
+    ``timeout_s`` None waits as long as the ranks run. An exception of a ``plain_errors``
+    type is reported by its message alone (it explains itself); others as
+    ``Type: message`` followed by the traceback.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    deadline = float("inf") if timeout_s is None else time.monotonic() + timeout_s
+    for attempt in range(1, _LAUNCH_ATTEMPTS + 1):
+        results, errors, unfinished = _launch(
+            fn, world_size, tuple(args), deadline, pg_timeout_s, threads_per_rank, plain_errors
+        )
+        setup_failed = errors and all(kind == "setup" for _, kind, _ in errors)
+        if not (setup_failed and attempt < _LAUNCH_ATTEMPTS and time.monotonic() < deadline):
+            break
+        print(f"run_ranks: rendezvous failed (attempt {attempt}), retrying", file=sys.stderr)
+    if errors or unfinished:
+        raise LaunchFailure(world_size, errors, unfinished, timeout_s)
+    return [results[rank] for rank in range(world_size)]
+
+
+def _launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...],
+    deadline: float,
+    pg_timeout_s: float,
+    threads: int,
+    plain_errors: tuple[type[BaseException], ...],
+) -> tuple[dict[int, Any], list[tuple[int, str, str]], list[int]]:
+    """Fork the ranks once, collect their reports, and leave none running."""
+    ctx = multiprocessing.get_context("fork")
+    port = _pick_port()
+    procs: list[multiprocessing.process.BaseProcess] = []
+    conns: dict[Any, int] = {}
+    try:
+        for rank in range(world_size):
+            recv_end, send_end = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_rank_main,
+                args=(
+                    send_end,
+                    os.getpid(),
+                    fn,
+                    rank,
+                    world_size,
+                    args,
+                    port,
+                    pg_timeout_s,
+                    threads,
+                    plain_errors,
+                ),
+                name=f"rank{rank}",
+            )
+            proc.start()
+            send_end.close()
+            _own_process_group(proc.pid)
+            procs.append(proc)
+            conns[recv_end] = rank
+        return _collect(conns, deadline)
+    finally:
+        for proc in procs:
+            _kill_tree(proc.pid)
+        for proc in procs:
+            proc.join()
+            proc.close()
+        for conn in conns:
+            conn.close()
+
+
+def _pick_port() -> int:
+    """A port free right now that this process has not handed out before."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((_HOST, 0))
+            port = sock.getsockname()[1]
+        if port not in _ports_handed_out:
+            _ports_handed_out.add(port)
+            return port
+
+
+def _collect(
+    conns: dict[Any, int], deadline: float
+) -> tuple[dict[int, Any], list[tuple[int, str, str]], list[int]]:
+    """Read one report per rank until all reported, the deadline, or a failure (plus the
+    grace); errors in the order the ranks failed (each rank's own clock reading)."""
+    results: dict[int, Any] = {}
+    failed: list[tuple[float, int, str, str]] = []
+    pending = dict(conns)
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        timeout = None if remaining == float("inf") else remaining
+        for conn in multiprocessing.connection.wait(list(pending), timeout=timeout):
+            rank = pending.pop(conn)
+            try:
+                status, payload, when = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                status, payload = "error", "the rank exited without reporting a result"
+                when = time.monotonic()
+            if status == "ok":
+                results[rank] = payload
+            else:
+                failed.append((when, rank, status, payload))
+        if failed:
+            deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
+    errors = [(rank, kind, text) for _, rank, kind, text in sorted(failed)]
+    return results, errors, sorted(pending.values())
+
+
+def _rank_main(
+    conn: multiprocessing.connection.Connection,
+    parent_pid: int,
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    args: tuple[Any, ...],
+    port: int,
+    pg_timeout_s: float,
+    threads: int,
+    plain_errors: tuple[type[BaseException], ...],
+) -> None:
+    """One forked rank: report ("ok", result, t) or (kind, text, t) and leave by os._exit,
+    so no inherited machinery (pytest, atexit) runs twice. A failure is reported before
+    the process group goes down, so the peers it disconnects report later."""
+    exit_code = 1
+    try:
+        _own_process_group(0)
+        _die_with_parent(parent_pid)
+        try:
+            os.environ.update(
+                MASTER_ADDR=_HOST,
+                MASTER_PORT=str(port),
+                RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world_size),
+            )
+            torch.set_num_threads(threads)
+            dist.init_process_group(
+                "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
+            )
+        except BaseException:
+            _report(conn, "setup", traceback.format_exc())
+        else:
+            try:
+                result = fn(rank, world_size, *args)
+            except plain_errors as err:
+                _report(conn, "error", str(err))
+            except BaseException as err:
+                _report(conn, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
+            else:
+                dist.destroy_process_group()
+                _report(conn, "ok", result)
+        exit_code = 0
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # a closed stream must not stop the exit
+                stream.flush()
+        os._exit(exit_code)
+
+
+def _report(conn: multiprocessing.connection.Connection, status: str, payload: Any) -> None:
+    when = time.monotonic()
+    try:
+        message = pickle.dumps((status, payload, when))
+    except Exception:
+        text = "the result could not be pickled:\n" + traceback.format_exc()
+        message = pickle.dumps(("error", text, when))
+    conn.send_bytes(message)
+    conn.close()
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """On Linux, have the kernel SIGKILL this rank when the parent dies; the rank runs in
+    its own process group, out of reach of a kill aimed at the parent's group."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            pr_set_pdeathsig = 1
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before the request took effect
+        os._exit(1)
+
+
+def _own_process_group(pid: int) -> None:
+    """Make ``pid`` (0: this process) lead its own process group; done on both sides of
+    the fork so a kill right after start still reaches the whole group."""
+    with contextlib.suppress(OSError):  # already exited, or done by the other side
+        os.setpgid(pid, 0)
+
+
+def _kill_tree(pid: int | None) -> None:
+    """SIGKILL a rank's process group (the rank and anything it started)."""
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
