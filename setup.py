@@ -16,7 +16,6 @@ setup(
     install_requires=[
         "matplotlib>=3.7",
         "PyYAML>=6.0",
-        "scipy>=1.11",
     ],
     extras_require={
         # Users bring their own (CUDA) torch; megatron-core needs torch >= 2.6.

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .megatron.registry import Installation
+
 __version__ = "0.1.0"
 
 
-def install(pipeline_schedule: str | None = None) -> None:
-    """Register our schedules with Megatron-Core: every ``get_forward_backward_func`` that
-    megatron modules imported returns ours for ``zb1p``, ``dualpipe``, ``dualpipev``.
-    Idempotent; ``pipeline_schedule`` records the run's schedule (see
-    ``megatron_dualpipe.megatron.registry``)."""
+def install(pipeline_schedule: str, *, timeout_s: float = 600.0) -> Installation:
+    """Opt-in patch: make ``get_forward_backward_func`` in every imported megatron module
+    return ``pipeline_schedule``'s forward-backward function (for code that cannot call
+    ours directly). Undo it with the returned object's ``undo()``, its ``with`` block, or
+    :func:`uninstall`. See ``megatron_dualpipe.megatron.registry``."""
     from .megatron.registry import install as _install
 
-    _install(pipeline_schedule)
+    return _install(pipeline_schedule, timeout_s=timeout_s)
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (no-op when nothing is installed)."""
+    from .megatron.registry import uninstall as _uninstall
+
+    _uninstall()

@@ -1,4 +1,8 @@
-"""The ``megatron-dualpipe`` command: ``simulate``, ``train`` and ``bench``."""
+"""The ``megatron-dualpipe`` command: ``simulate``, ``train`` and ``bench``.
+
+Importing this module imports neither torch nor megatron: ``simulate`` is pure Python, and
+``train`` and ``bench`` import what they need when they run.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +12,10 @@ import sys
 from pathlib import Path
 
 from .bench import SECTIONS
-from .bench.launch import BenchError
-from .megatron.training import ConfigError, TrainError
+from .errors import DualPipeError
 from .schedules.cost import CostModel
-from .schedules.generators import GENERATORS, generate
 from .schedules.ir import Schedule, ScheduleError
+from .schedules.registry import SCHEDULES, generate, spec
 from .schedules.report import comparison_table, rank_table
 from .schedules.simulate import SimResult, simulate
 from .schedules.validate import validate
@@ -26,7 +29,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         help="simulate a pipeline schedule under a cost model",
         description="Generate, validate and simulate a schedule; print its figures.",
     )
-    p.add_argument("--schedule", default="dualpipev", choices=[*GENERATORS, "all"])
+    p.add_argument("--schedule", default="dualpipev", choices=[*SCHEDULES, "all"])
     p.add_argument("--pp", type=int, default=4, help="pipeline-parallel ranks")
     p.add_argument("--microbatches", type=int, default=None, help="default: 2 x PP + 2")
     p.add_argument("--chunks", type=int, default=2, help="stages per rank for interleaved-1f1b")
@@ -140,15 +143,15 @@ def _run_simulate(args: argparse.Namespace) -> None:
         schedules, skipped = [_load(args.load)], {}
     else:
         mbs = args.microbatches if args.microbatches is not None else 2 * args.pp + 2
-        names = list(GENERATORS) if args.schedule == "all" else [args.schedule]
+        names = list(SCHEDULES) if args.schedule == "all" else [args.schedule]
         schedules, skipped = [], {}
         for name in names:
-            options = {"chunks": args.chunks} if name == "interleaved-1f1b" else {}
+            options = {"chunks": args.chunks} if spec(name).chunks is None else {}
             try:
                 schedules.append(generate(name, args.pp, mbs, **options))
             except ScheduleError as err:
                 if len(names) == 1:
-                    raise
+                    raise ScheduleError(f"{err}: change --microbatches or --pp") from None
                 skipped[name] = str(err)
     results = [_simulate_one(s, args) for s in schedules]
     if len(results) == 1:
@@ -182,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             _run_train(args)
         elif args.command == "bench":
             _run_bench(args)
-    except (ScheduleError, OSError, BenchError, ConfigError, TrainError) as err:
+    except (DualPipeError, OSError) as err:
         print(f"megatron-dualpipe: error: {err}", file=sys.stderr)
         return 2
     return 0

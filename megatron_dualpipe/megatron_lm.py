@@ -5,8 +5,10 @@
 
 - :func:`add_arguments`: the ``extra_args_provider`` part that adds ``--pipeline-schedule``;
 - :func:`apply`: right after Megatron validated its arguments, before any process-group
-  work: checks the combination (one sentence saying what to change) and calls
-  :func:`megatron_dualpipe.install`;
+  work: checks the combination (one sentence saying what to change);
+- :func:`forward_backward_func`: where Megatron-LM's ``train`` and ``evaluate`` ask for
+  their forward-backward function, ours for our schedules (one object per run, kept with
+  the run's ``args``; nothing is patched);
 - :func:`build_model_chunks` / :func:`prepare_model`: ``get_model``'s chunk 0 and chunk 1
   in the schedule's placement (V for dualpipev, mirrored copies for dualpipe);
 - :func:`full_batch_on_this_rank`: a rank that holds both an embedding and a loss needs the
@@ -21,16 +23,19 @@ from __future__ import annotations
 
 import argparse
 import sys
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .megatron.checks import MEGATRON_SCHEDULES, OUR_SCHEDULES, DualPipeConfigError, check_run
+from .megatron.checks import DualPipeConfigError, check_run, schedule_spec
+from .schedules.registry import SCHEDULES
 
 __all__ = [
     "PIPELINE_SCHEDULES",
     "add_arguments",
     "apply",
     "build_model_chunks",
+    "forward_backward_func",
     "full_batch_on_this_rank",
     "losses_on_last_stage",
     "places_model_chunks",
@@ -38,18 +43,20 @@ __all__ = [
 ]
 
 #: Every value of ``--pipeline-schedule``.
-PIPELINE_SCHEDULES = (*MEGATRON_SCHEDULES, *OUR_SCHEDULES)
-#: Schedules whose ranks hold two model chunks that this module places.
-_TWO_CHUNK_SCHEDULES = ("dualpipe", "dualpipev")
+PIPELINE_SCHEDULES = tuple(SCHEDULES)
+#: The forward-backward object of each Megatron-LM run by ``id(args)``, kept as long as its
+#: ``args`` live (a Namespace compares by value, so it cannot key a weak dictionary).
+_RUNS: dict[int, tuple[weakref.ref, Callable[..., Any]]] = {}
 
-_HELP = (
-    "pipeline-parallel schedule: 1f1b and interleaved-1f1b are Megatron's own (interleaved "
-    "needs a virtual pipeline); zb1p (zero-bubble 1F1B), dualpipe (two model copies, data "
-    "entering at both ends; even PP) and dualpipev (V-shaped placement, embedding, head and "
-    "loss on pipeline rank 0) run megatron-dualpipe's runtime, with every backward split into "
-    "dX and a deferred dW. dualpipe and dualpipev need at least 2 x PP micro-batches per step "
-    "and untied embeddings. Default: Megatron's own choice."
-)
+
+def _help() -> str:
+    """``--pipeline-schedule``'s help, from the registry."""
+    parts = [f"{s.name}: {s.summary} ({s.runner.value} runs it)" for s in SCHEDULES.values()]
+    return (
+        "pipeline-parallel schedule; "
+        + "; ".join(parts)
+        + ". Default: Megatron's own choice (1f1b, or interleaved-1f1b with a virtual pipeline)."
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -63,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=PIPELINE_SCHEDULES,
         default=None,
         metavar="{" + ",".join(PIPELINE_SCHEDULES) + "}",
-        help=_HELP,
+        help=_help(),
     )
     return parser
 
@@ -80,19 +87,21 @@ def _num_microbatches(args: Any) -> int:
 
 def _check(args: Any) -> None:
     schedule = _schedule(args)
+    found = schedule_spec(schedule)
     vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
     pp = args.pipeline_model_parallel_size
-    if schedule == "1f1b" and vp is not None and vp > 1:
+    if found.chunks == 1 and vp is not None and vp > 1:
         raise DualPipeConfigError(
-            "1f1b runs one model chunk per rank: unset --num-layers-per-virtual-pipeline-stage "
-            "/ --virtual-pipeline-model-parallel-size, or choose interleaved-1f1b"
+            f"{schedule} runs one model chunk per rank: unset "
+            "--num-layers-per-virtual-pipeline-stage / --virtual-pipeline-model-parallel-size, "
+            "or choose interleaved-1f1b"
         )
-    if schedule == "interleaved-1f1b" and (vp is None or vp < 2 or pp < 2):
+    if found.chunks is None and (vp is None or vp < 2 or pp < found.min_ranks):
         raise DualPipeConfigError(
-            "interleaved-1f1b needs pipeline parallelism with two or more model chunks per rank: "
+            f"{schedule} needs pipeline parallelism with two or more model chunks per rank: "
             "set --pipeline-model-parallel-size >= 2 and --num-layers-per-virtual-pipeline-stage"
         )
-    if schedule not in OUR_SCHEDULES:
+    if not found.runs_ours:
         return
     if getattr(args, "rampup_batch_size", None):
         raise DualPipeConfigError(
@@ -107,7 +116,7 @@ def _check(args: Any) -> None:
         virtual_pipeline_size=vp,
         context_parallel_size=getattr(args, "context_parallel_size", 1),
     )
-    if schedule in _TWO_CHUNK_SCHEDULES:
+    if found.places_chunks:
         if not getattr(args, "untie_embeddings_and_output_weights", True):
             raise DualPipeConfigError(
                 f"{schedule} places the output layer away from Megatron's last stage, so its "
@@ -125,8 +134,8 @@ def _check(args: Any) -> None:
 
 
 def apply(args: Any, *, exit_on_error: bool = False) -> None:
-    """Check ``args.pipeline_schedule`` against the rest of Megatron's (validated) arguments
-    and select it with :func:`megatron_dualpipe.install`. No-op without the argument.
+    """Check ``args.pipeline_schedule`` against the rest of Megatron's (validated) arguments.
+    No-op without the argument.
 
     Raises :class:`~megatron_dualpipe.megatron.checks.DualPipeConfigError`, one sentence
     saying what to change; with ``exit_on_error``, prints ``error: <sentence>`` and exits 2
@@ -142,14 +151,31 @@ def apply(args: Any, *, exit_on_error: bool = False) -> None:
             raise
         print(f"error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    from . import install
 
-    install(schedule)
+
+def forward_backward_func(args: Any, megatrons: Callable[..., Any]) -> Callable[..., Any]:
+    """The forward-backward function of this run: ours for a schedule our runtime runs
+    (the same object every call with the same ``args``, so its executor is reused),
+    else ``megatrons`` (what Megatron's ``get_forward_backward_func()`` returned)."""
+    schedule = _schedule(args)
+    if schedule is None or not schedule_spec(schedule).runs_ours:
+        return megatrons
+    key = id(args)
+    ref, func = _RUNS.get(key, (None, None))
+    if ref is None or ref() is not args:
+        from .megatron.forward_backward import DualPipeForwardBackward
+
+        timeout_min = getattr(args, "distributed_timeout_minutes", None)
+        options = {"timeout_s": 60.0 * timeout_min} if timeout_min else {}
+        func = DualPipeForwardBackward(schedule, **options)
+        _RUNS[key] = (weakref.ref(args, lambda _: _RUNS.pop(key, None)), func)
+    return func
 
 
 def places_model_chunks(args: Any) -> bool:
     """Whether :func:`build_model_chunks` builds this run's model (dualpipe, dualpipev)."""
-    return _schedule(args) in _TWO_CHUNK_SCHEDULES
+    schedule = _schedule(args)
+    return schedule is not None and schedule_spec(schedule).places_chunks
 
 
 def build_model_chunks(
@@ -202,7 +228,8 @@ def build_model_chunks(
 def prepare_model(model: Sequence[Any], args: Any) -> None:
     """After building and wrapping: make dualpipe's two copies of every stage start equal
     (a collective over the pipeline group). No-op for other schedules."""
-    if _schedule(args) == "dualpipe":
+    schedule = _schedule(args)
+    if schedule is not None and schedule_spec(schedule).placement == "mirror":
         from .megatron.mirror import prepare_mirrors
 
         prepare_mirrors(model)
@@ -212,7 +239,7 @@ def full_batch_on_this_rank(args: Any) -> bool:
     """Whether a data-loading rank must receive every field of the batch (tokens and labels)
     over tensor parallelism: under dualpipe and dualpipev the first pipeline rank (and for
     dualpipe the last) holds both an embedding and a loss."""
-    return _schedule(args) in _TWO_CHUNK_SCHEDULES
+    return places_model_chunks(args)
 
 
 def losses_on_last_stage(losses: list[dict[str, Any]], args: Any) -> list[dict[str, Any]]:
@@ -223,25 +250,8 @@ def losses_on_last_stage(losses: list[dict[str, Any]], args: Any) -> list[dict[s
     the last rank); every pipeline rank calls this (a collective over the pipeline group):
     the last stage gets all reports, the others an empty list. Other schedules: unchanged.
     """
-    if _schedule(args) not in _TWO_CHUNK_SCHEDULES:
+    if not places_model_chunks(args):
         return losses
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
+    from .megatron.loss_reports import reports_to_last_stage
 
-    group = parallel_state.get_pipeline_model_parallel_group()
-    mine = [
-        {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in report.items()}
-        for report in losses
-    ]
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
-    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        return []
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    return [
-        {k: v.to(device) if torch.is_tensor(v) else v for k, v in report.items()}
-        for part in gathered
-        for report in part
-    ]
+    return reports_to_last_stage(losses)

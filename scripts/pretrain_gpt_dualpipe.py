@@ -25,10 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_dualpipe.megatron.training import ConfigError, TrainError, train  # noqa: E402
 from megatron_dualpipe.megatron.training.config import (  # noqa: E402
-    SCHEDULES,
     config_from_values,
     parse_overrides,
 )
+from megatron_dualpipe.schedules.registry import SCHEDULES  # noqa: E402
 
 #: Megatron-LM flags this script takes; each sets the config key of the same name.
 FLAGS = (
@@ -43,7 +43,7 @@ FLAGS = (
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pipeline-schedule", choices=SCHEDULES)
+    parser.add_argument("--pipeline-schedule", choices=list(SCHEDULES))
     parser.add_argument("--yaml-cfg", type=Path, help="a megatron-dualpipe YAML config")
     parser.add_argument("--use-distributed-optimizer", action="store_true", default=None)
     parser.add_argument("--overlap-grad-reduce", action="store_true", default=None)

@@ -38,8 +38,8 @@ from megatron_dualpipe.megatron.mirror import prepare_mirrors
 from megatron_dualpipe.megatron.placement import StagePlacementLayout, chunk_roles
 from megatron_dualpipe.megatron.registry import get_forward_backward_func
 from megatron_dualpipe.runtime import WeightGradStore
-from megatron_dualpipe.schedules.generators import generate
 from megatron_dualpipe.schedules.ir import Kind
+from megatron_dualpipe.schedules.registry import generate
 from tests.multiproc import run_workers
 
 apply_cpu_compat()  # before forking: every worker inherits the patches
@@ -100,6 +100,8 @@ class Layout:
     #: Our schedules: Megatron's linear layers defer dW to the W actions.
     deferral: bool = True
     distributed_optimizer: bool = False
+    #: Pass Megatron's explicit ``p2p_communicator`` and ``pg_collection`` to the schedule.
+    explicit_groups: bool = False
 
     @property
     def defers(self) -> bool:
@@ -253,9 +255,23 @@ def _ready_chunks(
     return chunks
 
 
+def _explicit_groups(config: Any) -> dict[str, Any]:
+    """Megatron's explicit process-group arguments, built as its schedules build them."""
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    return {
+        "p2p_communicator": P2PCommunicator(pp_group=groups.pp, config=config),
+        "pg_collection": groups,
+    }
+
+
 def _step(schedule: Any, chunks: list[torch.nn.Module], batches: list, layout: Layout) -> list:
     """One forward-backward call; Megatron's own schedules take one iterator per chunk."""
+    groups = _explicit_groups(chunks[0].config) if layout.explicit_groups else {}
     return schedule(
+        **groups,
         forward_step_func=tm.gpt_forward_step,
         data_iterator=[iter(batches) for _ in chunks] if layout.schedule is None else iter(batches),
         model=chunks,
@@ -330,7 +346,7 @@ def _pipelined_worker(
         deferred = _count_deferred_work()
         loss_dicts = _step(schedule, chunks, batches, layout)
         result: dict[str, Any] = {
-            "schedule": getattr(schedule, "__name__", None) or schedule.args[0],
+            "schedule": getattr(schedule, "__name__", None) or schedule.schedule_name,
             "dp_rank": parallel_state.get_data_parallel_rank(),
             "loss_microbatches": _loss_microbatches(layout),
             "losses": [d["loss"].item() for d in loss_dicts],

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from megatron_dualpipe.cli import main
-from megatron_dualpipe.schedules.generators import generate
+from megatron_dualpipe.schedules.registry import generate
 
 
 def test_simulate_prints_per_rank_figures(capsys: pytest.CaptureFixture) -> None:
@@ -147,8 +147,8 @@ def test_bad_configuration_is_one_sentence(capsys: pytest.CaptureFixture) -> Non
     assert main(["simulate", "--schedule", "dualpipev", "--pp", "4", "--microbatches", "6"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == (
-        "megatron-dualpipe: error: dualpipev needs at least 2 x PP = 8 micro-batches, "
-        "got 6: raise the global batch size or lower PP"
+        "megatron-dualpipe: error: dualpipev needs the micro-batches to be >= 2 x PP = 8, "
+        "got 6: change --microbatches or --pp"
     )
     assert main(["simulate", "--cost", "F=1,Q=2"]) == 2
     assert "cannot read cost 'Q=2'" in capsys.readouterr().err

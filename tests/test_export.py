@@ -13,8 +13,8 @@ import pytest
 
 from megatron_dualpipe.schedules.cost import CostModel
 from megatron_dualpipe.schedules.export import to_chrome_trace, to_grid, to_png, write_chrome_trace
-from megatron_dualpipe.schedules.generators import generate
 from megatron_dualpipe.schedules.ir import Kind
+from megatron_dualpipe.schedules.registry import generate
 from megatron_dualpipe.schedules.simulate import SimResult, simulate
 
 FB_COST = CostModel(f=1, b=1, w=1, fb=2.5)

@@ -184,7 +184,19 @@ def _equivalence_worker(rank: int, world_size: int, moe: bool) -> dict[str, Any]
         tm.run_reference_step(no_store, _data())
 
         untouched_split = _split_run(untouched, WeightGradStore())
+
+        torch.manual_seed(INIT_SEED)
+        from_spec = tm.build_reference_gpt(config, deferrable=True)
+        tm.load_global_state(from_spec, tm.global_state(untouched))
+        if config.num_moe_experts and config.tensor_model_parallel_size > 1:
+            from_spec.eval()
+        built_deferrable = sum(isinstance(m, DeferrableLayer) for m in from_spec.modules())
+        from_spec_converted = enable_weight_grad_deferral(from_spec)
+        _split_run(from_spec, WeightGradStore())
         return {
+            "built_deferrable": built_deferrable,
+            "from_spec_converted": from_spec_converted,
+            "err_from_spec": _max_err(tm.global_gradients(from_spec), expected),
             "converted": converted,
             "again": again,
             "types": sorted(
@@ -407,7 +419,7 @@ def _equivalence(world_size: int, moe: bool) -> dict[str, Any]:
     )
     worst = {
         key: max(r[key] for r in results)
-        for key in ("err_deferred", "err_no_store", "err_untouched")
+        for key in ("err_deferred", "err_no_store", "err_untouched", "err_from_spec")
     }
     print(f"\nTP={world_size} moe={moe}: max relative errors {worst}")
     return {"ranks": results, **worst}
@@ -429,6 +441,20 @@ def test_deferred_gradients_match_plain_backward(world_size: int, moe: bool) -> 
         assert rank["nonzero"], "a reference gradient is all zero: the check has no teeth"
         assert rank["converted"] == rank["again"] == CONVERTED[moe]
         assert rank["types"] == ["DeferrableColumnParallelLinear", "DeferrableRowParallelLinear"]
+
+
+@pytest.mark.parametrize(("world_size", "moe"), CASES)
+def test_a_model_built_from_the_deferrable_spec_needs_no_class_switch(
+    world_size: int, moe: bool
+) -> None:
+    """Megatron's own layer spec with our classes: every linear layer of the transformer
+    layers defers from construction; only GPTModel's output layer (outside the spec) is
+    converted afterwards; the gradients are those of a plain backward."""
+    result = _equivalence(world_size, moe)
+    assert result["err_from_spec"] <= REL_TOL
+    for rank in result["ranks"]:
+        assert rank["built_deferrable"] == CONVERTED[moe] - 1
+        assert rank["from_spec_converted"] == CONVERTED[moe]
 
 
 @pytest.mark.parametrize(("world_size", "moe"), CASES)

@@ -2,7 +2,8 @@
 and ``patches/megatron-lm-core_v0.16.1.patch``.
 
 - add_arguments adds the flag in its own group; apply checks the combination before any
-  process-group work (one sentence saying what to change) and installs the schedule;
+  process-group work (one sentence saying what to change); forward_backward_func gives
+  Megatron-LM's training loop our function for our schedules, one object per run;
 - the model-building, batch and loss-reporting hooks the patch calls behave;
 - the patch is a well-formed git patch that touches exactly the intended files and calls only
   hooks that exist (CI has no Megatron-LM checkout to apply it to).
@@ -19,8 +20,8 @@ import pytest
 import torch
 
 from megatron_dualpipe import megatron_lm
-from megatron_dualpipe.megatron import registry
 from megatron_dualpipe.megatron.checks import DualPipeConfigError
+from megatron_dualpipe.megatron.forward_backward import DualPipeForwardBackward
 from megatron_dualpipe.megatron.placement import StagePlacementLayout
 from tests.multiproc import run_workers
 
@@ -32,11 +33,9 @@ PATCHED_FILES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _no_recorded_schedule():
-    registry.set_pipeline_schedule(None)
-    yield
-    registry.set_pipeline_schedule(None)
+def _megatrons(*args: Any, **kwargs: Any) -> list[Any]:
+    """Stands for what Megatron's get_forward_backward_func() returned."""
+    return []
 
 
 def _args(**overrides: Any) -> argparse.Namespace:
@@ -89,27 +88,34 @@ def test_add_arguments_refuses_an_unknown_schedule(capsys: pytest.CaptureFixture
 
 
 @pytest.mark.parametrize("schedule", ["zb1p", "dualpipe", "dualpipev"])
-def test_apply_installs_a_good_combination(schedule: str) -> None:
-    megatron_lm.apply(_args(pipeline_schedule=schedule))
-    assert registry.pipeline_schedule() == schedule
-    assert registry.get_forward_backward_func().args == (schedule,)
+def test_a_good_combination_runs_our_function_one_object_per_run(schedule: str) -> None:
+    args = _args(pipeline_schedule=schedule, distributed_timeout_minutes=2.0)
+    megatron_lm.apply(args)
+    func = megatron_lm.forward_backward_func(args, _megatrons)
+    assert isinstance(func, DualPipeForwardBackward)
+    assert (func.schedule_name, func.timeout_s) == (schedule, 120.0)
+    assert megatron_lm.forward_backward_func(args, _megatrons) is func
+    other_run = _args(pipeline_schedule=schedule)
+    assert megatron_lm.forward_backward_func(other_run, _megatrons) is not func
 
 
 def test_apply_without_the_argument_does_nothing() -> None:
     megatron_lm.apply(argparse.Namespace(num_layers=3))
-    megatron_lm.apply(_args(pipeline_schedule=None))
-    assert registry.pipeline_schedule() is None
+    args = _args(pipeline_schedule=None)
+    megatron_lm.apply(args)
+    assert megatron_lm.forward_backward_func(args, _megatrons) is _megatrons
 
 
-def test_apply_selects_megatrons_own_1f1b() -> None:
-    megatron_lm.apply(_args(pipeline_schedule="1f1b"))
-    assert registry.pipeline_schedule() == "1f1b"
+def test_megatrons_own_1f1b_keeps_megatrons_function() -> None:
+    args = _args(pipeline_schedule="1f1b")
+    megatron_lm.apply(args)
+    assert megatron_lm.forward_backward_func(args, _megatrons) is _megatrons
 
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (dict(global_batch_size=12), "dualpipev needs at least 2 x PP = 8 micro-batches, got 6"),
+        (dict(global_batch_size=12), "micro-batches to be >= 2 x PP = 8, got 6"),
         (dict(num_layers=12), "--num-layers 12 is not divisible by 8"),
         (
             dict(
@@ -143,7 +149,6 @@ def test_apply_refuses_a_bad_combination_in_one_sentence(
     text = str(err.value)
     assert message in text
     assert "\n" not in text
-    assert registry.pipeline_schedule() is None  # nothing installed
 
 
 def test_apply_can_exit_with_the_sentence(capsys: pytest.CaptureFixture[str]) -> None:
@@ -151,7 +156,7 @@ def test_apply_can_exit_with_the_sentence(capsys: pytest.CaptureFixture[str]) ->
         megatron_lm.apply(_args(global_batch_size=4), exit_on_error=True)
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: dualpipev needs at least 2 x PP = 8 micro-batches")
+    assert err.startswith("error: dualpipev needs the micro-batches to be >= 2 x PP = 8")
     assert err.count("\n") == 1
 
 
@@ -312,6 +317,12 @@ def test_patch_calls_only_hooks_that_exist() -> None:
     )
     used = set(re.findall(r"dualpipe_lm\.(\w+)", added))
     used |= set(re.findall(r"from megatron_dualpipe\.megatron_lm import (\w+)", added))
-    assert used >= {"add_arguments", "apply", "build_model_chunks", "losses_on_last_stage"}
+    assert used >= {
+        "add_arguments",
+        "apply",
+        "build_model_chunks",
+        "forward_backward_func",
+        "losses_on_last_stage",
+    }
     assert used <= set(megatron_lm.__all__), used - set(megatron_lm.__all__)
     assert "--pipeline-schedule" in PATCH.read_text().split("diff --git", 1)[0]  # usage header

@@ -10,30 +10,55 @@ from megatron.core.pipeline_parallel import schedules as megatron_schedules
 import megatron_dualpipe
 from megatron_dualpipe.megatron import registry
 from megatron_dualpipe.megatron.checks import DualPipeConfigError, check_run
+from megatron_dualpipe.megatron.forward_backward import DualPipeForwardBackward
 from megatron_dualpipe.megatron.placement import StagePlacementLayout, chunk_roles
 from megatron_dualpipe.megatron.tiny_models import tiny_gpt_config
 
 
 @pytest.fixture(autouse=True)
-def _no_recorded_schedule():
-    registry.set_pipeline_schedule(None)
+def _nothing_installed():
+    megatron_dualpipe.uninstall()
     yield
-    registry.set_pipeline_schedule(None)
+    megatron_dualpipe.uninstall()
 
 
-def test_install_patches_every_import_site_and_is_idempotent() -> None:
-    megatron_dualpipe.install()
-    megatron_dualpipe.install()
-    assert pipeline_parallel.get_forward_backward_func is registry.get_forward_backward_func
-    assert megatron_schedules.get_forward_backward_func is registry.get_forward_backward_func
+def test_install_patches_every_import_site_and_can_be_undone() -> None:
+    original = megatron_schedules.get_forward_backward_func
+    installation = megatron_dualpipe.install("dualpipev")
+    ours = installation.forward_backward
+    assert isinstance(ours, DualPipeForwardBackward) and ours.schedule_name == "dualpipev"
+    # Every call site gets the one object of the run (its executor is reused every step).
+    assert pipeline_parallel.get_forward_backward_func() is ours
+    assert megatron_schedules.get_forward_backward_func(2, None) is ours
+    installation.undo()
+    assert pipeline_parallel.get_forward_backward_func is original
+    assert megatron_schedules.get_forward_backward_func is original
+
+
+def test_install_again_replaces_and_uninstall_restores() -> None:
+    original = megatron_schedules.get_forward_backward_func
+    with megatron_dualpipe.install("zb1p"):
+        second = megatron_dualpipe.install("dualpipe").forward_backward
+        assert megatron_schedules.get_forward_backward_func() is second
+        megatron_dualpipe.uninstall()
+        assert megatron_schedules.get_forward_backward_func is original
+    assert megatron_schedules.get_forward_backward_func is original
+
+
+def test_installing_megatrons_schedule_keeps_megatrons_choice() -> None:
+    with megatron_dualpipe.install("1f1b") as installation:
+        assert installation.forward_backward is None
+        assert megatron_schedules.get_forward_backward_func(2, None) is (
+            megatron_schedules.forward_backward_pipelining_without_interleaving
+        )
 
 
 @pytest.mark.parametrize("name", ["zb1p", "dualpipe", "dualpipev"])
 def test_our_schedules_are_selected_by_name(name: str) -> None:
-    func = registry.get_forward_backward_func(pipeline_schedule=name)
-    assert func.args == (name,)
-    megatron_dualpipe.install(name)
-    assert registry.get_forward_backward_func(2, None).args == (name,)
+    func = registry.get_forward_backward_func(pipeline_schedule=name, timeout_s=12.5)
+    assert isinstance(func, DualPipeForwardBackward)
+    assert (func.schedule_name, func.timeout_s) == (name, 12.5)
+    assert func is not registry.get_forward_backward_func(pipeline_schedule=name)
 
 
 def test_megatron_schedules_stay_megatrons() -> None:
@@ -55,8 +80,8 @@ def test_unknown_schedule_is_one_sentence() -> None:
     ("schedule", "kwargs", "message"),
     [
         ("dualpipe", dict(pipeline_size=3, num_microbatches=12), "even number of pipeline ranks"),
-        ("dualpipev", dict(pipeline_size=4, num_microbatches=6), "at least 2 x PP = 8"),
-        ("dualpipe", dict(pipeline_size=4, num_microbatches=9), "even number of micro-batches"),
+        ("dualpipev", dict(pipeline_size=4, num_microbatches=6), ">= 2 x PP = 8, got 6"),
+        ("dualpipe", dict(pipeline_size=4, num_microbatches=9), "and even, got 9"),
         (
             "dualpipev",
             dict(pipeline_size=1, num_microbatches=8),

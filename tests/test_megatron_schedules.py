@@ -5,11 +5,30 @@ data, as Megatron's own 1F1B does (tests/test_megatron_cpu.py holds that for 1F1
 from __future__ import annotations
 
 import functools
+import gc
+import weakref
+from typing import Any
 
 import pytest
 import torch
+from megatron.core import parallel_state
 
-from tests.megatron_harness import Layout, Model, _check, _trajectory
+from megatron_dualpipe.megatron.checks import DualPipeConfigError
+from megatron_dualpipe.megatron.registry import get_forward_backward_func
+from tests.megatron_harness import (
+    PG_TIMEOUT_S,
+    RUN_TIMEOUT_S,
+    Layout,
+    Model,
+    _check,
+    _data,
+    _init_parallel,
+    _ready_chunks,
+    _reference,
+    _step,
+    _trajectory,
+)
+from tests.multiproc import run_workers
 
 
 @functools.cache
@@ -91,3 +110,61 @@ def test_tied_embeddings_are_refused_in_one_sentence(schedule: str) -> None:
 def test_tied_embeddings_work_with_zb1p() -> None:
     # zb1p keeps Megatron's placement, so Megatron's embedding group ties them correctly.
     _check(Model(tied=True), Layout(pp=2, ddp=True, schedule="zb1p"), "zb1p")
+
+
+@pytest.mark.parametrize("schedule", ["dualpipe", "dualpipev"])
+def test_megatrons_explicit_process_groups_are_used(schedule: str) -> None:
+    layout = Layout(pp=2, dp=2, ddp=True, schedule=schedule, explicit_groups=True)
+    _check(Model(), layout, schedule)
+
+
+def _lifetime_worker(rank: int, world_size: int, state: dict[str, torch.Tensor]) -> dict:
+    """Two steps reuse one executor; dropping the model frees it and its executor; a
+    half-given pair of explicit groups is refused."""
+    layout = Layout(pp=2, schedule="dualpipev")
+    _init_parallel(layout.pp)
+    try:
+        forward_backward = get_forward_backward_func(pipeline_schedule="dualpipev")
+        chunks = _ready_chunks(Model(), layout, state, ddp=False)
+        batches = _data(0)
+        _step(forward_backward, chunks, batches, layout)
+        first = forward_backward.executor(chunks)
+        _step(forward_backward, chunks, batches, layout)
+        reused = forward_backward.executor(chunks) is first and first is not None
+        try:
+            forward_backward(
+                forward_step_func=None,
+                data_iterator=None,
+                model=chunks,
+                num_microbatches=8,
+                seq_length=16,
+                micro_batch_size=2,
+                pg_collection=parallel_state,
+            )
+            refusal = None
+        except DualPipeConfigError as err:
+            refusal = str(err)
+        model_ref = weakref.ref(chunks[0])
+        del chunks, first
+        gc.collect()
+        return {
+            "reused": reused,
+            "freed": model_ref() is None,
+            "cached": len(forward_backward._prepared),
+            "refusal": refusal,
+        }
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_one_executor_per_model_and_a_dropped_model_is_freed() -> None:
+    state = _reference(Model(), 1)["state"]
+    results: list[dict[str, Any]] = run_workers(
+        _lifetime_worker, 2, args=(state,), timeout_s=RUN_TIMEOUT_S, pg_timeout_s=PG_TIMEOUT_S
+    )
+    for result in results:
+        assert result["reused"] and result["freed"] and result["cached"] == 0, result
+        assert result["refusal"] == (
+            "dualpipev: pass both p2p_communicator and pg_collection, or neither (as "
+            "Megatron's own schedules require)"
+        )

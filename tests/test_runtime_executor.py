@@ -28,9 +28,9 @@ from megatron_dualpipe.runtime import (
     make_deferrable,
     sync_mirror_grads,
 )
-from megatron_dualpipe.schedules.generators import generate, min_microbatches
 from megatron_dualpipe.schedules.ir import COMM_KINDS, Kind, Placement, Schedule, ScheduleError
 from megatron_dualpipe.schedules.lowering import lower
+from megatron_dualpipe.schedules.registry import generate, spec
 from megatron_dualpipe.schedules.simulate import SimResult, simulate
 from tests.multiproc import run_workers
 
@@ -73,7 +73,7 @@ def _cases() -> list[Case]:
     cases = []
     for ranks in (2, 4):
         for name in SCHEDULES:
-            least = min_microbatches(name, ranks)
+            least = spec(name).min_microbatches(ranks)
             # Interleaved 1F1B takes only multiples of PP: its next size after the least.
             more = least + (ranks if name == "interleaved-1f1b" else 2)
             for microbatches in (least, more):

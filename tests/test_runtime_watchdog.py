@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from megatron_dualpipe.runtime import PipelineExecutor, PipelineWaitError, TensorSpec
-from megatron_dualpipe.schedules.generators import generate
+from megatron_dualpipe.schedules.registry import generate
 from tests.multiproc import run_workers
 
 torch.autograd.backward(torch.ones(2, requires_grad=True) * 2, torch.ones(2))  # warm up

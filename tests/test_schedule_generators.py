@@ -4,8 +4,8 @@ parameters are refused with one sentence saying what to change."""
 import pytest
 import torch
 
-from megatron_dualpipe.schedules.generators import generate
 from megatron_dualpipe.schedules.ir import Action, Kind, ScheduleError
+from megatron_dualpipe.schedules.registry import generate
 
 
 def _our_order(name: str, ranks: int, microbatches: int, rank: int) -> list[str]:
@@ -15,7 +15,7 @@ def _our_order(name: str, ranks: int, microbatches: int, rank: int) -> list[str]
 @pytest.mark.parametrize(("ranks", "microbatches"), [(2, 4), (4, 8), (4, 10), (8, 16), (8, 23)])
 def test_dualpipev_matches_torch_pipelining(ranks: int, microbatches: int) -> None:
     pipelining = pytest.importorskip("torch.distributed.pipelining.schedules")
-    from megatron_dualpipe.runtime.torch_schedules import from_torch_pipelining
+    from megatron_dualpipe.bench.torch_schedules import from_torch_pipelining
 
     ours = generate("dualpipev", ranks, microbatches)
     theirs = from_torch_pipelining(
@@ -101,13 +101,13 @@ def test_dualpipe_matches_deepseek_reference(ranks: int, microbatches: int) -> N
     ("name", "ranks", "microbatches", "message"),
     [
         ("dualpipe", 3, 12, "even number of pipeline ranks"),
-        ("dualpipe", 4, 9, "even number of micro-batches >= 2 x PP = 8"),
-        ("dualpipe", 4, 6, "even number of micro-batches >= 2 x PP = 8"),
-        ("dualpipev", 4, 7, "at least 2 x PP = 8 micro-batches"),
+        ("dualpipe", 4, 9, "micro-batches to be >= 2 x PP = 8 and even"),
+        ("dualpipe", 4, 6, "micro-batches to be >= 2 x PP = 8 and even"),
+        ("dualpipev", 4, 7, "micro-batches to be >= 2 x PP = 8, got 7"),
         ("dualpipev", 1, 8, "at least 2 pipeline ranks"),
-        ("interleaved-1f1b", 4, 6, "multiple of the pipeline size"),
-        ("1f1b", 4, 0, "at least one rank and one micro-batch"),
-        ("nope", 4, 8, "unknown schedule 'nope'"),
+        ("interleaved-1f1b", 4, 6, "micro-batches to be a multiple of PP = 4, got 6"),
+        ("1f1b", 4, 0, "at least one micro-batch"),
+        ("nope", 4, 8, "unknown pipeline schedule .nope."),
     ],
 )
 def test_bad_parameters_are_refused_clearly(

@@ -4,15 +4,15 @@ import json
 
 import pytest
 
-from megatron_dualpipe.schedules.generators import GENERATORS, generate, min_microbatches
 from megatron_dualpipe.schedules.ir import Action, Kind, Placement, Schedule, ScheduleError
 from megatron_dualpipe.schedules.lowering import lower
+from megatron_dualpipe.schedules.registry import SCHEDULES, generate, spec
 
 
-@pytest.mark.parametrize("name", list(GENERATORS))
+@pytest.mark.parametrize("name", list(SCHEDULES))
 @pytest.mark.parametrize("lowered", [False, True])
 def test_text_and_json_round_trip(name: str, lowered: bool) -> None:
-    schedule = generate(name, 4, 2 * min_microbatches(name, 4))
+    schedule = generate(name, 4, 2 * spec(name).min_microbatches(4))
     if lowered:
         schedule = lower(schedule)
     from_text = Schedule.from_text(schedule.to_text())

@@ -9,9 +9,9 @@ backward" is B + W. Activations count one stage's saved activations of one micro
 import pytest
 
 from megatron_dualpipe.schedules.cost import CostModel
-from megatron_dualpipe.schedules.generators import GENERATORS, generate, min_microbatches
 from megatron_dualpipe.schedules.ir import ScheduleError
 from megatron_dualpipe.schedules.lowering import lower
+from megatron_dualpipe.schedules.registry import SCHEDULES, generate, spec
 from megatron_dualpipe.schedules.simulate import simulate
 
 COSTS = [(1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 0.5), (1.5, 1.2, 0.7), (1, 1, 0)]
@@ -48,7 +48,7 @@ def test_dualpipe_bubble_is_closed_form(name: str, ranks: int, fb: float) -> Non
     F + B), the most idle rank does."""
     n = ranks // 2 if name == "dualpipe" else ranks
     closed_form = (n - 1) * (fb + 2 - 3)
-    lo = min_microbatches(name, ranks)
+    lo = spec(name).min_microbatches(ranks)
     for microbatches in (lo, lo + 2, 2 * lo):
         idle = _idle(name, ranks, microbatches, CostModel(f=1, b=1, w=1, fb=fb))
         assert max(idle) == pytest.approx(closed_form)
@@ -80,12 +80,12 @@ def _published_bound(name: str, ranks: int, microbatches: int) -> list[int]:
     return [min(b, microbatches) if name in ("1f1b", "zb1p") else b for b in bound]
 
 
-@pytest.mark.parametrize("name", list(GENERATORS))
+@pytest.mark.parametrize("name", list(SCHEDULES))
 @pytest.mark.parametrize("ranks", [2, 4, 8])
 def test_peak_activations_within_published_bound(name: str, ranks: int) -> None:
     """Peaks never exceed the bound, the generator states the same bound, and every rank
     reaches it (the bound is tight)."""
-    lo = min_microbatches(name, ranks)
+    lo = spec(name).min_microbatches(ranks)
     for microbatches in sorted({lo, lo + 2 * ranks, 4 * ranks}):
         try:
             schedule = generate(name, ranks, microbatches)

@@ -3,31 +3,21 @@ with a message naming the rank, the action and what is unmet."""
 
 import pytest
 
-from megatron_dualpipe.schedules.generators import GENERATORS, generate, min_microbatches
 from megatron_dualpipe.schedules.ir import Action, Kind, Schedule, ScheduleError
 from megatron_dualpipe.schedules.lowering import lower
+from megatron_dualpipe.schedules.registry import SCHEDULES, generate, spec
 from megatron_dualpipe.schedules.simulate import DeadlockError
 from megatron_dualpipe.schedules.validate import validate
 
 
-def _legal(name: str, ranks: int, microbatches: int) -> bool:
-    if name == "dualpipe":
-        return ranks % 2 == 0 and microbatches % 2 == 0 and microbatches >= 2 * ranks
-    if name == "dualpipev":
-        return microbatches >= 2 * ranks
-    if name == "interleaved-1f1b":
-        return microbatches % ranks == 0
-    return True
-
-
-@pytest.mark.parametrize("name", list(GENERATORS))
+@pytest.mark.parametrize("name", list(SCHEDULES))
 def test_every_legal_configuration_validates(name: str) -> None:
     checked = 0
     for ranks in range(2, 17):
-        for microbatches in range(min_microbatches(name, ranks) - 1, 4 * ranks + 1):
+        for microbatches in range(spec(name).min_microbatches(ranks) - 1, 4 * ranks + 1):
             if microbatches < 1:
                 continue
-            if not _legal(name, ranks, microbatches):
+            if not spec(name).is_legal(ranks, microbatches):
                 with pytest.raises(ScheduleError, match=name):
                     generate(name, ranks, microbatches)
                 continue

@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("torch.distributed.pipelining.schedules")
 
-from megatron_dualpipe.runtime.torch_schedules import (  # noqa: E402
+from megatron_dualpipe.bench.torch_schedules import (  # noqa: E402
     TORCH_SCHEDULES,
     as_torch_runs,
     import_torch_schedule,
@@ -81,10 +81,10 @@ def test_as_torch_runs_moves_the_first_stages_dx_into_its_w() -> None:
 @pytest.mark.parametrize(
     ("name", "pp", "microbatches", "chunks", "words"),
     [
-        ("torch-interleaved-zb", 2, 9, None, "divisible"),
-        ("torch-interleaved-1f1b", 4, 17, None, "divisible"),
-        ("torch-dualpipev", 4, 7, None, "2 x PP"),
-        ("torch-1f1b", 4, 3, None, "as many micro-batches as stages"),
+        ("torch-interleaved-zb", 2, 9, None, "refuses PP=2 with 9 .* multiple of"),
+        ("torch-interleaved-1f1b", 4, 17, None, "refuses PP=4 with 17 .* multiple of"),
+        ("torch-dualpipev", 4, 7, None, "at least as many microbatches as stages"),
+        ("torch-1f1b", 4, 3, None, "greater than or equal to the number of stages"),
         ("torch-zbv", 4, 8, 3, "exactly 2"),
         ("torch-nope", 4, 8, None, "unknown torch schedule"),
     ],

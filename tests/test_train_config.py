@@ -94,8 +94,8 @@ def test_dualpipe_with_odd_pp(tmp_path: Path) -> None:
 def test_too_few_microbatches(tmp_path: Path) -> None:
     path = _write(tmp_path, "global_batch_size: 6")
     assert _error(path) == (
-        f"{path}: pipeline_schedule: dualpipev needs at least 2 x PP = 4 micro-batches, got 3: "
-        "raise the global batch size or lower PP (micro-batches per step = global_batch_size / "
+        f"{path}: pipeline_schedule: dualpipev needs the micro-batches to be >= 2 x PP = 4, got "
+        "3: raise global_batch_size or lower PP (micro-batches per step = global_batch_size / "
         "(micro_batch_size x data-parallel size) = 6 / (2 x 1))"
     )
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..runtime.torch_schedules import import_torch_schedule
 from ..schedules import CostModel, Schedule, generate
+from .torch_schedules import import_torch_schedule
 
 __all__ = ["PROFILES", "SCHEDULES", "Profile", "ScheduleEntry", "per_stage_cost"]
 

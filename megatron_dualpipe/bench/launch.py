@@ -6,13 +6,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..errors import DualPipeError
 from ..runtime.launch import LaunchFailure
 from ..runtime.launch import run_ranks as _run_ranks
 
 __all__ = ["BenchError", "run_ranks"]
 
 
-class BenchError(RuntimeError):
+class BenchError(DualPipeError, RuntimeError):
     """A benchmark run failed: a rank raised, exited silently or overran its deadline."""
 
 

@@ -21,7 +21,7 @@ gradient swap between the copies (:func:`~megatron_dualpipe.runtime.sync_mirror_
 Simulated counterparts use the same costs and ``latency_ms`` per hop: ours are the
 schedules the executors ran; Megatron's are our IR's ``1f1b`` and ``interleaved-1f1b``
 (the same orders Megatron's schedule functions follow, as a model); torch's are the
-imported schedules as torch runs them (``runtime.torch_schedules.as_torch_runs``).
+imported schedules as torch runs them (``bench.torch_schedules.as_torch_runs``).
 
 Tables and plain statements of the results: :mod:`.measured_report`.
 """
@@ -34,9 +34,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..runtime.torch_schedules import as_torch_runs, import_torch_schedule
 from ..schedules import CostModel, Schedule, SimResult, generate, lower, simulate
+from ..schedules.registry import OUR_SCHEDULES
 from .launch import run_ranks
+from .torch_schedules import as_torch_runs, import_torch_schedule
 
 __all__ = [
     "BASELINE",
@@ -55,9 +56,7 @@ MEASURED_SCHEDULES: dict[str, tuple[str, str]] = {
     "torch-1f1b": ("torch", "Schedule1F1B"),
     "torch-zbv": ("torch", "ScheduleZBVZeroBubble"),
     "torch-dualpipev": ("torch", "ScheduleDualPipeV"),
-    "zb1p": ("ours", "zb1p"),
-    "dualpipe": ("ours", "dualpipe"),
-    "dualpipev": ("ours", "dualpipev"),
+    **{name: ("ours", name) for name in OUR_SCHEDULES},
 }
 BASELINE = "megatron-1f1b"
 #: Megatron's interleaved schedule: model chunks per rank.
@@ -299,23 +298,31 @@ class _OurRunner(_Runner):
 
 class _MegatronRunner(_Runner):
     def __init__(self, name: str, rank: int, config: MeasuredConfig, clock) -> None:
-        from megatron.core.pipeline_parallel import schedules as megatron_schedules
+        import torch
 
-        from .megatron_stage import build_megatron_chunks, sleep_forward_step
+        from ..megatron.module_chunks import module_chunks, mse_forward_step
+        from .sleep_model import SleepCosts, SleepStage
 
         chunks = INTERLEAVED_CHUNKS if name == "megatron-interleaved" else 1
-        self.fn = getattr(megatron_schedules, MEASURED_SCHEDULES[name][1])
-        self.runner = f"{self.fn.__module__}.{self.fn.__qualname__}"
-        self.chunks = build_megatron_chunks(
-            config.pp,
-            rank,
-            chunks,
-            config.layers_per_share,
-            config.width,
-            clock,
-            config.layer_s(),
+        if config.layers_per_share % chunks:
+            raise ValueError(
+                f"layers_per_share ({config.layers_per_share}) must divide into {chunks} chunks"
+            )
+        t = config.layer_s()
+        layers = config.layers_per_share // chunks
+        stages = []
+        for chunk in range(chunks):
+            torch.manual_seed(chunk * config.pp + rank)  # stage weights seeded by stage index
+            stages.append(SleepStage(layers, config.width, SleepCosts(t, t, t), clock))
+        self.chunks, self.fn = module_chunks(
+            stages,
+            pp=config.pp,
+            rank=rank,
+            width=config.width,
+            num_layers=config.pp * config.layers_per_share,
         )
-        self.forward_step = sleep_forward_step
+        self.runner = f"{self.fn.__module__}.{self.fn.__qualname__}"
+        self.forward_step = mse_forward_step
         x, _ = _data(config)
         rows = config.rows_per_microbatch
         # Megatron's activations are [sequence, micro-batch, hidden]: rows as the sequence.
@@ -351,20 +358,19 @@ def _measured_rank(
 ) -> dict[str, Any]:
     """Worker body of one launch: build every schedule, run the rounds, return per
     schedule a list of per-step records and, if ``record``, the gathered timeline."""
+    import contextlib
+
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
     from ..runtime import gather_timeline
     from .sleep_model import SleepClock
 
     names = list(config.schedules)
-    uses_megatron = any(MEASURED_SCHEDULES[n][0] == "megatron" for n in names)
-    if uses_megatron:
-        parallel_state.initialize_model_parallel(
-            pipeline_model_parallel_size=config.pp,
-            distributed_timeout_minutes=config.pg_timeout_s / 60.0,
-        )
-    try:
+    with contextlib.ExitStack() as stack:
+        if any(MEASURED_SCHEDULES[n][0] == "megatron" for n in names):
+            from ..megatron.module_chunks import megatron_pipeline
+
+            stack.enter_context(megatron_pipeline(config.pp, config.pg_timeout_s))
         clock = SleepClock()
         runners = {name: _make_runner(name, rank, config, clock) for name in names}
         records: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
@@ -409,9 +415,6 @@ def _measured_rank(
             "runners": {n: r.runner for n, r in runners.items()},
             "timeline": timeline,
         }
-    finally:
-        if uses_megatron:
-            parallel_state.destroy_model_parallel()
 
 
 # -- the parent ----------------------------------------------------------------------------
@@ -421,10 +424,9 @@ def _prepare_parent(config: MeasuredConfig) -> None:
     import torch.distributed.pipelining  # noqa: F401
 
     if any(MEASURED_SCHEDULES[n][0] == "megatron" for n in config.schedules):
-        from ..megatron.cpu_compat import apply_cpu_compat
+        from ..megatron.module_chunks import prepare_megatron
 
-        apply_cpu_compat()
-        from megatron.core.pipeline_parallel import schedules  # noqa: F401
+        prepare_megatron()
     # The first backward from a non-scalar output imports torch.fx: pay it once, here.
     param = torch.nn.Parameter(torch.ones(2))
     torch.autograd.backward(param * 2, torch.ones(2))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 
 from ..schedules import SimResult, simulate
+from ..schedules.registry import OUR_SCHEDULES
 from .measured import BASELINE, MeasuredRun
 from .tables import markdown_table
 
@@ -101,7 +102,7 @@ def memory_table(run: MeasuredRun) -> str:
     return markdown_table(header, rows)
 
 
-OURS = ("zb1p", "dualpipe", "dualpipev")
+OURS = OUR_SCHEDULES
 #: Paired ratios within this of 1 are read as "no clear difference": the launch-to-launch
 #: spread of a zero-bubble schedule's step on this machine is 3-6%
 #: (notes/benchmark-method.md).

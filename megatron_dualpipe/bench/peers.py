@@ -20,10 +20,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ..runtime.torch_schedules import TORCH_SCHEDULES, as_torch_runs, import_torch_schedule
 from ..schedules import CostModel, Placement, simulate
 from .launch import run_ranks
 from .tables import markdown_table
+from .torch_schedules import TORCH_SCHEDULES, as_torch_runs, import_torch_schedule
 
 __all__ = ["PeerConfig", "PeerResult", "measure_peers", "peers_table"]
 

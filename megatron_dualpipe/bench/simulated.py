@@ -3,7 +3,7 @@ simulator, on a grid of pipeline sizes, micro-batch counts and cost profiles.
 
 Costs are per rank share (see :mod:`.catalog`), so all schedules run the same model. For
 each (profile, PP, micro-batches) cell the rows are one per schedule plus a lower bound.
-Imports only the schedule layer and ``runtime.torch_schedules``.
+Imports only the schedule layer and ``bench.torch_schedules``.
 """
 
 from __future__ import annotations

@@ -1,50 +1,46 @@
 """Configuration checks for our schedules, run before any process-group or model work.
 
 Each failure is one :class:`DualPipeConfigError` sentence saying what is wrong and what to
-change.
+change. The schedules' own facts (chunks, placement, legal micro-batch counts) come from
+the schedule registry.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..schedules.generators import generate
+from ..errors import DualPipeError
 from ..schedules.ir import ScheduleError
+from ..schedules.registry import SCHEDULES, ScheduleSpec, spec
 
 __all__ = [
-    "check_model",
-    "OUR_SCHEDULES",
-    "MEGATRON_SCHEDULES",
     "DualPipeConfigError",
-    "check_run",
     "check_layers",
+    "check_model",
+    "check_run",
+    "schedule_spec",
 ]
 
-#: Schedules this package runs with its own runtime.
-OUR_SCHEDULES = ("zb1p", "dualpipe", "dualpipev")
-#: Schedules that select Megatron-Core's own forward-backward functions.
-MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
 
-
-class DualPipeConfigError(ValueError):
+class DualPipeConfigError(DualPipeError, ValueError):
     """A configuration our schedules cannot run; the message says what to change."""
 
 
-def stages_per_rank(schedule: str) -> int:
-    """Model chunks each pipeline rank holds under ``schedule``."""
-    return 2 if schedule in ("dualpipe", "dualpipev") else 1
+def schedule_spec(name: str) -> ScheduleSpec:
+    """The registry's spec of ``name``; an unknown name is a :class:`DualPipeConfigError`."""
+    try:
+        return spec(name)
+    except ScheduleError as err:
+        raise DualPipeConfigError(str(err)) from None
 
 
 def check_layers(schedule: str, pipeline_size: int, num_layers: int) -> None:
     """The layers must split evenly into the schedule's model stages."""
-    model_stages = {"dualpipe": pipeline_size, "dualpipev": 2 * pipeline_size}.get(
-        schedule, pipeline_size
-    )
-    if num_layers % model_stages:
+    stages = schedule_spec(schedule).model_stages(pipeline_size)
+    if num_layers % stages:
         raise DualPipeConfigError(
-            f"{schedule} cuts the model into {model_stages} stages of equal size, but "
-            f"--num-layers {num_layers} is not divisible by {model_stages}: use a multiple "
-            f"of {model_stages}"
+            f"{schedule} cuts the model into {stages} stages of equal size, but "
+            f"--num-layers {num_layers} is not divisible by {stages}: use a multiple of {stages}"
         )
 
 
@@ -57,18 +53,23 @@ def check_run(
     virtual_pipeline_size: int | None = None,
     context_parallel_size: int = 1,
 ) -> None:
-    """Refuse unsupported combinations for one of :data:`OUR_SCHEDULES`.
+    """Refuse unsupported combinations for a schedule our runtime runs.
 
     ``config`` is a Megatron TransformerConfig (or anything with its attribute names);
     checked: layers divisible into stages, no MTP. (Tied embeddings are a property of the
     model: :func:`check_model`.)
     """
-    if schedule not in OUR_SCHEDULES:
-        known = ", ".join((*MEGATRON_SCHEDULES, *OUR_SCHEDULES))
-        raise DualPipeConfigError(f"unknown pipeline schedule {schedule!r}: choose one of {known}")
-    if pipeline_size < 2:
+    found = schedule_spec(schedule)
+    if not found.runs_ours:
+        ours = ", ".join(n for n, s in SCHEDULES.items() if s.runs_ours)
         raise DualPipeConfigError(
-            f"{schedule} needs --pipeline-model-parallel-size >= 2, got {pipeline_size}"
+            f"{schedule} is Megatron-Core's own schedule, not run by megatron-dualpipe: use "
+            f"Megatron's get_forward_backward_func, or one of {ours}"
+        )
+    if pipeline_size < found.min_ranks:
+        raise DualPipeConfigError(
+            f"{schedule} needs --pipeline-model-parallel-size >= {found.min_ranks}, got "
+            f"{pipeline_size}"
         )
     if virtual_pipeline_size is not None and virtual_pipeline_size > 1:
         raise DualPipeConfigError(
@@ -79,10 +80,9 @@ def check_run(
         raise DualPipeConfigError(
             f"{schedule} does not support context parallelism yet: set --context-parallel-size 1"
         )
-    try:
-        generate(schedule, pipeline_size, num_microbatches)
-    except ScheduleError as err:
-        raise DualPipeConfigError(str(err)) from None
+    problem = found.problem(pipeline_size, num_microbatches)
+    if problem is not None:
+        raise DualPipeConfigError(problem)
     if config is None:
         return
     check_layers(schedule, pipeline_size, config.num_layers)
@@ -96,7 +96,7 @@ def check_model(schedule: str, model_chunks: Any) -> None:
     """Refuse model features the schedule's placement breaks: DualPipe(V) keep embedding
     and output layer where Megatron's embedding group does not expect them, so tied
     embeddings would be synchronised between the wrong ranks."""
-    if schedule not in ("dualpipe", "dualpipev"):
+    if not schedule_spec(schedule).places_chunks:
         return
     for chunk in model_chunks:
         while hasattr(chunk, "module"):

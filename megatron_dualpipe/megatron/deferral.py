@@ -6,8 +6,12 @@ The runtime splits a backward into B (dX only) and W (dW) through its
 the W. This module makes Megatron's layers follow that protocol.
 
 Local layers (``ColumnParallelLinear``, ``RowParallelLinear``, and through them the experts
-of ``SequentialMLP``): :func:`enable_weight_grad_deferral` switches each one's class, in
-place, to :class:`DeferrableColumnParallelLinear` / :class:`DeferrableRowParallelLinear`.
+of ``SequentialMLP``) become :class:`DeferrableColumnParallelLinear` /
+:class:`DeferrableRowParallelLinear`, preferably by building the model from
+:func:`deferrable_layer_spec` (Megatron's own layer spec with those classes in place of
+Megatron's), else by :func:`enable_weight_grad_deferral`, which switches the class of every
+exact ``ColumnParallelLinear`` / ``RowParallelLinear`` still left, in place: the layers a
+spec does not reach (GPTModel's output layer) and models built elsewhere.
 Their ``_forward_impl`` runs an autograd Function with the forward and backward of
 Megatron's ``linear_with_grad_accumulation_and_async_allreduce`` (tensor_parallel/layers.py,
 0.16.1): input all-gather under sequence parallelism, dgrad all-reduce (``allreduce_dgrad``)
@@ -75,6 +79,7 @@ W needs no communication).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -87,6 +92,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.parallel_state import get_global_memory_buffer
 from megatron.core.tensor_parallel import layers as _layers
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import (
     get_tensor_model_parallel_group_if_none,
@@ -94,6 +100,7 @@ from megatron.core.utils import (
 )
 from torch import nn
 
+from ..errors import DualPipeError
 from ..runtime.weight_grad_store import WeightGradStore, active_store
 
 __all__ = [
@@ -101,6 +108,7 @@ __all__ = [
     "DeferrableRowParallelLinear",
     "WeightGradDeferralError",
     "ddp_config_for_deferral",
+    "deferrable_layer_spec",
     "enable_weight_grad_deferral",
     "with_delay_wgrad_compute",
 ]
@@ -111,7 +119,7 @@ _TE_CLASS_NAMES = ("TELinear", "TELayerNormColumnParallelLinear", "TEGroupedLine
 _TE_HOOK_ATTR = "_dualpipe_backward_dw_hook"
 
 
-class WeightGradDeferralError(RuntimeError):
+class WeightGradDeferralError(DualPipeError, RuntimeError):
     """A configuration that weight-gradient deferral does not support (one sentence)."""
 
 
@@ -325,8 +333,21 @@ class _DeferrableParallelLinear:
     ``_deferral_name`` when converted)."""
 
     weight: nn.Parameter
+    config: TransformerConfig
     _wgrad_hooks: list[Callable[[], Any]]
     _deferral_name: str
+
+    def _init_deferral(self, name: str) -> None:
+        """Join the dX/dW split: no wgrad hooks yet, DDP told to wait for them."""
+        if self.config.defer_embedding_wgrad_compute:
+            raise WeightGradDeferralError(
+                f"{name}: defer_embedding_wgrad_compute is not supported with weight-gradient "
+                "deferral: turn it off"
+            )
+        self._wgrad_hooks = []
+        self._deferral_name = name
+        if self.weight is not None and self.weight.requires_grad:
+            self.weight.skip_backward_post_hook = True
 
     def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable[[], Any]) -> None:
         """Called by Megatron DDP (``delay_wgrad_compute``): ``hook()`` runs after every
@@ -415,12 +436,22 @@ class _DeferrableParallelLinear:
 
 class DeferrableColumnParallelLinear(_DeferrableParallelLinear, ColumnParallelLinear):
     """``ColumnParallelLinear`` whose weight gradient waits for the W action while the
-    active store captures; made by :func:`enable_weight_grad_deferral`."""
+    active store captures; built from :func:`deferrable_layer_spec` or converted by
+    :func:`enable_weight_grad_deferral`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_deferral(type(self).__name__)
 
 
 class DeferrableRowParallelLinear(_DeferrableParallelLinear, RowParallelLinear):
     """``RowParallelLinear`` whose weight gradient waits for the W action while the
-    active store captures; made by :func:`enable_weight_grad_deferral`."""
+    active store captures; built from :func:`deferrable_layer_spec` or converted by
+    :func:`enable_weight_grad_deferral`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_deferral(type(self).__name__)
 
 
 _CONVERSIONS: dict[type[nn.Module], type[nn.Module]] = {
@@ -429,26 +460,39 @@ _CONVERSIONS: dict[type[nn.Module], type[nn.Module]] = {
 }
 
 
+def deferrable_layer_spec(spec: ModuleSpec) -> ModuleSpec:
+    """``spec`` (a layer spec such as ``get_gpt_layer_local_spec()``) with every
+    ``ColumnParallelLinear`` / ``RowParallelLinear`` in it, at any depth (attention, MLP,
+    MoE experts and shared experts), replaced by its deferrable class; the rest unchanged."""
+    return _replace_linears(spec)
+
+
+def _replace_linears(item: Any) -> Any:
+    if isinstance(item, type):
+        return _CONVERSIONS.get(item, item)
+    if dataclasses.is_dataclass(item) and not isinstance(item, type):
+        changes = {
+            f.name: _replace_linears(getattr(item, f.name))
+            for f in dataclasses.fields(item)
+            if f.init
+        }
+        return dataclasses.replace(item, **changes)
+    return item
+
+
 def _convert_local(layer: nn.Module, name: str) -> bool:
     """Switch one exact ColumnParallelLinear / RowParallelLinear to its deferrable class;
     False when the layer has no trainable weight of its own (left as it is)."""
     weight = getattr(layer, "weight", None)
     if weight is None or not weight.requires_grad:
         return False
-    if layer.config.defer_embedding_wgrad_compute:
-        raise WeightGradDeferralError(
-            f"{name}: defer_embedding_wgrad_compute is not supported with weight-gradient "
-            "deferral: turn it off"
-        )
     if hasattr(weight, "main_grad"):
         raise WeightGradDeferralError(
             f"{name}: the model is already wrapped in DistributedDataParallel: call "
             "enable_weight_grad_deferral before wrapping it"
         )
     layer.__class__ = _CONVERSIONS[type(layer)]
-    layer._wgrad_hooks = []
-    layer._deferral_name = name
-    weight.skip_backward_post_hook = True
+    layer._init_deferral(name)
     return True
 
 
@@ -583,7 +627,8 @@ def enable_weight_grad_deferral(model_chunks: nn.Module | Iterable[nn.Module]) -
     for chunk in chunks:
         for name, module in chunk.named_modules():
             if isinstance(module, _DeferrableParallelLinear):
-                count += 1
+                module._deferral_name = name
+                count += module.weight is not None and module.weight.requires_grad
             elif type(module) in _CONVERSIONS:
                 count += _convert_local(module, name)
             elif te_classes and isinstance(module, te_classes):

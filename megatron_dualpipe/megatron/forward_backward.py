@@ -1,11 +1,24 @@
 """The forward-backward function of our schedules, with Megatron-Core's exact signature.
 
-``make_forward_backward_func("dualpipev")`` returns a function that Megatron's training loop
-can call where it calls ``forward_backward_pipelining_without_interleaving``. It runs this
+``DualPipeForwardBackward("dualpipev")`` is a callable that Megatron's training loop can
+call where it calls ``forward_backward_pipelining_without_interleaving``. It runs this
 rank's part of the schedule with the runtime executor, each local model chunk wrapped as a
 :class:`~.stage.MegatronStage`, and honours the config hooks Megatron's schedules honour:
 ``no_sync_func``, ``grad_sync_func``, ``finalize_model_grads_func``, ``grad_scale_func``,
 ``timers``, ``variable_seq_lengths``, ``calculate_per_token_loss``.
+
+The object owns everything that lives longer than one step: an executor per model (held
+through weak references, so a dropped model is freed), the extra process groups a
+tag-ignoring backend needs, the timeout of every pipeline wait and an optional timeline
+sink. Keep one object per training run: it checks the configuration once, when it first
+sees a model, and reuses that executor every step.
+
+Process groups: as Megatron's own schedules, either pass neither ``p2p_communicator`` nor
+``pg_collection`` (the groups come from ``parallel_state``) or both; then the pipeline
+group is the communicator's (``pg_collection.pp`` must be the same group) and tensor and
+context parallel sizes come from ``pg_collection``. Messages go through this project's
+channels on that group, never through the communicator's own send/receive calls (which
+would mix the two directions between a pair of ranks).
 
 Gradient synchronisation with deferred dW: a parameter's gradient is complete after its
 chunk's last backward (parameters computed with dX, e.g. norms) or after its chunk's last W
@@ -17,8 +30,9 @@ its gradient is final.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Sequence
-from functools import partial
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,37 +40,312 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.utils import get_model_config
 
-from ..runtime import PipelineExecutor, RankTimeline, TensorSpec
-from ..schedules.generators import generate
+from ..runtime import DEFAULT_TIMEOUT_S, PipelineExecutor, RankTimeline, TensorSpec
 from ..schedules.ir import Action, Kind, Schedule
-from .checks import check_model, check_run
+from .checks import DualPipeConfigError, check_model, check_run, schedule_spec
 from .mirror import sync_mirror_gradients
 from .placement import chunk_roles
 from .stage import MegatronStage, StepInputs
 
-__all__ = ["make_forward_backward_func", "record_timelines"]
+__all__ = ["DualPipeForwardBackward", "TimelineSink"]
 
-#: Where recorded steps go while :func:`record_timelines` is active.
-_timeline_sink: Callable[[RankTimeline, Schedule], None] | None = None
-
-
-@contextlib.contextmanager
-def record_timelines(sink: Callable[[RankTimeline, Schedule], None]) -> Iterator[None]:
-    """Within the block, every step of our schedules records its timeline (each action's
-    start and end; ranks aligned by a barrier first) and hands it to ``sink`` with the
-    schedule. Megatron's signature has no room for this, hence a context."""
-    global _timeline_sink
-    previous, _timeline_sink = _timeline_sink, sink
-    try:
-        yield
-    finally:
-        _timeline_sink = previous
+#: Receives each recorded step: this rank's timeline and the schedule it ran.
+TimelineSink = Callable[[RankTimeline, Schedule], None]
 
 
-def make_forward_backward_func(schedule: str) -> Callable[..., list[Any]]:
-    """Megatron's forward-backward signature, running ``schedule`` (zb1p, dualpipe or
-    dualpipev) with our runtime."""
-    return partial(_forward_backward, schedule)
+@dataclass(frozen=True)
+class _Groups:
+    """The process groups one step runs with, and this rank's place in the pipeline."""
+
+    pipeline: dist.ProcessGroup
+    pp_rank: int
+    pp_size: int
+    tp_size: int
+    cp_size: int
+    pg_collection: Any
+
+
+def _groups(p2p_communicator: Any, pg_collection: Any, schedule: str) -> _Groups:
+    """The step's groups: from ``parallel_state``, or from the explicit arguments."""
+    if p2p_communicator is None and pg_collection is None:
+        pipeline = parallel_state.get_pipeline_model_parallel_group()
+        return _Groups(
+            pipeline=pipeline,
+            pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+            pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+            tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+            cp_size=parallel_state.get_context_parallel_world_size(),
+            pg_collection=None,
+        )
+    if p2p_communicator is None or pg_collection is None:
+        raise DualPipeConfigError(
+            f"{schedule}: pass both p2p_communicator and pg_collection, or neither (as "
+            "Megatron's own schedules require)"
+        )
+    pipeline = p2p_communicator.pp_group
+    if getattr(pg_collection, "pp", pipeline) is not pipeline:
+        raise DualPipeConfigError(
+            f"{schedule}: p2p_communicator.pp_group and pg_collection.pp are different "
+            "groups: pass the same pipeline group in both"
+        )
+    return _Groups(
+        pipeline=pipeline,
+        pp_rank=pipeline.rank(),
+        pp_size=pipeline.size(),
+        tp_size=pg_collection.tp.size() if getattr(pg_collection, "tp", None) else 1,
+        cp_size=pg_collection.cp.size() if getattr(pg_collection, "cp", None) else 1,
+        pg_collection=pg_collection,
+    )
+
+
+@dataclass
+class _Prepared:
+    """One model's executor and stages, made once and reused every step."""
+
+    executor: PipelineExecutor
+    stages: list[MegatronStage]
+    key: tuple
+
+
+class DualPipeForwardBackward:
+    """Megatron's forward-backward signature, running ``schedule`` (one the registry says
+    our runtime runs: zb1p, dualpipe, dualpipev).
+
+    ``timeout_s`` bounds every pipeline wait (messages, mirror exchanges) and defaults to
+    Megatron-LM's ``--distributed-timeout-minutes`` default; ``timeline_sink``, when set,
+    receives every training step's recorded timeline (see :meth:`recording`).
+    """
+
+    def __init__(
+        self,
+        schedule: str,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        timeline_sink: TimelineSink | None = None,
+    ):
+        self.spec = schedule_spec(schedule)
+        if not self.spec.runs_ours:
+            raise DualPipeConfigError(
+                f"{schedule} is Megatron-Core's own schedule: use Megatron's "
+                "get_forward_backward_func for it"
+            )
+        self.schedule_name = schedule
+        self.timeout_s = timeout_s
+        self.timeline_sink = timeline_sink
+        # Keyed by the first model chunk, held weakly: a dropped model drops its executor.
+        self._prepared: weakref.WeakKeyDictionary[Any, _Prepared] = weakref.WeakKeyDictionary()
+        self._backward_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+    def __repr__(self) -> str:
+        return f"DualPipeForwardBackward({self.schedule_name!r})"
+
+    @contextlib.contextmanager
+    def recording(self, sink: TimelineSink) -> Iterator[None]:
+        """Within the block, every training step records its timeline (each action's start
+        and end; ranks aligned by a barrier first) and hands it to ``sink``."""
+        previous, self.timeline_sink = self.timeline_sink, sink
+        try:
+            yield
+        finally:
+            self.timeline_sink = previous
+
+    def executor(self, model: Any) -> PipelineExecutor | None:
+        """The executor this object runs ``model`` (its chunk list, or chunk 0) with, or
+        None before its first step (or after the model was dropped)."""
+        first = model[0] if isinstance(model, list | tuple) else model
+        prepared = self._prepared.get(first)
+        return None if prepared is None else prepared.executor
+
+    # -- set-up, once per model -----------------------------------------------------------
+    def _backward_group(self, pipeline: dist.ProcessGroup) -> dist.ProcessGroup | None:
+        """A second group over the pipeline ranks, for gradients, where the backend ignores
+        tags (NCCL): it keeps the two directions between a pair of ranks apart.
+
+        Creating groups is collective over the whole world: every rank learns every
+        pipeline group and creates one backward group per pipeline group, in the same order.
+        """
+        if dist.get_backend(pipeline) == "gloo":
+            return None
+        mine = tuple(dist.get_process_group_ranks(pipeline))
+        if mine not in self._backward_groups:
+            every: list[tuple[int, ...] | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
+            for ranks in sorted(set(every)):
+                group = dist.new_group(list(ranks))
+                if ranks == mine:
+                    self._backward_groups[ranks] = group
+        return self._backward_groups[mine]
+
+    def _prepare(
+        self,
+        model: list[Any],
+        config: Any,
+        groups: _Groups,
+        num_microbatches: int,
+        seq_length: int,
+        micro_batch_size: int,
+    ) -> _Prepared:
+        """This model's executor: checked, generated and built on first use, then reused
+        while the model, the micro-batch count and the activation shape stay the same."""
+        seq = seq_length // groups.tp_size if config.sequence_parallel else seq_length
+        key = (
+            tuple(id(m) for m in model),
+            num_microbatches,
+            (seq, micro_batch_size, config.hidden_size),
+            groups.pp_size,
+        )
+        prepared = self._prepared.get(model[0])
+        if prepared is not None and prepared.key == key:
+            return prepared
+        check_run(
+            self.schedule_name,
+            pipeline_size=groups.pp_size,
+            num_microbatches=num_microbatches,
+            config=config,
+            virtual_pipeline_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+            context_parallel_size=groups.cp_size,
+        )
+        check_model(self.schedule_name, model)
+        schedule = self.spec.generate(groups.pp_size, num_microbatches)
+        roles = chunk_roles(self.schedule_name, groups.pp_size, groups.pp_rank, config.num_layers)
+        stages = [MegatronStage(m, role) for m, role in zip(model, roles, strict=True)]
+        device = _device_of(model[0])
+        spec = TensorSpec(key[2], config.pipeline_dtype or torch.float32, device)
+        executor = PipelineExecutor(
+            schedule,
+            groups.pp_rank,
+            stages,
+            specs=dict.fromkeys(range(schedule.placement.num_stages), spec),
+            loss_fn=lambda loss, mb: loss,
+            group=groups.pipeline,
+            backward_group=self._backward_group(groups.pipeline),
+            defer_weight_grads=True,
+            timeout_s=self.timeout_s,
+            variable_shapes=bool(config.variable_seq_lengths),
+        )
+        prepared = _Prepared(executor, stages, key)
+        self._prepared[model[0]] = prepared
+        return prepared
+
+    # -- one step ------------------------------------------------------------------------
+    def __call__(
+        self,
+        *,
+        forward_step_func: Callable[..., Any],
+        data_iterator: Any,
+        model: Any,
+        num_microbatches: int,
+        seq_length: int,
+        micro_batch_size: int,
+        decoder_seq_length: int | None = None,
+        forward_only: bool = False,
+        collect_non_loss_data: bool = False,
+        first_val_step: bool | None = None,
+        adjust_tensor_shapes_fn: Callable | None = None,
+        p2p_communicator: Any = None,
+        pg_collection: Any = None,
+        force_all_reduce: bool | None = False,
+    ) -> list[Any]:
+        """Run one step; returns Megatron's ``forward_data_store`` (the loss function's
+        reduced outputs) on ranks that compute a loss, else []."""
+        name = self.schedule_name
+        if adjust_tensor_shapes_fn is not None:
+            raise DualPipeConfigError(f"{name} does not support adjust_tensor_shapes_fn")
+        if decoder_seq_length is not None and decoder_seq_length != seq_length:
+            raise DualPipeConfigError(
+                f"{name} runs decoder-only models: decoder_seq_length must be None or "
+                "seq_length"
+            )
+        model = list(model) if isinstance(model, list | tuple) else [model]
+        config = get_model_config(model[0])
+        groups = _groups(p2p_communicator, pg_collection, name)
+        if config.timers is not None:
+            config.timers("forward-backward", log_level=1).start(
+                barrier=config.barrier_with_L1_time
+            )
+        prepared = self._prepare(
+            model, config, groups, num_microbatches, seq_length, micro_batch_size
+        )
+        executor, stages = prepared.executor, prepared.stages
+        schedule, rank = executor.schedule, executor.rank
+        step = StepInputs(
+            forward_step_func=forward_step_func,
+            config=config,
+            num_microbatches=num_microbatches,
+            collect_non_loss_data=collect_non_loss_data,
+            forward_only=forward_only,
+            first_val_step=first_val_step,
+            cp_group_size=groups.cp_size,
+        )
+        for stage, data in zip(stages, _chunk_data(data_iterator, schedule, stages), strict=True):
+            stage.begin_step(step, data)
+        executor.loss_fn = _loss_root(config, forward_only)
+
+        entering = {
+            m: torch.empty(0)
+            for m in range(num_microbatches)
+            if schedule.placement.rank_of(schedule.placement.path(m)[0]) == rank
+        }
+        grad_sync = _GradSync(config, len(model), _grad_sync_points(schedule, rank))
+        if not forward_only:
+            for chunk in range(len(model)):
+                grad_sync.disable(chunk)
+        sink = None if forward_only else self.timeline_sink
+        try:
+            result = executor.run(
+                entering,
+                forward_only=forward_only,
+                action_context=None if forward_only else grad_sync.around,
+                record_timeline=sink is not None,
+            )
+        finally:
+            for stage in stages:
+                stage.begin_step(None, None)
+        if sink is not None:
+            sink(result.timeline, schedule)
+
+        if not forward_only:
+            for chunk in range(len(model)):
+                grad_sync.enable(chunk)
+            self._finish_gradients(model, config, groups, step, force_all_reduce, schedule)
+        if config.timers is not None:
+            config.timers("forward-backward").stop()
+        return step.forward_data_store
+
+    def _finish_gradients(
+        self,
+        model: list[Any],
+        config: Any,
+        groups: _Groups,
+        step: StepInputs,
+        force_all_reduce: bool | None,
+        schedule: Schedule,
+    ) -> None:
+        """What Megatron's schedules do after the last backward: grad sync, finalize (data
+        parallel reduction, layer-norm and embedding sync); then the mirror copies' sum."""
+        if config.grad_sync_func is not None:
+            for func, chunk in zip(_as_list(config.grad_sync_func, len(model)), model, strict=True):
+                func(chunk.parameters())
+        if config.finalize_model_grads_func is not None:
+            num_tokens = None
+            if config.calculate_per_token_loss:
+                # Loss stages need not be on the last rank: sum the counts over the pipeline
+                # (finalize_model_grads then broadcasts the last rank's total).
+                num_tokens = step.total_num_tokens.clone()
+                dist.all_reduce(num_tokens, group=groups.pipeline)
+            config.finalize_model_grads_func(
+                model,
+                num_tokens,
+                pg_collection=groups.pg_collection,
+                force_all_reduce=force_all_reduce,
+            )
+        if schedule.placement.kind == "mirror":
+            sync_mirror_gradients(model, group=groups.pipeline, timeout_s=self.timeout_s)
+
+
+def _device_of(chunk: torch.nn.Module) -> torch.device:
+    first = next(iter(chunk.parameters()), None)
+    return torch.device("cpu") if first is None else first.device
 
 
 def _as_list(value: Any, n: int) -> list[Any]:
@@ -64,7 +353,7 @@ def _as_list(value: Any, n: int) -> list[Any]:
 
 
 def _chunk_data(
-    data_iterator: Any, schedule: Schedule, rank: int, stages: Sequence[MegatronStage]
+    data_iterator: Any, schedule: Schedule, stages: Sequence[MegatronStage]
 ) -> list[Iterator[Any] | None]:
     """Per local chunk, an iterator over the micro-batches that chunk processes.
 
@@ -74,7 +363,7 @@ def _chunk_data(
     """
     if isinstance(data_iterator, list | tuple):
         if len(data_iterator) != len(stages):
-            raise ValueError(
+            raise DualPipeConfigError(
                 f"{schedule.name} needs one data iterator per model chunk ({len(stages)}), "
                 f"got {len(data_iterator)}"
             )
@@ -131,177 +420,6 @@ class _GradSync:
         finally:
             if final:
                 self.disable(action.chunk)
-
-
-def _specs(
-    schedule: Schedule, config: Any, seq_length: int, micro_batch_size: int
-) -> dict[int, TensorSpec]:
-    """Every stage receives [seq / TP (sequence parallel), micro-batch, hidden] activations."""
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    seq = seq_length // tp if config.sequence_parallel else seq_length
-    shape = (seq, micro_batch_size, config.hidden_size)
-    dtype = config.pipeline_dtype or torch.float32
-    return {s: TensorSpec(shape, dtype) for s in range(schedule.placement.num_stages)}
-
-
-_EXECUTORS: dict[tuple, tuple[PipelineExecutor, list[MegatronStage]]] = {}
-_BACKWARD_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
-
-
-def _backward_group() -> dist.ProcessGroup | None:
-    """A second group over this rank's pipeline ranks, for gradients, where the backend
-    ignores tags (NCCL): it keeps the two directions between a pair of ranks apart.
-
-    Creating groups is collective over the whole world: every rank learns every pipeline
-    group and creates one backward group per pipeline group, in the same order.
-    """
-    pp_group = parallel_state.get_pipeline_model_parallel_group()
-    if dist.get_backend(pp_group) == "gloo":
-        return None
-    mine = tuple(dist.get_process_group_ranks(pp_group))
-    if mine not in _BACKWARD_GROUPS:
-        every: list[tuple[int, ...] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        for ranks in sorted(set(every)):
-            group = dist.new_group(list(ranks))
-            if ranks == mine:
-                _BACKWARD_GROUPS[ranks] = group
-    return _BACKWARD_GROUPS[mine]
-
-
-def _executor(
-    schedule_name: str, model: list[Any], num_microbatches: int, specs_key: tuple, make_specs
-) -> tuple[PipelineExecutor, list[MegatronStage]]:
-    """One executor per (schedule, model chunks, micro-batches, activation spec)."""
-    key = (schedule_name, tuple(id(m) for m in model), num_microbatches, specs_key)
-    if key not in _EXECUTORS:
-        pp = parallel_state.get_pipeline_model_parallel_world_size()
-        rank = parallel_state.get_pipeline_model_parallel_rank()
-        config = get_model_config(model[0])
-        schedule = generate(schedule_name, pp, num_microbatches)
-        roles = chunk_roles(schedule_name, pp, rank, config.num_layers)
-        stages = [MegatronStage(m, role) for m, role in zip(model, roles, strict=True)]
-        timeout = getattr(config, "distributed_timeout_minutes", None)
-        executor = PipelineExecutor(
-            schedule,
-            rank,
-            stages,
-            specs=make_specs(schedule),
-            loss_fn=lambda loss, mb: loss,
-            group=parallel_state.get_pipeline_model_parallel_group(),
-            backward_group=_backward_group(),
-            defer_weight_grads=True,
-            timeout_s=60.0 * timeout if timeout else 600.0,
-            variable_shapes=bool(config.variable_seq_lengths),
-        )
-        _EXECUTORS[key] = (executor, stages)
-    return _EXECUTORS[key]
-
-
-def _forward_backward(
-    schedule_name: str,
-    *,
-    forward_step_func: Callable[..., Any],
-    data_iterator: Any,
-    model: Any,
-    num_microbatches: int,
-    seq_length: int,
-    micro_batch_size: int,
-    decoder_seq_length: int | None = None,
-    forward_only: bool = False,
-    collect_non_loss_data: bool = False,
-    first_val_step: bool | None = None,
-    adjust_tensor_shapes_fn: Callable | None = None,
-    p2p_communicator: Any = None,
-    pg_collection: Any = None,
-    force_all_reduce: bool | None = False,
-) -> list[Any]:
-    """Run one step of ``schedule_name``; returns Megatron's ``forward_data_store`` (the
-    loss function's reduced outputs) on ranks that compute a loss, else []."""
-    del decoder_seq_length, p2p_communicator  # single-stack models; our own communicator
-    model = list(model) if isinstance(model, list | tuple) else [model]
-    config = get_model_config(model[0])
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    check_run(
-        schedule_name,
-        pipeline_size=pp,
-        num_microbatches=num_microbatches,
-        config=config,
-        virtual_pipeline_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
-        context_parallel_size=parallel_state.get_context_parallel_world_size(),
-    )
-    check_model(schedule_name, model)
-    if adjust_tensor_shapes_fn is not None:
-        raise ValueError(f"{schedule_name} does not support adjust_tensor_shapes_fn")
-    if config.timers is not None:
-        config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
-
-    specs_key = (seq_length, micro_batch_size, config.sequence_parallel)
-    executor, stages = _executor(
-        schedule_name,
-        model,
-        num_microbatches,
-        specs_key,
-        lambda s: _specs(s, config, seq_length, micro_batch_size),
-    )
-    schedule, rank = executor.schedule, executor.rank
-    step = StepInputs(
-        forward_step_func=forward_step_func,
-        config=config,
-        num_microbatches=num_microbatches,
-        collect_non_loss_data=collect_non_loss_data,
-        forward_only=forward_only,
-        first_val_step=first_val_step,
-        cp_group_size=parallel_state.get_context_parallel_world_size(),
-    )
-    for stage, data in zip(stages, _chunk_data(data_iterator, schedule, rank, stages), strict=True):
-        stage.begin_step(step, data)
-    executor.loss_fn = _loss_root(config, forward_only)
-
-    entering = {
-        m: torch.empty(0)
-        for m in range(num_microbatches)
-        if schedule.placement.rank_of(schedule.placement.path(m)[0]) == rank
-    }
-    grad_sync = _GradSync(config, len(model), _grad_sync_points(schedule, rank))
-    if not forward_only:
-        for chunk in range(len(model)):
-            grad_sync.disable(chunk)
-    sink = _timeline_sink
-    result = executor.run(
-        entering,
-        forward_only=forward_only,
-        action_context=None if forward_only else grad_sync.around,
-        record_timeline=sink is not None,
-    )
-    if sink is not None:
-        sink(result.timeline, schedule)
-    for stage in stages:
-        stage.begin_step(None, None)
-
-    if not forward_only:
-        for chunk in range(len(model)):
-            grad_sync.enable(chunk)
-        if config.grad_sync_func is not None:
-            for func, chunk in zip(_as_list(config.grad_sync_func, len(model)), model, strict=True):
-                func(chunk.parameters())
-        if config.finalize_model_grads_func is not None:
-            num_tokens = None
-            if config.calculate_per_token_loss:
-                # Loss stages need not be on the last rank: sum the counts over the pipeline
-                # (finalize_model_grads then broadcasts the last rank's total).
-                num_tokens = step.total_num_tokens.clone()
-                dist.all_reduce(
-                    num_tokens, group=parallel_state.get_pipeline_model_parallel_group()
-                )
-            config.finalize_model_grads_func(
-                model, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce
-            )
-        if schedule.placement.kind == "mirror":
-            sync_mirror_gradients(model)
-    if config.timers is not None:
-        config.timers("forward-backward").stop()
-    return step.forward_data_store
 
 
 def _loss_root(config: Any, forward_only: bool) -> Callable[[torch.Tensor, int], torch.Tensor]:

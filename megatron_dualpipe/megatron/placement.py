@@ -24,19 +24,15 @@ from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
 from ..schedules.ir import Placement
-from .checks import check_layers, stages_per_rank
+from .checks import check_layers, schedule_spec
 
 __all__ = ["ChunkRole", "StagePlacementLayout", "build_model_chunks", "chunk_roles", "placement_of"]
 
-_PLACEMENT_KIND = {"zb1p": "loop", "dualpipe": "mirror", "dualpipev": "v"}
-
-
 def placement_of(schedule: str, pipeline_size: int, num_microbatches: int = 2) -> Placement:
     """The IR placement of ``schedule`` (micro-batches matter only for dualpipe's paths)."""
-    chunks = stages_per_rank(schedule)
-    return Placement(
-        _PLACEMENT_KIND[schedule], pipeline_size, chunks * pipeline_size, num_microbatches
-    )
+    found = schedule_spec(schedule)
+    stages = found.chunks_per_rank() * pipeline_size
+    return Placement(found.placement, pipeline_size, stages, num_microbatches)
 
 
 @dataclass(frozen=True)
@@ -87,8 +83,7 @@ class StagePlacementLayout(PipelineParallelLayerLayout):
     """
 
     def __init__(self, schedule: str, pipeline_size: int, num_layers: int):
-        chunks = stages_per_rank(schedule)
-        entries = chunks * pipeline_size
+        entries = schedule_spec(schedule).chunks_per_rank() * pipeline_size
         layers = [["decoder"] * (num_layers // entries) for _ in range(entries)]
         for i in range(num_layers % entries):
             layers[i].append("decoder")

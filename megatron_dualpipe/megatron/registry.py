@@ -1,42 +1,37 @@
-"""Selecting a pipeline schedule: ``install()`` and ``get_forward_backward_func``.
+"""Selecting a pipeline schedule: :func:`get_forward_backward_func` and the opt-in
+:func:`install`.
 
-Where the run's schedule is recorded, in order of precedence:
-1. the ``pipeline_schedule=`` argument of :func:`get_forward_backward_func`;
-2. :func:`install` / :func:`set_pipeline_schedule` (process-wide, e.g. from
-   ``--pipeline-schedule`` or the YAML config);
-3. none: Megatron's own choice (1F1B, or interleaved with a virtual pipeline).
-``1f1b`` and ``interleaved-1f1b`` always select Megatron's own functions.
+:func:`get_forward_backward_func` is Megatron's function of the same name with a
+``pipeline_schedule`` argument: for a schedule our runtime runs it returns a new
+:class:`~.forward_backward.DualPipeForwardBackward` (keep it: it holds the executor), for
+Megatron's own (or None) Megatron's choice.
+
+:func:`install` is a patch, for code that calls Megatron's ``get_forward_backward_func()``
+itself and cannot be changed: it rebinds that name in every imported megatron module to
+a function that returns one forward-backward object for the installed schedule. It is
+undone by :meth:`Installation.undo` (or leaving its ``with`` block) or by
+:func:`uninstall`; nothing is recorded outside the patched functions themselves.
+Prefer calling :func:`get_forward_backward_func` (or building the object) directly.
 """
 
 from __future__ import annotations
 
 import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
 from megatron.core.pipeline_parallel import schedules as megatron_schedules
 
-from .checks import MEGATRON_SCHEDULES, OUR_SCHEDULES, DualPipeConfigError
-from .forward_backward import make_forward_backward_func
+from ..runtime import DEFAULT_TIMEOUT_S
+from .checks import schedule_spec
+from .forward_backward import DualPipeForwardBackward
 
-__all__ = ["get_forward_backward_func", "install", "pipeline_schedule", "set_pipeline_schedule"]
+__all__ = ["Installation", "get_forward_backward_func", "install", "uninstall"]
 
 _megatron_get_forward_backward_func = megatron_schedules.get_forward_backward_func
-_schedule: str | None = None
-
-
-def set_pipeline_schedule(name: str | None) -> None:
-    """Record the run's schedule (None: let Megatron choose)."""
-    global _schedule
-    if name is not None and name not in (*OUR_SCHEDULES, *MEGATRON_SCHEDULES):
-        known = ", ".join((*MEGATRON_SCHEDULES, *OUR_SCHEDULES))
-        raise DualPipeConfigError(f"unknown pipeline schedule {name!r}: choose one of {known}")
-    _schedule = name
-
-
-def pipeline_schedule() -> str | None:
-    """The schedule recorded by :func:`set_pipeline_schedule`."""
-    return _schedule
+#: Set on the functions :func:`install` puts in place, naming what they replaced.
+_REPLACED = "__dualpipe_replaced__"
 
 
 def get_forward_backward_func(
@@ -44,27 +39,75 @@ def get_forward_backward_func(
     vp_size: int | None = None,
     *,
     pipeline_schedule: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> Callable[..., Any]:
-    """Megatron's ``get_forward_backward_func``, aware of our schedules."""
-    name = pipeline_schedule or _schedule
-    if name in OUR_SCHEDULES:
-        return make_forward_backward_func(name)
-    if name is not None and name not in MEGATRON_SCHEDULES:
-        set_pipeline_schedule(name)  # raises the clear error
+    """Megatron's ``get_forward_backward_func``, aware of our schedules (unknown names are
+    a :class:`~.checks.DualPipeConfigError`)."""
+    if pipeline_schedule is not None and schedule_spec(pipeline_schedule).runs_ours:
+        return DualPipeForwardBackward(pipeline_schedule, timeout_s=timeout_s)
     return _megatron_get_forward_backward_func(pp_size, vp_size)
 
 
-def install(pipeline_schedule: str | None = None) -> None:
-    """Make every ``get_forward_backward_func`` that megatron modules imported return ours
-    for our schedules; idempotent. Optionally records the run's schedule."""
-    if pipeline_schedule is not None:
-        set_pipeline_schedule(pipeline_schedule)
-    for module in list(sys.modules.values()):
-        name = getattr(module, "__name__", "")
-        if not name.startswith("megatron") or name.startswith("megatron_dualpipe"):
+class Installation:
+    """The modules :func:`install` patched; :meth:`undo` restores them."""
+
+    def __init__(self, forward_backward: DualPipeForwardBackward | None, patched: list[Any]):
+        self.forward_backward = forward_backward
+        self._patched = patched
+
+    def undo(self) -> None:
+        """Give every patched module back Megatron's function."""
+        for module in self._patched:
+            installed = getattr(module, "get_forward_backward_func", None)
+            replaced = getattr(installed, _REPLACED, None)
+            if replaced is not None:
+                module.get_forward_backward_func = replaced
+        self._patched = []
+
+    def __enter__(self) -> Installation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.undo()
+
+
+def _megatron_modules() -> list[types.ModuleType]:
+    return [
+        module
+        for name, module in list(sys.modules.items())
+        if name.startswith("megatron.") and isinstance(module, types.ModuleType)
+    ]
+
+
+def install(pipeline_schedule: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Installation:
+    """Make ``get_forward_backward_func`` in every imported megatron module return the
+    forward-backward function of ``pipeline_schedule`` (ours: one object for the whole run;
+    Megatron's own: Megatron's choice, unchanged). Installing again replaces the previous
+    installation. Modules imported later are not patched."""
+    uninstall()
+    forward_backward = None
+    if schedule_spec(pipeline_schedule).runs_ours:
+        forward_backward = DualPipeForwardBackward(pipeline_schedule, timeout_s=timeout_s)
+    patched = []
+    for module in _megatron_modules():
+        original = getattr(module, "get_forward_backward_func", None)
+        if original is not _megatron_get_forward_backward_func:
             continue
-        if (
-            getattr(module, "get_forward_backward_func", None)
-            is _megatron_get_forward_backward_func
-        ):
-            module.get_forward_backward_func = get_forward_backward_func
+        module.get_forward_backward_func = _installed(forward_backward)
+        patched.append(module)
+    return Installation(forward_backward, patched)
+
+
+def _installed(forward_backward: DualPipeForwardBackward | None) -> Callable[..., Any]:
+    def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = None) -> Any:
+        if forward_backward is None:
+            return _megatron_get_forward_backward_func(pp_size, vp_size)
+        return forward_backward
+
+    setattr(get_forward_backward_func, _REPLACED, _megatron_get_forward_backward_func)
+    return get_forward_backward_func
+
+
+def uninstall() -> None:
+    """Undo every :func:`install` in this process (no-op when nothing is installed)."""
+    Installation(None, _megatron_modules()).undo()

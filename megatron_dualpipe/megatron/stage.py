@@ -8,6 +8,7 @@ forward_step_func contract is exactly Megatron's.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,15 +44,26 @@ class MegatronStage(nn.Module):
     Where data enters, ``x`` is a placeholder: the chunk reads its micro-batch through the
     user's ``forward_step_func`` from ``data``, an iterator over exactly the micro-batches
     this chunk processes, in order.
+
+    The chunk is held through a weak reference (the stage is cached beside the model, and
+    must not keep a dropped model alive); it is not a submodule of the stage.
     """
 
     def __init__(self, model: nn.Module, role: ChunkRole):
         super().__init__()
-        self.model = model
+        self._model = weakref.ref(model)
         self.role = role
         self.step: StepInputs | None = None
         self.data: Iterator[Any] | None = None
         self._forwards = 0
+
+    @property
+    def model(self) -> nn.Module:
+        """The model chunk this stage runs."""
+        model = self._model()
+        if model is None:
+            raise RuntimeError(f"the model chunk of stage {self.role.stage} no longer exists")
+        return model
 
     def begin_step(self, step: StepInputs, data: Iterator[Any] | None) -> None:
         self.step, self.data, self._forwards = step, data, 0

@@ -15,7 +15,6 @@ Everything here needs ``parallel_state`` to be initialised in the calling proces
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
@@ -26,7 +25,9 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import unwrap_model
+
+from .deferral import deferrable_layer_spec
+from .names import global_named_parameters
 
 __all__ = [
     "SEQ_LENGTH",
@@ -48,10 +49,6 @@ __all__ = [
 VOCAB_SIZE = 128
 SEQ_LENGTH = 16
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
-_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
-_TIED_OUTPUT = "output_layer.weight"
-_WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
 
 def tiny_gpt_config(
@@ -128,9 +125,13 @@ def build_tiny_gpt(
     position_embedding_type: str = "learned_absolute",
     vocab_size: int = VOCAB_SIZE,
     max_sequence_length: int = SEQ_LENGTH,
+    deferrable: bool = False,
 ) -> GPTModel:
-    """One GPTModel chunk with the local (non-TE) layer spec; pre/post as given."""
+    """One GPTModel chunk with the local (non-TE) layer spec (its linear layers deferrable
+    from construction with ``deferrable``); pre/post as given."""
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    if deferrable:
+        spec = deferrable_layer_spec(spec)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -165,34 +166,6 @@ def build_reference_gpt(config: TransformerConfig, **model_kwargs: Any) -> GPTMo
     return build_tiny_gpt(
         reference_config(config), pre_process=True, post_process=True, **model_kwargs
     )
-
-
-# --------------------------------------------------------------------------------------
-# Global parameter names.
-
-
-def _global_name(model: GPTModel, name: str) -> str:
-    match = _LAYER.match(name)
-    if match is not None:
-        layer = model.decoder.layers[int(match.group(1))]
-        rest = match.group(2)
-        expert = _LOCAL_EXPERT.match(rest)
-        if expert is not None:
-            global_expert = layer.mlp.local_expert_indices[int(expert.group(1))]
-            rest = f"mlp.experts.local_experts.{global_expert}.{expert.group(2)}"
-        return f"decoder.layers.{layer.layer_number - 1}.{rest}"
-    if name == _TIED_OUTPUT and model.share_embeddings_and_output_weights:
-        return _WORD_EMBEDDINGS
-    return name
-
-
-def global_named_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """Parameters of one model chunk (wrappers such as DDP allowed) by global name."""
-    inner = unwrap_model(model)
-    named = {_global_name(inner, name): p for name, p in inner.named_parameters()}
-    if len(named) != len(list(inner.parameters())):
-        raise ValueError("two parameters of one model chunk map to the same global name")
-    return named
 
 
 def global_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -13,10 +13,11 @@ from .executor import OverlapHook, PipelineExecutor, StepResult
 from .mirror import sync_mirror_grads
 from .p2p import TensorSpec
 from .timeline import RankTimeline, gather_timeline
-from .watchdog import PipelineWaitError
+from .watchdog import DEFAULT_TIMEOUT_S, PipelineWaitError
 from .weight_grad_store import WeightGradStore, active_store
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
     "DeferrableLayer",
     "DeferrableLinear",
     "OverlapHook",

@@ -40,7 +40,7 @@ from ..schedules.lowering import message_key, peer_of
 from ..schedules.validate import validate
 from .p2p import MessageKey, PipeComm, TensorSpec
 from .timeline import RankTimeline
-from .watchdog import Watchdog
+from .watchdog import DEFAULT_TIMEOUT_S, Watchdog
 from .weight_grad_store import WeightGradStore
 
 __all__ = ["OverlapHook", "PipelineExecutor", "StepResult"]
@@ -172,7 +172,7 @@ class PipelineExecutor:
         group: dist.ProcessGroup | None = None,
         backward_group: dist.ProcessGroup | None = None,
         defer_weight_grads: bool = True,
-        timeout_s: float = 300.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         variable_shapes: bool = False,
         prepost_receives: bool = True,
     ):

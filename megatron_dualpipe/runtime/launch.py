@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..errors import DualPipeError
+
 __all__ = ["LaunchFailure", "run_ranks"]
 
 _HOST = "127.0.0.1"
@@ -40,7 +42,7 @@ _LAUNCH_ATTEMPTS = 3
 _ports_handed_out: set[int] = set()
 
 
-class LaunchFailure(RuntimeError):
+class LaunchFailure(DualPipeError, RuntimeError):
     """Some ranks failed or overran the deadline (and were killed).
 
     ``errors`` are (rank, kind, text), kind "setup" (before ``fn`` ran) or "error", in the

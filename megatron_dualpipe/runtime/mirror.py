@@ -18,7 +18,7 @@ from torch import nn
 
 from ..schedules.ir import Placement
 from .p2p import TAG_LIMIT
-from .watchdog import Watchdog
+from .watchdog import DEFAULT_TIMEOUT_S, Watchdog
 
 __all__ = ["copy_mirror_params", "sync_mirror_grads"]
 
@@ -52,7 +52,7 @@ def copy_mirror_params(
     rank: int,
     *,
     group: dist.ProcessGroup | None = None,
-    timeout_s: float = 300.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> None:
     """Make this rank's chunk 1 a copy of its mirror rank's chunk 0 (direction 0's copy of
     each stage is the original). Collective over the pipeline ``group``."""
@@ -76,7 +76,7 @@ def sync_mirror_grads(
     rank: int,
     *,
     group: dist.ProcessGroup | None = None,
-    timeout_s: float = 300.0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
     grad_of: Callable[[nn.Parameter], torch.Tensor] = param_grad,
 ) -> None:
     """Sum each model stage's gradients over its two copies, in place, on both.

@@ -16,14 +16,20 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Protocol
 
-__all__ = ["PipelineWaitError", "Watchdog"]
+from ..errors import DualPipeError
+
+__all__ = ["DEFAULT_TIMEOUT_S", "PipelineWaitError", "Watchdog"]
+
+#: How long any pipeline wait (a message, a mirror exchange) may take by default: the
+#: default of Megatron-LM's ``--distributed-timeout-minutes`` (10 minutes).
+DEFAULT_TIMEOUT_S = 600.0
 
 
 class _Waitable(Protocol):
     def wait(self, timeout: timedelta = ...) -> object: ...
 
 
-class PipelineWaitError(RuntimeError):
+class PipelineWaitError(DualPipeError, RuntimeError):
     """A pipeline wait failed (timed out, or its peer went away)."""
 
     def __init__(self, rank: int, what: str, peer: int, elapsed_s: float, cause: str):

@@ -2,14 +2,14 @@
 simulator and exports. See docs/schedules.md."""
 
 from .cost import CostModel
-from .generators import GENERATORS, generate, min_microbatches
 from .ir import Action, Kind, Placement, Schedule, ScheduleError
 from .lowering import lower
+from .registry import SCHEDULES, ScheduleSpec, generate, spec
 from .simulate import DeadlockError, SimResult, simulate
 from .validate import validate
 
 __all__ = [
-    "GENERATORS",
+    "SCHEDULES",
     "Action",
     "CostModel",
     "DeadlockError",
@@ -17,10 +17,11 @@ __all__ = [
     "Placement",
     "Schedule",
     "ScheduleError",
+    "ScheduleSpec",
     "SimResult",
     "generate",
     "lower",
-    "min_microbatches",
     "simulate",
+    "spec",
     "validate",
 ]

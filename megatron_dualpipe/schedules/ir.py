@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
+from ..errors import DualPipeError
+
 __all__ = [
     "COMM_KINDS",
     "COMPUTE_KINDS",
@@ -25,7 +27,7 @@ __all__ = [
 ]
 
 
-class ScheduleError(ValueError):
+class ScheduleError(DualPipeError, ValueError):
     """A schedule, its parameters or its text is not valid; the message says what to change."""
 
 

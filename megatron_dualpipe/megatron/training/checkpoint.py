@@ -35,6 +35,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import unwrap_model
 
+from ..checks import schedule_spec
 from ..cpu_compat import apply_cpu_compat
 from .config import TrainConfig
 from .errors import TrainError
@@ -96,7 +97,7 @@ def _model_state(cfg: TrainConfig, model: list[Any]) -> dict[str, Any]:
     state = {}
     for i, chunk in enumerate(model):
         chunk_state = unwrap_model(chunk).sharded_state_dict()
-        if cfg.pipeline_schedule == "dualpipe" and i == 1:
+        if i == 1 and schedule_spec(cfg.pipeline_schedule).placement == "mirror":
             for item in nested_values(chunk_state):
                 if hasattr(item, "replica_id"):
                     item.replica_id = _as_replica(item.replica_id)

@@ -23,14 +23,14 @@ from typing import Any
 
 import yaml
 
-from ..checks import MEGATRON_SCHEDULES, OUR_SCHEDULES, DualPipeConfigError, check_run
+from ...errors import DualPipeError
+from ...schedules.registry import SCHEDULES
+from ..checks import schedule_spec
 
 __all__ = ["config_from_values", "ConfigError", "TrainConfig", "load_config", "parse_overrides"]
 
-SCHEDULES = (*MEGATRON_SCHEDULES, *OUR_SCHEDULES)
 
-
-class ConfigError(ValueError):
+class ConfigError(DualPipeError, ValueError):
     """A configuration that cannot run; the message names the source, the key and the fix."""
 
 
@@ -135,9 +135,9 @@ class TrainConfig:
     @property
     def model_chunks(self) -> int:
         """Model chunks each pipeline rank holds."""
-        if self.pipeline_schedule in ("dualpipe", "dualpipev"):
-            return 2
-        return self.virtual_pipeline_model_parallel_size or 1
+        return schedule_spec(self.pipeline_schedule).chunks_per_rank(
+            self.virtual_pipeline_model_parallel_size
+        )
 
     def with_world_size(self, world_size: int, source: str) -> TrainConfig:
         """This config for a launcher-given world size, validated again."""
@@ -150,7 +150,7 @@ class TrainConfig:
 # Reading.
 
 _CHOICES: dict[str, tuple[str | None, ...]] = {
-    "pipeline_schedule": SCHEDULES,
+    "pipeline_schedule": tuple(SCHEDULES),
     "position_embedding_type": ("learned_absolute", "rope"),
     "normalization": ("LayerNorm", "RMSNorm"),
     "moe_token_dispatcher_type": ("alltoall", "allgather"),
@@ -387,38 +387,37 @@ def _check_model(cfg: TrainConfig) -> Problem:
 def _check_schedule(cfg: TrainConfig) -> Problem:
     schedule, pp = cfg.pipeline_schedule, cfg.pipeline_model_parallel_size
     vp, m = cfg.virtual_pipeline_model_parallel_size, cfg.num_microbatches
-    where = (
-        f" (micro-batches per step = global_batch_size / (micro_batch_size x data-parallel "
-        f"size) = {cfg.global_batch_size} / ({cfg.micro_batch_size} x {cfg.data_parallel_size}))"
-    )
-    if schedule == "interleaved-1f1b":
-        if pp < 2 or vp is None or vp < 2:
+    found = schedule_spec(schedule)
+    if found.chunks is None:
+        if pp < found.min_ranks or vp is None or vp < 2:
             return "pipeline_schedule", (
-                "interleaved-1f1b needs pipeline_model_parallel_size >= 2 and "
+                f"{schedule} needs pipeline_model_parallel_size >= {found.min_ranks} and "
                 "virtual_pipeline_model_parallel_size >= 2"
             )
-        if m % pp:
-            return "pipeline_schedule", (
-                f"interleaved-1f1b needs the micro-batches ({m}) to be a multiple of PP = {pp}"
-                + where
-            )
     elif vp is not None:
+        virtual = ", ".join(n for n, s in SCHEDULES.items() if s.chunks is None)
         return "virtual_pipeline_model_parallel_size", (
-            f"only interleaved-1f1b uses virtual pipeline stages; unset it for {schedule}"
+            f"only {virtual} uses virtual pipeline stages; unset it for {schedule}"
         )
-    stages = pp * cfg.model_chunks if schedule != "dualpipe" else pp
+    stages = found.model_stages(pp, vp)
     if cfg.num_layers % stages:
         return "num_layers", (
             f"{schedule} cuts the model into {stages} stages of equal size, but {cfg.num_layers} "
             f"is not divisible by {stages}"
         )
-    if schedule in OUR_SCHEDULES and pp < 2:
-        return "pipeline_model_parallel_size", f"{schedule} needs at least 2 pipeline ranks"
-    if schedule in OUR_SCHEDULES:
-        try:
-            check_run(schedule, pipeline_size=pp, num_microbatches=m)
-        except DualPipeConfigError as err:
-            return "pipeline_schedule", str(err) + (where if "micro-batches" in str(err) else "")
+    if pp < found.min_ranks:
+        return "pipeline_model_parallel_size", (
+            f"{schedule} needs at least {found.min_ranks} pipeline ranks"
+        )
+    problem = found.problem(pp, m)
+    if problem is not None and "micro-batches" in problem:
+        return "pipeline_schedule", (
+            f"{problem}: raise global_batch_size or lower PP (micro-batches per step = "
+            f"global_batch_size / (micro_batch_size x data-parallel size) = "
+            f"{cfg.global_batch_size} / ({cfg.micro_batch_size} x {cfg.data_parallel_size}))"
+        )
+    if problem is not None:
+        return "pipeline_schedule", problem
     return None
 
 

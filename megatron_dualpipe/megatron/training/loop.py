@@ -31,7 +31,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.utils import unwrap_model
 
-from ..registry import get_forward_backward_func, install
+from ..registry import get_forward_backward_func
 from .checkpoint import TrainState, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .data import MicroBatch, SyntheticData
@@ -97,8 +97,10 @@ class _Run:
         )
         self.rank = dist.get_rank()
         self.result = TrainResult()
-        install(cfg.pipeline_schedule)
-        self.forward_backward = get_forward_backward_func(pipeline_schedule=cfg.pipeline_schedule)
+        self.forward_backward = get_forward_backward_func(
+            pipeline_schedule=cfg.pipeline_schedule,
+            timeout_s=60.0 * cfg.distributed_timeout_minutes,
+        )
         self.config = transformer_config(cfg, on_gpu=self.device.type == "cuda")
         self.model = build_model(cfg, self.config)
         self.optimizer, self.scheduler = build_optimizer(cfg, self.model)
@@ -144,10 +146,12 @@ class _Run:
             return [iter(batches) for _ in self.model]
         return iter(batches)
 
-    def _run_schedule(self, data_iterator: Any, forward_only: bool) -> float:
+    def _run_schedule(
+        self, data_iterator: Any, forward_only: bool, step_func: Callable[..., Any] = forward_step
+    ) -> float:
         """One forward-backward call; returns the global mean loss (all ranks)."""
         loss_dicts = self.forward_backward(
-            forward_step_func=forward_step,
+            forward_step_func=step_func,
             data_iterator=data_iterator,
             model=self.model,
             num_microbatches=self.cfg.num_microbatches,
@@ -171,10 +175,14 @@ class _Run:
         recorder = None
         if measure:
             recorder = StepRecorder(
-                self.cfg.pipeline_schedule, self.model, self.cfg.num_microbatches
+                self.cfg.pipeline_schedule,
+                self.forward_backward,
+                self.model,
+                self.config,
+                self.cfg.num_microbatches,
             )
             with recorder:
-                loss = self._run_schedule(data, forward_only=False)
+                loss = self._run_schedule(data, False, recorder.forward_step(forward_step))
         else:
             loss = self._run_schedule(data, forward_only=False)
         success, grad_norm, _ = self.optimizer.step()

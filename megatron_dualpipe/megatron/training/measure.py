@@ -1,13 +1,16 @@
 """Measure one training step's timeline on every pipeline rank, under any schedule.
 
 - Our schedules (zb1p, dualpipe, dualpipev): the runtime executor records the step itself
-  (every F, B, W, BW and FB with its start and end), asked through
-  :func:`..forward_backward.record_timelines`.
-- Megatron's own schedules (1f1b, interleaved-1f1b): Megatron's ``forward_step`` and
-  ``backward_step`` (looked up by name in ``megatron.core.pipeline_parallel.schedules``
-  at each call) are timed while the recorder is active: each forward is an F and each
-  backward a BW (dX and dW together) of the loop placement's stage; the ranks start
-  after a barrier, as the executor does.
+  (every F, B, W, BW and FB with its start and end), asked through the forward-backward
+  object's :meth:`~..forward_backward.DualPipeForwardBackward.recording`.
+- Megatron's own schedules (1f1b, interleaved-1f1b): through Megatron's own timing hook,
+  ``config.timers``. For the step, a recording stand-in takes the place of the config's
+  timers (passing every call on to them): each ``forward-compute`` interval is an F and
+  each ``backward-compute`` interval a BW (dX and dW together), taken in this rank's
+  order of the generated schedule (our generators reproduce Megatron's orders). The
+  forward-step function is wrapped to note which chunk each forward ran on, and a step
+  whose chunks do not follow the generated order is refused rather than misdrawn. The
+  ranks start after a barrier, as the executor does.
 
 :meth:`StepRecorder.gather` collects the ranks' timelines on pipeline rank 0 as a
 SimResult (times in ms; the runtime's ``gather_timeline``), so the simulator's exports
@@ -18,22 +21,20 @@ action durations can be put beside it.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.pipeline_parallel import schedules as megatron_schedules
 
 from ...runtime import RankTimeline, gather_timeline
 from ...schedules.export import to_png
-from ...schedules.generators import generate
 from ...schedules.ir import Action, Kind, Schedule
+from ...schedules.registry import generate
 from ...schedules.simulate import SimResult, simulate
-from ..checks import OUR_SCHEDULES
-from ..forward_backward import record_timelines
+from ..forward_backward import DualPipeForwardBackward
 
 __all__ = ["StepRecorder", "predict", "write_side_by_side_png"]
 
@@ -41,48 +42,67 @@ __all__ = ["StepRecorder", "predict", "write_side_by_side_png"]
 class StepRecorder:
     """Context manager around one forward-backward call that records this rank's actions.
 
-    ``model`` is this rank's list of model chunks (as passed to the forward-backward
-    function). Collective over the pipeline group: every pipeline rank must record the
-    same step.
+    ``forward_backward`` is the function the step runs (ours or Megatron's), ``model``
+    this rank's list of model chunks and ``config`` their TransformerConfig. Inside the
+    block, run the step with :meth:`forward_step` in place of the forward-step function.
+    Collective over the pipeline group: every pipeline rank must record the same step.
     """
 
-    def __init__(self, schedule: str, model: Sequence[Any], num_microbatches: int):
+    def __init__(
+        self,
+        schedule: str,
+        forward_backward: Callable[..., Any],
+        model: Sequence[Any],
+        config: Any,
+        num_microbatches: int,
+    ):
         self.schedule_name = schedule
+        self.forward_backward = forward_backward
         self.model = list(model)
+        self.config = config
         self.num_microbatches = num_microbatches
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
         self.group = parallel_state.get_pipeline_model_parallel_group()
         self.timeline: RankTimeline | None = None
         self.schedule: Schedule | None = None
-        self._restore: list[tuple[Any, str, Any]] = []
-        self._recording: Any = None
+        self._exit: Callable[[], None] | None = None
+        self._forward_chunks: list[int] = []
 
     def __enter__(self) -> StepRecorder:
-        if self.schedule_name in OUR_SCHEDULES:
-            self._recording = record_timelines(self._keep)
-            self._recording.__enter__()
-        else:
-            chunks = len(self.model)
-            options = {"chunks": chunks} if chunks > 1 else {}
-            self.schedule = generate(
-                self.schedule_name, self.pp_size, self.num_microbatches, **options
-            )
-            _MegatronStepTimer(self).install()
+        if isinstance(self.forward_backward, DualPipeForwardBackward):
+            recording = self.forward_backward.recording(self._keep)
+            recording.__enter__()
+            self._exit = functools.partial(recording.__exit__, None, None, None)
+            return self
+        chunks = len(self.model)
+        options = {"chunks": chunks} if chunks > 1 else {}
+        self.schedule = generate(self.schedule_name, self.pp_size, self.num_microbatches, **options)
+        dist.barrier(group=self.group)
+        self.timeline = RankTimeline(self.pp_rank)
+        timers = _RecordingTimers(self, self.config.timers)
+        previous, self.config.timers = self.config.timers, timers
+        self._exit = functools.partial(setattr, self.config, "timers", previous)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._recording is not None:
-            self._recording.__exit__(None, None, None)
-            self._recording = None
-        for owner, name, original in reversed(self._restore):
-            setattr(owner, name, original)
-        self._restore.clear()
+        if self._exit is not None:
+            self._exit()
+            self._exit = None
 
-    def patch(self, owner: Any, name: str, replacement: Any) -> None:
-        """Set ``owner.name`` to ``replacement`` until the recorder exits."""
-        self._restore.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, replacement)
+    def forward_step(self, forward_step_func: Callable[..., Any]) -> Callable[..., Any]:
+        """``forward_step_func``, noting the chunk of every forward it runs under Megatron's
+        schedules (ours record their own actions: unchanged)."""
+        if isinstance(self.forward_backward, DualPipeForwardBackward):
+            return forward_step_func
+        chunk_of = {id(chunk): i for i, chunk in enumerate(self.model)}
+
+        @functools.wraps(forward_step_func)
+        def forward_step(data_iterator: Iterator[Any], model: Any, *args: Any, **kwargs: Any):
+            self._forward_chunks.append(chunk_of.get(id(model), 0))
+            return forward_step_func(data_iterator, model, *args, **kwargs)
+
+        return forward_step
 
     def _keep(self, timeline: RankTimeline, schedule: Schedule) -> None:
         self.timeline, self.schedule = timeline, schedule
@@ -91,64 +111,70 @@ class StepRecorder:
         """The measured step on pipeline rank 0 (None elsewhere); collective."""
         if self.timeline is None or self.schedule is None:
             raise RuntimeError("no step was recorded on this rank")
+        if self._forward_chunks:
+            self._check_forward_order()
         return gather_timeline(self.timeline, self.schedule, group=self.group)
 
-
-class _MegatronStepTimer:
-    """Times Megatron's forward_step / backward_step for a :class:`StepRecorder`."""
-
-    def __init__(self, recorder: StepRecorder):
-        self.recorder = recorder
-        self.chunk_of = {id(chunk): i for i, chunk in enumerate(recorder.model)}
-        self.forwards = [0] * len(recorder.model)
-        self.pending: dict[int, Action] = {}
-        self.live = 0
-
-    def install(self) -> None:
-        recorder = self.recorder
-        dist.barrier(group=recorder.group)
-        recorder.timeline = RankTimeline(recorder.pp_rank)
-        recorder.patch(
-            megatron_schedules, "forward_step", self._forward(megatron_schedules.forward_step)
-        )
-        recorder.patch(
-            megatron_schedules, "backward_step", self._backward(megatron_schedules.backward_step)
-        )
-
-    def _forward(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def forward_step(*args: Any, **kwargs: Any) -> Any:
-            timeline = self.recorder.timeline
-            start = timeline.now()
-            output, num_tokens = original(*args, **kwargs)
-            chunk = self.chunk_of[id(args[2] if len(args) > 2 else kwargs["model"])]
-            action = Action(
-                Kind.F,
-                chunk * self.recorder.pp_size + self.recorder.pp_rank,
-                self.forwards[chunk],
-                chunk,
+    def _check_forward_order(self) -> None:
+        expected = [a.chunk for a in self.schedule.ranks[self.pp_rank] if a.kind is Kind.F]
+        if self._forward_chunks != expected:
+            raise RuntimeError(
+                f"{self.schedule_name} ran its forwards on chunks {self._forward_chunks} but the "
+                f"generated schedule orders them {expected}: the timeline cannot be drawn"
             )
-            self.forwards[chunk] += 1
-            timeline.add(action, start, timeline.now())
-            self.pending[id(output)] = action._replace(kind=Kind.BW)
-            self.live += 1
-            timeline.peak_activations = max(timeline.peak_activations, self.live)
-            return output, num_tokens
 
-        return forward_step
 
-    def _backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def backward_step(*args: Any, **kwargs: Any) -> Any:
-            timeline = self.recorder.timeline
-            output = args[1] if len(args) > 1 else kwargs["output_tensor"]
-            start = timeline.now()
-            result = original(*args, **kwargs)
-            timeline.add(self.pending.pop(id(output)), start, timeline.now())
-            self.live -= 1
-            return result
+class _RecordingTimers:
+    """``config.timers`` for one step of Megatron's schedules: records each
+    ``forward-compute`` / ``backward-compute`` interval as the rank's next F / BW of the
+    generated schedule, and passes every call on to the timers it stands in for."""
 
-        return backward_step
+    _KINDS = {"forward-compute": Kind.F, "backward-compute": Kind.BW}
+
+    def __init__(self, recorder: StepRecorder, inner: Any):
+        self.recorder = recorder
+        self.inner = inner
+        rank_actions = recorder.schedule.ranks[recorder.pp_rank]
+        self._next = {
+            kind: iter([a for a in rank_actions if a.kind is kind]) for kind in (Kind.F, Kind.BW)
+        }
+        self._started: dict[Kind, float] = {}
+        self._live = 0
+
+    def __call__(self, name: str, log_level: int | None = None) -> _RecordingTimer:
+        inner = None
+        if self.inner is not None:
+            inner = self.inner(name) if log_level is None else self.inner(name, log_level=log_level)
+        return _RecordingTimer(self, self._KINDS.get(name), inner)
+
+    def start(self, kind: Kind) -> None:
+        self._started[kind] = self.recorder.timeline.now()
+
+    def stop(self, kind: Kind) -> None:
+        timeline = self.recorder.timeline
+        action: Action = next(self._next[kind])
+        timeline.add(action, self._started.pop(kind), timeline.now())
+        self._live += 1 if kind is Kind.F else -1
+        timeline.peak_activations = max(timeline.peak_activations, self._live)
+
+
+class _RecordingTimer:
+    """One named timer handed out by :class:`_RecordingTimers`."""
+
+    def __init__(self, timers: _RecordingTimers, kind: Kind | None, inner: Any):
+        self.timers, self.kind, self.inner = timers, kind, inner
+
+    def start(self, barrier: bool = False) -> None:
+        if self.inner is not None:
+            self.inner.start(barrier=barrier)
+        if self.kind is not None:
+            self.timers.start(self.kind)
+
+    def stop(self, barrier: bool = False) -> None:
+        if self.kind is not None:
+            self.timers.stop(self.kind)
+        if self.inner is not None:
+            self.inner.stop(barrier=barrier)
 
 
 def write_side_by_side_png(measured: SimResult, predicted: SimResult, path: Path) -> None:

@@ -31,11 +31,15 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from ..checks import OUR_SCHEDULES
-from ..deferral import ddp_config_for_deferral, enable_weight_grad_deferral
+from ..checks import schedule_spec
+from ..deferral import (
+    ddp_config_for_deferral,
+    deferrable_layer_spec,
+    enable_weight_grad_deferral,
+)
 from ..mirror import prepare_mirrors
+from ..names import global_named_parameters
 from ..placement import StagePlacementLayout, chunk_roles
-from ..tiny_models import global_named_parameters
 from .config import TrainConfig
 
 __all__ = ["build_model", "transformer_config"]
@@ -47,7 +51,7 @@ def transformer_config(cfg: TrainConfig, *, on_gpu: bool) -> TransformerConfig:
     """Megatron's TransformerConfig for ``cfg`` (raises Megatron's own errors)."""
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     layout = None
-    if cfg.pipeline_schedule in ("dualpipe", "dualpipev"):
+    if schedule_spec(cfg.pipeline_schedule).places_chunks:
         layout = StagePlacementLayout(
             cfg.pipeline_schedule, cfg.pipeline_model_parallel_size, cfg.num_layers
         )
@@ -68,8 +72,9 @@ def transformer_config(cfg: TrainConfig, *, on_gpu: bool) -> TransformerConfig:
         expert_model_parallel_size=cfg.expert_model_parallel_size,
         sequence_parallel=cfg.sequence_parallel,
         pipeline_model_parallel_layout=layout,
-        # Two chunks per rank at PP=2 with batched P2P give wrong gradients (Megatron-LM #750).
-        batch_p2p_comm=cfg.pipeline_schedule != "interleaved-1f1b",
+        # Megatron's P2P with two chunks per rank at PP=2 and batched P2P gives wrong
+        # gradients (Megatron-LM #750); our schedules do not use Megatron's P2P.
+        batch_p2p_comm=cfg.model_chunks == 1,
         bf16=cfg.bf16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -95,16 +100,13 @@ def transformer_config(cfg: TrainConfig, *, on_gpu: bool) -> TransformerConfig:
             moe_router_dtype=cfg.moe_router_dtype,
             moe_grouped_gemm=False,
         )
-    config = TransformerConfig(**kwargs)
-    # Not a TransformerConfig field: the runtime's watchdog reads it (forward_backward.py).
-    config.distributed_timeout_minutes = cfg.distributed_timeout_minutes
-    return config
+    return TransformerConfig(**kwargs)
 
 
 def _chunk_ends(cfg: TrainConfig) -> list[tuple[bool, bool, int | None]]:
     """(pre_process, post_process, vp_stage) of each local chunk, chunk 0 first."""
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    if cfg.pipeline_schedule in ("dualpipe", "dualpipev"):
+    if schedule_spec(cfg.pipeline_schedule).places_chunks:
         roles = chunk_roles(
             cfg.pipeline_schedule, cfg.pipeline_model_parallel_size, pp_rank, cfg.num_layers
         )
@@ -159,12 +161,16 @@ def build_model(cfg: TrainConfig, config: TransformerConfig) -> list[Distributed
     """This rank's chunks, initialised and wrapped in DDP; ``config`` gets the hooks
     (``no_sync_func``, ``finalize_model_grads_func``). Needs ``parallel_state``.
 
-    Under our schedules every Megatron linear layer defers its weight gradient (dW) to the
-    schedule's W actions (``megatron.deferral``); dualpipe's mirrored copies are made equal.
+    Under schedules that split the backward every Megatron linear layer defers its weight
+    gradient (dW) to the W actions: built so from the layer spec, the output layer converted
+    (``megatron.deferral``); dualpipe's mirrored copies are made equal.
     """
+    found = schedule_spec(cfg.pipeline_schedule)
     spec = get_gpt_layer_local_spec(
         num_experts=cfg.num_experts, moe_grouped_gemm=False, normalization=cfg.normalization
     )
+    if found.splits_backward:
+        spec = deferrable_layer_spec(spec)
     chunks = []
     for pre_process, post_process, vp_stage in _chunk_ends(cfg):
         chunk = GPTModel(
@@ -182,16 +188,16 @@ def build_model(cfg: TrainConfig, config: TransformerConfig) -> list[Distributed
             chunk.cuda(torch.cuda.current_device())
         init_weights(chunk, cfg)
         chunks.append(chunk)
-    deferred = cfg.pipeline_schedule in OUR_SCHEDULES
+    deferred = found.splits_backward
     if deferred:
-        enable_weight_grad_deferral(chunks)
+        enable_weight_grad_deferral(chunks)  # what the layer spec does not build: output layer
     ddp_config = _ddp_config(cfg, deferred)
     model = [
         DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
         for i, chunk in enumerate(chunks)
     ]
-    if cfg.pipeline_schedule == "dualpipe":
-        prepare_mirrors(model)
+    if found.placement == "mirror":
+        prepare_mirrors(model, timeout_s=60.0 * cfg.distributed_timeout_minutes)
     config.finalize_model_grads_func = finalize_model_grads
     if cfg.overlap_grad_reduce:
         no_sync = [m.no_sync for m in model]

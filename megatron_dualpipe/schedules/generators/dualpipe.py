@@ -10,7 +10,7 @@ this rank and chunk 1 the other; ``n`` ranks make one direction's walk to the tu
 
 from __future__ import annotations
 
-from ..ir import Placement, Schedule, ScheduleError
+from ..ir import Placement, Schedule
 from .program import RankProgram
 
 
@@ -67,13 +67,6 @@ def _eight_steps(prog: RankProgram, r: int, n: int, k: int, chunk: tuple[int, in
 
 def dualpipev(num_ranks: int, num_microbatches: int) -> Schedule:
     """DualPipeV: rank r holds stages r and ``2R-1-r``; loss on rank 0."""
-    if num_ranks < 2:
-        raise ScheduleError("dualpipev needs at least 2 pipeline ranks")
-    if num_microbatches < 2 * num_ranks:
-        raise ScheduleError(
-            f"dualpipev needs at least 2 x PP = {2 * num_ranks} micro-batches, got "
-            f"{num_microbatches}: raise the global batch size or lower PP"
-        )
     placement = Placement("v", num_ranks, 2 * num_ranks, num_microbatches)
     ranks = []
     for rank in range(num_ranks):
@@ -86,16 +79,6 @@ def dualpipev(num_ranks: int, num_microbatches: int) -> Schedule:
 def dualpipe(num_ranks: int, num_microbatches: int) -> Schedule:
     """DualPipe: two mirrored copies; half the micro-batches enter at rank 0, half at the
     last rank; rank r's steps mirror those of rank ``R-1-r``."""
-    if num_ranks < 2 or num_ranks % 2:
-        raise ScheduleError(
-            f"dualpipe needs an even number of pipeline ranks, got {num_ranks}: use an even "
-            "PP or dualpipev"
-        )
-    if num_microbatches % 2 or num_microbatches < 2 * num_ranks:
-        raise ScheduleError(
-            f"dualpipe needs an even number of micro-batches >= 2 x PP = {2 * num_ranks}, got "
-            f"{num_microbatches}"
-        )
     placement = Placement("mirror", num_ranks, 2 * num_ranks, num_microbatches)
     half = num_microbatches // 2
     ranks = []

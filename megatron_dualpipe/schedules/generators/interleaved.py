@@ -12,13 +12,6 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, chunks: int = 2) -> 
     backward, then alternates, then drains."""
     if chunks < 2:
         raise ScheduleError("interleaved-1f1b needs --chunks >= 2 (use 1f1b for one chunk)")
-    if num_ranks < 2:
-        raise ScheduleError("interleaved-1f1b needs at least 2 ranks")
-    if num_microbatches < num_ranks or num_microbatches % num_ranks:
-        raise ScheduleError(
-            f"interleaved-1f1b needs micro-batches ({num_microbatches}) to be a multiple of "
-            f"the pipeline size ({num_ranks})"
-        )
     placement = Placement("loop", num_ranks, num_ranks * chunks, num_microbatches)
     total = num_microbatches * chunks
     group = num_ranks * chunks

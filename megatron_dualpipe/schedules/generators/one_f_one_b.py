@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from ..ir import Placement, Schedule, ScheduleError
+from ..ir import Placement, Schedule
 from .program import RankProgram
 
 
 def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
     """Each rank forwards ``ranks - rank - 1`` micro-batches ahead, then alternates one
     forward with one full backward, then drains the remaining backwards."""
-    if num_ranks < 1 or num_microbatches < 1:
-        raise ScheduleError("1f1b needs at least one rank and one micro-batch")
     placement = Placement("loop", num_ranks, num_ranks, num_microbatches)
     ranks = []
     for rank in range(num_ranks):

@@ -1,18 +1,16 @@
-"""Import torch.distributed.pipelining's schedule generators into our IR, so that PyTorch's
-own schedules can be validated, simulated and compared like ours.
+"""Import torch.distributed.pipelining's schedules into our IR, so that PyTorch's own
+schedules can be validated, simulated and compared like ours.
 
-Each torch schedule class computes every rank's compute order in plain Python
-(``_calculate_single_rank_operations`` for the multi-stage runtimes, ``_get_pipeline_order``
-for :class:`Schedule1F1B`); its constructor would also build process groups and stages,
-so the generator runs on an instance made with ``object.__new__`` carrying only the
-attributes the generator reads. The result is the compute-only order: idle slots (None)
-and bookkeeping actions (REDUCE_GRAD, UNSHARD, RESHARD) are dropped; communication is
-added, if wanted, by our own lowering.
+torch's schedule visualiser helper (``_schedule_visualizer.get_schedule_ops``) builds a
+schedule class through its own constructor on stand-in stages, so torch itself validates
+the parameters, and returns every rank's compute order. Idle slots (None) and bookkeeping
+actions (REDUCE_GRAD, UNSHARD, RESHARD) are dropped; communication is added, if wanted,
+by our own lowering.
 
 Contract: for each schedule in :data:`TORCH_SCHEDULES` and any (ranks, micro-batches)
 torch itself accepts, :func:`import_torch_schedule` returns a schedule our ``validate()``
-accepts; parameters torch would refuse raise :class:`ScheduleError` before any import
-work. torch is imported only when a schedule is imported.
+accepts; what torch refuses is a :class:`ScheduleError` with torch's reason. torch is
+imported only when a schedule is imported.
 """
 
 from __future__ import annotations
@@ -78,41 +76,6 @@ def _convert(action, placement: Placement) -> Action:
     return Action(kind, stage, action.microbatch_index, placement.chunk_of(stage))
 
 
-def _check_accepted(class_name: str, ranks: int, microbatches: int, stages: int) -> None:
-    """Refuse what torch's constructors refuse (they are not run here)."""
-    if ranks < 1 or microbatches < 1:
-        raise ScheduleError("a schedule needs at least one rank and one micro-batch")
-    if class_name == "Schedule1F1B" and microbatches < stages:
-        raise ScheduleError(
-            f"torch's Schedule1F1B needs at least as many micro-batches as stages ({stages}), "
-            f"got {microbatches}"
-        )
-    if class_name in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble"):
-        rounds = max(1, microbatches // ranks)
-        if microbatches % rounds:
-            raise ScheduleError(
-                f"torch's {class_name} needs micro-batches ({microbatches}) divisible by "
-                f"max(1, micro-batches // PP) = {rounds}: use a multiple of PP"
-            )
-    if class_name == "ScheduleDualPipeV" and microbatches < stages:
-        raise ScheduleError(
-            f"torch's ScheduleDualPipeV needs at least 2 x PP = {stages} micro-batches, got "
-            f"{microbatches}"
-        )
-
-
-def _generator(schedule_cls: type, ranks: int, microbatches: int, placement: Placement):
-    """An instance of ``schedule_cls`` holding only what its generator reads."""
-    gen = object.__new__(schedule_cls)
-    gen.pp_group_size = ranks
-    gen._n_microbatches = microbatches
-    gen._num_stages = gen.num_stages = placement.num_stages
-    gen.n_local_stages = placement.num_chunks
-    gen.number_of_rounds = max(1, microbatches // ranks)
-    gen.microbatches_per_round = microbatches // gen.number_of_rounds
-    return gen
-
-
 def _renumber_forwards(ops: list) -> list:
     """Label each stage's forwards 0, 1, 2, ... in issue order.
 
@@ -133,19 +96,26 @@ def _renumber_forwards(ops: list) -> list:
 def from_torch_pipelining(
     schedule_cls: type, num_ranks: int, num_microbatches: int, placement: Placement, name: str
 ) -> Schedule:
-    """Run ``schedule_cls``'s per-rank generator (no process group, no stages) and return its
-    compute order as a :class:`Schedule` on ``placement``.
+    """Build ``schedule_cls`` (through torch's own constructor, on stand-in stages) and
+    return its compute order as a :class:`Schedule` on ``placement``.
 
     ``placement`` must be the one torch uses for that class (``loop`` for 1F1B and the
     interleaved schedules, ``v`` for ZBV and DualPipeV); a mismatch shows up in
     ``validate()`` as a stage on the wrong rank."""
-    _check_accepted(schedule_cls.__name__, num_ranks, num_microbatches, placement.num_stages)
-    gen = _generator(schedule_cls, num_ranks, num_microbatches, placement)
-    if hasattr(schedule_cls, "_calculate_single_rank_operations"):
-        orders = [gen._calculate_single_rank_operations(rank) for rank in range(num_ranks)]
-    else:  # single-stage schedules build every rank's order at once
-        everyone = gen._get_pipeline_order()
-        orders = [_renumber_forwards(everyone[rank]) for rank in range(num_ranks)]
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    try:
+        orders = get_schedule_ops(
+            schedule_cls, num_ranks, num_microbatches, num_stages_per_rank=placement.num_chunks
+        )
+    except (ValueError, AssertionError) as err:
+        reason = " ".join(str(err).split())
+        raise ScheduleError(
+            f"torch's {schedule_cls.__name__} refuses PP={num_ranks} with {num_microbatches} "
+            f"micro-batches: {reason}"
+        ) from None
+    if placement.num_chunks == 1:  # single-stage schedules describe their order loosely
+        orders = [_renumber_forwards(ops) for ops in orders]
     ranks = [
         [
             _convert(a, placement)
@@ -167,12 +137,12 @@ def import_torch_schedule(
         raise ScheduleError(
             f"unknown torch schedule {name!r}: choose one of {', '.join(TORCH_SCHEDULES)}"
         )
+    if num_ranks < 1 or num_microbatches < 1:
+        raise ScheduleError("a schedule needs at least one rank and one micro-batch")
     per_rank = spec.chunks_for(chunks)
     placement = Placement(spec.placement, num_ranks, per_rank * num_ranks, num_microbatches)
-    try:
-        from torch.distributed.pipelining import schedules
-    except ImportError as err:  # pragma: no cover - torch is a declared dependency
-        raise ScheduleError(f"importing {name} needs torch.distributed.pipelining: {err}") from err
+    from torch.distributed.pipelining import schedules
+
     return from_torch_pipelining(
         getattr(schedules, spec.class_name), num_ranks, num_microbatches, placement, name
     )

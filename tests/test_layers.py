@@ -1,0 +1,118 @@
+"""The layers hold: what each package may import (read from the source), and what really
+loads when torch and megatron cannot be imported at all.
+
+1. ``schedules/`` is pure Python: no torch, no megatron, nothing of the layers above it.
+2. ``runtime/`` imports torch but never megatron, and nothing of ``megatron_dualpipe.megatron``.
+3. Only ``megatron_dualpipe/megatron/`` imports ``megatron`` (entry points reach Megatron
+   through it), and no production module imports the test fixtures ``tiny_models``.
+4. With torch and megatron blocked, the CLI's ``simulate`` works and the config layer loads.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "megatron_dualpipe"
+
+
+def _imports(path: Path) -> set[str]:
+    """Absolute names of every module ``path`` imports, at any depth (lazy ones too)."""
+    module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    package = module.rsplit(".", 1)[0] if path.name != "__init__.py" else module
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            found.add(name)
+            found.update(f"{name}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _modules(folder: str) -> list[Path]:
+    return sorted((PACKAGE / folder).rglob("*.py")) if folder else sorted(PACKAGE.rglob("*.py"))
+
+
+def _violations(paths: list[Path], forbidden: tuple[str, ...]) -> list[str]:
+    return [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in paths
+        for name in sorted(_imports(path))
+        if any(name == f or name.startswith(f + ".") for f in forbidden)
+    ]
+
+
+def test_schedules_are_pure_python() -> None:
+    forbidden = ("torch", "megatron", "megatron_dualpipe.runtime", "megatron_dualpipe.megatron")
+    assert _violations(_modules("schedules"), forbidden) == []
+
+
+def test_runtime_never_imports_megatron() -> None:
+    assert _violations(_modules("runtime"), ("megatron", "megatron_dualpipe.megatron")) == []
+
+
+def test_only_the_adapter_package_imports_megatron() -> None:
+    outside = [p for p in _modules("") if PACKAGE / "megatron" not in p.parents]
+    assert _violations(outside, ("megatron",)) == []
+
+
+def test_production_code_never_imports_the_test_fixtures() -> None:
+    others = [p for p in _modules("") if p.name != "tiny_models.py"]
+    assert _violations(others, ("megatron_dualpipe.megatron.tiny_models",)) == []
+
+
+def test_the_checker_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
+    """The rules above can fail: a lazy relative import of megatron code is found."""
+    fake = PACKAGE / "schedules" / "_layer_probe.py"
+    fake.write_text("def f():\n    from ..megatron import checks\n    import torch\n")
+    try:
+        found = _violations([fake], ("torch", "megatron_dualpipe.megatron"))
+    finally:
+        fake.unlink()
+    assert found == [
+        "megatron_dualpipe/schedules/_layer_probe.py imports megatron_dualpipe.megatron",
+        "megatron_dualpipe/schedules/_layer_probe.py imports megatron_dualpipe.megatron.checks",
+        "megatron_dualpipe/schedules/_layer_probe.py imports torch",
+    ]
+
+
+_BLOCK = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "megatron", "transformer_engine"):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
+        return None
+sys.meta_path.insert(0, Block())
+"""
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import megatron_dualpipe, megatron_dualpipe.schedules, megatron_dualpipe.cli",
+        "import megatron_dualpipe.megatron.training, megatron_dualpipe.megatron_lm",
+        "from megatron_dualpipe.cli import main\n"
+        "assert main(['simulate', '--schedule', 'all', '--pp', '4']) == 0\n"
+        "assert main(['simulate', '--schedule', 'dualpipev', '--pp', '2', '--grid']) == 0",
+        "from megatron_dualpipe.megatron.training import load_config\n"
+        "load_config('configs/tiny_gpt_cpu.yaml', ['pipeline_schedule=dualpipe'])",
+    ],
+)
+def test_torch_free_paths_load_with_torch_blocked(code: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _BLOCK + code], capture_output=True, text=True, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
