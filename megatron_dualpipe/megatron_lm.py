@@ -27,7 +27,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .megatron.checks import DualPipeConfigError, check_run, schedule_spec
+from .megatron.checks import DualPipeConfigError, check_run, overlap_problem, schedule_spec
 from .schedules.registry import SCHEDULES
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "add_arguments",
     "apply",
     "build_model_chunks",
+    "float16_chunks",
     "forward_backward_func",
     "full_batch_on_this_rank",
     "losses_on_last_stage",
@@ -131,6 +132,17 @@ def _check(args: Any) -> None:
             raise DualPipeConfigError(
                 f"{schedule} places the layers itself: unset --pipeline-model-parallel-layout"
             )
+    if getattr(args, "overlap_moe_expert_parallel_comm", False):
+        problem = overlap_problem(
+            schedule,
+            expert_parallel=getattr(args, "expert_model_parallel_size", 1),
+            dispatcher=getattr(args, "moe_token_dispatcher_type", "allgather"),
+            half_precision=bool(getattr(args, "bf16", False) or getattr(args, "fp16", False)),
+            recompute_granularity=getattr(args, "recompute_granularity", None),
+            mtp_num_layers=getattr(args, "mtp_num_layers", None),
+        )
+        if problem is not None:
+            raise DualPipeConfigError(f"--overlap-moe-expert-parallel-comm {problem}")
 
 
 def apply(args: Any, *, exit_on_error: bool = False) -> None:
@@ -223,6 +235,22 @@ def build_model_chunks(
         chunk.vp_stage = role.chunk
         chunks.append(chunk)
     return chunks
+
+
+def float16_chunks(model: Sequence[Any], config: Any, args: Any, *, pp_rank: int) -> list[Any]:
+    """``get_model``'s Float16Module wrapping for dualpipe / dualpipev: each chunk converts
+    its output to fp32 where our placement puts the loss (Megatron's own wrapper looks for
+    it on the last pipeline rank)."""
+    from .megatron.placement import chunk_roles
+    from .megatron.precision import StageFloat16Module
+
+    roles = chunk_roles(
+        _schedule(args), args.pipeline_model_parallel_size, pp_rank, args.num_layers
+    )
+    return [
+        StageFloat16Module(config, chunk, pre_process=r.pre_process, post_process=r.post_process)
+        for chunk, r in zip(model, roles, strict=True)
+    ]
 
 
 def prepare_model(model: Sequence[Any], args: Any) -> None:

@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--yaml-cfg", type=Path, help="a megatron-dualpipe YAML config")
     parser.add_argument("--use-distributed-optimizer", action="store_true", default=None)
     parser.add_argument("--overlap-grad-reduce", action="store_true", default=None)
+    parser.add_argument("--bf16", action="store_true", default=None)
+    parser.add_argument("--overlap-moe-expert-parallel-comm", action="store_true", default=None)
     for flag in FLAGS:
         parser.add_argument(f"--{flag}", metavar="VALUE")
     return parser.parse_args(argv)

@@ -139,6 +139,18 @@ def test_megatrons_own_1f1b_keeps_megatrons_function() -> None:
             "1f1b runs one model chunk per rank",
         ),
         (dict(pipeline_schedule="interleaved-1f1b"), "interleaved-1f1b needs pipeline parallelism"),
+        (
+            dict(overlap_moe_expert_parallel_comm=True, expert_model_parallel_size=1, bf16=True),
+            "--overlap-moe-expert-parallel-comm needs expert parallelism",
+        ),
+        (
+            dict(
+                overlap_moe_expert_parallel_comm=True,
+                expert_model_parallel_size=2,
+                moe_token_dispatcher_type="alltoall",
+            ),
+            "--overlap-moe-expert-parallel-comm needs a bf16 (or fp16) model",
+        ),
     ],
 )
 def test_apply_refuses_a_bad_combination_in_one_sentence(
@@ -326,3 +338,17 @@ def test_patch_calls_only_hooks_that_exist() -> None:
     }
     assert used <= set(megatron_lm.__all__), used - set(megatron_lm.__all__)
     assert "--pipeline-schedule" in PATCH.read_text().split("diff --git", 1)[0]  # usage header
+
+
+def test_float16_chunks_convert_where_our_placement_puts_the_loss() -> None:
+    from megatron_dualpipe.megatron.tiny_models import tiny_gpt_config
+
+    config = tiny_gpt_config(num_layers=8, bf16=True)
+    args = _args(pipeline_model_parallel_size=2, num_layers=8, global_batch_size=8)
+    chunks = [torch.nn.Identity(), torch.nn.Identity()]
+    rank0 = megatron_lm.float16_chunks(chunks, config, args, pp_rank=0)
+    rank1 = megatron_lm.float16_chunks(chunks, config, args, pp_rank=1)
+    x = torch.ones(2, dtype=torch.bfloat16)
+    # dualpipev: rank 0 holds the first stage (chunk 0) and the loss (chunk 1); rank 1 neither
+    assert [c(x).dtype for c in rank0] == [torch.bfloat16, torch.float32]
+    assert [c(x).dtype for c in rank1] == [torch.bfloat16, torch.bfloat16]

@@ -61,3 +61,12 @@ def test_unknown_schedule_is_refused_by_the_parser(capsys: pytest.CaptureFixture
     with pytest.raises(SystemExit):
         script.parse_args(["--pipeline-schedule", "gpipe"])
     assert "invalid choice: 'gpipe'" in capsys.readouterr().err
+
+
+def test_megatrons_overlap_flag_sets_the_key() -> None:
+    path = ROOT / "configs" / "tiny_moe_cpu.yaml"
+    argv = ["--yaml-cfg", str(path), "--bf16", "--overlap-moe-expert-parallel-comm"]
+    cfg = script.config_from_args(script.parse_args(argv))
+    assert cfg.overlap_moe_expert_parallel_comm is True and cfg.bf16 is True
+    with pytest.raises(ConfigError, match="overlap_moe_expert_parallel_comm: needs a bf16"):
+        script.config_from_args(script.parse_args(argv[:2] + argv[3:]))

@@ -58,7 +58,7 @@ class Case:
     microbatches: int
     defer: bool = True
     variable: bool = False  # micro-batches of different sequence lengths
-    hook: bool = False  # stage modules bring their own FB overlap
+    hook: bool = False  # stage modules plan their passes and interleave FB pairs
 
     def __str__(self) -> str:
         flags = ["defer" if self.defer else "no-defer"]
@@ -88,21 +88,54 @@ CASES = _cases()
 
 
 # -- the model, its data, the reference ------------------------------------------------
-class OverlappingStage(nn.Sequential):
-    """A stage that runs FB halves itself (backward first, to show the order is its own)."""
+class PlannedSequential(nn.Sequential):
+    """A planned stage (the runtime's ``PlannedStage``): each layer runs as an autograd
+    island of its own, as Megatron's schedule-plan nodes do, and an FB pair runs layer by
+    layer, one backward layer then one forward layer, noted in ``order``."""
 
-    calls = 0
+    order: list[str] = []
 
-    def overlap_forward_backward(self, forward, backward) -> None:
-        type(self).calls += 1
-        backward()
-        forward()
+    def plans(self) -> bool:
+        return True
+
+    def _forward_layer(self, i: int, h: torch.Tensor, islands: list) -> torch.Tensor:
+        inp = h if i == 0 else h.detach().requires_grad_()
+        out = self[i](inp)
+        islands.append((inp, out))
+        return out
+
+    def forward_planned(self, x: torch.Tensor) -> tuple[torch.Tensor, list]:
+        islands: list = []
+        for i in range(len(self)):
+            x = self._forward_layer(i, x, islands)
+        return x, islands
+
+    @staticmethod
+    def _backward_layer(islands: list, root: torch.Tensor, grad: torch.Tensor | None):
+        inp, out = islands.pop()
+        torch.autograd.backward(out if grad is not None else root, grad)
+        return inp.grad
+
+    def backward_planned(self, islands: list, root: torch.Tensor, grad) -> None:
+        while islands:
+            grad = self._backward_layer(islands, root, grad)
+
+    def forward_backward_planned(self, x, backward_stage, islands, root, grad):
+        forward_islands: list = []
+        for i in range(max(len(self), len(islands))):
+            if islands:
+                type(self).order.append(f"B{len(islands) - 1}")
+                grad = self._backward_layer(islands, root, grad)
+            if i < len(self):
+                type(self).order.append(f"F{i}")
+                x = self._forward_layer(i, x, forward_islands)
+        return x, forward_islands
 
 
 def build_stages(num_model_stages: int, hook: bool = False) -> list[nn.Sequential]:
     """Stage 0: a bias-free input projection; every stage: norm, linear, tanh, linear."""
     torch.manual_seed(0)
-    kind = OverlappingStage if hook else nn.Sequential
+    kind = PlannedSequential if hook else nn.Sequential
     stages = []
     for s in range(num_model_stages):
         first = nn.Linear(IN_FEATURES, HIDDEN, bias=False) if s == 0 else nn.LayerNorm(HIDDEN)
@@ -160,7 +193,8 @@ class Outcome:
     simulated_peak: int
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # forward-only
     stepped: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # chunk -> params
-    hook_calls: int = 0
+    overlapped: int = 0
+    fb_order: list[str] = field(default_factory=list)
 
 
 def rank_modules(case: Case, placement: Placement, rank: int) -> list[nn.Module]:
@@ -192,9 +226,8 @@ def run_case(rank: int, case: Case) -> Outcome:
         timeout_s=TIMEOUT_S,
         variable_shapes=case.variable,
     )
-    OverlappingStage.calls = 0
+    PlannedSequential.order = []
     result = executor.run(inputs)
-    hook_calls = OverlappingStage.calls
     if placement.kind == "mirror":
         sync_mirror_grads(modules, placement, rank, timeout_s=TIMEOUT_S)
     grads = {
@@ -206,7 +239,8 @@ def run_case(rank: int, case: Case) -> Outcome:
         {key: [g.clone() for g in gs] for key, gs in grads.items()},
         result.peak_activations,
         simulate(schedule).ranks[rank].peak_activations,
-        hook_calls=hook_calls,
+        overlapped=result.overlapped,
+        fb_order=PlannedSequential.order,
     )
     if case.defer and not case.variable:
         outcome.outputs = executor.run(inputs, forward_only=True, return_outputs=True).outputs
@@ -257,7 +291,7 @@ def test_losses_and_gradients_match_the_single_process_reference(case: Case) -> 
     assert seen == set(ref.grads)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if not c.hook], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=str)
 def test_measured_peak_activations_equal_the_simulated_ones(case: Case) -> None:
     measured = [o.peak for o in outcomes_of(case)]
     simulated = [o.simulated_peak for o in outcomes_of(case)]
@@ -286,11 +320,16 @@ def test_dualpipe_copies_are_identical_after_an_optimizer_step(case: Case) -> No
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.hook], ids=str)
-def test_overlap_hook_runs_every_fb_action(case: Case) -> None:
+def test_planned_stages_interleave_every_fb_action(case: Case) -> None:
     schedule = case.build()
+    layers = len(build_stages(1)[0])
+    pair = []
+    for back, forth in zip(range(layers - 1, -1, -1), range(layers), strict=True):
+        pair += [f"B{back}", f"F{forth}"]
     for rank, outcome in enumerate(outcomes_of(case)):
         expected = sum(a.kind is Kind.FB for a in schedule.ranks[rank])
-        assert outcome.hook_calls == expected > 0
+        assert outcome.overlapped == expected > 0
+        assert outcome.fb_order == pair * expected
 
 
 TIMELINE_CASE = Case("dualpipev", 2, 4)

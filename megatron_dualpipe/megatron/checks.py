@@ -18,6 +18,7 @@ __all__ = [
     "check_layers",
     "check_model",
     "check_run",
+    "overlap_problem",
     "schedule_spec",
 ]
 
@@ -107,3 +108,33 @@ def check_model(schedule: str, model_chunks: Any) -> None:
                 "--untie-embeddings-and-output-weights (share_embeddings_and_output_weights="
                 "False)"
             )
+
+
+def overlap_problem(
+    schedule: str,
+    *,
+    expert_parallel: int,
+    dispatcher: str,
+    half_precision: bool,
+    recompute_granularity: str | None = None,
+    mtp_num_layers: int | None = None,
+) -> str | None:
+    """Why ``overlap_moe_expert_parallel_comm`` cannot run with these settings (Megatron-Core's
+    own preconditions, and a schedule with FB pairs), in one sentence, or None."""
+    pairs = [n for n, s in SCHEDULES.items() if s.places_chunks]
+    if schedule not in pairs:
+        return (
+            f"overlaps the forward and backward of FB pairs, which {' and '.join(pairs)} run; "
+            f"{schedule} has none: choose one of them or turn it off"
+        )
+    if expert_parallel < 2:
+        return "needs expert parallelism: set the expert-model-parallel size to 2 or more"
+    if dispatcher not in ("alltoall", "flex"):
+        return f"needs the alltoall or flex token dispatcher, got {dispatcher!r}"
+    if not half_precision:
+        return "needs a bf16 (or fp16) model, as in Megatron-Core: turn bf16 on"
+    if recompute_granularity == "full":
+        return "cannot run with full activation recomputation: unset recompute_granularity"
+    if mtp_num_layers is not None and mtp_num_layers > 1:
+        return f"runs at most one MTP layer, got mtp_num_layers {mtp_num_layers}"
+    return None

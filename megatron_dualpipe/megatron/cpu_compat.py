@@ -52,7 +52,12 @@ import torch
 from megatron.core.tensor_parallel import random as _mrandom
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CpuRNGStatesTracker", "apply_cpu_compat", "cpu_compat_applied"]
+__all__ = [
+    "CpuRNGStatesTracker",
+    "apply_cpu_compat",
+    "cpu_compat_applied",
+    "schedule_plan_context",
+]
 
 _CPU = torch.device("cpu")
 
@@ -118,6 +123,25 @@ _TORCH_ON_CPU_SITES: tuple[tuple[str, str], ...] = (
         "distrib_optimizer.py:791, :1077 buffers on torch.cuda.current_device()",
     ),
     (
+        "megatron.core.pipeline_parallel.utils",
+        "set_streams makes a torch.cuda.Stream; ScheduleNode waits on and records events "
+        "(MoE all-to-all overlap: overlap_moe_expert_parallel_comm)",
+    ),
+    (
+        "megatron.core.models.common.model_chunk_schedule_plan",
+        "TransformerModelChunkSchedulePlan makes a torch.cuda.Event and uses current_stream and "
+        "torch.cuda.nvtx ranges",
+    ),
+    (
+        "megatron.core.pipeline_parallel.combined_1f1b",
+        "combined_forward_backward_step wraps the loss function in a ScheduleNode on "
+        "torch.cuda.current_stream()",
+    ),
+    (
+        "megatron.core.models.gpt.fine_grained_callables",
+        "the layer nodes' backward_dw uses torch.cuda.nvtx.range",
+    ),
+    (
         "megatron.core.dist_checkpointing.strategies.filesystem_async",
         "filesystem_async.py:230 torch.cuda.synchronize() after staging tensors to the host",
     ),
@@ -167,6 +191,7 @@ def apply_cpu_compat() -> None:
     _patch_moe()
     _patch_grad_clipping()
     _patch_distributed_optimizer_types()
+    _patch_float16_optimizer_types()
     _applied = True
 
 
@@ -174,11 +199,15 @@ def apply_cpu_compat() -> None:
 # The CPU view of torch.
 
 
-class _CpuStream:
-    """Stand-in for ``torch.cuda.Stream``: CPU work is synchronous, so waits are no-ops."""
+class _CpuStream(torch.Stream):
+    """Stand-in for ``torch.cuda.Stream``: CPU work is synchronous, so waits are no-ops. A
+    real (CPU) ``torch.Stream``, so that calls taking a stream accept it."""
+
+    def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> _CpuStream:
+        return super().__new__(cls, device="cpu")
 
     def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
-        self.device = _CPU
+        pass
 
     def wait_stream(self, stream: Any) -> None:
         """Nothing to wait for."""
@@ -256,6 +285,9 @@ class _CudaOnCpu(types.ModuleType):
         self.current_stream = _current_stream
         self.default_stream = _current_stream
         self.stream = _stream
+        self.nvtx = types.SimpleNamespace(
+            range_push=_no_op, range_pop=_no_op, range=lambda *a, **k: contextlib.nullcontext()
+        )
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)
@@ -365,6 +397,29 @@ class _TensorCudaIsIdentity(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class _RecordStreamIsNoOp(TorchFunctionMode):
+    """Within this mode ``tensor.record_stream(stream)`` does nothing: CPU work runs in
+    order, and CPU tensors have no ``record_stream``."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func is torch.Tensor.record_stream:
+            return None
+        return func(*args, **(kwargs or {}))
+
+
+def schedule_plan_context() -> contextlib.AbstractContextManager[None]:
+    """Where Megatron's schedule plan runs (MoE all-to-all overlap): on CPU, its nodes'
+    ``record_stream`` calls (made on tensors they free) do nothing; a no-op context with
+    CUDA or when the compatibility layer is not applied."""
+    return _RecordStreamIsNoOp() if _applied else contextlib.nullcontext()
+
+
 class _CpuTypesLookCuda(TorchFunctionMode):
     """Within this mode ``tensor.type()`` names CPU tensors as their CUDA types."""
 
@@ -393,6 +448,21 @@ def _patch_distributed_optimizer_types() -> None:
             return original(*args, **kwargs)
 
     DistributedOptimizer._build_model_and_main_param_groups = staticmethod(build_groups)
+
+
+def _patch_float16_optimizer_types() -> None:
+    """``Float16OptimizerWithFloat16Params.__init__`` (bf16/fp16 training) sorts parameters
+    into fp16/bf16 and fp32 groups by ``param.type()`` naming CUDA tensor types."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    original = Float16OptimizerWithFloat16Params.__init__
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        with _CpuTypesLookCuda():
+            original(self, *args, **kwargs)
+
+    Float16OptimizerWithFloat16Params.__init__ = __init__
 
 
 def _make_tensor_cuda_identity_in_embedding_setup() -> None:

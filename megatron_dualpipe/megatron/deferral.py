@@ -600,6 +600,10 @@ def _enable_te(module: nn.Module, name: str) -> bool:
             f"{name}: this Transformer Engine has no register_wgrad_accumulation_and_reduce_"
             "hooks, so Megatron DDP could not see its deferred gradients: upgrade TE"
         )
+    if getattr(module.config, "overlap_moe_expert_parallel_comm", False):
+        # Megatron's schedule plan calls backward_dw() itself (its layers' W nodes); the
+        # planned stage defers those calls in B actions. A hook here would pop twice.
+        return True
     handle = module.register_forward_pre_hook(partial(_te_forward_pre_hook, name))
     setattr(module, _TE_HOOK_ATTR, handle)
     return True

@@ -30,6 +30,7 @@ its gradient is final.
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -45,9 +46,12 @@ from ..schedules.ir import Action, Kind, Schedule
 from .checks import DualPipeConfigError, check_model, check_run, schedule_spec
 from .mirror import sync_mirror_gradients
 from .placement import chunk_roles
+from .schedule_plan import plan_supported
 from .stage import MegatronStage, StepInputs
 
-__all__ = ["DualPipeForwardBackward", "TimelineSink"]
+__all__ = ["DualPipeForwardBackward", "OverlapReport", "TimelineSink"]
+
+logger = logging.getLogger(__name__)
 
 #: Receives each recorded step: this rank's timeline and the schedule it ran.
 TimelineSink = Callable[[RankTimeline, Schedule], None]
@@ -98,6 +102,14 @@ def _groups(p2p_communicator: Any, pg_collection: Any, schedule: str) -> _Groups
     )
 
 
+@dataclass(frozen=True)
+class OverlapReport:
+    """Of this rank's FB actions in the last training step, how many ran overlapped."""
+
+    overlapped: int
+    fb_actions: int
+
+
 @dataclass
 class _Prepared:
     """One model's executor and stages, made once and reused every step."""
@@ -135,6 +147,8 @@ class DualPipeForwardBackward:
         # Keyed by the first model chunk, held weakly: a dropped model drops its executor.
         self._prepared: weakref.WeakKeyDictionary[Any, _Prepared] = weakref.WeakKeyDictionary()
         self._backward_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        #: FB overlap in the last training step (None before one).
+        self.last_overlap: OverlapReport | None = None
 
     def __repr__(self) -> str:
         return f"DualPipeForwardBackward({self.schedule_name!r})"
@@ -208,7 +222,10 @@ class DualPipeForwardBackward:
         check_model(self.schedule_name, model)
         schedule = self.spec.generate(groups.pp_size, num_microbatches)
         roles = chunk_roles(self.schedule_name, groups.pp_size, groups.pp_rank, config.num_layers)
-        stages = [MegatronStage(m, role) for m, role in zip(model, roles, strict=True)]
+        overlap = self._overlap(config, model)
+        stages = [
+            MegatronStage(m, role, overlap=overlap) for m, role in zip(model, roles, strict=True)
+        ]
         device = _device_of(model[0])
         spec = TensorSpec(key[2], config.pipeline_dtype or torch.float32, device)
         executor = PipelineExecutor(
@@ -226,6 +243,21 @@ class DualPipeForwardBackward:
         prepared = _Prepared(executor, stages, key)
         self._prepared[model[0]] = prepared
         return prepared
+
+    def _overlap(self, config: Any, model: list[Any]) -> bool:
+        """Whether FB pairs run overlapped: ``overlap_moe_expert_parallel_comm`` on, and
+        every chunk a GPTModel (which builds Megatron's schedule plan); otherwise FB pairs
+        stay sequential, and the log says so once."""
+        if not getattr(config, "overlap_moe_expert_parallel_comm", False):
+            return False
+        if all(plan_supported(m) for m in model):
+            return True
+        logger.warning(
+            "%s: overlap_moe_expert_parallel_comm is on but the model chunks are not GPTModels "
+            "with Megatron's schedule plan: FB pairs run sequentially",
+            self.schedule_name,
+        )
+        return False
 
     # -- one step ------------------------------------------------------------------------
     def __call__(
@@ -303,6 +335,9 @@ class DualPipeForwardBackward:
                 stage.begin_step(None, None)
         if sink is not None:
             sink(result.timeline, schedule)
+        if not forward_only:
+            fb_actions = sum(a.kind is Kind.FB for a in schedule.ranks[rank])
+            self.last_overlap = OverlapReport(result.overlapped, fb_actions)
 
         if not forward_only:
             for chunk in range(len(model)):

@@ -4,6 +4,12 @@ The executor calls ``stage(x)`` for each forward; here that becomes Megatron's o
 ``forward_step`` (``set_input_tensor``, the user's ``forward_step_func``, loss scaling by
 micro-batches or tokens, MoE auxiliary-loss scale, timers, ``forward_data_store``), so the
 forward_step_func contract is exactly Megatron's.
+
+With ``overlap_moe_expert_parallel_comm`` the stage is a planned stage of the runtime
+(:class:`~megatron_dualpipe.runtime.PlannedStage`): every training forward goes through
+the GPTModel's schedule plan (:mod:`.schedule_plan`), its backward too, and an FB pair
+runs the two plans interleaved, so one micro-batch's all-to-all hides behind the other's
+compute. Evaluation (forward only) runs plain forwards.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from megatron.core.pipeline_parallel.schedules import forward_step
 from torch import nn
 
 from .placement import ChunkRole
+from .schedule_plan import PlanHandle, run_plans, start_forward
 
 __all__ = ["MegatronStage", "StepInputs"]
 
@@ -46,13 +53,15 @@ class MegatronStage(nn.Module):
     this chunk processes, in order.
 
     The chunk is held through a weak reference (the stage is cached beside the model, and
-    must not keep a dropped model alive); it is not a submodule of the stage.
+    must not keep a dropped model alive); it is not a submodule of the stage. With
+    ``overlap`` the stage plans its training passes (see the module docstring).
     """
 
-    def __init__(self, model: nn.Module, role: ChunkRole):
+    def __init__(self, model: nn.Module, role: ChunkRole, *, overlap: bool = False):
         super().__init__()
         self._model = weakref.ref(model)
         self.role = role
+        self.overlap = overlap
         self.step: StepInputs | None = None
         self.data: Iterator[Any] | None = None
         self._forwards = 0
@@ -68,12 +77,21 @@ class MegatronStage(nn.Module):
     def begin_step(self, step: StepInputs, data: Iterator[Any] | None) -> None:
         self.step, self.data, self._forwards = step, data, 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _next_forward(self) -> tuple[StepInputs, bool]:
+        """This step's inputs and whether the coming forward is Megatron's first."""
         step = self.step
         if step is None:
             raise RuntimeError("MegatronStage.forward called outside a forward-backward step")
         is_first = self._forwards == 0
         self._forwards += 1
+        return step, _first_microbatch(step, is_first)
+
+    def _count_tokens(self, num_tokens: torch.Tensor) -> None:
+        if self.role.post_process:
+            self.step.total_num_tokens += num_tokens.to(self.step.total_num_tokens.dtype).cpu()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        step, is_first = self._next_forward()
         output, num_tokens = forward_step(
             step.forward_step_func,
             self.data,
@@ -84,12 +102,59 @@ class MegatronStage(nn.Module):
             step.config,
             step.cp_group_size,
             collect_non_loss_data=step.collect_non_loss_data,
-            is_first_microbatch=_first_microbatch(step, is_first),
+            is_first_microbatch=is_first,
             is_last_stage=self.role.post_process,
         )
-        if self.role.post_process:
-            step.total_num_tokens += num_tokens.to(step.total_num_tokens.dtype).cpu()
+        self._count_tokens(num_tokens)
         return output
+
+    # -- the runtime's PlannedStage -------------------------------------------------------
+    def plans(self) -> bool:
+        """Training forwards go through the schedule plan when overlap is on."""
+        return self.overlap and self.step is not None and not self.step.forward_only
+
+    def _start(self, x: torch.Tensor) -> Any:
+        step, is_first = self._next_forward()
+        return start_forward(
+            self.model,
+            None if self.role.pre_process else x,
+            self.data,
+            forward_step_func=step.forward_step_func,
+            config=step.config,
+            is_first_microbatch=is_first,
+            loss_stage=self.role.post_process,
+            num_microbatches=step.num_microbatches,
+            forward_data_store=step.forward_data_store,
+            collect_non_loss_data=step.collect_non_loss_data,
+            cp_group_size=step.cp_group_size,
+        )
+
+    def _finished(self, result: tuple[torch.Tensor, torch.Tensor, PlanHandle]):
+        output, num_tokens, handle = result
+        self._count_tokens(num_tokens)
+        return output, handle
+
+    def forward_planned(self, x: torch.Tensor) -> tuple[torch.Tensor, PlanHandle]:
+        """Forward ``x`` through the chunk's schedule plan."""
+        return self._finished(run_plans(self._start(x), None))
+
+    def backward_planned(
+        self, handle: PlanHandle, root: torch.Tensor, grad: torch.Tensor | None
+    ) -> None:
+        """Backward a planned micro-batch through its plan."""
+        run_plans(None, (handle, root, grad))
+
+    def forward_backward_planned(
+        self,
+        x: torch.Tensor,
+        backward_stage: MegatronStage,
+        handle: PlanHandle,
+        root: torch.Tensor,
+        grad: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, PlanHandle]:
+        """This chunk's forward of ``x`` and the backward of ``handle`` (any chunk of this
+        rank), interleaved layer by layer by Megatron's plan."""
+        return self._finished(run_plans(self._start(x), (handle, root, grad)))
 
 
 def _first_microbatch(step: StepInputs, is_first: bool) -> bool:

@@ -292,13 +292,22 @@ def _forward(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch
 
 
 def gpt_forward_step(
-    data_iterator: Iterator[Mapping[str, torch.Tensor]], model: torch.nn.Module
-) -> tuple[torch.Tensor, Any]:
+    data_iterator: Iterator[Mapping[str, torch.Tensor]],
+    model: torch.nn.Module,
+    return_schedule_plan: bool = False,
+) -> tuple[Any, Any]:
     """``forward_step_func`` for Megatron's schedules: takes the next micro-batch from
     ``data_iterator`` (every stage reads its own iterator over the same batches) and
-    returns the output with a loss function giving the masked mean token loss."""
+    returns the output (or, with ``return_schedule_plan``, the GPTModel's schedule plan for
+    MoE all-to-all overlap) with a loss function giving the masked mean token loss."""
     batch = next(data_iterator)
-    return _forward(model, batch), partial(_loss_func, batch["loss_mask"])
+    loss_func = partial(_loss_func, batch["loss_mask"])
+    if return_schedule_plan:
+        plan = model.build_schedule_plan(
+            batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+        )
+        return plan, loss_func
+    return _forward(model, batch), loss_func
 
 
 def run_reference_step(

@@ -9,9 +9,10 @@
 """
 
 from .deferrable import DeferrableLayer, DeferrableLinear, make_deferrable
-from .executor import OverlapHook, PipelineExecutor, StepResult
+from .executor import PipelineExecutor, StepResult
 from .mirror import sync_mirror_grads
 from .p2p import TensorSpec
+from .planned import PlannedStage
 from .timeline import RankTimeline, gather_timeline
 from .watchdog import DEFAULT_TIMEOUT_S, PipelineWaitError
 from .weight_grad_store import WeightGradStore, active_store
@@ -20,9 +21,9 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "DeferrableLayer",
     "DeferrableLinear",
-    "OverlapHook",
     "PipelineExecutor",
     "PipelineWaitError",
+    "PlannedStage",
     "RankTimeline",
     "StepResult",
     "TensorSpec",

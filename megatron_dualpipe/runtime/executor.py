@@ -12,8 +12,10 @@ Contracts:
   entry, which must be its own; BW is an ordinary backward. With ``defer_weight_grads``
   off, B is an ordinary backward too and W only marks the end of the activations' life.
   Gradients accumulate into ``.grad`` and are the same either way.
-- FB runs its forward half, then its backward half, unless the forward half's module
-  implements :class:`OverlapHook`.
+- A stage module that implements :class:`~.planned.PlannedStage` (and plans this step)
+  runs its own forwards and backwards; an FB whose two halves are on planned stages runs
+  interleaved by the forward half's stage, every other FB as its forward half, then its
+  backward half. :attr:`StepResult.overlapped` counts the interleaved ones.
 - A stage's output is freed as soon as it has been sent (its autograd graph stays valid,
   as Megatron's ``deallocate_output_tensor``); a micro-batch's saved activations are
   released at its W or BW. Live activations are *measured*: each (stage, micro-batch)
@@ -29,7 +31,7 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,25 +41,14 @@ from ..schedules.ir import COMM_KINDS, Action, Kind, Schedule
 from ..schedules.lowering import message_key, peer_of
 from ..schedules.validate import validate
 from .p2p import MessageKey, PipeComm, TensorSpec
+from .planned import PlannedStage
 from .timeline import RankTimeline
 from .watchdog import DEFAULT_TIMEOUT_S, Watchdog
 from .weight_grad_store import WeightGradStore
 
-__all__ = ["OverlapHook", "PipelineExecutor", "StepResult"]
+__all__ = ["PipelineExecutor", "StepResult"]
 
 LossFn = Callable[[torch.Tensor, int], torch.Tensor]
-
-
-@runtime_checkable
-class OverlapHook(Protocol):
-    """A stage module that runs the two halves of an FB action itself, e.g. to overlap
-    one micro-batch's communication with the other's compute."""
-
-    def overlap_forward_backward(
-        self, forward: Callable[[], None], backward: Callable[[], None]
-    ) -> None:
-        """Run ``forward`` and ``backward`` (the FB action's halves) exactly once each."""
-        ...
 
 
 @dataclass
@@ -67,13 +58,15 @@ class StepResult:
     ``losses`` and ``outputs`` (the last stage's outputs, when asked) are keyed by
     micro-batch and present only on ranks where a path ends. ``peak_activations`` is the
     measured peak of live (stage, micro-batch) activations. ``timeline`` is set when
-    recording was asked for (see :func:`~.timeline.gather_timeline`).
+    recording was asked for (see :func:`~.timeline.gather_timeline`). ``overlapped``
+    counts the FB actions whose halves ran interleaved (planned stages).
     """
 
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)
     peak_activations: int = 0
     timeline: RankTimeline | None = None
+    overlapped: int = 0
 
 
 class _Counter:
@@ -104,11 +97,13 @@ class _Token:
 @dataclass
 class _Unit:
     """A forwarded (stage, micro-batch) awaiting its backward: its input (None where data
-    enters), the tensor to backpropagate from (output, or loss) and its token."""
+    enters), the tensor to backpropagate from (output, or loss), its token, and for a
+    planned stage the handle its backward takes."""
 
     input: torch.Tensor | None
     root: torch.Tensor
     token: _Token | None
+    handle: Any = None
 
 
 @dataclass
@@ -190,7 +185,7 @@ class PipelineExecutor:
         self.placement = placement
         self.rank = rank
         self.modules = list(modules)
-        self._overlap_hooks = [m if isinstance(m, OverlapHook) else None for m in modules]
+        self._planned = [m if isinstance(m, PlannedStage) else None for m in modules]
         self.loss_fn = loss_fn
         self.defer_weight_grads = defer_weight_grads
         self.store = WeightGradStore()
@@ -377,26 +372,37 @@ class PipelineExecutor:
         else:
             self._forward_backward(action, step)
 
-    def _forward(self, action: Action, step: _Step) -> None:
-        p = self.placement
+    def _forward_input(self, action: Action, step: _Step) -> tuple[torch.Tensor, bool]:
+        """The input of a forward and whether it came from another stage."""
         stage, mb = action.stage, action.microbatch
-        prev, nxt = p.prev_stage(stage), p.next_stage(stage)
-        if prev is None:
-            x = self._input(step, mb, stage)
-        else:
-            x = step.inbox.pop((Kind.RECV_F, stage, mb))
-            if step.training:
-                x.requires_grad_()
-        module = self.modules[action.chunk]
-        token = None
+        if self.placement.prev_stage(stage) is None:
+            return self._input(step, mb, stage), False
+        x = step.inbox.pop((Kind.RECV_F, stage, mb))
         if step.training:
-            token = self._counter.token()
-            with self._recording(token):
-                out = module(x)
-                root = self._finish_forward(out, stage, mb, nxt, step)
-            step.units[(stage, mb)] = _Unit(None if prev is None else x, root, token)
-        else:
+            x.requires_grad_()
+        return x, True
+
+    def _planned_stage(self, chunk: int, step: _Step) -> PlannedStage | None:
+        planned = self._planned[chunk]
+        return planned if step.training and planned is not None and planned.plans() else None
+
+    def _forward(self, action: Action, step: _Step) -> None:
+        stage, mb = action.stage, action.microbatch
+        nxt = self.placement.next_stage(stage)
+        x, received = self._forward_input(action, step)
+        module = self.modules[action.chunk]
+        if not step.training:
             self._finish_forward(module(x), stage, mb, nxt, step)
+            return
+        planned = self._planned_stage(action.chunk, step)
+        token = self._counter.token()
+        with self._recording(token):
+            if planned is None:
+                out, handle = module(x), None
+            else:
+                out, handle = planned.forward_planned(x)
+            root = self._finish_forward(out, stage, mb, nxt, step)
+        step.units[(stage, mb)] = _Unit(x if received else None, root, token, handle)
 
     def _input(self, step: _Step, mb: int, stage: int) -> torch.Tensor:
         try:
@@ -446,16 +452,32 @@ class PipelineExecutor:
             self._run_backward(action, step)
 
     def _run_backward(self, action: Action, step: _Step) -> None:
-        p = self.placement
         stage, mb = action.stage, action.microbatch
         unit = step.units.pop((stage, mb))
-        nxt = p.next_stage(stage)
-        grad = None if nxt is None else step.inbox.pop((Kind.RECV_B, stage, mb))
+        grad = self._output_grad(action, step)
         if self.defer_weight_grads and action.kind is Kind.B:
             with self.store.capture((stage, mb), owner=unit.token):
-                torch.autograd.backward(unit.root, grad)
+                self._run_unit_backward(action.chunk, unit, grad)
         else:
+            self._run_unit_backward(action.chunk, unit, grad)
+        self._send_input_grad(action, unit, step)
+
+    def _output_grad(self, action: Action, step: _Step) -> torch.Tensor | None:
+        """The gradient of a stage's output (None where it ends in a loss)."""
+        if self.placement.next_stage(action.stage) is None:
+            return None
+        return step.inbox.pop((Kind.RECV_B, action.stage, action.microbatch))
+
+    def _run_unit_backward(self, chunk: int, unit: _Unit, grad: torch.Tensor | None) -> None:
+        if unit.handle is None:
             torch.autograd.backward(unit.root, grad)
+        else:
+            self._planned[chunk].backward_planned(unit.handle, unit.root, grad)
+
+    def _send_input_grad(self, action: Action, unit: _Unit, step: _Step) -> None:
+        """Route the gradient of a backwarded stage's input to the stage that fed it."""
+        p = self.placement
+        stage, mb = action.stage, action.microbatch
         prev = p.prev_stage(stage)
         if prev is None:
             return
@@ -466,27 +488,25 @@ class PipelineExecutor:
 
     def _forward_backward(self, action: Action, step: _Step) -> None:
         forward, backward = action.sub
-        module = self._overlap_hooks[forward.chunk]
-        if module is None:
+        forward_stage = self._planned_stage(forward.chunk, step)
+        backward_unit = step.units.get((backward.stage, backward.microbatch))
+        if forward_stage is None or backward_unit is None or backward_unit.handle is None:
             self._forward(forward, step)
             self._backward(backward, step)
             return
-        calls: list[str] = []
-
-        def run_forward() -> None:
-            calls.append("forward")
-            self._forward(forward, step)
-
-        def run_backward() -> None:
-            calls.append("backward")
-            self._backward(backward, step)
-
-        module.overlap_forward_backward(run_forward, run_backward)
-        if sorted(calls) != ["backward", "forward"]:
-            raise RuntimeError(
-                f"{type(module).__name__}.overlap_forward_backward must run each half of "
-                f"{action} exactly once, ran {calls}"
+        stage, mb = forward.stage, forward.microbatch
+        x, received = self._forward_input(forward, step)
+        del step.units[(backward.stage, backward.microbatch)]
+        grad = self._output_grad(backward, step)
+        token = self._counter.token()
+        with self._around(backward, step), self._recording(token):
+            out, handle = forward_stage.forward_backward_planned(
+                x, self._planned[backward.chunk], backward_unit.handle, backward_unit.root, grad
             )
+            root = self._finish_forward(out, stage, mb, self.placement.next_stage(stage), step)
+        step.units[(stage, mb)] = _Unit(x if received else None, root, token, handle)
+        self._send_input_grad(backward, backward_unit, step)
+        step.result.overlapped += 1
 
 
 def _unpack(packed: tuple[torch.Tensor, _Token]) -> torch.Tensor:

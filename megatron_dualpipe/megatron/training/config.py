@@ -25,7 +25,7 @@ import yaml
 
 from ...errors import DualPipeError
 from ...schedules.registry import SCHEDULES
-from ..checks import schedule_spec
+from ..checks import overlap_problem, schedule_spec
 
 __all__ = ["config_from_values", "ConfigError", "TrainConfig", "load_config", "parse_overrides"]
 
@@ -82,6 +82,7 @@ class TrainConfig:
     moe_router_load_balancing_type: str = "none"
     moe_aux_loss_coeff: float = 0.0
     moe_router_dtype: str | None = None
+    overlap_moe_expert_parallel_comm: bool = False
     # Optimizer and learning-rate schedule.
     optimizer: str = "adam"
     min_lr: float = 0.0
@@ -95,6 +96,7 @@ class TrainConfig:
     sgd_momentum: float = 0.9
     clip_grad: float = 1.0
     bf16: bool = False
+    recompute_granularity: str | None = None
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
     seed: int = 1234
@@ -156,6 +158,7 @@ _CHOICES: dict[str, tuple[str | None, ...]] = {
     "moe_token_dispatcher_type": ("alltoall", "allgather"),
     "moe_router_load_balancing_type": ("none", "aux_loss", "seq_aux_loss"),
     "moe_router_dtype": (None, "fp32", "fp64"),
+    "recompute_granularity": (None, "full", "selective"),
     "optimizer": ("adam", "sgd"),
     "lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
 }
@@ -287,7 +290,15 @@ def _from_text(source: str, key: str, text: str) -> Any:
 
 def _validated(cfg: TrainConfig, source: str) -> TrainConfig:
     """``cfg`` if it can run; else ConfigError with ``source``, the key and the fix."""
-    for check in (_check_values, _check_parallel, _check_model, _check_schedule, _check_io):
+    checks = (
+        _check_values,
+        _check_parallel,
+        _check_model,
+        _check_schedule,
+        _check_overlap,
+        _check_io,
+    )
+    for check in checks:
         problem = check(cfg)
         if problem is not None:
             key, message = problem
@@ -418,6 +429,27 @@ def _check_schedule(cfg: TrainConfig) -> Problem:
         )
     if problem is not None:
         return "pipeline_schedule", problem
+    return None
+
+
+def _check_overlap(cfg: TrainConfig) -> Problem:
+    """Megatron's preconditions of ``overlap_moe_expert_parallel_comm`` (MoE all-to-all
+    hidden behind another micro-batch's compute in FB pairs), and recomputation, which
+    this loop does not run."""
+    if cfg.overlap_moe_expert_parallel_comm:
+        problem = overlap_problem(
+            cfg.pipeline_schedule,
+            expert_parallel=cfg.expert_model_parallel_size,
+            dispatcher=cfg.moe_token_dispatcher_type,
+            half_precision=cfg.bf16,
+            recompute_granularity=cfg.recompute_granularity,
+        )
+        if problem is not None:
+            return "overlap_moe_expert_parallel_comm", problem
+    if cfg.recompute_granularity is not None:
+        return "recompute_granularity", (
+            "activation recomputation is not run by megatron-dualpipe train yet: unset it"
+        )
     return None
 
 

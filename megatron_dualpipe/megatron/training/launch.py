@@ -88,17 +88,11 @@ def launcher_env() -> RankEnv | None:
 
 def _preflight(cfg: TrainConfig, source: str, on_gpu: bool) -> None:
     """Refuse what cannot run here, before any process group exists."""
-    if not on_gpu:
-        if cfg.bf16:
-            raise ConfigError(
-                f"{source}: bf16: needs GPUs (Megatron's bf16 optimizer is CUDA-only): "
-                "set bf16: false on CPU"
-            )
-        if cfg.use_distributed_optimizer:
-            raise ConfigError(
-                f"{source}: use_distributed_optimizer: needs GPUs (Megatron's distributed "
-                "optimizer checks for CUDA tensors): set it to false on CPU"
-            )
+    if not on_gpu and cfg.use_distributed_optimizer:
+        raise ConfigError(
+            f"{source}: use_distributed_optimizer: needs GPUs (Megatron's distributed "
+            "optimizer checks for CUDA tensors): set it to false on CPU"
+        )
     if cfg.save is not None and importlib.util.find_spec("psutil") is None:
         raise ConfigError(
             f"{source}: save: megatron-core's checkpoint writer needs psutil (without it a "

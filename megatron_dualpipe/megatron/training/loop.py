@@ -76,13 +76,21 @@ def _loss_func(
 
 
 def forward_step(
-    data_iterator: Iterator[MicroBatch], model: torch.nn.Module
-) -> tuple[torch.Tensor, Callable[..., Any]]:
+    data_iterator: Iterator[MicroBatch], model: torch.nn.Module, return_schedule_plan: bool = False
+) -> tuple[Any, Callable[..., Any]]:
     """Megatron's ``forward_step_func``: the next micro-batch through ``model`` (causal
-    attention, no explicit mask), with the masked mean token loss as loss function."""
+    attention, no explicit mask), with the masked mean token loss as loss function; with
+    ``return_schedule_plan`` (MoE all-to-all overlap) the GPTModel's schedule plan of that
+    forward instead of its output, as Megatron-LM's pretrain_gpt.py does."""
     batch = next(data_iterator)
+    loss_func = partial(_loss_func, batch["loss_mask"])
+    if return_schedule_plan:
+        plan = model.build_schedule_plan(
+            batch["tokens"], batch["position_ids"], None, labels=batch["labels"]
+        )
+        return plan, loss_func
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, partial(_loss_func, batch["loss_mask"])
+    return output, loss_func
 
 
 class _Run:
@@ -261,6 +269,7 @@ class _Run:
             self.say([f" exiting program at iteration {self.state.iteration:8d}"], rank=None)
         if recorder is not None:
             self.summarise(recorder)
+        self.report_overlap()
 
     def _after_step(self, window: LogWindow, grad_norm: float | None, last: int) -> bool:
         """Log, evaluate and save as their intervals say; True when a checkpoint was saved."""
@@ -292,6 +301,17 @@ class _Run:
             return self.cfg.train_iters
         following = (self.state.iteration // exit_interval + 1) * exit_interval
         return min(self.cfg.train_iters, following)
+
+    def report_overlap(self) -> None:
+        """Under a schedule with FB pairs: how many of one step's FB actions (over the
+        pipeline of data-parallel rank 0) ran overlapped; collective."""
+        report = getattr(self.forward_backward, "last_overlap", None)
+        if report is None or not report.fb_actions:
+            return
+        counts = torch.tensor([report.overlapped, report.fb_actions], device=self.device)
+        dist.all_reduce(counts, group=parallel_state.get_pipeline_model_parallel_group())
+        pairs, actions = (int(c) for c in counts)
+        self.say([f" overlapped FB pairs per step: {pairs} (of {actions} FB actions)"])
 
     def summarise(self, recorder: StepRecorder) -> None:
         """Gather the measured step; rank 0 prints the summary and writes the PNG."""

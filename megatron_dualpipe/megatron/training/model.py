@@ -5,6 +5,9 @@ cut by the schedule's placement (V for dualpipev, mirrored copies for dualpipe, 
 own split otherwise), initialised layout-independently, wrapped in Megatron's
 DistributedDataParallel, with the config hooks Megatron's training loop sets.
 
+With ``bf16`` every chunk is wrapped in Megatron's ``Float16Module`` (our placements: in
+:class:`~..precision.StageFloat16Module`, which knows where the loss is), as Megatron-LM does.
+
 Initialisation: every parameter is drawn from a generator seeded by ``(seed, global
 parameter name, tensor-parallel rank)``, so the weights do not depend on the pipeline
 schedule or on which rank holds which layer (Megatron's own initialisation draws from
@@ -29,6 +32,7 @@ from megatron.core.distributed import (
 )
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..checks import schedule_spec
@@ -40,6 +44,7 @@ from ..deferral import (
 from ..mirror import prepare_mirrors
 from ..names import global_named_parameters
 from ..placement import StagePlacementLayout, chunk_roles
+from ..precision import StageFloat16Module
 from .config import TrainConfig
 
 __all__ = ["build_model", "transformer_config"]
@@ -76,6 +81,7 @@ def transformer_config(cfg: TrainConfig, *, on_gpu: bool) -> TransformerConfig:
         # gradients (Megatron-LM #750); our schedules do not use Megatron's P2P.
         batch_p2p_comm=cfg.model_chunks == 1,
         bf16=cfg.bf16,
+        overlap_moe_expert_parallel_comm=cfg.overlap_moe_expert_parallel_comm,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         use_cpu_initialization=not on_gpu,
@@ -172,7 +178,8 @@ def build_model(cfg: TrainConfig, config: TransformerConfig) -> list[Distributed
     if found.splits_backward:
         spec = deferrable_layer_spec(spec)
     chunks = []
-    for pre_process, post_process, vp_stage in _chunk_ends(cfg):
+    ends = _chunk_ends(cfg)
+    for pre_process, post_process, vp_stage in ends:
         chunk = GPTModel(
             config=config,
             transformer_layer_spec=spec,
@@ -191,6 +198,13 @@ def build_model(cfg: TrainConfig, config: TransformerConfig) -> list[Distributed
     deferred = found.splits_backward
     if deferred:
         enable_weight_grad_deferral(chunks)  # what the layer spec does not build: output layer
+    if cfg.bf16:  # Megatron-LM's Float16Module, with the ends our placement gives
+        chunks = [
+            StageFloat16Module(config, chunk, pre_process=pre, post_process=post)
+            if found.places_chunks
+            else Float16Module(config, chunk)
+            for chunk, (pre, post, _) in zip(chunks, ends, strict=True)
+        ]
     ddp_config = _ddp_config(cfg, deferred)
     model = [
         DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)

@@ -1,0 +1,77 @@
+"""``train`` with F&B overlap (``overlap_moe_expert_parallel_comm``): the tiny MoE demo in
+bf16 runs with every FB pair overlapped, prints how many, and gives exactly the losses of
+the same run without overlap; bad combinations are one sentence before any work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_dualpipe.megatron.training import ConfigError, load_config, train
+
+MOE = Path(__file__).resolve().parents[1] / "configs" / "tiny_moe_cpu.yaml"
+
+
+def _train(*overrides: str):
+    base = ("bf16=true", "eval_interval=5", "output_dir=null")
+    return train(load_config(MOE, [*base, *overrides]), source=str(MOE))
+
+
+@pytest.mark.megatron
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_overlap_keeps_every_loss_of_the_run_without_it() -> None:
+    on = _train("overlap_moe_expert_parallel_comm=true")
+    off = _train("overlap_moe_expert_parallel_comm=false")
+    # bit-identical: the plan runs the same operations per micro-batch, only interleaved
+    assert on.losses == off.losses and len(on.losses) == 10
+    assert on.validation == off.validation and len(on.validation) == 2
+    assert " overlapped FB pairs per step: 6 (of 6 FB actions)" in on.lines
+    assert " overlapped FB pairs per step: 0 (of 6 FB actions)" in off.lines
+
+
+@pytest.mark.megatron
+@pytest.mark.multiproc
+def test_the_overlapped_demo_runs_and_says_so() -> None:
+    result = _train(
+        "overlap_moe_expert_parallel_comm=true", "train_iters=3", "lr_warmup_iters=1"
+    )
+    assert " overlapped FB pairs per step: 6 (of 6 FB actions)" in result.lines
+    assert len(result.losses) == 3 and all(0 < v < 10 for v in result.losses.values())
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ("expert_model_parallel_size=1",),
+            "needs expert parallelism: set the expert-model-parallel size to 2 or more",
+        ),
+        (("bf16=false",), "needs a bf16 (or fp16) model, as in Megatron-Core: turn bf16 on"),
+        (
+            ("recompute_granularity=full",),
+            "cannot run with full activation recomputation: unset recompute_granularity",
+        ),
+        (
+            ("moe_token_dispatcher_type=allgather",),
+            "needs the alltoall or flex token dispatcher, got 'allgather'",
+        ),
+        (
+            ("pipeline_schedule=1f1b",),
+            "which dualpipe and dualpipev run; 1f1b has none",
+        ),
+    ],
+)
+def test_megatrons_preconditions_are_one_sentence(overrides: tuple, message: str) -> None:
+    values = ["overlap_moe_expert_parallel_comm=true", "bf16=true", *overrides]
+    with pytest.raises(ConfigError) as info:
+        load_config(MOE, values)
+    text = str(info.value)
+    assert text.startswith(f"{MOE}: overlap_moe_expert_parallel_comm: ") and message in text
+    assert "\n" not in text
+
+
+def test_recomputation_alone_is_refused() -> None:
+    with pytest.raises(ConfigError, match="recompute_granularity: activation recomputation"):
+        load_config(MOE, ["recompute_granularity=selective"])
