@@ -11,10 +11,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..schedules import CostModel, Schedule, generate
+from ..schedules import Action, CostModel, Kind, Schedule, generate
 from .torch_schedules import import_torch_schedule
 
-__all__ = ["PROFILES", "SCHEDULES", "Profile", "ScheduleEntry", "per_stage_cost"]
+__all__ = [
+    "PROFILES",
+    "SCHEDULES",
+    "Profile",
+    "ScheduleEntry",
+    "per_stage_cost",
+    "steady_state_pairs",
+]
 
 
 @dataclass(frozen=True)
@@ -44,10 +51,37 @@ def _torch(name: str) -> ScheduleEntry:
     return ScheduleEntry(name, "torch", lambda r, m: import_torch_schedule(name, r, m))
 
 
+def steady_state_pairs(schedule: Schedule, name: str) -> Schedule:
+    """``schedule`` with every forward that is directly followed by a full backward issued
+    together with it, as one FB action: what Megatron's interleaved 1F1B does in its steady
+    state with ``overlap_moe_expert_parallel_comm`` (combined_1f1b)."""
+    ranks = []
+    for actions in schedule.ranks:
+        paired: list[Action] = []
+        for action in actions:
+            last = paired[-1] if paired else None
+            if action.kind is Kind.BW and last is not None and last.kind is Kind.F:
+                paired[-1] = Action.overlapped(last, action)
+            else:
+                paired.append(action)
+        ranks.append(paired)
+    return Schedule(name, schedule.placement, ranks, schedule.activation_bound)
+
+
+def _megatron_a2a(name: str) -> ScheduleEntry:
+    def build(ranks: int, microbatches: int) -> Schedule:
+        interleaved = generate("interleaved-1f1b", ranks, microbatches, chunks=2)
+        return steady_state_pairs(interleaved, name)
+
+    return ScheduleEntry(name, "megatron", build)
+
+
 #: In table order; the first is the baseline for "vs 1F1B".
 SCHEDULES: tuple[ScheduleEntry, ...] = (
     _ours("1f1b"),
     _ours("interleaved-1f1b", chunks=2),
+    # Megatron's own interleaved 1F1B with its MoE all-to-all overlap: the honest peer.
+    _megatron_a2a("interleaved-1f1b-a2a"),
     _ours("zb1p"),
     _ours("dualpipe"),
     _ours("dualpipev"),

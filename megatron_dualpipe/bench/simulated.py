@@ -19,10 +19,12 @@ from .tables import markdown_table
 __all__ = [
     "BASELINE",
     "LOWER_BOUND",
+    "MEGATRON_OVERLAP",
     "SimRow",
     "profile_by_key",
     "simulate_cell",
     "simulate_group",
+    "peer_statements",
     "simulated_table",
 ]
 
@@ -30,6 +32,10 @@ __all__ = [
 BASELINE = "1f1b"
 #: The name of the lower-bound row.
 LOWER_BOUND = "lower bound"
+#: The honest peer of our bidirectional schedules: Megatron's own F&B overlap.
+MEGATRON_OVERLAP = "interleaved-1f1b-a2a"
+#: The schedules compared with it.
+BIDIRECTIONAL = ("dualpipe", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -201,7 +207,32 @@ def simulated_table(rows: Sequence[SimRow], profile: Profile | None = None) -> s
     text = title + "\n\n" + markdown_table(header, body)
     if notes:
         text += "\n\n" + "\n".join(f"- n/a: {n}" for n in notes)
+    statements = peer_statements(rows)
+    if statements:
+        text += "\n\n" + "\n".join(f"- {s}" for s in statements)
     return text
+
+
+def peer_statements(rows: Sequence[SimRow]) -> list[str]:
+    """For dualpipe and dualpipev: their step over Megatron's interleaved 1F1B with
+    all-to-all overlap, per micro-batch count, and whether they are ahead of it."""
+    by_key = {(r.schedule, r.microbatches): r for r in rows if r.makespan is not None}
+    statements = []
+    for name in BIDIRECTIONAL:
+        ratios = {
+            m: by_key[(name, m)].makespan / by_key[(MEGATRON_OVERLAP, m)].makespan
+            for (n, m) in sorted(by_key)
+            if n == name and (MEGATRON_OVERLAP, m) in by_key
+        }
+        if not ratios:
+            continue
+        figures = ", ".join(f"{r:.3f} at m={m}" for m, r in ratios.items())
+        behind = [m for m, r in ratios.items() if r >= 1.0]
+        verdict = (
+            f"not ahead at m={', '.join(map(str, behind))}" if behind else "ahead at every m"
+        )
+        statements.append(f"{name} / Megatron's {MEGATRON_OVERLAP}: {figures} ({verdict})")
+    return statements
 
 
 def profile_by_key(key: str) -> Profile:
