@@ -9,7 +9,7 @@
 # Needs root and Debian (installs slurmctld slurmd slurm-client munge with apt-get when
 # missing). Idempotent: with the same configuration already up it returns at once; a
 # changed configuration restarts the daemons (a node-count change needs `slurmctld -c`).
-# See /work/shared/notes/slurm-in-ci.md for the measured facts behind each step.
+# docs/slurm-in-ci.md explains each step and the pitfalls it avoids.
 set -euo pipefail
 
 NODES=${SLURM_CI_NODES:-2}

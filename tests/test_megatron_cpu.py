@@ -45,8 +45,8 @@ def test_1f1b_pp2_matches_reference() -> None:
 
 
 def test_1f1b_pp4_tied_rope_ddp_matches_reference() -> None:
-    # Tied embeddings with PP > 1 (language_module.py:244), RoPE
-    # (rotary_pos_embedding.py:162), DDP buffers and finalize_model_grads.
+    # Tied embeddings with PP > 1 (LanguageModule.setup_embeddings_and_output_layer), RoPE
+    # (RotaryEmbedding.get_emb), DDP buffers and finalize_model_grads.
     _check(Model(tied=True, rope=True), Layout(pp=4, ddp=True), ONE_F_ONE_B)
 
 
@@ -59,7 +59,7 @@ def test_interleaved_pp2_with_batched_p2p_gives_wrong_gradients() -> None:
     # The upstream trap (Megatron-LM #750, #1450) that the other tests avoid with
     # batch_p2p_comm=False: at PP=2 both directions go to the same peer and batched
     # isend/irecv pairs are matched in queue order. This also shows the comparison has
-    # teeth. If it starts failing, megatron fixed the trap: update the notes.
+    # teeth. If it starts failing, megatron fixed the trap: update docs/megatron-on-cpu.md.
     reference, results = _run(Model(), Layout(pp=2, vp=2, batch_p2p_comm=True))
     worst = max(
         _rel_err(grad, reference["grads"][name])

@@ -79,8 +79,9 @@ def _twins(config: Any, count: int) -> list[torch.nn.Module]:
     """``count`` models with the same weights.
 
     MoE with TP > 1 runs in eval mode: MoELayer refuses TP without sequence parallelism in
-    training mode (moe_layer.py:379) and the local spec's torch LayerNorm refuses sequence
-    parallelism (torch_norm.py:32); dropout is 0, so the computation is the same.
+    training mode (``MoELayer.forward``) and the local spec's torch LayerNorm refuses
+    sequence parallelism (``WrappedTorchNorm.__new__``); dropout is 0, so the computation is
+    the same.
     """
     torch.manual_seed(INIT_SEED)
     first = tm.build_reference_gpt(config)

@@ -105,7 +105,7 @@ def memory_table(run: MeasuredRun) -> str:
 OURS = OUR_SCHEDULES
 #: Paired ratios within this of 1 are read as "no clear difference": the launch-to-launch
 #: spread of a zero-bubble schedule's step on this machine is 3-6%
-#: (notes/benchmark-method.md).
+#: (docs/benchmark-method.md).
 NOISE = 0.03
 
 

@@ -152,7 +152,8 @@ nodes per layer); a rank's share of the model is {layers} layers of {layer_ms:g}
 pass (F=B=W={share:g} ms per rank share); schedules with two stages per rank run half as
 many layers per stage. {launches} launches; in each, every rank builds every schedule,
 runs {warmup} warm-up round(s), then {steps} measured rounds; a round runs each schedule
-once behind a barrier, starting at a different schedule each round.{quick_note}
+once behind a barrier, starting at a different schedule each round. Why sleeps, and how
+each peer runs: [benchmark-method.md](benchmark-method.md).{quick_note}
 
 - step: first start to last end over the ranks, median over all measured steps;
   `vs {base}`: median over rounds of the step over {base}'s step in the same round.

@@ -13,29 +13,37 @@ inside each module in ``_TORCH_ON_CPU_SITES`` is rebound to a view of torch whos
 no-ops, offers stand-in streams and events, and whose tensor factories map
 ``device="cuda"`` to the CPU. Everything else in that view is the real torch.
 
-The remaining patches, each against the megatron-core 0.16.1 line it addresses:
+The remaining patches, each against the megatron-core 0.16.1 code it addresses:
 
-- tensor_parallel/random.py:235 (add), :248-255 (fork), reached from
-  dot_product_attention.py:217 and layers.py:142: the RNG tracker keeps CUDA
-  generator states. Its class is replaced by one that keeps CPU generator states
-  and swaps them into torch's default CPU generator inside ``fork()``, so dropout
-  inside forked regions stays reproducible.
-- models/common/language_module/language_module.py:244: ``weight.data.cuda()`` for
-  tied embeddings with PP > 1; ``Tensor.cuda`` is the identity while
-  ``setup_embeddings_and_output_layer`` runs.
-- transformer/moe/moe_utils.py:1192 (via router.py:100): ``te_general_gemm`` is only
-  defined when Transformer Engine imports; it is defined as None otherwise.
-- transformer/moe/token_dispatcher.py:876-893 -> moe_utils.py:1093: split sizes
-  become numpy only for CUDA tensors and gloo's all_to_all_single rejects tensors;
+- ``CudaRNGStatesTracker.add`` and ``.fork`` (tensor_parallel/random.py), reached from
+  ``DotProductAttention.forward`` and ``_initialize_affine_weight_gpu``
+  (tensor_parallel/layers.py): the RNG tracker keeps CUDA generator states. Its class
+  is replaced by one that keeps CPU generator states and swaps them into torch's default
+  CPU generator inside ``fork()``, so dropout inside forked regions stays reproducible.
+- ``LanguageModule.setup_embeddings_and_output_layer``
+  (models/common/language_module/language_module.py): ``weight.data.cuda()`` for tied
+  embeddings with PP > 1; ``Tensor.cuda`` is the identity while it runs.
+- ``RouterGatingLinearFunction.forward`` (transformer/moe/moe_utils.py, via
+  ``Router.gating``): ``te_general_gemm`` is only defined when Transformer Engine
+  imports; it is defined as None otherwise.
+- ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize``
+  (transformer/moe/token_dispatcher.py) -> ``moe_utils.maybe_move_tensor_to_cpu``: split
+  sizes become numpy only for CUDA tensors and gloo's all_to_all_single rejects tensors;
   the dispatcher's ``maybe_move_tensor_to_cpu`` always gives numpy when asked.
-- optimizer/clip_grads.py:167 (called from optimizer.py:215, :1324) asserts
+- ``clip_grad_by_total_norm_fp32`` (optimizer/clip_grads.py; called from
+  ``MegatronOptimizer.clip_grad_norm`` and ``ChainedOptimizer.step``) asserts
   ``param.grad.type() == 'torch.cuda.FloatTensor'``; the optimizer module's
   ``clip_grad_by_total_norm_fp32`` is one that asserts fp32 on any device.
-- optimizer/distrib_optimizer.py:420 sorts parameters by ``type() ==
+- ``DistributedOptimizer._build_model_and_main_param_groups``
+  (optimizer/distrib_optimizer.py) sorts parameters by ``type() ==
   'torch.cuda.FloatTensor'``: while it builds its groups, CPU tensors report CUDA type
   names.
 
-Not covered: activation recomputation (random.py ``_get_cuda_rng_state``), fp16/bf16
+On another megatron-core release ``apply_cpu_compat`` refuses to patch
+(:class:`~.version.MegatronVersionError`). docs/megatron-on-cpu.md explains each patch,
+the traps left (batched P2P at PP=2 with two chunks) and what runs on CPU.
+
+Not covered: activation recomputation (``_get_cuda_rng_state`` in random.py), fp16/bf16
 optimizers, TE layers, CUDA graphs.
 """
 
@@ -52,6 +60,8 @@ import torch
 from megatron.core.tensor_parallel import random as _mrandom
 from torch.overrides import TorchFunctionMode
 
+from .version import require_pinned_megatron_core
+
 __all__ = [
     "CpuRNGStatesTracker",
     "apply_cpu_compat",
@@ -62,65 +72,73 @@ __all__ = [
 _CPU = torch.device("cpu")
 
 # Megatron modules whose global name ``torch`` is rebound to the CPU view, and the
-# megatron-core 0.16.1 lines that need it.
+# megatron-core 0.16.1 functions in each that need it.
 _TORCH_ON_CPU_SITES: tuple[tuple[str, str], ...] = (
     (
         "megatron.core.utils",
-        "utils.py:631 global memory buffer (attention scores, dot_product_attention.py:189) "
-        "on torch.cuda.current_device(); :1207 grad-norm fallback kernel on device='cuda'",
+        "GlobalMemoryBuffer.get_tensor (the attention-score buffer of "
+        "DotProductAttention.forward) on torch.cuda.current_device(); "
+        "local_multi_tensor_l2_norm (grad-norm fallback kernel) on device='cuda'",
     ),
     (
         "megatron.core.models.common.embeddings.rotary_pos_embedding",
-        "rotary_pos_embedding.py:162 moves inv_freq to torch.cuda.current_device()",
+        "RotaryEmbedding.get_emb moves inv_freq to torch.cuda.current_device()",
     ),
     (
         "megatron.core.transformer.utils",
-        "transformer/utils.py:35, :40 default causal masks on device='cuda' "
-        "(fused_softmax.py:327 when no attention mask is passed)",
+        "get_default_causal_mask and get_sliding_window_causal_mask on device='cuda' "
+        "(FusedScaleMaskSoftmax.forward_torch_softmax when no attention mask is passed)",
     ),
     (
         "megatron.core.tensor_parallel.layers",
-        "layers.py:261, :552, :873, :899, :1197, :1218 parameters and all-gather buffers on "
-        "torch.cuda.current_device() unless use_cpu_initialization",
+        "VocabParallelEmbedding, ColumnParallelLinear and RowParallelLinear.__init__ put "
+        "parameters on torch.cuda.current_device() unless use_cpu_initialization; "
+        "LinearWithGradAccumulationAndAsyncCommunication.backward all-gathers there",
     ),
     (
         "megatron.core.tensor_parallel.mappings",
-        "mappings.py:91, :141, :148, :181, :442 gather/scatter outputs on "
-        "torch.cuda.current_device() (allgather dispatcher, EP)",
+        "_gather_along_last_dim, _gather_along_first_dim, _reduce_scatter_along_first_dim "
+        "and _AllToAll.forward make outputs on torch.cuda.current_device() "
+        "(allgather dispatcher, EP)",
     ),
     (
         "megatron.core.pipeline_parallel.p2p_communication",
-        "p2p_communication.py:190-202, :313, :321 receive buffers on "
-        "torch.cuda.current_device(); :242, :398 torch.cuda.synchronize()",
+        "P2PCommunicator._communicate_shapes and _communicate make receive buffers on "
+        "torch.cuda.current_device() and call torch.cuda.synchronize()",
     ),
     (
         "megatron.core.pipeline_parallel.schedules",
-        "schedules.py:596, :983, :2138 torch.zeros([], dtype=torch.int, device='cuda')",
+        "forward_backward_no_pipelining, forward_backward_pipelining_with_interleaving and "
+        "_without_interleaving count tokens in torch.zeros([], dtype=torch.int, device='cuda')",
     ),
     (
         "megatron.core.transformer.moe.router",
-        "router.py:90-92 moves the gate to torch.cuda.current_device(); :169-198 aux-loss tensors",
+        "Router.gating moves the gate to torch.cuda.current_device(); TopKRouter.__init__ "
+        "puts its aux-loss tensors there",
     ),
     (
         "megatron.core.transformer.moe.token_dispatcher",
-        "token_dispatcher.py:445 torch.cuda.Stream(); :871-895 current_stream, stream, "
-        "record_event",
+        "MoEAlltoAllTokenDispatcher.__init__ makes a torch.cuda.Stream(); "
+        "_maybe_dtoh_and_synchronize uses current_stream, stream and record_event",
     ),
     (
         "megatron.core.distributed.param_and_grad_buffer",
-        "param_and_grad_buffer.py:783-806 DDP param/grad buffers on torch.cuda.current_device()",
+        "_ParamAndGradBuffer.__init__ puts DDP param/grad buffers on "
+        "torch.cuda.current_device()",
     ),
     (
         "megatron.core.optimizer.optimizer",
-        "optimizer.py:907 FP32Optimizer scale on device='cuda' (:473-485 for fp16/bf16)",
+        "FP32Optimizer.__init__ puts its scale on device='cuda' "
+        "(MixedPrecisionOptimizer.__init__ too, for fp16/bf16)",
     ),
     (
         "megatron.core.optimizer.clip_grads",
-        "clip_grads.py:90, :103, :115 grad-norm tensors on device='cuda'",
+        "get_grad_norm_fp32 makes its norm tensors on device='cuda'",
     ),
     (
         "megatron.core.optimizer.distrib_optimizer",
-        "distrib_optimizer.py:791, :1077 buffers on torch.cuda.current_device()",
+        "DistributedOptimizer.load_state_dict and get_parameter_state_dp_zero make buffers "
+        "on torch.cuda.current_device()",
     ),
     (
         "megatron.core.pipeline_parallel.utils",
@@ -143,11 +161,12 @@ _TORCH_ON_CPU_SITES: tuple[tuple[str, str], ...] = (
     ),
     (
         "megatron.core.dist_checkpointing.strategies.filesystem_async",
-        "filesystem_async.py:230 torch.cuda.synchronize() after staging tensors to the host",
+        "FileSystemWriterAsync.preload_tensors calls torch.cuda.synchronize() after staging "
+        "tensors to the host",
     ),
     (
         "megatron.core.dist_checkpointing.strategies.state_dict_saver",
-        "state_dict_saver.py:252 a failure flag on torch.cuda.current_device()",
+        "save_state_dict_async_finalize puts a failure flag on torch.cuda.current_device()",
     ),
 )
 
@@ -179,10 +198,17 @@ def apply_cpu_compat() -> None:
 
     Does nothing when CUDA is available. Call it before building models or running
     schedules; forked children inherit the patches. Imports the megatron modules it
-    patches.
+    patches. Raises :class:`~.version.MegatronVersionError` on another megatron-core
+    release, before patching anything.
     """
     global _applied
-    if _applied or torch.cuda.is_available():
+    if torch.cuda.is_available():
+        return
+    require_pinned_megatron_core(
+        "the CPU compatibility layer (megatron_dualpipe.megatron.cpu_compat)",
+        "run on a GPU, where the layer is not needed",
+    )
+    if _applied:
         return
     for module_name, _why in _TORCH_ON_CPU_SITES:
         importlib.import_module(module_name).torch = _TORCH_ON_CPU
@@ -327,7 +353,7 @@ _TORCH_ON_CPU = _TorchOnCpu()
 
 
 # --------------------------------------------------------------------------------------
-# RNG tracker (tensor_parallel/random.py:235, :248-255).
+# RNG tracker (CudaRNGStatesTracker in tensor_parallel/random.py).
 
 
 class CpuRNGStatesTracker(_mrandom.CudaRNGStatesTracker):
@@ -335,7 +361,7 @@ class CpuRNGStatesTracker(_mrandom.CudaRNGStatesTracker):
 
     ``fork(name)`` swaps the named state into torch's default CPU generator (what
     dropout draws from on CPU) and swaps it back out on exit, nesting as the CUDA
-    tracker does (random.py:242-279). Same seeds give the same dropout masks. Dropout
+    tracker's ``fork`` does. Same seeds give the same dropout masks. Dropout
     outside a fork draws from the default CPU generator, which the caller seeds.
     """
 
@@ -371,7 +397,7 @@ class CpuRNGStatesTracker(_mrandom.CudaRNGStatesTracker):
 
 
 def _install_cpu_rng_tracker() -> None:
-    # initialize_rng_tracker (random.py:286-342) instantiates the module's class.
+    # Megatron's initialize_rng_tracker instantiates the module's class.
     _mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
     current = _mrandom._CUDA_RNG_STATE_TRACKER
     if current is not None and not isinstance(current, CpuRNGStatesTracker):
@@ -379,7 +405,7 @@ def _install_cpu_rng_tracker() -> None:
 
 
 # --------------------------------------------------------------------------------------
-# Tied embeddings (language_module.py:244).
+# Tied embeddings (LanguageModule.setup_embeddings_and_output_layer).
 
 
 class _TensorCudaIsIdentity(TorchFunctionMode):
@@ -437,7 +463,8 @@ class _CpuTypesLookCuda(TorchFunctionMode):
 
 
 def _patch_distributed_optimizer_types() -> None:
-    """distrib_optimizer.py:420 sorts parameters by ``type() == 'torch.cuda.FloatTensor'``."""
+    """``DistributedOptimizer._build_model_and_main_param_groups`` sorts parameters by
+    ``type() == 'torch.cuda.FloatTensor'``."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     original = DistributedOptimizer._build_model_and_main_param_groups
@@ -479,7 +506,7 @@ def _make_tensor_cuda_identity_in_embedding_setup() -> None:
 
 
 # --------------------------------------------------------------------------------------
-# MoE (moe_utils.py:1192, token_dispatcher.py:876-893).
+# MoE (RouterGatingLinearFunction.forward, MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize).
 
 
 def _split_sizes_to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
@@ -498,7 +525,7 @@ def _patch_moe() -> None:
 
 
 # --------------------------------------------------------------------------------------
-# Gradient clipping (clip_grads.py:167).
+# Gradient clipping (clip_grad_by_total_norm_fp32 in optimizer/clip_grads.py).
 
 
 def _clip_grad_by_total_norm_fp32(
@@ -506,7 +533,7 @@ def _clip_grad_by_total_norm_fp32(
 ) -> None:
     """``clip_grads.clip_grad_by_total_norm_fp32`` with its CUDA-only type assertion
     relaxed to fp32 on any device; scales exactly as its fallback kernel does
-    (utils.py:1212, ``dst.copy_(src * scale)``)."""
+    (``local_multi_tensor_scale`` in megatron/core/utils.py: ``dst.copy_(src * scale)``)."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     attr = "decoupled_grad" if use_decoupled_grad else "grad"

@@ -31,10 +31,10 @@ gradient from these layers (so ``register_post_accumulate_grad_hook`` hooks and
 ``torch.autograd.grad`` with respect to their weights see none). Bias gradients go through
 autograd as in Megatron.
 
-Megatron DistributedDataParallel (0.16.1, distributed_data_parallel.py:316-345): for a
-parameter with ``skip_backward_post_hook=True`` and ``ddp_config.delay_wgrad_compute=True``,
-DDP registers its grad-ready hook through the owning module's
-``register_wgrad_accumulation_and_reduce_hooks`` instead of the parameter's
+Megatron DistributedDataParallel (0.16.1, where ``DistributedDataParallel.__init__``
+registers its backward hooks): for a parameter with ``skip_backward_post_hook=True`` and
+``ddp_config.delay_wgrad_compute=True``, DDP registers its grad-ready hook through the
+owning module's ``register_wgrad_accumulation_and_reduce_hooks`` instead of the parameter's
 AccumulateGrad node. Converted layers mark their weight that way and fire those hooks after
 every accumulation, so DDP (``overlap_grad_reduce`` off or on) sees each deferred weight
 ready exactly when its dW is in. Order requirement: call :func:`enable_weight_grad_deferral`
@@ -54,18 +54,21 @@ FIFO ``wgrad_store`` and ``module.backward_dw()`` pops the oldest. For them the 
 of a B is one ``backward_dw()`` call per TE-module backward that ran in it, in order; in a
 BW (or without a store) ``backward_dw()`` runs at once (it pops the oldest entry, which may
 be an earlier B's: the sum over the step is the same). TE itself marks its parameters with
-``skip_backward_post_hook`` and fires DDP's hooks from ``backward_dw()`` (TE 2.7+, see
-notes/anchors.md), so the same DDP order requirement holds.
+``skip_backward_post_hook`` and fires DDP's hooks from ``backward_dw()`` (TE 2.7+; see
+docs/megatron.md), so the same DDP order requirement holds.
 transformer_engine is never imported by this module: TE layers are recognised only when
 Megatron's TE extension module has already been imported (by building a TE model).
 
-Not supported, refused with an error: Megatron's ``defer_embedding_wgrad_compute``,
-Megatron-FSDP parameters, gradient-accumulation fusion without ``main_grad`` or without
-its CUDA kernel, Megatron DDP built without ``delay_wgrad_compute``, enabling after DDP
-wrapping, TE < 2.3, TE layers built without ``delay_wgrad_compute``, TE layers without
-``register_wgrad_accumulation_and_reduce_hooks``, TE layers whose input does not require
-grad, and TE's ``.grad``-overwriting ``backward_dw()`` meeting an earlier micro-batch's
-``.grad`` with no hook to consume it (use Megatron DDP or gradient-accumulation fusion).
+Not supported, refused with an error: a megatron-core release other than 0.16.1 (the
+autograd function below reproduces that release's
+``linear_with_grad_accumulation_and_async_allreduce``), Megatron's
+``defer_embedding_wgrad_compute``, Megatron-FSDP parameters, gradient-accumulation fusion
+without ``main_grad`` or without its CUDA kernel, Megatron DDP built without
+``delay_wgrad_compute``, enabling after DDP wrapping, TE < 2.3, TE layers built without
+``delay_wgrad_compute``, TE layers without ``register_wgrad_accumulation_and_reduce_hooks``,
+TE layers whose input does not require grad, and TE's ``.grad``-overwriting
+``backward_dw()`` meeting an earlier micro-batch's ``.grad`` with no hook to consume it
+(use Megatron DDP or gradient-accumulation fusion).
 Left as they are (correct, just not deferred): subclasses of the two layer classes (e.g.
 ``ColumnParallelLinearGathered``), layers without their own weight (an output layer fed
 the tied embedding weight at call time), frozen weights, and layers recomputed inside a
@@ -102,6 +105,8 @@ from torch import nn
 
 from ..errors import DualPipeError
 from ..runtime.weight_grad_store import WeightGradStore, active_store
+from ..schedules.registry import SCHEDULES
+from .version import require_pinned_megatron_core
 
 __all__ = [
     "DeferrableColumnParallelLinear",
@@ -121,6 +126,19 @@ _TE_HOOK_ATTR = "_dualpipe_backward_dw_hook"
 
 class WeightGradDeferralError(DualPipeError, RuntimeError):
     """A configuration that weight-gradient deferral does not support (one sentence)."""
+
+
+def _require_pinned_megatron() -> None:
+    """Refuse another megatron-core release: the autograd function below reproduces
+    megatron-core 0.16.1's ``linear_with_grad_accumulation_and_async_allreduce`` and the
+    DDP hook protocol of that release."""
+    plain = ", ".join(name for name, s in SCHEDULES.items() if not s.splits_backward)
+    require_pinned_megatron_core(
+        "weight-gradient deferral (megatron_dualpipe.megatron.deferral, which reproduces "
+        "Megatron's linear_with_grad_accumulation_and_async_allreduce)",
+        f"use a schedule that does not split the backward ({plain})",
+        WeightGradDeferralError,
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -339,6 +357,7 @@ class _DeferrableParallelLinear:
 
     def _init_deferral(self, name: str) -> None:
         """Join the dX/dW split: no wgrad hooks yet, DDP told to wait for them."""
+        _require_pinned_megatron()
         if self.config.defer_embedding_wgrad_compute:
             raise WeightGradDeferralError(
                 f"{name}: defer_embedding_wgrad_compute is not supported with weight-gradient "
@@ -464,6 +483,7 @@ def deferrable_layer_spec(spec: ModuleSpec) -> ModuleSpec:
     """``spec`` (a layer spec such as ``get_gpt_layer_local_spec()``) with every
     ``ColumnParallelLinear`` / ``RowParallelLinear`` in it, at any depth (attention, MLP,
     MoE experts and shared experts), replaced by its deferrable class; the rest unchanged."""
+    _require_pinned_megatron()
     return _replace_linears(spec)
 
 
@@ -623,8 +643,10 @@ def enable_weight_grad_deferral(model_chunks: nn.Module | Iterable[nn.Module]) -
     every TE linear layer when the model uses TE (see the module docstring). Must run
     before the chunks are wrapped in Megatron DDP, which must then be built with
     :func:`ddp_config_for_deferral`. Raises :class:`WeightGradDeferralError` for what is
-    not supported, before changing anything in the offending layer.
+    not supported (another megatron-core release than 0.16.1 included), before changing
+    anything in the offending layer.
     """
+    _require_pinned_megatron()
     chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
     te_classes = _te_layer_classes()
     count = 0

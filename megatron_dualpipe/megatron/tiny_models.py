@@ -67,7 +67,8 @@ def tiny_gpt_config(
     """TransformerConfig of a small fp32 GPT for CPU runs: no dropout, no fusions,
     CPU initialisation. With ``num_moe_experts`` every layer is MoE (dropless, no
     auxiliary loss, so routing is per token and layout-independent) and linear layers
-    have no bias (a biased SequentialMLP fails in 0.16.1, mlp.py:247). ``overrides``
+    have no bias (a biased SequentialMLP fails in 0.16.1, in ``MLP.forward`` of
+    transformer/mlp.py). ``overrides``
     go to TransformerConfig as they are (e.g. ``batch_p2p_comm=False``).
     """
     moe = num_moe_experts is not None
@@ -281,7 +282,8 @@ def _loss_func(
     loss_mask: torch.Tensor, output_tensor: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     loss = _masked_mean(loss_mask, output_tensor)
-    # The schedules divide the returned loss in place (schedules.py:268-269): clone.
+    # Megatron's forward_step_calc_loss (pipeline_parallel/schedules.py) divides the
+    # returned loss in place: clone.
     return loss, {"loss": loss.detach().clone()}
 
 
