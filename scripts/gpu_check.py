@@ -21,6 +21,15 @@ moved during B, that the reduced ``main_grad`` of every parameter equals the ref
 (relative error max|a - b| / max|b| <= --tol), and prints one verdict line:
 ``GPU CHECK PASS`` or ``GPU CHECK FAIL`` with the max relative error (exit 0 / 1), or
 ``GPU CHECK CANNOT RUN`` with the reason (exit 2).
+
+Then, on one GPU (world 1), the F&B overlap factor: a bf16 MoE GPT block (TE spec, EP=1, so
+the all-to-all is local and what overlaps is the two micro-batches' compute on the compute
+and communication streams) runs one micro-batch's forward beside another's full backward
+through Megatron's schedule plan (``combined_forward_backward_step``), and the same two
+halves one after the other. It prints ``OVERLAP FACTOR f`` = time of the overlapped pair /
+(forward + backward in sequence), median of --repeats, the value ``megatron-dualpipe
+simulate --cost overlap=f`` takes, and checks that the gradients of both orders agree
+within --overlap-tol (bf16).
 """
 
 from __future__ import annotations
@@ -198,6 +207,106 @@ def _run_case(moe: bool, overlap: bool, fusion: bool, tp: int) -> tuple[float, l
     return worst, problems
 
 
+def _overlap_model(hidden: int, seq: int) -> tuple[Any, Any, list[dict[str, torch.Tensor]]]:
+    """A bf16 MoE GPT (2 layers, 8 experts, top-2, TE spec) with overlap on, in
+    Float16Module, and 4 micro-batches of one sequence of ``seq`` tokens."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_dualpipe.megatron import tiny_models as tm
+
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=hidden,
+        num_attention_heads=hidden // 128,
+        ffn_hidden_size=4 * hidden,
+        num_moe_experts=8,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=2 * hidden,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=True,
+        add_bias_linear=False,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    # Megatron asks for EP > 1 in __post_init__; one GPU runs the same plan at EP=1.
+    config.overlap_moe_expert_parallel_comm = True
+    spec = get_gpt_layer_with_transformer_engine_spec(num_experts=8, moe_grouped_gemm=True)
+    vocab = 32_000
+    model = GPTModel(config, spec, vocab, seq, pre_process=True, post_process=True).cuda()
+    model = Float16Module(config, model)
+    batches = tm.synthetic_microbatches(4, micro_batch_size=1, seq_length=seq, vocab_size=vocab)
+    batches = [{k: v.cuda() for k, v in b.items()} for b in batches]
+    return config, model, batches
+
+
+def _forward_step(data_iterator: Any, model: Any, return_schedule_plan: bool = False) -> Any:
+    from megatron_dualpipe.megatron import tiny_models as tm
+
+    return tm.gpt_forward_step(data_iterator, model, return_schedule_plan)
+
+
+def _overlap_factor(hidden: int, seq: int, repeats: int, tol: float) -> tuple[float, float, bool]:
+    """(overlap factor, gradient relative error, passed); see the module docstring."""
+    from megatron.core.pipeline_parallel.combined_1f1b import combined_forward_backward_step
+    from megatron.core.pipeline_parallel.utils import set_streams
+
+    config, model, batches = _overlap_model(hidden, seq)
+    set_streams()
+
+    def step(forward_mb: int | None, backward: Any) -> Any:
+        out, _, _ = combined_forward_backward_step(
+            _forward_step,
+            iter([batches[forward_mb]]) if forward_mb is not None else None,
+            model if forward_mb is not None else None,
+            len(batches),
+            None,
+            [],
+            model if backward is not None else None,
+            None,
+            backward,
+            None,
+            config,
+        )
+        return out
+
+    def timed(forward_mb: int | None, backward: Any) -> tuple[float, Any]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = step(forward_mb, backward)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end), out
+
+    def grads() -> dict[str, torch.Tensor]:
+        return {
+            n: p.grad.detach().float().clone()
+            for n, p in model.named_parameters()
+            if p.grad is not None
+        }
+
+    ratios = []
+    for _ in range(repeats):
+        model.zero_grad()
+        first = step(0, None)
+        forward_ms, second = timed(1, None)
+        backward_ms, _ = timed(None, first)
+        step(None, second)
+        reference = grads()
+        model.zero_grad()
+        first = step(0, None)
+        pair_ms, second = timed(1, first)
+        step(None, second)
+        ratios.append(pair_ms / (forward_ms + backward_ms))
+    error = max(_rel_err(g, reference[n]) for n, g in grads().items())
+    factor = sorted(ratios)[len(ratios) // 2]
+    return factor, error, error <= tol
+
+
 def _preflight() -> str | None:
     """Why this machine cannot run the check, or None."""
     if not torch.cuda.is_available():
@@ -226,6 +335,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=None, help="tensor parallel size (world)")
     parser.add_argument("--tol", type=float, default=1e-5, help="max relative error")
+    parser.add_argument("--overlap-hidden", type=int, default=2048, help="F&B overlap block width")
+    parser.add_argument("--overlap-seq", type=int, default=4096, help="tokens per micro-batch")
+    parser.add_argument("--repeats", type=int, default=5, help="timed F&B pairs (median)")
+    parser.add_argument("--overlap-tol", type=float, default=1e-2, help="bf16 gradient error")
     args = parser.parse_args()
     reason = _preflight()
     if reason is not None:
@@ -255,6 +368,22 @@ def main() -> int:
             f"world {world}, TP {tp}, fusion runs: {fusions[-1]}",
             flush=True,
         )
+    if world == 1:
+        try:
+            factor, error, same = _overlap_factor(
+                args.overlap_hidden, args.overlap_seq, args.repeats, args.overlap_tol
+            )
+        except Exception as exc:  # a crash is a failure with its reason
+            print(f"OVERLAP CHECK FAIL: {exc!r}", flush=True)
+            ok = False
+        else:
+            print(
+                f"OVERLAP FACTOR {factor:.3f} (hidden {args.overlap_hidden}, seq "
+                f"{args.overlap_seq}, {torch.cuda.get_device_name()}); gradients overlapped vs "
+                f"sequential: max relative error {error:.3e} ({'PASS' if same else 'FAIL'})",
+                flush=True,
+            )
+            ok = ok and same
     dist.destroy_process_group()
     return 0 if ok else 1
 
