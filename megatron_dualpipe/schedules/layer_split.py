@@ -1,0 +1,79 @@
+"""How many decoder layers each model stage holds, from Megatron's own split settings.
+
+Megatron-Core cuts ``num_layers`` into pipeline stages evenly unless told otherwise:
+``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage`` (Megatron-LM's
+``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``) fix the
+first and last stage and split the rest evenly; ``account_for_embedding_in_pipeline_split``
+/ ``account_for_loss_in_pipeline_split`` count the embedding / the loss as one layer of the
+first / last stage. Our schedules read these over their *model stages in pipeline order*:
+the stage where data enters (the embedding) is first, the stage that ends in the loss is
+last. Under dualpipev that is 2 x PP stages in the V (rank r holds stage r and stage
+2P-1-r, so the first and the last stage are both on rank 0); under dualpipe PP stages
+(each held twice); under 1f1b and zb1p PP stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .ir import ScheduleError
+
+__all__ = ["LayerSplit", "stage_layer_counts"]
+
+
+@dataclass(frozen=True)
+class LayerSplit:
+    """Megatron's split settings (see the module docstring); ``None`` means even."""
+
+    num_layers: int
+    first: int | None = None
+    last: int | None = None
+    account_for_embedding: bool = False
+    account_for_loss: bool = False
+
+
+def stage_layer_counts(split: LayerSplit, model_stages: int) -> list[int]:
+    """Decoder layers of each of ``model_stages`` stages, first (embedding) to last (loss),
+    as Megatron-Core computes them; :class:`ScheduleError` with the fix where they do not
+    split."""
+    if model_stages < 1:
+        raise ScheduleError("a model needs at least one stage")
+    uneven = split.first is not None or split.last is not None
+    if uneven and (split.account_for_embedding or split.account_for_loss):
+        raise ScheduleError(
+            "first/last stage layer counts cannot be combined with accounting for the "
+            "embedding or the loss in the pipeline split (as in Megatron-Core): use one of them"
+        )
+    if uneven:
+        return _uneven(split, model_stages)
+    total = split.num_layers + split.account_for_embedding + split.account_for_loss
+    if total % model_stages:
+        extra = " (with the embedding and loss counted as layers)" * (total != split.num_layers)
+        raise ScheduleError(
+            f"{split.num_layers} layers{extra} do not split evenly into {model_stages} stages: "
+            f"use a multiple of {model_stages}, or set the first/last stage layer counts"
+        )
+    counts = [total // model_stages] * model_stages
+    counts[0] -= split.account_for_embedding
+    counts[-1] -= split.account_for_loss
+    if min(counts) < 0:
+        raise ScheduleError("a stage would hold a negative number of layers: add layers")
+    return counts
+
+
+def _uneven(split: LayerSplit, model_stages: int) -> list[int]:
+    fixed = {0: split.first, model_stages - 1: split.last}
+    fixed = {stage: count for stage, count in fixed.items() if count is not None}
+    if model_stages == 1 and len({split.first, split.last} - {None}) > 1:
+        raise ScheduleError("a one-stage model cannot have different first and last counts")
+    if any(count < 1 for count in fixed.values()):
+        raise ScheduleError("first/last stage layer counts must be >= 1 (as in Megatron-Core)")
+    rest = split.num_layers - sum(fixed.values())
+    middle = model_stages - len(fixed)
+    if rest < 0 or (middle == 0 and rest) or (middle and rest % middle):
+        raise ScheduleError(
+            f"after {sum(fixed.values())} layers in the first/last stage, {rest} layers do "
+            f"not split evenly into the other {middle} stages: change the first/last counts"
+        )
+    share = rest // middle if middle else 0
+    return [fixed.get(stage, share) for stage in range(model_stages)]

@@ -1,0 +1,61 @@
+"""Per-stage layer counts from Megatron's split settings equal Megatron-Core's own answer
+(``get_num_layers_to_build`` per pipeline rank) wherever Megatron accepts the settings, and
+what does not split is one sentence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_dualpipe.schedules.ir import ScheduleError
+from megatron_dualpipe.schedules.layer_split import LayerSplit, stage_layer_counts
+
+CASES = [
+    (LayerSplit(8), 4),
+    (LayerSplit(8), 2),
+    (LayerSplit(61, first=3, last=4), 8),
+    (LayerSplit(61, first=1, last=6), 8),
+    (LayerSplit(10, first=2), 5),
+    (LayerSplit(10, last=2), 5),
+    (LayerSplit(10, first=2, last=2), 3),
+    (LayerSplit(7, account_for_embedding=True), 4),
+    (LayerSplit(7, account_for_loss=True), 4),
+    (LayerSplit(6, account_for_embedding=True, account_for_loss=True), 4),
+]
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize(("split", "stages"), CASES)
+def test_counts_equal_megatrons(split: LayerSplit, stages: int) -> None:
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=split.num_layers,
+        hidden_size=8,
+        num_attention_heads=1,
+        pipeline_model_parallel_size=stages,
+        num_layers_in_first_pipeline_stage=split.first,
+        num_layers_in_last_pipeline_stage=split.last,
+        account_for_embedding_in_pipeline_split=split.account_for_embedding,
+        account_for_loss_in_pipeline_split=split.account_for_loss,
+        pipeline_dtype=torch.float32,
+    )
+    megatrons = [get_num_layers_to_build(config, pp_rank=r) for r in range(stages)]
+    assert stage_layer_counts(split, stages) == megatrons
+    assert sum(megatrons) == split.num_layers
+
+
+@pytest.mark.parametrize(
+    ("split", "stages", "message"),
+    [
+        (LayerSplit(10), 4, "10 layers do not split evenly into 4 stages"),
+        (LayerSplit(61, first=3, last=3), 8, "55 layers do not split evenly into the other 6"),
+        (LayerSplit(8, first=2, account_for_loss=True), 4, "cannot be combined"),
+        (LayerSplit(4, first=6), 2, "-2 layers"),
+        (LayerSplit(4, last=0), 2, "must be >= 1"),
+    ],
+)
+def test_what_does_not_split_is_one_sentence(split: LayerSplit, stages: int, message: str):
+    with pytest.raises(ScheduleError, match=message):
+        stage_layer_counts(split, stages)
