@@ -13,7 +13,7 @@ from .executor import OverlapHook, PipelineExecutor, StepResult
 from .mirror import sync_mirror_grads
 from .p2p import TensorSpec
 from .timeline import RankTimeline, gather_timeline
-from .watchdog import DEFAULT_TIMEOUT_S, PipelineWaitError
+from .watchdog import DEFAULT_TIMEOUT_S, PipelineCommError, PipelineWaitError
 from .weight_grad_store import WeightGradStore, active_store
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "DeferrableLayer",
     "DeferrableLinear",
     "OverlapHook",
+    "PipelineCommError",
     "PipelineExecutor",
     "PipelineWaitError",
     "RankTimeline",

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ..schedules.ir import Action, Kind, Placement
 from ..schedules.lowering import message_key, peer_of
-from .watchdog import PipelineWaitError, Watchdog
+from .watchdog import PipelineCommError, PipelineWaitError, Watchdog
 
 __all__ = ["MessageKey", "PipeComm", "TensorSpec"]
 
@@ -302,7 +302,7 @@ class _SendReaper:
     def __init__(self, watchdog: Watchdog):
         self._watchdog = watchdog
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._error: PipelineWaitError | None = None
+        self._error: PipelineCommError | None = None
         self._waiting_on = ("", -1)
         self._thread = threading.Thread(target=self._loop, name="pipeline-sends", daemon=True)
         self._thread.start()
@@ -317,7 +317,7 @@ class _SendReaper:
             self._waiting_on = (what, peer)
             try:
                 self._watchdog.wait(work, what, peer, bounded=False)
-            except PipelineWaitError as error:
+            except PipelineCommError as error:
                 self._error = error
                 return
             del work, tensor
