@@ -2,11 +2,17 @@
 
 Contracts:
 
-- Each stage is a module taking one tensor and returning one tensor; the executor holds
-  one module per local chunk. Data enters (``inputs[microbatch]``) at the first stage of a
-  micro-batch's path; ``loss_fn(output, microbatch)`` runs on the stage where the path
-  ends and its result is backpropagated as is: scale it (e.g. by 1 / micro-batches) in
-  ``loss_fn`` if you want Megatron's averaging.
+- Each stage is a module; the executor holds one module per local chunk. A stage returns
+  a tensor or a tuple of tensors, and the next stage is called with them as its positional
+  arguments (``module(*elements)``, as DeepSeek's DualPipe and torch's pipelining call
+  theirs). Data enters (``inputs[microbatch]``, a tensor or a tuple) at the first stage of
+  a micro-batch's path; ``loss_fn(output, microbatch)`` gets the last stage's output as it
+  was returned, and its result is backpropagated as is: scale it (e.g. by 1 /
+  micro-batches) in ``loss_fn`` if you want Megatron's averaging.
+- Gradients: every floating-point (or complex) element a stage receives gets a gradient,
+  sent back to the stage that produced it (zeros where the receiver did not use it); that
+  stage backpropagates it from the element if the element requires grad, and drops it if
+  not. Other elements (integer masks, indices) are forwarded and carry no gradient.
 - F runs a stage; B computes the input gradient (dX) with every deferrable layer's weight
   gradient queued in the executor's :class:`WeightGradStore`; W runs the oldest queued
   entry, which must be its own; BW is an ordinary backward. With ``defer_weight_grads``
@@ -14,12 +20,16 @@ Contracts:
   Gradients accumulate into ``.grad`` and are the same either way.
 - FB runs its forward half, then its backward half, unless the forward half's module
   implements :class:`OverlapHook`.
-- A stage's output is freed as soon as it has been sent (its autograd graph stays valid,
-  as Megatron's ``deallocate_output_tensor``); a micro-batch's saved activations are
+- With ``free_outputs`` (Megatron's ``deallocate_pipeline_outputs``), each element a stage
+  computed (one with a ``grad_fn``) is freed as soon as it has been sent: its storage is
+  replaced by a one-element stand-in and its autograd graph stays valid, as Megatron's
+  ``deallocate_output_tensor`` does. A view is refused: freeing it would free nothing.
+  Sent tensors are made contiguous first. A micro-batch's saved activations are
   released at its W or BW. Live activations are *measured*: each (stage, micro-batch)
   carries a token held by its saved tensors and its deferred work, and counts as live
   until the token is garbage; the peak is comparable with the simulator's.
-- Devices and dtypes come from the modules, the inputs and the :class:`TensorSpec` s.
+- Devices and dtypes come from the modules, the inputs and the :class:`TensorSpec` s; a
+  stage that receives several tensors from another rank has a tuple of TensorSpecs.
 - After an error the executor and its process group must not be reused.
 """
 
@@ -29,7 +39,7 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -38,14 +48,18 @@ from torch import nn
 from ..schedules.ir import COMM_KINDS, Action, Kind, Schedule
 from ..schedules.lowering import message_key, peer_of
 from ..schedules.validate import validate
-from .p2p import MessageKey, PipeComm, TensorSpec
+from .p2p import MessageKey, Payload, PipeComm, TensorSpec
 from .timeline import RankTimeline
 from .watchdog import DEFAULT_TIMEOUT_S, Watchdog
 from .weight_grad_store import WeightGradStore
 
-__all__ = ["OverlapHook", "PipelineExecutor", "StepResult"]
+__all__ = ["Activation", "OverlapHook", "PipelineExecutor", "StageSpec", "StepResult"]
 
-LossFn = Callable[[torch.Tensor, int], torch.Tensor]
+#: What a stage takes and returns: one tensor or a tuple of tensors.
+Activation = torch.Tensor | tuple[torch.Tensor, ...]
+#: The TensorSpec of a stage's input: one, or one per element of a tuple.
+StageSpec = TensorSpec | tuple[TensorSpec, ...]
+LossFn = Callable[[Any, int], torch.Tensor]
 
 
 @runtime_checkable
@@ -64,14 +78,15 @@ class OverlapHook(Protocol):
 class StepResult:
     """What one rank got from one step.
 
-    ``losses`` and ``outputs`` (the last stage's outputs, when asked) are keyed by
-    micro-batch and present only on ranks where a path ends. ``peak_activations`` is the
-    measured peak of live (stage, micro-batch) activations. ``timeline`` is set when
-    recording was asked for (see :func:`~.timeline.gather_timeline`).
+    ``losses`` and ``outputs`` (the last stage's outputs as it returned them, detached,
+    when asked) are keyed by micro-batch and present only on ranks where a path ends.
+    ``peak_activations`` is the measured peak of live (stage, micro-batch) activations.
+    ``timeline`` is set when recording was asked for (see
+    :func:`~.timeline.gather_timeline`).
     """
 
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
-    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[int, Activation] = field(default_factory=dict)
     peak_activations: int = 0
     timeline: RankTimeline | None = None
 
@@ -103,11 +118,12 @@ class _Token:
 
 @dataclass
 class _Unit:
-    """A forwarded (stage, micro-batch) awaiting its backward: its input (None where data
-    enters), the tensor to backpropagate from (output, or loss) and its token."""
+    """A forwarded (stage, micro-batch) awaiting its backward: its input elements whose
+    gradients go back (none where data enters), the tensors its backward starts from (the
+    loss, or the output elements that get a gradient) and its token."""
 
-    input: torch.Tensor | None
-    root: torch.Tensor
+    inputs: Payload
+    roots: Payload
     token: _Token | None
 
 
@@ -124,13 +140,14 @@ class _Comm:
 class _Step:
     """State of one ``run`` call."""
 
-    inputs: Mapping[int, torch.Tensor] | Sequence[torch.Tensor]
+    inputs: Mapping[int, Activation] | Sequence[Activation]
     training: bool
     return_outputs: bool
     timeline: RankTimeline | None
     action_context: Callable[[Action], AbstractContextManager[None]] | None = None
-    inbox: dict[MessageKey, torch.Tensor] = field(default_factory=dict)
-    outbox: dict[MessageKey, torch.Tensor] = field(default_factory=dict)
+    inbox: dict[MessageKey, Payload] = field(default_factory=dict)
+    outbox: dict[MessageKey, Payload] = field(default_factory=dict)
+    freeable: dict[MessageKey, Payload] = field(default_factory=dict)
     units: dict[tuple[int, int], _Unit] = field(default_factory=dict)
     result: StepResult = field(default_factory=StepResult)
 
@@ -145,20 +162,51 @@ def _freed(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty((), dtype=tensor.dtype, device=tensor.device).expand(tensor.shape)
 
 
+def _carries_grad(tensor: torch.Tensor | TensorSpec) -> bool:
+    """Whether an element gets a gradient: floating-point and complex ones do."""
+    return tensor.dtype.is_floating_point or tensor.dtype.is_complex
+
+
+def _elements(value: Any, what: str) -> Payload:
+    """``value`` (a tensor, or a tuple or list of tensors) as a tuple of tensors."""
+    elements = tuple(value) if isinstance(value, tuple | list) else (value,)
+    if not elements or not all(isinstance(t, torch.Tensor) for t in elements):
+        kinds = ", ".join(type(t).__name__ for t in elements) or "nothing"
+        raise TypeError(f"{what} is {kinds}: it must be a tensor or a tuple of tensors")
+    return elements
+
+
+def _stage_specs(stage: int, spec: StageSpec) -> tuple[TensorSpec, ...]:
+    """A stage's spec as one TensorSpec per input element."""
+    elements = tuple(spec) if isinstance(spec, tuple | list) else (spec,)
+    if not elements or not all(isinstance(s, TensorSpec) for s in elements):
+        raise TypeError(
+            f"the spec of stage {stage} must be a TensorSpec or a non-empty tuple of "
+            f"TensorSpecs, got {spec!r}"
+        )
+    return elements
+
+
+def _detached(value: Activation) -> Activation:
+    return tuple(t.detach() for t in value) if isinstance(value, tuple | list) else value.detach()
+
+
 class PipelineExecutor:
     """Runs pipeline rank ``rank`` of ``schedule``, which is validated (and lowered if it
     is not yet) here: a faulty schedule raises ScheduleError before any communication.
 
     ``modules[c]`` is the module of local chunk ``c``. ``specs[stage]`` describes the
-    activation ``stage`` receives (needed where it comes from another rank, and for the
-    gradient a stage receives from the next one). ``group`` is the pipeline group:
-    pipeline rank i is its rank i; on backends that ignore tags (NCCL) also pass
-    ``backward_group``, a second group over the same ranks. ``timeout_s`` bounds every
-    wait (see :mod:`.watchdog`). ``variable_shapes`` sends each activation's shape
-    ahead of it, so micro-batches may differ in shape (specs then give only the
-    number of dimensions and the dtype). ``prepost_receives`` posts the next run of
-    receives before computing, so their data lands during compute (at the price of
-    one receive buffer per channel held early).
+    activation ``stage`` receives, a :class:`TensorSpec` or a tuple of them for a stage
+    taking several tensors (needed where it comes from another rank, and for the gradient
+    a stage receives from the next one). ``group`` is the pipeline group: pipeline rank i
+    is its rank i; on backends that ignore tags (NCCL) also pass ``backward_group``, a
+    second group over the same ranks. ``timeout_s`` bounds every wait (see
+    :mod:`.watchdog`). ``variable_shapes`` sends each tensor's shape ahead of it, so
+    micro-batches may differ in shape (specs then give only the number of dimensions and
+    the dtype). ``prepost_receives`` posts the next run of receives before computing, so
+    their data lands during compute (at the price of one receive buffer per channel held
+    early). ``free_outputs`` (Megatron's ``deallocate_pipeline_outputs``) frees each sent
+    output's storage once it is sent, and then refuses outputs that are views.
     """
 
     def __init__(
@@ -167,7 +215,7 @@ class PipelineExecutor:
         rank: int,
         modules: Sequence[nn.Module],
         *,
-        specs: Mapping[int, TensorSpec] | None = None,
+        specs: Mapping[int, StageSpec] | None = None,
         loss_fn: LossFn | None = None,
         group: dist.ProcessGroup | None = None,
         backward_group: dist.ProcessGroup | None = None,
@@ -175,6 +223,7 @@ class PipelineExecutor:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         variable_shapes: bool = False,
         prepost_receives: bool = True,
+        free_outputs: bool = True,
     ):
         placement = schedule.placement
         if not 0 <= rank < placement.num_ranks:
@@ -193,12 +242,13 @@ class PipelineExecutor:
         self._overlap_hooks = [m if isinstance(m, OverlapHook) else None for m in modules]
         self.loss_fn = loss_fn
         self.defer_weight_grads = defer_weight_grads
+        self.free_outputs = free_outputs
         self.store = WeightGradStore()
         self._counter = _Counter()
         self._watchdog = Watchdog(rank, timeout_s)
         self._group = group
         self._prepost = prepost_receives
-        self._specs = dict(specs or {})
+        self._specs = {stage: _stage_specs(stage, spec) for stage, spec in (specs or {}).items()}
         self._variable_shapes = variable_shapes
         self._comm = PipeComm(
             placement,
@@ -212,8 +262,11 @@ class PipelineExecutor:
         self._programs: dict[bool, list[Action | _Comm]] = {}
 
     # -- set-up ------------------------------------------------------------------------
-    def _resolve_specs(self, specs: Mapping[int, TensorSpec]) -> dict[tuple[Kind, int], TensorSpec]:
-        """Receive-buffer specs by (receive kind, local stage), devices filled in."""
+    def _resolve_specs(
+        self, specs: Mapping[int, tuple[TensorSpec, ...]]
+    ) -> dict[tuple[Kind, int], tuple[TensorSpec, ...]]:
+        """Receive-buffer specs by (receive kind, local stage), one per element, devices
+        filled in: a stage's input elements, or those of them that get a gradient."""
         p = self.placement
         resolved = {}
         for action in self.schedule.ranks[self.rank]:
@@ -225,14 +278,19 @@ class PipelineExecutor:
                     f"no TensorSpec for the input of stage {owner}: rank {self.rank} receives "
                     f"it; pass specs={{{owner}: TensorSpec(shape, dtype)}}"
                 )
-            spec = specs[owner]
-            device = spec.device or _module_device(self.modules[action.chunk])
-            if device is None:
+            elements = specs[owner]
+            if action.kind is Kind.RECV_B:
+                elements = tuple(spec for spec in elements if _carries_grad(spec))
+            module_device = _module_device(self.modules[action.chunk])
+            if module_device is None and any(spec.device is None for spec in elements):
                 raise ValueError(
                     f"stage {action.stage} has no parameters or buffers to take a device "
                     f"from: give TensorSpec(device=...) for stage {owner}"
                 )
-            resolved[(action.kind, action.stage)] = TensorSpec(spec.shape, spec.dtype, device)
+            resolved[(action.kind, action.stage)] = tuple(
+                TensorSpec(spec.shape, spec.dtype, spec.device or module_device)
+                for spec in elements
+            )
         return resolved
 
     def _program(self, training: bool) -> list[Action | _Comm]:
@@ -275,7 +333,7 @@ class PipelineExecutor:
     # -- the step ----------------------------------------------------------------------
     def run(
         self,
-        inputs: Mapping[int, torch.Tensor] | Sequence[torch.Tensor] = (),
+        inputs: Mapping[int, Activation] | Sequence[Activation] = (),
         *,
         forward_only: bool = False,
         return_outputs: bool = False,
@@ -284,7 +342,8 @@ class PipelineExecutor:
     ) -> StepResult:
         """Run this rank's part of one step and return its :class:`StepResult`.
 
-        ``inputs[mb]`` must exist for each micro-batch entering on this rank.
+        ``inputs[mb]`` (a tensor or a tuple of them) must exist for each micro-batch
+        entering on this rank.
         ``forward_only`` runs the forwards (no graph, no backward) of the same schedule.
         ``record_timeline`` aligns the ranks with a barrier first, then records every
         compute action's start and end and every message's times. ``action_context``, if
@@ -328,11 +387,11 @@ class PipelineExecutor:
         sends = []
         for action in item.sends:
             key = message_key(action, self.placement)
-            tensor = step.outbox.pop(key)
-            if not self._variable_shapes:
-                self._check_outgoing(action, key, tensor)
-            sends.append((action, tensor.detach()))
-            if step.training and action.kind is Kind.SEND_F:
+            payload = step.outbox.pop(key)
+            if action.kind is Kind.SEND_F:
+                self._check_outgoing(action, key, payload)
+            sends.append((action, tuple(t.detach().contiguous() for t in payload)))
+            for tensor in step.freeable.pop(key, ()):
                 tensor.data = _freed(tensor)  # the graph stays; the send holds the data
         if step.timeline is not None:
             now = step.timeline.now()
@@ -341,8 +400,8 @@ class PipelineExecutor:
                 for a in item.sends
             ]
         received = comm.exchange(sends, item.receives)
-        for action, tensor in zip(item.receives, received, strict=True):
-            step.inbox[message_key(action, self.placement)] = tensor
+        for action, payload in zip(item.receives, received, strict=True):
+            step.inbox[message_key(action, self.placement)] = payload
         if step.timeline is not None:
             now = step.timeline.now()
             step.timeline.received += [
@@ -352,18 +411,33 @@ class PipelineExecutor:
         if item.next_receives:
             comm.prepost(item.next_receives)
 
-    def _check_outgoing(self, action: Action, key: MessageKey, tensor: torch.Tensor) -> None:
-        """A message must match its receiver's TensorSpec, or the receiver fails with an
-        obscure size error (different shapes per micro-batch need variable_shapes)."""
-        kind, stage, _ = key
-        owner = stage if kind is Kind.RECV_F else self.placement.next_stage(stage)
-        spec = self._specs.get(owner)
-        if spec is not None and (tensor.shape, tensor.dtype) != (tuple(spec.shape), spec.dtype):
+    def _check_outgoing(self, action: Action, key: MessageKey, payload: Payload) -> None:
+        """An output must match its receiver's TensorSpecs, or the receiver fails with an
+        obscure size error (different shapes per micro-batch need variable_shapes; then
+        the number of dimensions and the dtype must match)."""
+        owner = key[1]
+        specs = self._specs.get(owner)
+        if specs is None:
+            return
+        if len(payload) != len(specs):
             raise ValueError(
-                f"{action} sends a {tuple(tensor.shape)} {tensor.dtype} tensor but the "
-                f"TensorSpec of stage {owner}'s input says {tuple(spec.shape)} {spec.dtype}: fix "
-                "the spec, or pass variable_shapes=True if shapes differ per micro-batch"
+                f"{action} sends {len(payload)} tensors but the spec of stage {owner}'s input "
+                f"lists {len(specs)}: give one TensorSpec per tensor the stage returns"
             )
+        for i, (tensor, spec) in enumerate(zip(payload, specs, strict=True)):
+            which = "" if len(specs) == 1 else f" as element {i}"
+            if self._variable_shapes:
+                matches = tensor.dim() == len(spec.shape)
+                sent, expected = f"{tensor.dim()}-d", f"{len(spec.shape)}-d"
+            else:
+                matches = tuple(tensor.shape) == tuple(spec.shape)
+                sent, expected = str(tuple(tensor.shape)), str(tuple(spec.shape))
+            if not matches or tensor.dtype != spec.dtype:
+                raise ValueError(
+                    f"{action} sends a {sent} {tensor.dtype} tensor{which} but the TensorSpec "
+                    f"of stage {owner}'s input says {expected} {spec.dtype}: fix the spec, or "
+                    "pass variable_shapes=True if shapes differ per micro-batch"
+                )
 
     def _compute(self, action: Action, step: _Step) -> None:
         if action.kind is Kind.F:
@@ -382,60 +456,97 @@ class PipelineExecutor:
         stage, mb = action.stage, action.microbatch
         prev, nxt = p.prev_stage(stage), p.next_stage(stage)
         if prev is None:
-            x = self._input(step, mb, stage)
+            args, grad_inputs = self._input(step, mb, stage), ()
         else:
-            x = step.inbox.pop((Kind.RECV_F, stage, mb))
+            args = step.inbox.pop((Kind.RECV_F, stage, mb))
+            grad_inputs = tuple(x for x in args if _carries_grad(x))
             if step.training:
-                x.requires_grad_()
+                for x in grad_inputs:
+                    x.requires_grad_()
         module = self.modules[action.chunk]
         token = None
         if step.training:
             token = self._counter.token()
-            with self._recording(token):
-                out = module(x)
-                root = self._finish_forward(out, stage, mb, nxt, step)
-            step.units[(stage, mb)] = _Unit(None if prev is None else x, root, token)
+            saved: set[int] = set()
+            with self._recording(token, saved):
+                out = module(*args)
+                roots = self._finish_forward(out, stage, mb, nxt, step, saved)
+            step.units[(stage, mb)] = _Unit(grad_inputs, roots, token)
         else:
-            self._finish_forward(module(x), stage, mb, nxt, step)
+            self._finish_forward(module(*args), stage, mb, nxt, step)
 
-    def _input(self, step: _Step, mb: int, stage: int) -> torch.Tensor:
+    def _input(self, step: _Step, mb: int, stage: int) -> Payload:
         try:
-            return step.inputs[mb]
+            value = step.inputs[mb]
         except (KeyError, IndexError):
             raise ValueError(
                 f"micro-batch {mb} enters at stage {stage} on rank {self.rank}: pass it in inputs"
             ) from None
+        return _elements(value, f"inputs[{mb}]")
 
-    def _recording(self, token: _Token) -> ExitStack:
-        """Tag every tensor saved for backward with ``token``; make the store visible."""
+    def _recording(self, token: _Token, saved: set[int]) -> ExitStack:
+        """Tag every tensor saved for backward with ``token`` and put its id in ``saved``;
+        make the store visible."""
+
+        def pack(tensor: torch.Tensor) -> tuple[torch.Tensor, _Token]:
+            saved.add(id(tensor))
+            return tensor, token
+
         stack = ExitStack()
-        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda t: (t, token), _unpack))
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _unpack))
         if self.defer_weight_grads:
             stack.enter_context(self.store.active())
         return stack
 
     def _finish_forward(
-        self, out: torch.Tensor, stage: int, mb: int, nxt: int | None, step: _Step
-    ) -> torch.Tensor:
-        """Route a stage's output (to the loss, a local stage or a send); returns the
-        tensor its backward starts from."""
+        self,
+        out: Activation,
+        stage: int,
+        mb: int,
+        nxt: int | None,
+        step: _Step,
+        saved: set[int] | None = None,
+    ) -> Payload:
+        """Route a stage's output (to the loss, a local stage or a send; ``saved``: ids of
+        the tensors its graph saved); returns the tensors its backward starts from (the
+        loss, or the elements that get a gradient)."""
+        elements = _elements(out, f"the output of stage {stage}")
         if nxt is None:
             if step.return_outputs:
-                step.result.outputs[mb] = out.detach()
+                step.result.outputs[mb] = _detached(out)
             if self.loss_fn is None:
                 if step.training:
                     raise ValueError(
                         f"stage {stage} ends the pipeline on rank {self.rank}: pass loss_fn"
                     )
-                return out
+                return ()
             loss = self.loss_fn(out, mb)
             step.result.losses[mb] = loss.detach()
-            return loss
+            return (loss,)
         if self.placement.rank_of(nxt) == self.rank:
-            step.inbox[(Kind.RECV_F, nxt, mb)] = out.detach()
+            step.inbox[(Kind.RECV_F, nxt, mb)] = tuple(t.detach() for t in elements)
         else:
-            step.outbox[(Kind.RECV_F, nxt, mb)] = out
-        return out
+            key = (Kind.RECV_F, nxt, mb)
+            step.outbox[key] = elements
+            if step.training and self.free_outputs:
+                step.freeable[key] = self._freeable(stage, elements, saved or set())
+        return tuple(t for t in elements if _carries_grad(t))
+
+    def _freeable(self, stage: int, elements: Payload, saved: set[int]) -> Payload:
+        """The elements to free once sent: those the stage computed (with a ``grad_fn``),
+        except those its own backward reads (saved, e.g. tanh's result), whose storage must
+        stay. A view is refused: freeing it releases nothing while its base lives (Megatron
+        and DeepSeek refuse it too)."""
+        for i, tensor in enumerate(elements):
+            if tensor.grad_fn is not None and tensor._base is not None:
+                which = "its output" if len(elements) == 1 else f"output element {i}"
+                raise ValueError(
+                    f"stage {stage} on rank {self.rank} returned {which} as a view of another "
+                    "tensor, and freeing a view after its send releases no memory: return a "
+                    "tensor with its own storage (e.g. out.clone()) or pass free_outputs=False"
+                )
+        computed = {id(t): t for t in elements if t.grad_fn is not None and id(t) not in saved}
+        return tuple(computed.values())
 
     @staticmethod
     def _around(action: Action, step: _Step) -> AbstractContextManager[None]:
@@ -449,18 +560,26 @@ class PipelineExecutor:
         p = self.placement
         stage, mb = action.stage, action.microbatch
         unit = step.units.pop((stage, mb))
-        nxt = p.next_stage(stage)
-        grad = None if nxt is None else step.inbox.pop((Kind.RECV_B, stage, mb))
+        if p.next_stage(stage) is None:
+            roots, grads = list(unit.roots), None  # the loss
+        else:
+            received = step.inbox.pop((Kind.RECV_B, stage, mb))
+            pairs = [
+                (root, grad)
+                for root, grad in zip(unit.roots, received, strict=True)
+                if root.requires_grad  # a constant output drops its gradient
+            ]
+            roots, grads = [root for root, _ in pairs], [grad for _, grad in pairs]
         if self.defer_weight_grads and action.kind is Kind.B:
             with self.store.capture((stage, mb), owner=unit.token):
-                torch.autograd.backward(unit.root, grad)
-        else:
-            torch.autograd.backward(unit.root, grad)
+                if roots:
+                    torch.autograd.backward(roots, grads)
+        elif roots:
+            torch.autograd.backward(roots, grads)
         prev = p.prev_stage(stage)
         if prev is None:
             return
-        x = unit.input
-        dx = x.grad if x.grad is not None else torch.zeros_like(x)
+        dx = tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in unit.inputs)
         box = step.inbox if p.rank_of(prev) == self.rank else step.outbox
         box[(Kind.RECV_B, prev, mb)] = dx
 
