@@ -6,6 +6,7 @@ loads when torch and megatron cannot be imported at all.
 3. Only ``megatron_dualpipe/megatron/`` imports ``megatron`` (entry points reach Megatron
    through it), and no production module imports the test fixtures ``tiny_models``.
 4. With torch and megatron blocked, the CLI's ``simulate`` works and the config layer loads.
+5. ``runtime/`` never prints (nor writes to ``sys.stdout``/``sys.stderr``): it logs.
 """
 
 from __future__ import annotations
@@ -71,6 +72,26 @@ def test_only_the_adapter_package_imports_megatron() -> None:
 def test_production_code_never_imports_the_test_fixtures() -> None:
     others = [p for p in _modules("") if p.name != "tiny_models.py"]
     assert _violations(others, ("megatron_dualpipe.megatron.tiny_models",)) == []
+
+
+def _prints(node: ast.AST) -> bool:
+    """A call of ``print`` or of ``sys.<stream>.write``."""
+    if not isinstance(node, ast.Call):
+        return False
+    name = ast.unparse(node.func)
+    return name == "print" or (name.startswith("sys.") and name.endswith(".write"))
+
+
+def test_runtime_logs_and_never_prints() -> None:
+    """The runtime reports through logging (as torch's pipelining does); entry points decide
+    what users see."""
+    printing = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for path in _modules("runtime")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if _prints(node)
+    ]
+    assert printing == []
 
 
 def test_the_checker_sees_lazy_and_relative_imports(tmp_path: Path) -> None:

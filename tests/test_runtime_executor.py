@@ -5,7 +5,9 @@ it accepts and two more (interleaved: PP more), with dW deferral on and off: the
 and every parameter gradient equal those of the same model run without a pipeline (fp32,
 relative error <= 1e-5); the measured peak of live activations equals the simulator's; forward-only
 mode returns the reference outputs; DualPipe's two copies are identical after an
-optimizer step. All cases of one pipeline size run in one launch of forked workers.
+optimizer step. The same holds for stages that pass tuples of tensors (a float path, a
+float skip connection over one stage, an integer mask; the float path sent non-contiguous).
+All cases of one pipeline size run in one launch of forked workers.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import itertools
 import json
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from megatron_dualpipe.runtime import (
     PipelineExecutor,
@@ -59,10 +63,11 @@ class Case:
     defer: bool = True
     variable: bool = False  # micro-batches of different sequence lengths
     hook: bool = False  # stage modules plan their passes and interleave FB pairs
+    tuples: bool = False  # stages take and return tuples (see SkipStage)
 
     def __str__(self) -> str:
         flags = ["defer" if self.defer else "no-defer"]
-        flags += ["varlen"] * self.variable + ["hook"] * self.hook
+        flags += ["varlen"] * self.variable + ["hook"] * self.hook + ["tuples"] * self.tuples
         return f"{self.schedule}-pp{self.ranks}-m{self.microbatches}-{'-'.join(flags)}"
 
     def build(self) -> Schedule:
@@ -81,6 +86,13 @@ def _cases() -> list[Case]:
     cases.append(Case("dualpipev", 8, 16))
     cases += [Case(name, 2, 4, variable=True) for name in ("1f1b", "dualpipe", "dualpipev")]
     cases += [Case(name, 2, 4, hook=True) for name in ("dualpipe", "dualpipev")]
+    for ranks in (2, 4):
+        for name in ("1f1b", "zb1p", "dualpipe", "dualpipev"):
+            cases.append(Case(name, ranks, spec(name).min_microbatches(ranks) + 2, tuples=True))
+    cases += [
+        Case("zb1p", 2, 4, defer=False, tuples=True),
+        Case("dualpipev", 2, 4, variable=True, tuples=True),
+    ]
     return cases
 
 
@@ -104,37 +116,79 @@ class PlannedSequential(nn.Sequential):
         islands.append((inp, out))
         return out
 
-    def forward_planned(self, x: torch.Tensor) -> tuple[torch.Tensor, list]:
+    def forward_planned(self, x: torch.Tensor) -> tuple[torch.Tensor, list]:  # one tensor
         islands: list = []
         for i in range(len(self)):
             x = self._forward_layer(i, x, islands)
         return x, islands
 
     @staticmethod
-    def _backward_layer(islands: list, root: torch.Tensor, grad: torch.Tensor | None):
+    def _backward_layer(islands: list, roots: list, grad: torch.Tensor | None):
+        """One island's backward: from the loss (``grad`` None) or from its output."""
         inp, out = islands.pop()
-        torch.autograd.backward(out if grad is not None else root, grad)
+        torch.autograd.backward(out if grad is not None else roots[0], grad)
         return inp.grad
 
-    def backward_planned(self, islands: list, root: torch.Tensor, grad) -> None:
+    def backward_planned(self, islands: list, roots: list, grads: list | None) -> None:
+        grad = None if grads is None else grads[0]
         while islands:
-            grad = self._backward_layer(islands, root, grad)
+            grad = self._backward_layer(islands, roots, grad)
 
-    def forward_backward_planned(self, x, backward_stage, islands, root, grad):
+    def forward_backward_planned(self, args, backward_stage, islands, roots, grads):
+        (x,) = args
+        grad = None if grads is None else grads[0]
         forward_islands: list = []
         for i in range(max(len(self), len(islands))):
             if islands:
                 type(self).order.append(f"B{len(islands) - 1}")
-                grad = self._backward_layer(islands, root, grad)
+                grad = self._backward_layer(islands, roots, grad)
             if i < len(self):
                 type(self).order.append(f"F{i}")
                 x = self._forward_layer(i, x, forward_islands)
         return x, forward_islands
 
 
-def build_stages(num_model_stages: int, hook: bool = False) -> list[nn.Sequential]:
-    """Stage 0: a bias-free input projection; every stage: norm, linear, tanh, linear."""
+def non_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` laid out column-major: not contiguous, and not a view."""
+    strides = [1]
+    for size in tensor.shape[:-1]:
+        strides.append(strides[-1] * size)
+    out = torch.empty_strided(tensor.shape, strides, dtype=tensor.dtype)
+    return out.copy_(tensor)
+
+
+class SkipStage(nn.Module):
+    """A stage of the tuple model: ``(h, skip, mask) -> (mask * (block(h) + skip), h, mask)``.
+
+    ``skip`` is the previous stage's input, so one float path skips a stage; the integer
+    ``mask`` is forwarded unchanged. Stage 0 takes ``(x, mask)`` and projects ``x`` first.
+    The float path leaves non-contiguous (it must be made contiguous to be sent).
+    """
+
+    def __init__(self, first: bool) -> None:
+        super().__init__()
+        self.proj = nn.Linear(IN_FEATURES, HIDDEN, bias=False) if first else None
+        self.block = nn.Sequential(
+            nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN)
+        )
+
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.proj is not None:
+            x, mask = args
+            h, skip = self.proj(x), 0
+        else:
+            h, skip, mask = args
+        return non_contiguous(mask * (self.block(h) + skip)), h, mask
+
+
+def build_stages(
+    num_model_stages: int, hook: bool = False, tuples: bool = False
+) -> list[nn.Module]:
+    """Stage 0: a bias-free input projection; every stage: norm, linear, tanh, linear (with
+    ``tuples``, a :class:`SkipStage`)."""
     torch.manual_seed(0)
+    if tuples:
+        return [SkipStage(first=s == 0) for s in range(num_model_stages)]
     kind = PlannedSequential if hook else nn.Sequential
     stages = []
     for s in range(num_model_stages):
@@ -143,24 +197,39 @@ def build_stages(num_model_stages: int, hook: bool = False) -> list[nn.Sequentia
     return stages
 
 
-def make_data(case: Case) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def make_data(case: Case) -> tuple[list[Any], list[torch.Tensor]]:
+    """Inputs (with ``tuples``, an input and an integer mask) and targets per micro-batch."""
     generator = torch.Generator().manual_seed(1)
     inputs, targets = [], []
     for mb in range(case.microbatches):
         lead = (2 + mb % 3, BATCH) if case.variable else (BATCH,)
-        inputs.append(torch.randn(*lead, IN_FEATURES, generator=generator))
+        x = torch.randn(*lead, IN_FEATURES, generator=generator)
+        if case.tuples:
+            x = (x, (torch.rand(*lead, 1, generator=generator) > 0.2).long())
+        inputs.append(x)
         targets.append(torch.randn(*lead, HIDDEN, generator=generator))
     return inputs, targets
 
 
-def mse(targets: list[torch.Tensor]):
+def loss_fn(case: Case, targets: list[torch.Tensor]):
+    """Mean squared error of the output (with ``tuples``: of the float path, plus a term
+    on the skip connection, so that both get a gradient at the last stage)."""
+    if case.tuples:
+        return lambda out, mb: ((out[0] - targets[mb]) ** 2).mean() + (out[1] ** 2).mean() / 2
     return lambda output, mb: ((output - targets[mb]) ** 2).mean()
+
+
+def stage_specs(case: Case, placement: Placement) -> dict[int, Any]:
+    lead = (0, BATCH) if case.variable else (BATCH,)
+    hidden = TensorSpec((*lead, HIDDEN))
+    spec = (hidden, hidden, TensorSpec((*lead, 1), torch.int64)) if case.tuples else hidden
+    return dict.fromkeys(range(placement.num_stages), spec)
 
 
 @dataclass
 class Reference:
     losses: dict[int, torch.Tensor]
-    outputs: dict[int, torch.Tensor]
+    outputs: dict[int, Any]
     grads: dict[int, list[torch.Tensor]]  # per model stage
 
 
@@ -168,14 +237,14 @@ class Reference:
 def reference(case: Case) -> Reference:
     """The same model on the same data, one micro-batch after another, no pipeline."""
     placement = case.build().placement
-    stages = build_stages(placement.num_model_stages)
+    stages = build_stages(placement.num_model_stages, tuples=case.tuples)
     inputs, targets = make_data(case)
     losses, outputs = {}, {}
     for mb, x in enumerate(inputs):
         for stage in stages:
-            x = stage(x)
-        outputs[mb] = x.detach()
-        loss = mse(targets)(x, mb)
+            x = stage(*x) if isinstance(x, tuple) else stage(x)
+        outputs[mb] = tuple(t.detach() for t in x) if isinstance(x, tuple) else x.detach()
+        loss = loss_fn(case, targets)(x, mb)
         loss.backward()
         losses[mb] = loss.detach()
     grads = {s: [p.grad for p in stage.parameters()] for s, stage in enumerate(stages)}
@@ -191,14 +260,14 @@ class Outcome:
     grads: dict[tuple[int, int], list[torch.Tensor]]  # (model stage, chunk) -> grads
     peak: int
     simulated_peak: int
-    outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # forward-only
+    outputs: dict[int, Any] = field(default_factory=dict)  # forward-only
     stepped: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # chunk -> params
     overlapped: int = 0
     fb_order: list[str] = field(default_factory=list)
 
 
 def rank_modules(case: Case, placement: Placement, rank: int) -> list[nn.Module]:
-    stages = build_stages(placement.num_model_stages, case.hook)
+    stages = build_stages(placement.num_model_stages, case.hook, case.tuples)
     modules = []
     for chunk in range(placement.num_chunks):
         module = stages[placement.model_stage(placement.stage_of(rank, chunk))]
@@ -215,13 +284,12 @@ def run_case(rank: int, case: Case) -> Outcome:
     placement = schedule.placement
     modules = rank_modules(case, placement, rank)
     inputs, targets = make_data(case)
-    shape = (0, BATCH, HIDDEN) if case.variable else (BATCH, HIDDEN)
     executor = PipelineExecutor(
         schedule,
         rank,
         modules,
-        specs={s: TensorSpec(shape) for s in range(placement.num_stages)},
-        loss_fn=mse(targets),
+        specs=stage_specs(case, placement),
+        loss_fn=loss_fn(case, targets),
         defer_weight_grads=case.defer,
         timeout_s=TIMEOUT_S,
         variable_shapes=case.variable,
@@ -268,7 +336,14 @@ def outcomes_of(case: Case) -> list[Outcome]:
     return launch(case.ranks)[case]
 
 
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+def relative_error(actual: Any, expected: Any) -> float:
+    """The relative error of a tensor, or the largest over a tuple's float elements (its
+    other elements must be equal)."""
+    if isinstance(expected, tuple):
+        assert len(actual) == len(expected)
+        pairs = list(zip(actual, expected, strict=True))
+        assert all(torch.equal(a, e) for a, e in pairs if not e.is_floating_point())
+        return max(relative_error(a, e) for a, e in pairs if e.is_floating_point())
     return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
 
 
@@ -343,8 +418,8 @@ def record_timeline(rank: int, world_size: int, trace_dir: str) -> SimResult | N
         schedule,
         rank,
         rank_modules(TIMELINE_CASE, placement, rank),
-        specs={s: TensorSpec((BATCH, HIDDEN)) for s in range(placement.num_stages)},
-        loss_fn=mse(targets),
+        specs=stage_specs(TIMELINE_CASE, placement),
+        loss_fn=loss_fn(TIMELINE_CASE, targets),
         timeout_s=TIMEOUT_S,
     )
     result = executor.run(inputs, record_timeline=True)
@@ -375,46 +450,170 @@ def test_measured_timeline_exports_like_a_simulated_one(tmp_path) -> None:
 
 
 class Spy(nn.Linear):
-    """Keeps every output it returns (which keeps its graph alive) or only a weak
-    reference to every input it gets."""
+    """Keeps every output it returns (which keeps its graph alive) and a weak reference to
+    each output's storage, or only a weak reference to every input it gets. With ``tanh``
+    it returns tanh of its linear output (tanh's backward reads that result)."""
 
-    def __init__(self, keep_outputs: bool) -> None:
+    def __init__(self, keep_outputs: bool, tanh: bool = False) -> None:
         super().__init__(HIDDEN, HIDDEN)
         self.keep_outputs = keep_outputs
+        self.tanh = tanh
         self.outputs: list[torch.Tensor] = []
+        self.storages: list[StorageWeakRef] = []
         self.inputs: list[weakref.ref] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
+        if self.tanh:
+            out = out.tanh()
         if self.keep_outputs:
             self.outputs.append(out)
+            self.storages.append(StorageWeakRef(out.untyped_storage()))
         else:
             self.inputs.append(weakref.ref(x))
         return out
 
 
-def spy_on_memory(rank: int, world_size: int) -> list[int]:
-    """1F1B at PP 2: rank 0, the bytes left in each output it sent; rank 1, for each
-    input it received, whether it is still alive after the step."""
-    spy = Spy(keep_outputs=rank == 0)
-    executor = PipelineExecutor(
-        generate("1f1b", 2, 3),
-        rank,
-        [spy],
-        specs={1: TensorSpec((BATCH, HIDDEN))},
-        loss_fn=lambda out, mb: out.sum(),
-        timeout_s=TIMEOUT_S,
-    )
-    executor.run([torch.randn(BATCH, HIDDEN) for _ in range(3)])
-    if rank == 0:
-        return [out.untyped_storage().nbytes() for out in spy.outputs]
-    return [ref() is not None for ref in spy.inputs]
+def spy_on_memory(rank: int, world_size: int) -> dict[bool, list[Any]]:
+    """1F1B at PP 2, with free_outputs on and off: rank 0 reports, for each output it sent,
+    the bytes it still holds and whether its original storage was released; rank 1, for
+    each input it received, whether it is still alive after the step."""
+    report = {}
+    for free in (True, False):
+        spy = Spy(keep_outputs=rank == 0)
+        executor = PipelineExecutor(
+            generate("1f1b", 2, 3),
+            rank,
+            [spy],
+            specs={1: TensorSpec((BATCH, HIDDEN))},
+            loss_fn=lambda out, mb: out.sum(),
+            timeout_s=TIMEOUT_S,
+            free_outputs=free,
+        )
+        executor.run([torch.randn(BATCH, HIDDEN) for _ in range(3)])
+        if rank == 0:
+            report[free] = [
+                (out.untyped_storage().nbytes(), ref.expired())
+                for out, ref in zip(spy.outputs, spy.storages, strict=True)
+            ]
+        else:
+            report[free] = [ref() is not None for ref in spy.inputs]
+    return report
 
 
 def test_sent_outputs_are_freed_and_received_activations_released() -> None:
     sent, alive = run_workers(spy_on_memory, 2, timeout_s=60)
-    assert sent == [4] * 3  # a one-element stand-in is all that is left of each
-    assert alive == [False] * 3
+    # Freed: a one-element stand-in is all that is left, and the storage is gone.
+    assert sent[True] == [(4, True)] * 3
+    # Not freed: the output keeps its storage (the stage still holds it).
+    assert sent[False] == [(BATCH * HIDDEN * 4, False)] * 3
+    assert alive == {True: [False] * 3, False: [False] * 3}
+
+
+def tanh_stages() -> list[Spy]:
+    torch.manual_seed(0)
+    return [Spy(keep_outputs=True, tanh=True) for _ in range(2)]
+
+
+def tanh_inputs() -> list[torch.Tensor]:
+    return [
+        torch.randn(BATCH, HIDDEN, generator=torch.Generator().manual_seed(mb)) for mb in range(3)
+    ]
+
+
+def run_tanh_stages(rank: int, world_size: int) -> tuple[list[torch.Tensor], list[bool]]:
+    """1F1B at PP 2 over :func:`tanh_stages`: this rank's gradients, and per output it sent,
+    whether its storage was released."""
+    stage = tanh_stages()[rank]
+    executor = PipelineExecutor(
+        generate("1f1b", 2, 3),
+        rank,
+        [stage],
+        specs={1: TensorSpec((BATCH, HIDDEN))},
+        loss_fn=lambda out, mb: out.square().sum(),
+        timeout_s=TIMEOUT_S,
+    )
+    executor.run(tanh_inputs())
+    released = [ref.expired() for ref in stage.storages] if rank == 0 else []
+    return [p.grad for p in stage.parameters()], released
+
+
+def test_an_output_its_own_backward_reads_is_kept_and_gradients_stay_exact() -> None:
+    stages = tanh_stages()
+    for x in tanh_inputs():
+        stages[1](stages[0](x)).square().sum().backward()
+    outcomes = run_workers(run_tanh_stages, 2, timeout_s=60)
+    for stage, (grads, _) in zip(stages, outcomes, strict=True):
+        for grad, param in zip(grads, stage.parameters(), strict=True):
+            assert relative_error(grad, param.grad) <= 1e-6
+    assert outcomes[0][1] == [False] * 3  # tanh's backward needs them: not freed
+
+
+class ViewSpy(nn.Linear):
+    """``nn.Linear`` on a 3-d input returns a view; at each forward notes whether the
+    storage of the previous output (sent by then, its backward not run) still exists."""
+
+    def __init__(self) -> None:
+        super().__init__(HIDDEN, HIDDEN)
+        self.storages: list[StorageWeakRef] = []
+        self.released: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.storages:
+            self.released.append(self.storages[-1].expired())
+        out = super().forward(x)
+        assert out._base is not None, "the test needs a view output"
+        self.storages.append(StorageWeakRef(out.untyped_storage()))
+        return out
+
+
+def send_a_view(rank: int, world_size: int, free: bool) -> tuple[list, list[bool]]:
+    """1F1B at PP 2 with stages that return a view: this rank's gradients and, on rank 0,
+    whether the first output's storage was gone when the second forward ran."""
+    torch.manual_seed(rank)
+    stage = ViewSpy()
+    executor = PipelineExecutor(
+        generate("1f1b", 2, 2),
+        rank,
+        [stage],
+        specs={1: TensorSpec((2, BATCH, HIDDEN))},
+        loss_fn=lambda out, mb: out.square().sum(),
+        timeout_s=TIMEOUT_S,
+        free_outputs=free,
+    )
+    inputs = [
+        torch.randn(2, BATCH, HIDDEN, generator=torch.Generator().manual_seed(m)) for m in (0, 1)
+    ]
+    executor.run(inputs)
+    return [p.grad.clone() for p in stage.parameters()], stage.released if rank == 0 else []
+
+
+def test_a_view_output_is_sent_viewless_and_freed() -> None:
+    freed = run_workers(send_a_view, 2, args=(True,), timeout_s=60)
+    kept = run_workers(send_a_view, 2, args=(False,), timeout_s=60)
+    for (grads, _), (expected, _) in zip(freed, kept, strict=True):
+        assert all(torch.equal(g, e) for g, e in zip(grads, expected, strict=True))
+    assert kept[0][1] == [False]  # not freed: the sent output still holds the storage
+
+
+def test_a_view_less_alias_frees_the_storage_of_a_view() -> None:
+    from megatron_dualpipe.runtime.executor import _freed, _viewless
+
+    layer = nn.Linear(HIDDEN, HIDDEN)
+    x = torch.randn(2, BATCH, HIDDEN)
+    layer(x).square().sum().backward()
+    expected = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    view = layer(x)
+    assert view._base is not None
+    alias = _viewless(view)
+    assert alias._base is None and alias.data_ptr() == view.data_ptr()
+    storage = StorageWeakRef(view.untyped_storage())
+    del view
+    alias.square().sum().backward()  # gradients pass through the alias unchanged
+    assert all(torch.equal(p.grad, e) for p, e in zip(layer.parameters(), expected, strict=True))
+    alias.data = _freed(alias)  # what the executor does once the alias is sent
+    assert storage.expired()
 
 
 # -- configuration errors, before any process-group work ------------------------------
@@ -426,12 +625,23 @@ def test_a_schedule_with_an_unmatched_receive_is_rejected_at_construction() -> N
         PipelineExecutor(schedule, 1, [nn.Linear(2, 2)], specs={1: TensorSpec((2,))})
 
 
-def send_against_a_wrong_spec(rank: int, world_size: int) -> str:
+class Pair(nn.Linear):
+    """Returns its output and the output plus one: two tensors."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = super().forward(x)
+        return out, out + 1
+
+
+def send_against_a_wrong_spec(rank: int, world_size: int, wrong: str) -> str:
+    """1F1B at PP 2 whose stage 0 sends what stage 1's spec does not describe."""
+    hidden = TensorSpec((BATCH, HIDDEN))
+    specs = {"shape": TensorSpec((BATCH, HIDDEN + 1)), "count": (hidden,) * 3}
     executor = PipelineExecutor(
         generate("1f1b", 2, 2),
         rank,
-        [nn.Linear(HIDDEN, HIDDEN)],
-        specs={1: TensorSpec((BATCH, HIDDEN + 1))},
+        [Pair(HIDDEN, HIDDEN) if wrong == "count" else nn.Linear(HIDDEN, HIDDEN)],
+        specs={1: specs[wrong]},
         loss_fn=lambda out, mb: out.sum(),
         timeout_s=TIMEOUT_S,
     )
@@ -442,10 +652,24 @@ def send_against_a_wrong_spec(rank: int, world_size: int) -> str:
     return "finished"
 
 
-def test_a_message_that_does_not_match_its_spec_fails_on_the_sender() -> None:
-    sender, receiver = run_workers(send_against_a_wrong_spec, 2, timeout_s=60)
-    assert sender.startswith("ValueError: 0SEND_F0 sends a (3, 8) torch.float32 tensor but")
-    assert "variable_shapes=True" in sender
+@pytest.mark.parametrize(
+    ("wrong", "start", "advice"),
+    [
+        (
+            "shape",
+            "ValueError: 0SEND_F0 sends a (3, 8) torch.float32 tensor but the TensorSpec",
+            "variable_shapes=True",
+        ),
+        (
+            "count",
+            "ValueError: 0SEND_F0 sends 2 tensors but the spec of stage 1's input lists 3",
+            "give one TensorSpec per tensor the stage returns",
+        ),
+    ],
+)
+def test_a_message_that_does_not_match_its_spec_fails_on_the_sender(wrong, start, advice) -> None:
+    sender, receiver = run_workers(send_against_a_wrong_spec, 2, args=(wrong,), timeout_s=60)
+    assert sender.startswith(start) and advice in sender.splitlines()[0]
     assert receiver.startswith("PipelineWaitError: pipeline rank 1 gave up on 1RECV_F0")
 
 

@@ -6,10 +6,17 @@ from __future__ import annotations
 import re
 import time
 
+import pytest
 import torch
 from torch import nn
 
-from megatron_dualpipe.runtime import PipelineExecutor, PipelineWaitError, TensorSpec
+from megatron_dualpipe.runtime import (
+    PipelineCommError,
+    PipelineExecutor,
+    PipelineWaitError,
+    TensorSpec,
+)
+from megatron_dualpipe.runtime.watchdog import Watchdog
 from megatron_dualpipe.schedules.registry import generate
 from tests.multiproc import run_workers
 
@@ -81,3 +88,28 @@ def test_a_receive_that_never_arrives_fails_every_waiting_rank_within_the_timeou
     outcomes = run_workers(run_with_fault, RANKS, args=("stall",), timeout_s=30)
     _check_waiters(outcomes, deadline_s=TIMEOUT_S + 1.0)
     assert "no progress within the 1 s timeout" in "".join(m for _, m, _ in outcomes)
+
+
+# The first lines of what gloo raises in each case (torch 2.13).
+_GLOO_ERRORS = {
+    "local": "input tensor has to be contiguous",
+    "peer lost": "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5810.",
+    "timeout": "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 1000ms for recv",
+}
+
+
+@pytest.mark.parametrize(
+    ("case", "error", "cause"),
+    [
+        ("local", PipelineCommError, "the communication backend failed on this rank"),
+        ("peer lost", PipelineWaitError, "the connection broke, the peer has probably died"),
+        ("timeout", PipelineWaitError, "no progress within the 1 s timeout"),
+    ],
+)
+def test_only_a_broken_connection_is_blamed_on_the_peer(case, error, cause) -> None:
+    with pytest.raises(PipelineCommError) as raised, Watchdog(0, TIMEOUT_S).guard("0SEND_F0", 1):
+        raise RuntimeError(_GLOO_ERRORS[case])
+    assert type(raised.value) is error
+    message = str(raised.value)
+    assert message.startswith("pipeline rank 0 ") and "0SEND_F0 (peer: rank 1)" in message
+    assert f"{cause} ({_GLOO_ERRORS[case]})" in message

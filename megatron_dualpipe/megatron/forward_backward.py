@@ -239,6 +239,7 @@ class DualPipeForwardBackward:
             defer_weight_grads=True,
             timeout_s=self.timeout_s,
             variable_shapes=bool(config.variable_seq_lengths),
+            free_outputs=config.deallocate_pipeline_outputs,
         )
         prepared = _Prepared(executor, stages, key)
         self._prepared[model[0]] = prepared

@@ -15,7 +15,7 @@ compute. Evaluation (forward only) runs plain forwards.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,22 +139,34 @@ class MegatronStage(nn.Module):
         return self._finished(run_plans(self._start(x), None))
 
     def backward_planned(
-        self, handle: PlanHandle, root: torch.Tensor, grad: torch.Tensor | None
+        self,
+        handle: PlanHandle,
+        roots: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor] | None,
     ) -> None:
         """Backward a planned micro-batch through its plan."""
-        run_plans(None, (handle, root, grad))
+        run_plans(None, _backward_of(handle, roots, grads))
 
     def forward_backward_planned(
         self,
-        x: torch.Tensor,
+        args: tuple[torch.Tensor, ...],
         backward_stage: MegatronStage,
         handle: PlanHandle,
-        root: torch.Tensor,
-        grad: torch.Tensor | None,
+        roots: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor] | None,
     ) -> tuple[torch.Tensor, PlanHandle]:
-        """This chunk's forward of ``x`` and the backward of ``handle`` (any chunk of this
-        rank), interleaved layer by layer by Megatron's plan."""
-        return self._finished(run_plans(self._start(x), (handle, root, grad)))
+        """This chunk's forward of ``args`` (one tensor) and the backward of ``handle`` (any
+        chunk of this rank), interleaved layer by layer by Megatron's plan."""
+        (x,) = args
+        return self._finished(run_plans(self._start(x), _backward_of(handle, roots, grads)))
+
+
+def _backward_of(
+    handle: PlanHandle, roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None
+) -> tuple[PlanHandle, torch.Tensor, torch.Tensor | None]:
+    """A chunk has one output: its root (output or scaled loss) and its gradient."""
+    (root,) = roots
+    return handle, root, None if grads is None else grads[0]
 
 
 def _first_microbatch(step: StepInputs, is_first: bool) -> bool:

@@ -2,33 +2,42 @@
 
 - :class:`PipelineExecutor` runs one rank's actions: F, B (dX), W (dW), BW, FB and the
   point-to-point messages between them (:mod:`.p2p`), with a watchdog on every wait.
+  Stages take and return a tensor or a tuple of tensors (:class:`TensorSpec` per element).
 - :class:`WeightGradStore`, :class:`DeferrableLinear`, :func:`make_deferrable`: the dX/dW
   split; :class:`DeferrableLayer` is the protocol other layers follow to join it.
-- :func:`sync_mirror_grads`: gradient sync of DualPipe's two model copies.
+- :func:`copy_mirror_params`, :func:`sync_mirror_grads`: DualPipe's two model copies.
 - :func:`gather_timeline`: measured timelines in the simulator's result format.
+- :func:`~.launch.run_ranks` (in :mod:`.launch`): fork N CPU+gloo ranks and collect results.
+
+The runtime reports through :mod:`logging` (loggers named after its modules) and never
+prints: the entry point that runs it decides what users see.
 """
 
 from .deferrable import DeferrableLayer, DeferrableLinear, make_deferrable
-from .executor import PipelineExecutor, StepResult
-from .mirror import sync_mirror_grads
+from .executor import Activation, PipelineExecutor, StageSpec, StepResult
+from .mirror import copy_mirror_params, sync_mirror_grads
 from .p2p import TensorSpec
 from .planned import PlannedStage
 from .timeline import RankTimeline, gather_timeline
-from .watchdog import DEFAULT_TIMEOUT_S, PipelineWaitError
+from .watchdog import DEFAULT_TIMEOUT_S, PipelineCommError, PipelineWaitError
 from .weight_grad_store import WeightGradStore, active_store
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "Activation",
     "DeferrableLayer",
     "DeferrableLinear",
+    "PipelineCommError",
     "PipelineExecutor",
     "PipelineWaitError",
     "PlannedStage",
     "RankTimeline",
+    "StageSpec",
     "StepResult",
     "TensorSpec",
     "WeightGradStore",
     "active_store",
+    "copy_mirror_params",
     "gather_timeline",
     "make_deferrable",
     "sync_mirror_grads",

@@ -2,11 +2,17 @@
 
 Contracts:
 
-- Each stage is a module taking one tensor and returning one tensor; the executor holds
-  one module per local chunk. Data enters (``inputs[microbatch]``) at the first stage of a
-  micro-batch's path; ``loss_fn(output, microbatch)`` runs on the stage where the path
-  ends and its result is backpropagated as is: scale it (e.g. by 1 / micro-batches) in
-  ``loss_fn`` if you want Megatron's averaging.
+- Each stage is a module; the executor holds one module per local chunk. A stage returns
+  a tensor or a tuple of tensors, and the next stage is called with them as its positional
+  arguments (``module(*elements)``, as DeepSeek's DualPipe and torch's pipelining call
+  theirs). Data enters (``inputs[microbatch]``, a tensor or a tuple) at the first stage of
+  a micro-batch's path; ``loss_fn(output, microbatch)`` gets the last stage's output as it
+  was returned, and its result is backpropagated as is: scale it (e.g. by 1 /
+  micro-batches) in ``loss_fn`` if you want Megatron's averaging.
+- Gradients: every floating-point (or complex) element a stage receives gets a gradient,
+  sent back to the stage that produced it (zeros where the receiver did not use it); that
+  stage backpropagates it from the element if the element requires grad, and drops it if
+  not. Other elements (integer masks, indices) are forwarded and carry no gradient.
 - F runs a stage; B computes the input gradient (dX) with every deferrable layer's weight
   gradient queued in the executor's :class:`WeightGradStore`; W runs the oldest queued
   entry, which must be its own; BW is an ordinary backward. With ``defer_weight_grads``
@@ -16,12 +22,18 @@ Contracts:
   runs its own forwards and backwards; an FB whose two halves are on planned stages runs
   interleaved by the forward half's stage, every other FB as its forward half, then its
   backward half. :attr:`StepResult.overlapped` counts the interleaved ones.
-- A stage's output is freed as soon as it has been sent (its autograd graph stays valid,
-  as Megatron's ``deallocate_output_tensor``); a micro-batch's saved activations are
+- With ``free_outputs`` (Megatron's ``deallocate_pipeline_outputs``), each element a stage
+  computed (one with a ``grad_fn``) is freed as soon as it has been sent: its storage is
+  replaced by a one-element stand-in and its autograd graph stays valid, as Megatron's
+  ``deallocate_output_tensor`` does. An element that is a view of another tensor is sent
+  as a view-less alias of the same storage (Megatron's ``make_viewless_tensor``), so that
+  freeing it releases the storage.
+  Sent tensors are made contiguous first. A micro-batch's saved activations are
   released at its W or BW. Live activations are *measured*: each (stage, micro-batch)
   carries a token held by its saved tensors and its deferred work, and counts as live
   until the token is garbage; the peak is comparable with the simulator's.
-- Devices and dtypes come from the modules, the inputs and the :class:`TensorSpec` s.
+- Devices and dtypes come from the modules, the inputs and the :class:`TensorSpec` s; a
+  stage that receives several tensors from another rank has a tuple of TensorSpecs.
 - After an error the executor and its process group must not be reused.
 """
 
@@ -40,30 +52,35 @@ from torch import nn
 from ..schedules.ir import COMM_KINDS, Action, Kind, Schedule
 from ..schedules.lowering import message_key, peer_of
 from ..schedules.validate import validate
-from .p2p import MessageKey, PipeComm, TensorSpec
+from .p2p import MessageKey, Payload, PipeComm, TensorSpec
 from .planned import PlannedStage
 from .timeline import RankTimeline
 from .watchdog import DEFAULT_TIMEOUT_S, Watchdog
 from .weight_grad_store import WeightGradStore
 
-__all__ = ["PipelineExecutor", "StepResult"]
+__all__ = ["Activation", "PipelineExecutor", "StageSpec", "StepResult"]
 
-LossFn = Callable[[torch.Tensor, int], torch.Tensor]
+#: What a stage takes and returns: one tensor or a tuple of tensors.
+Activation = torch.Tensor | tuple[torch.Tensor, ...]
+#: The TensorSpec of a stage's input: one, or one per element of a tuple.
+StageSpec = TensorSpec | tuple[TensorSpec, ...]
+LossFn = Callable[[Any, int], torch.Tensor]
 
 
 @dataclass
 class StepResult:
     """What one rank got from one step.
 
-    ``losses`` and ``outputs`` (the last stage's outputs, when asked) are keyed by
-    micro-batch and present only on ranks where a path ends. ``peak_activations`` is the
-    measured peak of live (stage, micro-batch) activations. ``timeline`` is set when
-    recording was asked for (see :func:`~.timeline.gather_timeline`). ``overlapped``
-    counts the FB actions whose halves ran interleaved (planned stages).
+    ``losses`` and ``outputs`` (the last stage's outputs as it returned them, detached,
+    when asked) are keyed by micro-batch and present only on ranks where a path ends.
+    ``peak_activations`` is the measured peak of live (stage, micro-batch) activations.
+    ``timeline`` is set when recording was asked for (see
+    :func:`~.timeline.gather_timeline`). ``overlapped`` counts the FB actions whose halves
+    ran interleaved (planned stages).
     """
 
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
-    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[int, Activation] = field(default_factory=dict)
     peak_activations: int = 0
     timeline: RankTimeline | None = None
     overlapped: int = 0
@@ -96,12 +113,13 @@ class _Token:
 
 @dataclass
 class _Unit:
-    """A forwarded (stage, micro-batch) awaiting its backward: its input (None where data
-    enters), the tensor to backpropagate from (output, or loss), its token, and for a
-    planned stage the handle its backward takes."""
+    """A forwarded (stage, micro-batch) awaiting its backward: its input elements whose
+    gradients go back (none where data enters), the tensors its backward starts from (the
+    loss, or the output elements that get a gradient), its token, and for a planned stage
+    the handle its backward takes."""
 
-    input: torch.Tensor | None
-    root: torch.Tensor
+    inputs: Payload
+    roots: Payload
     token: _Token | None
     handle: Any = None
 
@@ -119,13 +137,14 @@ class _Comm:
 class _Step:
     """State of one ``run`` call."""
 
-    inputs: Mapping[int, torch.Tensor] | Sequence[torch.Tensor]
+    inputs: Mapping[int, Activation] | Sequence[Activation]
     training: bool
     return_outputs: bool
     timeline: RankTimeline | None
     action_context: Callable[[Action], AbstractContextManager[None]] | None = None
-    inbox: dict[MessageKey, torch.Tensor] = field(default_factory=dict)
-    outbox: dict[MessageKey, torch.Tensor] = field(default_factory=dict)
+    inbox: dict[MessageKey, Payload] = field(default_factory=dict)
+    outbox: dict[MessageKey, Payload] = field(default_factory=dict)
+    freeable: dict[MessageKey, Payload] = field(default_factory=dict)
     units: dict[tuple[int, int], _Unit] = field(default_factory=dict)
     result: StepResult = field(default_factory=StepResult)
 
@@ -140,20 +159,73 @@ def _freed(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty((), dtype=tensor.dtype, device=tensor.device).expand(tensor.shape)
 
 
+def _carries_grad(tensor: torch.Tensor | TensorSpec) -> bool:
+    """Whether an element gets a gradient: floating-point and complex ones do."""
+    return tensor.dtype.is_floating_point or tensor.dtype.is_complex
+
+
+def _elements(value: Any, what: str) -> Payload:
+    """``value`` (a tensor, or a tuple or list of tensors) as a tuple of tensors."""
+    elements = tuple(value) if isinstance(value, tuple | list) else (value,)
+    if not elements or not all(isinstance(t, torch.Tensor) for t in elements):
+        kinds = ", ".join(type(t).__name__ for t in elements) or "nothing"
+        raise TypeError(f"{what} is {kinds}: it must be a tensor or a tuple of tensors")
+    return elements
+
+
+def _stage_specs(stage: int, spec: StageSpec) -> tuple[TensorSpec, ...]:
+    """A stage's spec as one TensorSpec per input element."""
+    elements = tuple(spec) if isinstance(spec, tuple | list) else (spec,)
+    if not elements or not all(isinstance(s, TensorSpec) for s in elements):
+        raise TypeError(
+            f"the spec of stage {stage} must be a TensorSpec or a non-empty tuple of "
+            f"TensorSpecs, got {spec!r}"
+        )
+    return elements
+
+
+class _Viewless(torch.autograd.Function):
+    """The values of a view as a tensor that is not one (same storage, no ``_base``), so
+    that freeing it after its send releases the storage; gradients pass unchanged."""
+
+    @staticmethod
+    def forward(ctx: Any, view: torch.Tensor) -> torch.Tensor:
+        alias = torch.empty((1,), dtype=view.dtype, device=view.device)
+        alias.data = view.data
+        return alias
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _viewless(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a view-less alias of it where it is a computed view."""
+    if tensor.grad_fn is None or tensor._base is None:
+        return tensor
+    return _Viewless.apply(tensor)
+
+
+def _detached(value: Activation) -> Activation:
+    return tuple(t.detach() for t in value) if isinstance(value, tuple | list) else value.detach()
+
+
 class PipelineExecutor:
     """Runs pipeline rank ``rank`` of ``schedule``, which is validated (and lowered if it
     is not yet) here: a faulty schedule raises ScheduleError before any communication.
 
     ``modules[c]`` is the module of local chunk ``c``. ``specs[stage]`` describes the
-    activation ``stage`` receives (needed where it comes from another rank, and for the
-    gradient a stage receives from the next one). ``group`` is the pipeline group:
-    pipeline rank i is its rank i; on backends that ignore tags (NCCL) also pass
-    ``backward_group``, a second group over the same ranks. ``timeout_s`` bounds every
-    wait (see :mod:`.watchdog`). ``variable_shapes`` sends each activation's shape
-    ahead of it, so micro-batches may differ in shape (specs then give only the
-    number of dimensions and the dtype). ``prepost_receives`` posts the next run of
-    receives before computing, so their data lands during compute (at the price of
-    one receive buffer per channel held early).
+    activation ``stage`` receives, a :class:`TensorSpec` or a tuple of them for a stage
+    taking several tensors (needed where it comes from another rank, and for the gradient
+    a stage receives from the next one). ``group`` is the pipeline group: pipeline rank i
+    is its rank i; on backends that ignore tags (NCCL) also pass ``backward_group``, a
+    second group over the same ranks. ``timeout_s`` bounds every wait (see
+    :mod:`.watchdog`). ``variable_shapes`` sends each tensor's shape ahead of it, so
+    micro-batches may differ in shape (specs then give only the number of dimensions and
+    the dtype). ``prepost_receives`` posts the next run of receives before computing, so
+    their data lands during compute (at the price of one receive buffer per channel held
+    early). ``free_outputs`` (Megatron's ``deallocate_pipeline_outputs``) frees each sent
+    output's storage once it is sent, and then refuses outputs that are views.
     """
 
     def __init__(
@@ -162,7 +234,7 @@ class PipelineExecutor:
         rank: int,
         modules: Sequence[nn.Module],
         *,
-        specs: Mapping[int, TensorSpec] | None = None,
+        specs: Mapping[int, StageSpec] | None = None,
         loss_fn: LossFn | None = None,
         group: dist.ProcessGroup | None = None,
         backward_group: dist.ProcessGroup | None = None,
@@ -170,6 +242,7 @@ class PipelineExecutor:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         variable_shapes: bool = False,
         prepost_receives: bool = True,
+        free_outputs: bool = True,
     ):
         placement = schedule.placement
         if not 0 <= rank < placement.num_ranks:
@@ -188,12 +261,13 @@ class PipelineExecutor:
         self._planned = [m if isinstance(m, PlannedStage) else None for m in modules]
         self.loss_fn = loss_fn
         self.defer_weight_grads = defer_weight_grads
+        self.free_outputs = free_outputs
         self.store = WeightGradStore()
         self._counter = _Counter()
         self._watchdog = Watchdog(rank, timeout_s)
         self._group = group
         self._prepost = prepost_receives
-        self._specs = dict(specs or {})
+        self._specs = {stage: _stage_specs(stage, spec) for stage, spec in (specs or {}).items()}
         self._variable_shapes = variable_shapes
         self._comm = PipeComm(
             placement,
@@ -207,8 +281,11 @@ class PipelineExecutor:
         self._programs: dict[bool, list[Action | _Comm]] = {}
 
     # -- set-up ------------------------------------------------------------------------
-    def _resolve_specs(self, specs: Mapping[int, TensorSpec]) -> dict[tuple[Kind, int], TensorSpec]:
-        """Receive-buffer specs by (receive kind, local stage), devices filled in."""
+    def _resolve_specs(
+        self, specs: Mapping[int, tuple[TensorSpec, ...]]
+    ) -> dict[tuple[Kind, int], tuple[TensorSpec, ...]]:
+        """Receive-buffer specs by (receive kind, local stage), one per element, devices
+        filled in: a stage's input elements, or those of them that get a gradient."""
         p = self.placement
         resolved = {}
         for action in self.schedule.ranks[self.rank]:
@@ -220,14 +297,19 @@ class PipelineExecutor:
                     f"no TensorSpec for the input of stage {owner}: rank {self.rank} receives "
                     f"it; pass specs={{{owner}: TensorSpec(shape, dtype)}}"
                 )
-            spec = specs[owner]
-            device = spec.device or _module_device(self.modules[action.chunk])
-            if device is None:
+            elements = specs[owner]
+            if action.kind is Kind.RECV_B:
+                elements = tuple(spec for spec in elements if _carries_grad(spec))
+            module_device = _module_device(self.modules[action.chunk])
+            if module_device is None and any(spec.device is None for spec in elements):
                 raise ValueError(
                     f"stage {action.stage} has no parameters or buffers to take a device "
                     f"from: give TensorSpec(device=...) for stage {owner}"
                 )
-            resolved[(action.kind, action.stage)] = TensorSpec(spec.shape, spec.dtype, device)
+            resolved[(action.kind, action.stage)] = tuple(
+                TensorSpec(spec.shape, spec.dtype, spec.device or module_device)
+                for spec in elements
+            )
         return resolved
 
     def _program(self, training: bool) -> list[Action | _Comm]:
@@ -270,7 +352,7 @@ class PipelineExecutor:
     # -- the step ----------------------------------------------------------------------
     def run(
         self,
-        inputs: Mapping[int, torch.Tensor] | Sequence[torch.Tensor] = (),
+        inputs: Mapping[int, Activation] | Sequence[Activation] = (),
         *,
         forward_only: bool = False,
         return_outputs: bool = False,
@@ -279,7 +361,8 @@ class PipelineExecutor:
     ) -> StepResult:
         """Run this rank's part of one step and return its :class:`StepResult`.
 
-        ``inputs[mb]`` must exist for each micro-batch entering on this rank.
+        ``inputs[mb]`` (a tensor or a tuple of them) must exist for each micro-batch
+        entering on this rank.
         ``forward_only`` runs the forwards (no graph, no backward) of the same schedule.
         ``record_timeline`` aligns the ranks with a barrier first, then records every
         compute action's start and end and every message's times. ``action_context``, if
@@ -323,11 +406,11 @@ class PipelineExecutor:
         sends = []
         for action in item.sends:
             key = message_key(action, self.placement)
-            tensor = step.outbox.pop(key)
-            if not self._variable_shapes:
-                self._check_outgoing(action, key, tensor)
-            sends.append((action, tensor.detach()))
-            if step.training and action.kind is Kind.SEND_F:
+            payload = step.outbox.pop(key)
+            if action.kind is Kind.SEND_F:
+                self._check_outgoing(action, key, payload)
+            sends.append((action, tuple(t.detach().contiguous() for t in payload)))
+            for tensor in step.freeable.pop(key, ()):
                 tensor.data = _freed(tensor)  # the graph stays; the send holds the data
         if step.timeline is not None:
             now = step.timeline.now()
@@ -336,8 +419,8 @@ class PipelineExecutor:
                 for a in item.sends
             ]
         received = comm.exchange(sends, item.receives)
-        for action, tensor in zip(item.receives, received, strict=True):
-            step.inbox[message_key(action, self.placement)] = tensor
+        for action, payload in zip(item.receives, received, strict=True):
+            step.inbox[message_key(action, self.placement)] = payload
         if step.timeline is not None:
             now = step.timeline.now()
             step.timeline.received += [
@@ -347,18 +430,33 @@ class PipelineExecutor:
         if item.next_receives:
             comm.prepost(item.next_receives)
 
-    def _check_outgoing(self, action: Action, key: MessageKey, tensor: torch.Tensor) -> None:
-        """A message must match its receiver's TensorSpec, or the receiver fails with an
-        obscure size error (different shapes per micro-batch need variable_shapes)."""
-        kind, stage, _ = key
-        owner = stage if kind is Kind.RECV_F else self.placement.next_stage(stage)
-        spec = self._specs.get(owner)
-        if spec is not None and (tensor.shape, tensor.dtype) != (tuple(spec.shape), spec.dtype):
+    def _check_outgoing(self, action: Action, key: MessageKey, payload: Payload) -> None:
+        """An output must match its receiver's TensorSpecs, or the receiver fails with an
+        obscure size error (different shapes per micro-batch need variable_shapes; then
+        the number of dimensions and the dtype must match)."""
+        owner = key[1]
+        specs = self._specs.get(owner)
+        if specs is None:
+            return
+        if len(payload) != len(specs):
             raise ValueError(
-                f"{action} sends a {tuple(tensor.shape)} {tensor.dtype} tensor but the "
-                f"TensorSpec of stage {owner}'s input says {tuple(spec.shape)} {spec.dtype}: fix "
-                "the spec, or pass variable_shapes=True if shapes differ per micro-batch"
+                f"{action} sends {len(payload)} tensors but the spec of stage {owner}'s input "
+                f"lists {len(specs)}: give one TensorSpec per tensor the stage returns"
             )
+        for i, (tensor, spec) in enumerate(zip(payload, specs, strict=True)):
+            which = "" if len(specs) == 1 else f" as element {i}"
+            if self._variable_shapes:
+                matches = tensor.dim() == len(spec.shape)
+                sent, expected = f"{tensor.dim()}-d", f"{len(spec.shape)}-d"
+            else:
+                matches = tuple(tensor.shape) == tuple(spec.shape)
+                sent, expected = str(tuple(tensor.shape)), str(tuple(spec.shape))
+            if not matches or tensor.dtype != spec.dtype:
+                raise ValueError(
+                    f"{action} sends a {sent} {tensor.dtype} tensor{which} but the TensorSpec "
+                    f"of stage {owner}'s input says {expected} {spec.dtype}: fix the spec, or "
+                    "pass variable_shapes=True if shapes differ per micro-batch"
+                )
 
     def _compute(self, action: Action, step: _Step) -> None:
         if action.kind is Kind.F:
@@ -372,15 +470,17 @@ class PipelineExecutor:
         else:
             self._forward_backward(action, step)
 
-    def _forward_input(self, action: Action, step: _Step) -> tuple[torch.Tensor, bool]:
-        """The input of a forward and whether it came from another stage."""
+    def _forward_input(self, action: Action, step: _Step) -> tuple[Payload, Payload]:
+        """A forward's arguments, and those of them whose gradients go back."""
         stage, mb = action.stage, action.microbatch
         if self.placement.prev_stage(stage) is None:
-            return self._input(step, mb, stage), False
-        x = step.inbox.pop((Kind.RECV_F, stage, mb))
+            return self._input(step, mb, stage), ()
+        args = step.inbox.pop((Kind.RECV_F, stage, mb))
+        grad_inputs = tuple(x for x in args if _carries_grad(x))
         if step.training:
-            x.requires_grad_()
-        return x, True
+            for x in grad_inputs:
+                x.requires_grad_()
+        return args, grad_inputs
 
     def _planned_stage(self, chunk: int, step: _Step) -> PlannedStage | None:
         planned = self._planned[chunk]
@@ -389,59 +489,88 @@ class PipelineExecutor:
     def _forward(self, action: Action, step: _Step) -> None:
         stage, mb = action.stage, action.microbatch
         nxt = self.placement.next_stage(stage)
-        x, received = self._forward_input(action, step)
+        args, grad_inputs = self._forward_input(action, step)
         module = self.modules[action.chunk]
         if not step.training:
-            self._finish_forward(module(x), stage, mb, nxt, step)
+            self._finish_forward(module(*args), stage, mb, nxt, step)
             return
         planned = self._planned_stage(action.chunk, step)
         token = self._counter.token()
-        with self._recording(token):
+        saved: set[int] = set()
+        with self._recording(token, saved):
             if planned is None:
-                out, handle = module(x), None
+                out, handle = module(*args), None
             else:
-                out, handle = planned.forward_planned(x)
-            root = self._finish_forward(out, stage, mb, nxt, step)
-        step.units[(stage, mb)] = _Unit(x if received else None, root, token, handle)
+                out, handle = planned.forward_planned(*args)
+            roots = self._finish_forward(out, stage, mb, nxt, step, saved)
+        step.units[(stage, mb)] = _Unit(grad_inputs, roots, token, handle)
 
-    def _input(self, step: _Step, mb: int, stage: int) -> torch.Tensor:
+    def _input(self, step: _Step, mb: int, stage: int) -> Payload:
         try:
-            return step.inputs[mb]
+            value = step.inputs[mb]
         except (KeyError, IndexError):
             raise ValueError(
                 f"micro-batch {mb} enters at stage {stage} on rank {self.rank}: pass it in inputs"
             ) from None
+        return _elements(value, f"inputs[{mb}]")
 
-    def _recording(self, token: _Token) -> ExitStack:
-        """Tag every tensor saved for backward with ``token``; make the store visible."""
+    def _recording(self, token: _Token, saved: set[int]) -> ExitStack:
+        """Tag every tensor saved for backward with ``token`` and put its id in ``saved``;
+        make the store visible."""
+
+        def pack(tensor: torch.Tensor) -> tuple[torch.Tensor, _Token]:
+            saved.add(id(tensor))
+            return tensor, token
+
         stack = ExitStack()
-        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda t: (t, token), _unpack))
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _unpack))
         if self.defer_weight_grads:
             stack.enter_context(self.store.active())
         return stack
 
     def _finish_forward(
-        self, out: torch.Tensor, stage: int, mb: int, nxt: int | None, step: _Step
-    ) -> torch.Tensor:
-        """Route a stage's output (to the loss, a local stage or a send); returns the
-        tensor its backward starts from."""
+        self,
+        out: Activation,
+        stage: int,
+        mb: int,
+        nxt: int | None,
+        step: _Step,
+        saved: set[int] | None = None,
+    ) -> Payload:
+        """Route a stage's output (to the loss, a local stage or a send; ``saved``: ids of
+        the tensors its graph saved); returns the tensors its backward starts from (the
+        loss, or the elements that get a gradient)."""
+        elements = _elements(out, f"the output of stage {stage}")
+        remote = nxt is not None and self.placement.rank_of(nxt) != self.rank
+        if remote and step.training and self.free_outputs:
+            elements = tuple(_viewless(t) for t in elements)
         if nxt is None:
             if step.return_outputs:
-                step.result.outputs[mb] = out.detach()
+                step.result.outputs[mb] = _detached(out)
             if self.loss_fn is None:
                 if step.training:
                     raise ValueError(
                         f"stage {stage} ends the pipeline on rank {self.rank}: pass loss_fn"
                     )
-                return out
+                return ()
             loss = self.loss_fn(out, mb)
             step.result.losses[mb] = loss.detach()
-            return loss
+            return (loss,)
         if self.placement.rank_of(nxt) == self.rank:
-            step.inbox[(Kind.RECV_F, nxt, mb)] = out.detach()
+            step.inbox[(Kind.RECV_F, nxt, mb)] = tuple(t.detach() for t in elements)
         else:
-            step.outbox[(Kind.RECV_F, nxt, mb)] = out
-        return out
+            key = (Kind.RECV_F, nxt, mb)
+            step.outbox[key] = elements
+            if step.training and self.free_outputs:
+                step.freeable[key] = self._freeable(stage, elements, saved or set())
+        return tuple(t for t in elements if _carries_grad(t))
+
+    def _freeable(self, stage: int, elements: Payload, saved: set[int]) -> Payload:
+        """The elements to free once sent: those the stage computed (with a ``grad_fn``;
+        views arrive here as view-less aliases), except those its own backward reads (saved,
+        e.g. tanh's result), whose storage must stay."""
+        computed = {id(t): t for t in elements if t.grad_fn is not None and id(t) not in saved}
+        return tuple(computed.values())
 
     @staticmethod
     def _around(action: Action, step: _Step) -> AbstractContextManager[None]:
@@ -454,37 +583,50 @@ class PipelineExecutor:
     def _run_backward(self, action: Action, step: _Step) -> None:
         stage, mb = action.stage, action.microbatch
         unit = step.units.pop((stage, mb))
-        grad = self._output_grad(action, step)
+        roots, grads = self._backward_roots(action, unit, step)
         if self.defer_weight_grads and action.kind is Kind.B:
             with self.store.capture((stage, mb), owner=unit.token):
-                self._run_unit_backward(action.chunk, unit, grad)
+                self._run_unit_backward(action.chunk, unit, roots, grads)
         else:
-            self._run_unit_backward(action.chunk, unit, grad)
-        self._send_input_grad(action, unit, step)
+            self._run_unit_backward(action.chunk, unit, roots, grads)
+        self._send_input_grads(action, unit, step)
 
-    def _output_grad(self, action: Action, step: _Step) -> torch.Tensor | None:
-        """The gradient of a stage's output (None where it ends in a loss)."""
+    def _backward_roots(
+        self, action: Action, unit: _Unit, step: _Step
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """What a backward starts from: the loss (no gradients) where the path ends, else
+        the output elements that require grad with their received gradients."""
         if self.placement.next_stage(action.stage) is None:
-            return None
-        return step.inbox.pop((Kind.RECV_B, action.stage, action.microbatch))
+            return list(unit.roots), None
+        received = step.inbox.pop((Kind.RECV_B, action.stage, action.microbatch))
+        pairs = [
+            (root, grad)
+            for root, grad in zip(unit.roots, received, strict=True)
+            if root.requires_grad  # a constant output drops its gradient
+        ]
+        return [root for root, _ in pairs], [grad for _, grad in pairs]
 
-    def _run_unit_backward(self, chunk: int, unit: _Unit, grad: torch.Tensor | None) -> None:
-        if unit.handle is None:
-            torch.autograd.backward(unit.root, grad)
-        else:
-            self._planned[chunk].backward_planned(unit.handle, unit.root, grad)
+    def _run_unit_backward(
+        self,
+        chunk: int,
+        unit: _Unit,
+        roots: list[torch.Tensor],
+        grads: list[torch.Tensor] | None,
+    ) -> None:
+        if unit.handle is not None:
+            self._planned[chunk].backward_planned(unit.handle, roots, grads)
+        elif roots:
+            torch.autograd.backward(roots, grads)
 
-    def _send_input_grad(self, action: Action, unit: _Unit, step: _Step) -> None:
-        """Route the gradient of a backwarded stage's input to the stage that fed it."""
+    def _send_input_grads(self, action: Action, unit: _Unit, step: _Step) -> None:
+        """Route the gradients of a backwarded stage's inputs to the stage that fed it."""
         p = self.placement
-        stage, mb = action.stage, action.microbatch
-        prev = p.prev_stage(stage)
+        prev = p.prev_stage(action.stage)
         if prev is None:
             return
-        x = unit.input
-        dx = x.grad if x.grad is not None else torch.zeros_like(x)
+        dx = tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in unit.inputs)
         box = step.inbox if p.rank_of(prev) == self.rank else step.outbox
-        box[(Kind.RECV_B, prev, mb)] = dx
+        box[(Kind.RECV_B, prev, action.microbatch)] = dx
 
     def _forward_backward(self, action: Action, step: _Step) -> None:
         forward, backward = action.sub
@@ -495,17 +637,19 @@ class PipelineExecutor:
             self._backward(backward, step)
             return
         stage, mb = forward.stage, forward.microbatch
-        x, received = self._forward_input(forward, step)
+        args, grad_inputs = self._forward_input(forward, step)
         del step.units[(backward.stage, backward.microbatch)]
-        grad = self._output_grad(backward, step)
+        roots, grads = self._backward_roots(backward, backward_unit, step)
         token = self._counter.token()
-        with self._around(backward, step), self._recording(token):
+        saved: set[int] = set()
+        with self._around(backward, step), self._recording(token, saved):
             out, handle = forward_stage.forward_backward_planned(
-                x, self._planned[backward.chunk], backward_unit.handle, backward_unit.root, grad
+                args, self._planned[backward.chunk], backward_unit.handle, roots, grads
             )
-            root = self._finish_forward(out, stage, mb, self.placement.next_stage(stage), step)
-        step.units[(stage, mb)] = _Unit(x if received else None, root, token, handle)
-        self._send_input_grad(backward, backward_unit, step)
+            nxt = self.placement.next_stage(stage)
+            forward_roots = self._finish_forward(out, stage, mb, nxt, step, saved)
+        step.units[(stage, mb)] = _Unit(grad_inputs, forward_roots, token, handle)
+        self._send_input_grads(backward, backward_unit, step)
         step.result.overlapped += 1
 
 

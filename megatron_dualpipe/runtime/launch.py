@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -35,6 +36,8 @@ import torch.distributed as dist
 from ..errors import DualPipeError
 
 __all__ = ["LaunchFailure", "run_ranks"]
+
+logger = logging.getLogger(__name__)
 
 _HOST = "127.0.0.1"
 _FAILURE_GRACE_S = 2.0
@@ -111,7 +114,7 @@ def run_ranks(
         setup_failed = errors and all(kind == "setup" for _, kind, _ in errors)
         if not (setup_failed and attempt < _LAUNCH_ATTEMPTS and time.monotonic() < deadline):
             break
-        print(f"run_ranks: rendezvous failed (attempt {attempt}), retrying", file=sys.stderr)
+        logger.warning("run_ranks: rendezvous failed (attempt %d), retrying", attempt)
     if errors or unfinished:
         raise LaunchFailure(world_size, errors, unfinished, timeout_s)
     return [results[rank] for rank in range(world_size)]

@@ -10,6 +10,7 @@ the pair to the forward half's stage, which interleaves them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -25,26 +26,32 @@ class PlannedStage(Protocol):
         """Whether this step's forwards go through the plan (else plain ``module(x)``)."""
         ...
 
-    def forward_planned(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Forward ``x``; returns the output (the loss where the pipeline ends) and the
-        handle its backward needs."""
+    def forward_planned(self, *args: torch.Tensor) -> tuple[Any, Any]:
+        """Forward ``args`` (as ``module(*args)`` would); returns the output (the loss where
+        the pipeline ends) and the handle its backward needs."""
         ...
 
-    def backward_planned(self, handle: Any, root: torch.Tensor, grad: torch.Tensor | None) -> None:
-        """Backward the micro-batch of ``handle``: from ``root`` (what the executor made of
-        the output: the loss, scaled, where the pipeline ends) with ``grad``, the gradient of
-        the output (None at a loss). The gradient of the input lands in its ``.grad``; weight
-        gradients are accumulated (or deferred) as in a plain backward."""
+    def backward_planned(
+        self,
+        handle: Any,
+        roots: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor] | None,
+    ) -> None:
+        """Backward the micro-batch of ``handle``: from ``roots`` (what the executor made of
+        the output: the loss, scaled, where the pipeline ends; else the output elements that
+        require grad) with ``grads`` (None at a loss). The gradients of the inputs land in
+        their ``.grad``; weight gradients are accumulated (or deferred) as in a plain
+        backward."""
         ...
 
     def forward_backward_planned(
         self,
-        x: torch.Tensor,
+        args: tuple[torch.Tensor, ...],
         backward_stage: PlannedStage,
         handle: Any,
-        root: torch.Tensor,
-        grad: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, Any]:
-        """``forward_planned(x)`` on this stage and ``backward_stage.backward_planned(handle,
-        root, grad)`` interleaved; returns what ``forward_planned`` returns."""
+        roots: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor] | None,
+    ) -> tuple[Any, Any]:
+        """``forward_planned(*args)`` on this stage and ``backward_stage.backward_planned(
+        handle, roots, grads)`` interleaved; returns what ``forward_planned`` returns."""
         ...

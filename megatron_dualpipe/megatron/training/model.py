@@ -84,6 +84,7 @@ def transformer_config(cfg: TrainConfig, *, on_gpu: bool) -> TransformerConfig:
         overlap_moe_expert_parallel_comm=cfg.overlap_moe_expert_parallel_comm,
         params_dtype=dtype,
         pipeline_dtype=dtype,
+        deallocate_pipeline_outputs=True,  # as Megatron-LM's core_transformer_config_from_args
         use_cpu_initialization=not on_gpu,
         perform_initialization=False,  # see init_weights
         bias_activation_fusion=False,
