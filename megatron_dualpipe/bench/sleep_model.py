@@ -38,7 +38,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..runtime.weight_grad_store import WeightGradStore, active_store
+from ..runtime.weight_grad_store import (
+    WeightGradStore,
+    accumulate_grad,
+    active_store,
+    defers,
+)
 
 __all__ = ["SleepClock", "SleepCosts", "SleepLinear", "SleepStage"]
 
@@ -112,14 +117,6 @@ def _weight_grads(
     return g.t() @ x.reshape(-1, x.shape[-1]), (g.sum(0) if has_bias else None)
 
 
-def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
-    """Add ``grad`` into ``param.grad`` as autograd's accumulation would."""
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad += grad
-
-
 class _WeightNode(torch.autograd.Function):
     """The bias (or zeros) broadcast to the output shape, on a detached input: forward does
     not sleep; backward sleeps ``w`` and returns the weight and bias gradients only, or,
@@ -140,14 +137,14 @@ class _WeightNode(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         weight, bias = ctx.params
         costs, clock, store = ctx.costs, ctx.clock, ctx.store
-        if store is not None and store.capturing:
+        if defers(store):
 
             def work() -> None:
                 clock.sleep(costs.w, "W")
                 grad_weight, grad_bias = _weight_grads(grad_out, x, bias is not None)
-                _accumulate(weight, grad_weight)
+                accumulate_grad(weight, grad_weight)
                 if bias is not None:
-                    _accumulate(bias, grad_bias)
+                    accumulate_grad(bias, grad_bias)
 
             store.defer(work)
             return None, None, None, None, None, None

@@ -104,7 +104,13 @@ from megatron.core.utils import (
 from torch import nn
 
 from ..errors import DualPipeError
-from ..runtime.weight_grad_store import WeightGradStore, active_store
+from ..runtime.weight_grad_store import (
+    WeightGradStore,
+    accumulate_grad,
+    active_store,
+    defer_or_run,
+    defers,
+)
 from ..schedules.registry import SCHEDULES
 from .version import require_pinned_megatron_core
 
@@ -271,11 +277,7 @@ def _accumulate_weight_grad(
             weight.grad = _dummy_wgrad(weight, total_input.dtype)
             weight.grad_added_to_main_grad = True
     else:
-        grad = grad_output.t().matmul(total_input)
-        if weight.grad is None:
-            weight.grad = grad
-        else:
-            weight.grad += grad
+        accumulate_grad(weight, grad_output.t().matmul(total_input))
     layer.fire_wgrad_hooks()
 
 
@@ -311,7 +313,7 @@ class _DeferrableLinearFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         inputs, weight = ctx.saved_tensors
         plan: _Plan = ctx.plan
-        defer = plan.store is not None and plan.store.capturing
+        defer = defers(plan.store)
         gather = None
         if plan.sequence_parallel:
             # A deferred dW must not keep Megatron's shared buffer: later layers reuse it.
@@ -332,10 +334,7 @@ class _DeferrableLinearFunction(torch.autograd.Function):
             grad_output,
             total_input,
         )
-        if defer:
-            plan.store.defer(wgrad)
-        else:
-            wgrad()
+        defer_or_run(plan.store, wgrad)
         grad_bias = grad_output.sum(dim=0) if ctx.use_bias else None
         if reduction is not None:
             reduction.wait()
@@ -574,11 +573,7 @@ class _AfterTEBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        store: WeightGradStore | None = ctx.store
-        if store is not None and store.capturing:
-            store.defer(ctx.work)
-        else:
-            ctx.work()
+        defer_or_run(ctx.store, ctx.work)
         return grad, None, None
 
 

@@ -28,7 +28,7 @@ from megatron.core.pipeline_parallel.schedules import forward_step_calc_loss
 from megatron.core.pipeline_parallel.utils import ScheduleNode, get_comp_stream, set_streams
 from megatron.core.utils import get_attr_wrapped_model
 
-from ..runtime.weight_grad_store import WeightGradStore, active_store
+from ..runtime.weight_grad_store import WeightGradStore, active_store, defers
 from .cpu_compat import schedule_plan_context
 
 __all__ = ["PlanHandle", "plan_supported", "run_plans", "start_forward"]
@@ -125,7 +125,7 @@ def _weight_grads_deferred(handle: PlanHandle) -> Iterator[None]:
     (its layers' ``backward_dw``, which run Transformer Engine's deferred dW) are deferred
     into the store as well, in the order the plan issues them."""
     store = handle.store
-    if store is None or not store.capturing:
+    if not defers(store):
         yield
         return
     nodes = []

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .weight_grad_store import WeightGradStore, active_store
+from .weight_grad_store import WeightGradStore, accumulate_grad, active_store, defers
 
 __all__ = ["DeferrableLayer", "DeferrableLinear", "make_deferrable"]
 
@@ -43,15 +43,6 @@ def _weight_grad(grad_output: torch.Tensor, inputs: torch.Tensor) -> torch.Tenso
     return (
         grad_output.reshape(-1, grad_output.shape[-1]).t().mm(inputs.reshape(-1, inputs.shape[-1]))
     )
-
-
-def _accumulate(param: nn.Parameter, grad_output: torch.Tensor, inputs: torch.Tensor) -> None:
-    """Add dW into ``param.grad`` as autograd's accumulation would."""
-    grad = _weight_grad(grad_output, inputs)
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad += grad
 
 
 class _LinearFunction(torch.autograd.Function):
@@ -81,9 +72,9 @@ class _LinearFunction(torch.autograd.Function):
         grad_weight = None
         if needs_weight:
             store: WeightGradStore | None = ctx.store
-            if store is not None and store.capturing:
+            if defers(store):
                 param = ctx.param
-                store.defer(lambda: _accumulate(param, grad_output, inputs))
+                store.defer(lambda: accumulate_grad(param, _weight_grad(grad_output, inputs)))
             else:
                 grad_weight = _weight_grad(grad_output, inputs)
         return grad_input, grad_weight, grad_bias, None

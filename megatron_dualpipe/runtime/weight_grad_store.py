@@ -20,9 +20,34 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
-__all__ = ["WeightGradStore", "active_store"]
+import torch
+
+__all__ = ["WeightGradStore", "accumulate_grad", "active_store", "defer_or_run", "defers"]
 
 _ACTIVE: ContextVar[WeightGradStore | None] = ContextVar("weight_grad_store", default=None)
+
+
+def defers(store: WeightGradStore | None) -> bool:
+    """Whether weight-gradient work issued now waits for a W: ``store`` (the one a layer
+    kept from its forward) is capturing a B."""
+    return store is not None and store.capturing
+
+
+def defer_or_run(store: WeightGradStore | None, work: Callable[[], None]) -> None:
+    """Hand ``work`` to ``store`` while it captures (a B), else run it now (a BW)."""
+    if defers(store):
+        store.defer(work)
+    else:
+        work()
+
+
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add ``grad`` into ``param.grad`` as autograd's accumulation does: assign when there
+    is none yet, else add in place."""
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad += grad
 
 
 def active_store() -> WeightGradStore | None:
