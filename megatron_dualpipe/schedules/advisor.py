@@ -184,6 +184,7 @@ class Advice:
     memory_cap: float
     memory_cap_given: bool
     config_lines: dict[str, object]
+    config_schedule: str
     parts: dict[str, Work]
     splits_considered: int
     simulated: int
@@ -196,9 +197,15 @@ class Advice:
         return self.before.makespan / self.after.makespan if self.after.makespan else 1.0
 
     def changes(self) -> dict[str, object]:
-        """The config keys to set for the proposal (and the config's other split keys,
-        cleared); empty when the config's split is already the proposal."""
-        return {} if self.lines is None else split_changes(self.lines, self.config_lines)
+        """The config keys to set for the proposal: the schedule where it is not the
+        config's, the split keys (and the config's other split keys, cleared); empty when
+        the config is already the proposal."""
+        out: dict[str, object] = {}
+        if self.schedule.name != self.config_schedule:
+            out["pipeline_schedule"] = self.schedule.name
+        if self.lines is not None:
+            out.update(split_changes(self.lines, self.config_lines))
+        return out
 
     def paste_lines(self) -> list[str]:
         """:meth:`changes` as YAML lines to paste into the config."""
@@ -259,6 +266,7 @@ def advise(
             f"{found.name} reads first/last counts per rank over virtual stages: choose "
             "another --schedule"
         )
+    config_schedule = setup.pipeline_schedule
     setup = replace(setup, pipeline_schedule=found.name)
     pp = setup.pipeline_model_parallel_size
     m = microbatches if microbatches is not None else setup.num_microbatches
@@ -304,6 +312,7 @@ def advise(
         memory_cap=cap,
         memory_cap_given=memory_cap is not None,
         config_lines=_config_lines(setup),
+        config_schedule=config_schedule,
         parts=search.parts(),
         splits_considered=search.considered,
         simulated=len(search.seen),
