@@ -238,3 +238,95 @@ def test_bytes_per_parameter_follow_megatrons_distributed_optimizer_accounting()
     assert distributed.bytes_per_param(8) == 6 + 12 / 8
     fp32_distributed = PipelineSetup(**{**vars(setup), "use_distributed_optimizer": True})
     assert fp32_distributed.bytes_per_param(4) == 8 + 8 / 4
+
+
+def _megatron_parameter_counts(rank: int, world_size: int) -> dict[str, int]:
+    """Parameters of a small GQA model with dense-then-MoE layers, a shared expert and MTP,
+    as Megatron-Core's local spec builds it, summed per part."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_mtp_block_spec,
+    )
+    from megatron.core.tensor_parallel import random as megatron_random
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_dualpipe.megatron.cpu_compat import apply_cpu_compat
+
+    apply_cpu_compat()
+    parallel_state.initialize_model_parallel(1, 1)
+    megatron_random.model_parallel_cuda_manual_seed(1)
+    config = TransformerConfig(
+        num_layers=3,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=128,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=32,
+        moe_shared_expert_intermediate_size=32,
+        moe_layer_freq=[0, 1, 1],
+        moe_grouped_gemm=False,
+        mtp_num_layers=1,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        pipeline_dtype=torch.float32,
+    )
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=128,
+        max_sequence_length=16,
+        mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False),
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+    )
+    counts: dict[str, int] = {}
+    for name, param in model.named_parameters():
+        if name.startswith("decoder.layers."):
+            part = ".".join(name.split(".")[:3])
+        else:  # the MTP block, or the ends: embedding, final norm, output layer
+            part = "mtp" if name.startswith("mtp.") else "ends"
+        counts[part] = counts.get(part, 0) + param.numel()
+    return counts
+
+
+@pytest.mark.slow
+@pytest.mark.megatron
+def test_parameters_equal_megatron_cores_model() -> None:
+    from tests.multiproc import run_workers
+
+    (theirs,) = run_workers(_megatron_parameter_counts, 1, timeout_s=240)
+    shape = ModelShape(
+        num_layers=3,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        seq_length=16,
+        vocab_size=128,
+        ffn_hidden_size=128,
+        swiglu=True,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        position_embedding_type="rope",
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=32,
+        moe_shared_expert_intermediate_size=32,
+        moe_layer_freq=[0, 1, 1],
+        mtp_num_layers=1,
+    )
+    layers = stage_costs(shape, ["Et", "t", "t", "m", "L"], tokens=16)
+    ours = {f"decoder.layers.{i}": c.dense_params + c.expert_params for i, c in enumerate(layers)}
+    ours["mtp"] = ours.pop("decoder.layers.3")
+    # The embedding table and the output layer (untied), and the final norm with the loss.
+    ours["ends"] = ours.pop("decoder.layers.4") + 2 * 128 * 64
+    assert ours == theirs
