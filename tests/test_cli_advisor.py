@@ -131,7 +131,7 @@ def test_memory_cap_in_gib_and_pictures(tmp_path: Path) -> None:
     assert max(advice["after"]["memory_per_rank"]) <= advice["memory_cap"]
     for label in ("before", "after"):
         assert (tmp_path / f"split_{label}.png").read_bytes()[:4] == b"\x89PNG"
-    assert "(the most even split's peak)" not in text
+    assert "(the peak of the most even split)" not in text
 
 
 def test_progress_shows_on_a_terminal(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -364,10 +364,17 @@ class _Search:
         self.seen: dict[tuple[str, ...], Candidate] = {}
         self.considered = 0
         self._stage_cache: dict[tuple[str, int], StageCost] = {}
+        self._memory: dict[tuple[str, ...], list[float]] = {}
         self.peaks = ActivationPeaks(schedule)
         #: The model stages each rank holds, and how many micro-batches pass each stage.
         self.rank_stages = self.peaks.stages
         self.passes = sum(0 in p.path(m) for m in range(p.num_microbatches))
+        #: The stages each rank holds; each stage's upstream stage and that one's model stage.
+        self.held = [[p.stage_of(r, c) for c in range(p.num_chunks)] for r in range(p.num_ranks)]
+        self.prev = [
+            (q, None if q is None else p.model_stage(q))
+            for q in map(p.prev_stage, range(p.num_stages))
+        ]
         self.retimer = Retimer(schedule)
         dp = setup.data_parallel_size
         self.dense_bytes = setup.bytes_per_param(dp)
@@ -544,15 +551,35 @@ class _Search:
         return costs[-1]
 
     def lower_bound(self, stages: tuple[str, ...]) -> float:
-        """The busiest rank's compute time: no schedule finishes sooner."""
+        """No step is shorter: for each rank, its compute time, after the forwards that
+        must run before its first (the stages upstream of one it holds), and, where its
+        last work is a full backward, before the backwards that must follow it."""
         costs = self.costs(stages)
-        return self.passes * max(
-            sum(costs[s].work.total for s in held) for held in self.rank_stages
+        p = self.placement
+        head = [0.0] * p.num_stages  # forward time upstream of each stage
+        tail = [0.0] * p.num_stages  # full-backward time upstream of each stage
+        for stage, (prev, model) in enumerate(self.prev):
+            if prev is not None:
+                head[stage] = head[prev] + costs[model].f
+                tail[stage] = tail[prev] + costs[model].b + costs[model].w
+        if self.spec.splits_backward:
+            tail = [0.0] * p.num_stages
+        return max(
+            min(head[s] for s in held)
+            + self.passes * sum(costs[p.model_stage(s)].work.total for s in held)
+            + min(tail[s] for s in held)
+            for held in self.held
         )
 
     def memory(self, stages: tuple[str, ...]) -> list[float]:
         """Each rank's bytes: parameters with gradients and optimizer state, and the peak
-        of saved activations over the schedule's order of work."""
+        of saved activations over the schedule's order of work (memoised)."""
+        found = self._memory.get(stages)
+        if found is None:
+            found = self._memory[stages] = self._rank_memory(stages)
+        return found
+
+    def _rank_memory(self, stages: tuple[str, ...]) -> list[float]:
         costs = self.costs(stages)
         table = (
             self.shape.vocab_size * self.shape.hidden_size / self.setup.tensor_model_parallel_size

@@ -58,10 +58,14 @@ def read_fields(cls: type[T], values: Mapping[str, Any], source: str, **extra: A
     """``cls`` (a dataclass) from the keys of ``values`` it names, checked against the
     field types (``int``, ``float``, ``bool``, ``str``, optional ones, and ``object`` for
     free-form values) and against ``cls.__post_init__``; ``extra`` fields are passed as
-    given. Raises :class:`ConfigValueError` naming ``source`` and the key."""
+    given, and null stands for the default of a field that cannot be null. Raises
+    :class:`ConfigValueError` naming ``source`` and the key."""
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = dict(extra)
     for field in dataclasses.fields(cls):
+        unset = values.get(field.name) is None and not _optional(hints[field.name])
+        if unset and not _required(field):
+            continue  # null: the default, for keys this dataclass does not let be null
         if field.name in extra or field.name not in values:
             if field.name not in extra and _required(field):
                 raise ConfigValueError(f"{source}: {field.name}: required key missing")
@@ -77,6 +81,10 @@ def read_fields(cls: type[T], values: Mapping[str, Any], source: str, **extra: A
 
 def _required(field: dataclasses.Field) -> bool:
     return field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+
+
+def _optional(hint: Any) -> bool:
+    return hint is object or type(None) in typing.get_args(hint)
 
 
 def _typed(source: str, key: str, value: Any, hint: Any) -> Any:

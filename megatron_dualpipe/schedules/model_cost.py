@@ -346,6 +346,7 @@ def stage_costs(
 def _moe_pattern(shape: ModelShape) -> tuple[bool, ...]:
     """Which decoder layers are MoE, from ``moe_layer_freq`` (all dense without experts)."""
     n, freq = shape.num_layers, shape.moe_layer_freq
+    freq = 1 if freq is None else freq  # Megatron's default: every layer
     if shape.num_experts is None:
         return (False,) * n
     if isinstance(freq, bool):

@@ -117,7 +117,7 @@ def advice_report(advice: Advice, model: str, source: str) -> str:
     ]
     for label, w in advice.parts.items():
         lines.append(f"  {label}: {_flop(w.f)} / {_flop(w.b)} / {_flop(w.w)}")
-    cap_from = "" if advice.memory_cap_given else f" (the {advice.before_label}'s peak)"
+    cap_from = "" if advice.memory_cap_given else f" (the peak of the {advice.before_label})"
     lines.append(f"memory cap: {_bytes(advice.memory_cap)} per rank{cap_from}")
     lines.append(
         f"searched {advice.splits_considered} splits, {advice.simulated} of them timed by the "

@@ -58,31 +58,36 @@ class Retimer:
                         raise ScheduleError(f"{half} waits for an action the schedule lacks")
                     preds[i].append(where[key])
         self.order = _topological(preds)
-        self.preds = preds
-        self.rank = [rank for rank, _ in nodes]
-        self.terms = [
-            tuple(
+        # Each action's duration is a sum of (model stage, F/B/W) terms; actions with the
+        # same terms share one entry of a per-cost table.
+        kinds: dict[tuple[int, ...], int] = {}
+        self.kind = []
+        for _, action in nodes:
+            terms = tuple(
                 3 * p.model_stage(h.stage) + part
                 for h in action.sub or (action,)
                 for part in _PARTS.get(h.kind, ())
             )
-            for _, action in nodes
-        ]
-        self.paired = [bool(action.sub) for _, action in nodes]
+            self.kind.append(kinds.setdefault((bool(action.sub), *terms), len(kinds)))
+        self.kinds = list(kinds)
+        self.steps = [(i, tuple(preds[i]), self.kind[i]) for i in self.order]
 
     def makespan(self, costs: list[tuple[float, float, float]]) -> float:
         """The simulated step under ``costs`` (one ``(f, b, w)`` per model stage)."""
         flat = [x for triple in costs for x in triple]
-        end = [0.0] * len(self.terms)
-        preds, terms, paired, overlap = self.preds, self.terms, self.paired, self.overlap
-        finish = 0.0
-        for i in self.order:
-            start = max((end[j] for j in preds[i]), default=0.0)
-            duration = sum(flat[t] for t in terms[i])
-            end[i] = start + (overlap * duration if paired[i] else duration)
-            if end[i] > finish:
-                finish = end[i]
-        return finish
+        overlap = self.overlap
+        table = [
+            (overlap if paired else 1.0) * sum(flat[t] for t in terms)
+            for paired, *terms in self.kinds
+        ]
+        end = [0.0] * len(self.kind)
+        for i, preds, kind in self.steps:
+            start = 0.0
+            for j in preds:
+                if end[j] > start:
+                    start = end[j]
+            end[i] = start + table[kind]
+        return max(end, default=0.0)
 
 
 def _topological(preds: list[list[int]]) -> list[int]:
