@@ -12,9 +12,12 @@ docs/advisor.md.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+
+import yaml
 
 from .config_values import read_fields
 from .cost import CostModel
@@ -704,10 +707,12 @@ def yaml_lines(values: dict[str, object]) -> list[str]:
 
 
 def _yaml(value: object) -> str:
+    """``value`` as YAML, quoting a string only where YAML would read it otherwise."""
     if value is None:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return json.dumps(value)
+        plain = re.fullmatch(r"[\w.-]+", value) and yaml.safe_load(value) == value
+        return value if plain else json.dumps(value)
     return str(value)
