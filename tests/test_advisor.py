@@ -230,6 +230,9 @@ def test_the_config_split_keys_are_read_as_megatron_and_the_layout_exclusively()
     assert stages_for(shape, uneven, 4) == ["Ett", "t", "t", "ttmL"]
     layout = PipelineSetup(**base, pipeline_model_parallel_layout="Et|tt|ttt|mL")
     assert stages_for(shape, layout, 4) == ["Et", "tt", "ttt", "mL"]
+    standalone_mtp = PipelineSetup(**base, pipeline_model_parallel_layout="Ett|tt|tt|m|L")
+    with pytest.raises(ScheduleError, match="MTP layers \\(m\\) and the loss \\(L\\) in the last"):
+        stages_for(shape, standalone_mtp, 5)
     both = PipelineSetup(**{**vars(layout), "decoder_first_pipeline_num_layers": 1})
     with pytest.raises(ScheduleError, match="cannot be combined with first/last"):
         stages_for(shape, both, 4)

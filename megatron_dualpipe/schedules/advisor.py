@@ -326,9 +326,10 @@ def advise(
 
 def stages_for(shape: ModelShape, setup: PipelineSetup, model_stages: int) -> list[str]:
     """The config's split as layout strings over ``model_stages`` stages in pipeline order
-    (a layout string as given; first/last counts and accounting through
-    :func:`.layer_split.stage_layer_counts`, MTP with the loss); :class:`ScheduleError`
-    with the fix where it does not split."""
+    (a layout string as given, with the MTP layers in the loss's stage as our schedules
+    place them; first/last counts and accounting through
+    :func:`.layer_split.stage_layer_counts`); :class:`ScheduleError` with the fix where it
+    does not split."""
     mtp = shape.mtp_layers
     if setup.pipeline_model_parallel_layout is not None:
         if _has_split(replace(setup, pipeline_model_parallel_layout=None)):
@@ -338,6 +339,11 @@ def stages_for(shape: ModelShape, setup: PipelineSetup, model_stages: int) -> li
             )
         stages = parse_layout(setup.pipeline_model_parallel_layout)
         check_layout(stages, shape.num_layers, mtp, model_stages)
+        if mtp and MTP not in stages[-1]:
+            raise ScheduleError(
+                "the pipeline layout must end with the MTP layers (m) and the loss (L) in the "
+                "last stage: under our schedules the MTP block lives with the loss"
+            )
         return stages
     split = LayerSplit(
         shape.num_layers,
