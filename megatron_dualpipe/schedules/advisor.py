@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import yaml
 
-from .config_values import read_fields
+from .config_values import check_positive, read_fields
 from .cost import CostModel
 from .ir import Kind, Schedule, ScheduleError
 from .layer_split import LayerSplit, stage_layer_counts
@@ -79,15 +79,16 @@ class PipelineSetup:
     pipeline_model_parallel_layout: str | None = None
 
     def __post_init__(self) -> None:
-        for key in (
-            "micro_batch_size",
-            "global_batch_size",
-            "pipeline_model_parallel_size",
-            "tensor_model_parallel_size",
-            "expert_model_parallel_size",
-        ):
-            if getattr(self, key) < 1:
-                raise ScheduleError(f"{key}: must be >= 1, got {getattr(self, key)}")
+        check_positive(
+            self,
+            (
+                "micro_batch_size",
+                "global_batch_size",
+                "pipeline_model_parallel_size",
+                "tensor_model_parallel_size",
+                "expert_model_parallel_size",
+            ),
+        )
         spec(self.pipeline_schedule)  # names the choices if unknown
         if self.optimizer not in ("adam", "sgd"):
             raise ScheduleError(f"optimizer: {self.optimizer!r} is not one of adam, sgd")

@@ -15,7 +15,7 @@ import yaml
 
 from .ir import ScheduleError
 
-__all__ = ["ConfigValueError", "read_fields", "read_values"]
+__all__ = ["ConfigValueError", "check_positive", "read_fields", "read_values"]
 
 T = TypeVar("T")
 _NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
@@ -107,3 +107,12 @@ def _typed(source: str, key: str, value: Any, hint: Any) -> Any:
     if base is float and not math.isfinite(value):
         raise ConfigValueError(f"{source}: {key}: must be a finite number, got {value}")
     return float(value) if base is float else value
+
+
+def check_positive(obj: object, keys: tuple[str, ...], *, nullable: bool = False) -> None:
+    """Raise :class:`ScheduleError` naming the first of ``keys`` whose value on ``obj`` is
+    below 1 (``None`` passes where ``nullable``)."""
+    for key in keys:
+        value = getattr(obj, key)
+        if (value is not None or not nullable) and value < 1:
+            raise ScheduleError(f"{key}: must be >= 1{' or null' * nullable}, got {value}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
-from .config_values import read_fields
+from .config_values import check_positive, read_fields
 from .ir import ScheduleError
 from .layout import DECODER, EMBEDDING, LOSS, MTP
 
@@ -50,6 +50,28 @@ class Work:
     @property
     def total(self) -> float:
         return self.f + self.b + self.w
+
+
+_POSITIVE = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "seq_length",
+    "vocab_size",
+    "moe_router_topk",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "v_head_dim",
+)
+_POSITIVE_OR_NULL = (
+    "num_query_groups",
+    "kv_channels",
+    "ffn_hidden_size",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
+    "q_lora_rank",
+)
 
 
 @dataclass(frozen=True)
@@ -88,31 +110,8 @@ class ModelShape:
     mtp_num_layers: int | None = None
 
     def __post_init__(self) -> None:
-        for key in (
-            "num_layers",
-            "hidden_size",
-            "num_attention_heads",
-            "seq_length",
-            "vocab_size",
-            "moe_router_topk",
-            "kv_lora_rank",
-            "qk_head_dim",
-            "v_head_dim",
-        ):
-            if getattr(self, key) < 1:
-                raise ScheduleError(f"{key}: must be >= 1, got {getattr(self, key)}")
-        for key in (
-            "num_query_groups",
-            "kv_channels",
-            "ffn_hidden_size",
-            "num_experts",
-            "moe_ffn_hidden_size",
-            "moe_shared_expert_intermediate_size",
-            "q_lora_rank",
-        ):
-            value = getattr(self, key)
-            if value is not None and value < 1:
-                raise ScheduleError(f"{key}: must be >= 1 or null, got {value}")
+        check_positive(self, _POSITIVE)
+        check_positive(self, _POSITIVE_OR_NULL, nullable=True)
         if self.qk_pos_emb_head_dim < 0 or (self.mtp_num_layers or 0) < 0:
             raise ScheduleError("qk_pos_emb_head_dim and mtp_num_layers must not be negative")
         if self.normalization not in ("LayerNorm", "RMSNorm"):
