@@ -80,7 +80,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="GIB",
         help="with --config: the most memory a rank may use, in GiB (parameters, gradients, "
-        "optimizer state and saved activations); default: the config's split's peak",
+        "optimizer state and saved activations); default: the peak of the config's split",
     )
 
 
