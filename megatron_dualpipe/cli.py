@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
+import time
 from pathlib import Path
 
 from .bench import SECTIONS
@@ -22,18 +25,27 @@ from .schedules.validate import validate
 
 __all__ = ["main"]
 
+_DEFAULT_COST = "F=1,B=1,W=1"
+
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "simulate",
         help="simulate a pipeline schedule under a cost model",
-        description="Generate, validate and simulate a schedule; print its figures.",
+        description="Generate, validate and simulate a schedule; print its figures. With "
+        "--config, the balance advisor: derive each stage's costs from the config's model, "
+        "simulate, and propose the layer split with the shortest step within the memory cap.",
     )
-    p.add_argument("--schedule", default="dualpipev", choices=[*SCHEDULES, "all"])
+    p.add_argument(
+        "--schedule",
+        default=None,
+        choices=[*SCHEDULES, "all"],
+        help="default: dualpipev, or the config's pipeline_schedule with --config",
+    )
     p.add_argument("--pp", type=int, default=4, help="pipeline-parallel ranks")
     p.add_argument("--microbatches", type=int, default=None, help="default: 2 x PP + 2")
     p.add_argument("--chunks", type=int, default=2, help="stages per rank for interleaved-1f1b")
-    p.add_argument("--cost", default="F=1,B=1,W=1", help="e.g. F=1,B=1,W=1,FB=1.6 (or overlap=0.8)")
+    p.add_argument("--cost", default=_DEFAULT_COST, help="e.g. F=1,B=1,W=1,FB=1.6 (or overlap=0.8)")
     p.add_argument(
         "--cost-per",
         choices=["rank", "stage"],
@@ -48,6 +60,28 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace JSON")
     p.add_argument("--json", type=Path, help="write the figures and the timeline as JSON")
     p.add_argument("--save", type=Path, help="write the generated schedule in text form")
+    p.add_argument(
+        "--config",
+        type=Path,
+        help="balance advisor: a training config (e.g. configs/deepseek_v3_pp16.yaml) whose "
+        "model, batch sizes and pipeline settings give the per-stage costs; see docs/advisor.md",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --config: override a config key (repeatable)",
+    )
+    p.add_argument(
+        "--memory-cap",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="with --config: the most memory a rank may use, in GiB (parameters, gradients, "
+        "optimizer state and saved activations); default: the peak of the config's split",
+    )
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -138,7 +172,116 @@ def _write_outputs(results: list[SimResult], args: argparse.Namespace) -> None:
         print(f"wrote {args.json}")
 
 
+class _StatusLine:
+    """One line of progress on stderr, rewritten in place, when stderr is a terminal and
+    ``CI`` is unset; silent otherwise. Call :meth:`clear` before printing results."""
+
+    def __init__(self) -> None:
+        self.enabled = sys.stderr.isatty() and not os.environ.get("CI")
+        self.last = 0.0
+
+    def __call__(self, text: str) -> None:
+        now = time.monotonic()
+        if self.enabled and now - self.last > 0.1:
+            self.last = now
+            sys.stderr.write(f"\r\x1b[K{text[: shutil.get_terminal_size().columns - 1]}")
+            sys.stderr.flush()
+
+    def clear(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+
+
+def _run_advisor(args: argparse.Namespace) -> None:
+    """``simulate --config``: the balance advisor (pure Python, as the rest of simulate)."""
+    from .schedules.advisor import GIB, PipelineSetup, advise
+    from .schedules.config_values import read_values
+    from .schedules.model_cost import ModelShape
+    from .schedules.report import advice_report
+
+    others = {"--load": args.load, "--grid": args.grid, "--trace": args.trace, "--save": args.save}
+    given = [flag for flag, value in others.items() if value]
+    if given or args.latency or args.cost != _DEFAULT_COST or args.schedule == "all":
+        flag = given[0] if given else "--schedule all" if args.schedule == "all" else "--cost"
+        raise ScheduleError(
+            f"{flag} does not apply with --config (the advisor takes one schedule and derives "
+            "its costs from the model): drop it"
+        )
+    source = str(args.config)
+    values = {**_train_defaults(), **read_values(args.config, args.overrides)}
+    shape = ModelShape.from_values(values, source)
+    setup = PipelineSetup.from_values(values, source)
+    if args.memory_cap is not None and args.memory_cap <= 0:
+        raise ScheduleError(f"--memory-cap must be a positive number of GiB, got {args.memory_cap}")
+    status = _StatusLine()
+    try:
+        advice = advise(
+            shape,
+            setup,
+            schedule=args.schedule,
+            microbatches=args.microbatches,
+            memory_cap=None if args.memory_cap is None else args.memory_cap * GIB,
+            progress=status,
+        )
+    finally:
+        status.clear()
+    print(advice_report(advice, shape.summary(), source))
+    problem = _train_refuses(args, advice.changes())
+    if problem:
+        print(f"note: megatron-dualpipe train does not take the config with these lines: {problem}")
+    _write_advice(advice, args)
+
+
+def _train_defaults() -> dict:
+    """The trainer's defaults for the keys it has (its config module imports no torch), so
+    that the advisor models what ``train`` builds."""
+    import dataclasses
+
+    from .megatron.training.config import TrainConfig
+
+    return {
+        f.name: f.default
+        for f in dataclasses.fields(TrainConfig)
+        if f.default is not dataclasses.MISSING
+    }
+
+
+def _train_refuses(args: argparse.Namespace, changes: dict) -> str | None:
+    """Why ``train``'s config loader refuses the config with ``changes``, or None."""
+    from .megatron.training.config import ConfigError, load_config
+
+    applied = [
+        f"{k}={'null' if v is None else str(v).lower() if v is False else v}"
+        for k, v in changes.items()
+    ]
+    try:
+        load_config(args.config, [*args.overrides, *applied])
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def _write_advice(advice, args: argparse.Namespace) -> None:
+    from .schedules.export import to_png
+
+    if args.png:
+        for label, candidate in (("before", advice.before), ("after", advice.after)):
+            path = _suffixed(args.png, label, True)
+            to_png(advice.simulate(candidate), str(path), title=f"{advice.schedule.name}, {label}")
+            print(f"wrote {path}")
+    if args.json:
+        args.json.write_text(json.dumps(advice.to_json()), encoding="utf-8")
+        print(f"wrote {args.json}")
+
+
 def _run_simulate(args: argparse.Namespace) -> None:
+    if args.config:
+        _run_advisor(args)
+        return
+    if args.overrides or args.memory_cap is not None:
+        raise ScheduleError("--set and --memory-cap apply to the advisor: add --config CONFIG")
+    args.schedule = args.schedule or "dualpipev"
     if args.load:
         schedules, skipped = [_load(args.load)], {}
     else:

@@ -127,7 +127,8 @@ sys.meta_path.insert(0, Block())
         "import megatron_dualpipe.megatron.training, megatron_dualpipe.megatron_lm",
         "from megatron_dualpipe.cli import main\n"
         "assert main(['simulate', '--schedule', 'all', '--pp', '4']) == 0\n"
-        "assert main(['simulate', '--schedule', 'dualpipev', '--pp', '2', '--grid']) == 0",
+        "assert main(['simulate', '--schedule', 'dualpipev', '--pp', '2', '--grid']) == 0\n"
+        "assert main(['simulate', '--config', 'tests/data/tiny_deepseek_cpu.yaml']) == 0",
         "from megatron_dualpipe.megatron.training import load_config\n"
         "load_config('configs/tiny_gpt_cpu.yaml', ['pipeline_schedule=dualpipe'])",
     ],

@@ -123,3 +123,25 @@ def test_uneven_stages_slow_the_step() -> None:
     assert uneven > even
     with pytest.raises(ScheduleError, match="stage_scale has 3 entries but the model has 4"):
         simulate(schedule, CostModel(stage_scale=(1, 1, 1)))
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb1p", "dualpipe", "dualpipev"])
+def test_per_stage_costs_time_each_stage_by_its_own_f_b_w(name: str) -> None:
+    schedule = generate(name, 4, 8)
+    stages = schedule.placement.num_model_stages
+    scaled = CostModel(f=1, b=1.5, w=0.5, stage_scale=tuple(1 + s / 4 for s in range(stages)))
+    per_stage = CostModel(
+        stage_costs=tuple((1 + s / 4, 1.5 * (1 + s / 4), 0.5 * (1 + s / 4)) for s in range(stages))
+    )
+    assert simulate(schedule, per_stage).makespan == simulate(schedule, scaled).makespan
+    # A stage whose B alone is heavy: every rank holding it is busy at least M x its work.
+    heavy = tuple((1.0, 9.0 if s == 1 else 1.0, 1.0) for s in range(stages))
+    result = simulate(schedule, CostModel(stage_costs=heavy))
+    passes = sum(1 in schedule.placement.path(m) for m in range(8))
+    assert result.makespan >= passes * (1 + 9 + 1)
+    with pytest.raises(
+        ScheduleError, match=f"stage_costs has 2 entries but the model has {stages}"
+    ):
+        simulate(schedule, CostModel(stage_costs=((1, 1, 1),) * 2))
+    with pytest.raises(ScheduleError, match="cannot be combined with FB"):
+        CostModel(fb=2.0, stage_costs=heavy)

@@ -9,6 +9,9 @@ from .ir import Action, Kind, ScheduleError
 
 __all__ = ["CostModel"]
 
+#: Which of (F, B, W) each compute kind performs.
+_PARTS = {Kind.F: (0,), Kind.B: (1,), Kind.W: (2,), Kind.BW: (1, 2)}
+
 
 @dataclass(frozen=True)
 class CostModel:
@@ -19,6 +22,9 @@ class CostModel:
     else ``overlap`` times the sum of its halves (1.0: no overlap benefit). ``latency`` is
     the time one message takes over one hop. ``stage_scale`` (per model stage) and
     ``rank_scale`` (per rank) multiply compute times, for uneven stages or slow ranks.
+    ``stage_costs`` gives each model stage its own ``(f, b, w)`` instead (stages whose
+    parts differ, such as one holding the output layer and the loss); an FB pair then
+    takes ``overlap`` times the sum of its halves.
     """
 
     f: float = 1.0
@@ -29,6 +35,7 @@ class CostModel:
     latency: float = 0.0
     stage_scale: tuple[float, ...] | None = None
     rank_scale: tuple[float, ...] | None = None
+    stage_costs: tuple[tuple[float, float, float], ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("f", "b", "w", "overlap", "latency"):
@@ -36,6 +43,14 @@ class CostModel:
                 raise ScheduleError(f"cost {name} must not be negative")
         if self.fb is not None and self.fb < 0:
             raise ScheduleError("cost FB must not be negative")
+        if self.stage_costs is not None:
+            if self.fb is not None or self.stage_scale is not None:
+                raise ScheduleError(
+                    "per-stage costs cannot be combined with FB or stage_scale: give the "
+                    "overlap factor instead of FB, and fold the scales into the stage costs"
+                )
+            if any(len(c) != 3 or min(c) < 0 for c in self.stage_costs):
+                raise ScheduleError("each per-stage cost must be three non-negative times F, B, W")
 
     @staticmethod
     def parse(text: str, latency: float = 0.0) -> CostModel:
@@ -77,13 +92,22 @@ class CostModel:
             if self.fb is not None:
                 return self.fb * self._scale(model_stage(action.stage), rank)
             return self.overlap * sum(self.duration(h, rank, model_stage) for h in action.sub)
-        base = {Kind.F: self.f, Kind.B: self.b, Kind.W: self.w, Kind.BW: self.b + self.w}
-        if action.kind not in base:
+        if action.kind not in _PARTS:
             return 0.0
-        return base[action.kind] * self._scale(model_stage(action.stage), rank)
+        stage = model_stage(action.stage)
+        if self.stage_costs is not None:
+            costs, scale = self.stage_costs[stage], self._scale(stage, rank)
+            return sum(costs[i] for i in _PARTS[action.kind]) * scale
+        base = {Kind.F: self.f, Kind.B: self.b, Kind.W: self.w, Kind.BW: self.b + self.w}
+        return base[action.kind] * self._scale(stage, rank)
 
     def check_fits(self, num_model_stages: int, num_ranks: int) -> None:
         """Raise if the per-stage or per-rank scales do not match the schedule."""
+        if self.stage_costs is not None and len(self.stage_costs) != num_model_stages:
+            raise ScheduleError(
+                f"stage_costs has {len(self.stage_costs)} entries but the model has "
+                f"{num_model_stages} stages"
+            )
         if self.stage_scale is not None and len(self.stage_scale) != num_model_stages:
             raise ScheduleError(
                 f"stage_scale has {len(self.stage_scale)} entries but the model has "

@@ -1,10 +1,12 @@
-"""Plain-text tables of simulation results, for the command line."""
+"""Plain-text tables of simulation results and of the balance advisor, for the command line."""
 
 from __future__ import annotations
 
+from .advisor import Advice
+from .layout import format_layout
 from .simulate import SimResult
 
-__all__ = ["comparison_table", "rank_table"]
+__all__ = ["advice_report", "comparison_table", "rank_table"]
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -84,3 +86,77 @@ def comparison_table(results: list[SimResult], skipped: dict[str, str]) -> str:
     for name, reason in skipped.items():
         text += f"\n{name}: not simulated: {reason}"
     return text
+
+
+def _flop(x: float) -> str:
+    """FLOPs with an SI prefix: ``12.05 PFLOP``."""
+    for prefix, scale in (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6)):
+        if abs(x) >= scale:
+            return f"{x / scale:.4g} {prefix}FLOP"
+    return f"{x:.4g} FLOP"
+
+
+def _bytes(x: float) -> str:
+    """Bytes in binary units: ``156.9 GiB``."""
+    for prefix, scale in (("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
+        if abs(x) >= scale:
+            return f"{x / scale:.4g} {prefix}B"
+    return f"{x:.4g} B"
+
+
+def advice_report(advice: Advice, model: str, source: str) -> str:
+    """The balance advisor's findings: the model and its costs, the splits before and
+    after with their simulated step, bubble and memory, and the lines to paste."""
+    s = advice.schedule
+    p = s.placement
+    lines = [
+        f"balance advisor: {source} under {s.name}, PP={p.num_ranks}, "
+        f"{p.num_model_stages} model stages, {p.num_microbatches} micro-batches",
+        f"model: {model}",
+        "work per micro-batch on one rank, F / B (dX) / W (dW):",
+    ]
+    for label, w in advice.parts.items():
+        lines.append(f"  {label}: {_flop(w.f)} / {_flop(w.b)} / {_flop(w.w)}")
+    cap_from = "" if advice.memory_cap_given else f" (the peak of the {advice.before_label})"
+    lines.append(f"memory cap: {_bytes(advice.memory_cap)} per rank{cap_from}")
+    lines.append(
+        f"searched {advice.splits_considered} splits, {advice.simulated} of them timed by the "
+        f"simulator, in {advice.seconds:.1f} s (a local search; no solver)"
+    )
+    rows = [("before: " + advice.before_label, advice.before)]
+    if advice.first_last is not None:
+        rows.append(("best first/last", advice.first_last))
+    rows.append(("after: proposal", advice.after))
+    base = advice.before.makespan
+    table = [
+        [
+            label,
+            _flop(c.makespan),
+            f"{c.makespan / base:.3f}" if base else "-",
+            f"{100 * c.bubble:.1f}%",
+            _bytes(c.peak_memory),
+            format_layout(list(c.stages)),
+        ]
+        for label, c in rows
+    ]
+    header = ["split", "step", "vs before", "bubble", "memory/rank", "layout (pipeline order)"]
+    lines += ["", _table(header, table)]
+    if advice.first_last is None:
+        lines.append("no split of Megatron's first/last counts fits here within the memory cap")
+    lines.append(
+        "step: simulated time in FLOPs of one rank (divide by a rank's sustained FLOP/s for "
+        "seconds); layout: E embedding, t decoder layer, m MTP layer, L output layer and loss"
+    )
+    after, before = advice.after, advice.before
+    lines.append(
+        f"\ngain: step {advice.gain:.3f}x as fast ({after.makespan / before.makespan - 1:+.1%}), "
+        f"bubble {100 * before.bubble:.1f}% -> {100 * after.bubble:.1f}%"
+    )
+    if advice.lines is None:
+        lines.append("keep the config's split: nothing searched is faster within the memory cap")
+    paste = advice.paste_lines()
+    if paste:
+        lines.append(f"paste into {source}:")
+        lines += [f"  {line}" for line in paste]
+    lines += [f"note: {note}" for note in advice.notes]
+    return "\n".join(lines)
