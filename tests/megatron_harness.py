@@ -50,6 +50,7 @@ from tests.multiproc import run_workers
 apply_cpu_compat()  # before forking: every worker inherits the patches
 
 REL_TOL = 1e-5
+FP32_EPS = float(torch.finfo(torch.float32).eps)
 NUM_MICROBATCHES = 8
 MICRO_BATCH_SIZE = 2
 INIT_SEED = 1234
@@ -554,7 +555,8 @@ def _trajectory_worker(
     steps: int,
 ) -> dict[str, Any]:
     """``steps`` training iterations on one batch with Megatron's DDP and Adam; returns the
-    micro-batches whose losses this rank computes and, per iteration, those losses."""
+    micro-batches whose losses this rank computes and, per iteration, those losses and the
+    MTP losses of its tracker, and the gradients of the first iteration by global name."""
     _init_parallel(
         layout.pp, layout.vp, layout.ep, layout.tp, layout.schedule, layout.timeout_factor
     )
@@ -571,23 +573,42 @@ def _trajectory_worker(
             chunks,
         )
         schedule = get_forward_backward_func(pipeline_schedule=layout.schedule)
-        trajectory = []
+        trajectory, mtp, grads = [], [], {}
         batches = _data(0, layout.microbatches)  # the same batch each time: the loss falls
-        for _ in range(steps):
+        for step in range(steps):
             for chunk in chunks:
                 chunk.zero_grad_buffer()
             optimizer.zero_grad()
             loss_dicts = _step(schedule, chunks, batches, layout)
+            if step == 0:
+                grads = _merge([tm.global_gradients(c) for c in chunks])
             success, _, _ = optimizer.step()
             assert success, "optimizer step skipped"
             trajectory.append([d["loss"].item() for d in loss_dicts])
-        return {"mbs": _loss_microbatches(layout), "losses": trajectory}
+            mtp.append(_take_mtp_losses())
+        return {
+            "dp_rank": parallel_state.get_data_parallel_rank(),
+            "mbs": _loss_microbatches(layout),
+            "losses": trajectory,
+            "mtp_losses": mtp,
+            "grads": grads,
+        }
     finally:
         parallel_state.destroy_model_parallel()
 
 
-def _trajectory(model: Model, layout: Layout, steps: int = 5) -> list[float]:
-    """The mean loss of each of ``steps`` iterations (one data-parallel rank)."""
+@dataclass(frozen=True)
+class Training:
+    """``steps`` Adam iterations on one batch: per iteration the mean loss and the mean MTP
+    loss of each MTP layer (over the batch's micro-batches), and the first iteration's
+    gradients by global name (every rank's, merged)."""
+
+    losses: list[float]
+    mtp_losses: list[list[float]]
+    grads: dict[str, torch.Tensor]
+
+
+def _training(model: Model, layout: Layout, steps: int = 5) -> Training:
     reference = _reference(model, layout.dp, layout.microbatches)
     results = run_workers(
         _trajectory_worker,
@@ -596,11 +617,75 @@ def _trajectory(model: Model, layout: Layout, steps: int = 5) -> list[float]:
         timeout_s=RUN_TIMEOUT_S * layout.timeout_factor,
         pg_timeout_s=PG_TIMEOUT_S * layout.timeout_factor,
     )
-    means = []
+    means, mtp_means = [], []
     for step in range(steps):
         by_mb = {
             mb: loss for r in results for mb, loss in zip(r["mbs"], r["losses"][step], strict=True)
         }
         assert sorted(by_mb) == list(range(layout.microbatches))
         means.append(sum(by_mb.values()) / len(by_mb))
-    return means
+        # Every data-parallel rank ran the same batch: one pipeline's trackers hold its sum.
+        first = [r for r in results if r["dp_rank"] == 0]
+        trackers = [r["mtp_losses"][step] for r in first if r["mtp_losses"][step]]
+        mtp_means.append([sum(v) / layout.microbatches for v in zip(*trackers, strict=True)])
+    grads: dict[str, torch.Tensor] = {}
+    for result in results:
+        grads = _merge([grads, result["grads"]])
+    return Training(means, mtp_means, grads)
+
+
+@functools.cache
+def _reference_training(model: Model, microbatches: int, steps: int) -> Training:
+    return _training(model, Layout(pp=1, microbatches=microbatches), steps)
+
+
+def _trajectory(model: Model, layout: Layout, steps: int = 5) -> list[float]:
+    """The mean loss of each of ``steps`` iterations (one data-parallel rank)."""
+    return _training(model, layout, steps).losses
+
+
+def _same_to_7_digits(a: float, b: float) -> bool:
+    """Equal as printed with 7 significant digits, or within one unit of the 7th digit where
+    fp32 sums in another order straddle a rounding boundary."""
+    return f"{a:.6E}" == f"{b:.6E}" or abs(a - b) <= 1e-7 * abs(b)
+
+
+def check_training(model: Model, layout: Layout, steps: int = 5) -> dict[str, float]:
+    """``layout`` against the one-process unpipelined run (Megatron's no-pipelining schedule,
+    same DDP and Adam) over ``steps`` iterations: every iteration's loss equal to 7
+    significant digits, the first iteration's gradients within 1e-5 per parameter by global
+    name; returns the max relative errors.
+
+    The MTP loss is what Megatron reports: its tracker's fp32 sum over the micro-batches, in
+    the order the schedule computes them, over their number. Summed in another order it
+    may differ by the sum's rounding (up to one fp32 epsilon per micro-batch, relative),
+    which can reach the 7th digit: it must agree to within that."""
+    reference = _reference_training(model, layout.microbatches, steps)
+    ours = _training(model, layout, steps)
+    assert set(ours.grads) == set(reference.grads), (
+        f"gradients missing: {sorted(set(reference.grads) - set(ours.grads))}, "
+        f"unexpected: {sorted(set(ours.grads) - set(reference.grads))}"
+    )
+    worst = {"grad": _assert_close_by_name("gradients", ours.grads, reference.grads)}
+    different = [
+        (f"{a:.7E}", f"{b:.7E}")
+        for a, b in zip(ours.losses, reference.losses, strict=True)
+        if not _same_to_7_digits(a, b)
+    ]
+    assert not different, f"losses differ from the reference: {different}"
+    worst["loss"] = max(
+        abs(a - b) / abs(b) for a, b in zip(ours.losses, reference.losses, strict=True)
+    )
+    mtp = [
+        (a, b)
+        for step, ref in zip(ours.mtp_losses, reference.mtp_losses, strict=True)
+        for a, b in zip(step, ref, strict=True)
+    ]
+    rounding = layout.microbatches * FP32_EPS
+    off = [(f"{a:.7E}", f"{b:.7E}") for a, b in mtp if abs(a - b) > rounding * abs(b)]
+    assert not off, f"MTP losses differ from the reference beyond the fp32 sum's rounding: {off}"
+    worst["mtp_loss"] = max((abs(a - b) / abs(b) for a, b in mtp), default=0.0)
+    assert bool(mtp) == bool(model.mtp)
+    assert ours.losses[-1] < ours.losses[0], f"{steps} Adam steps should lower the loss"
+    print(f"\n{layout}: {steps} Adam steps, max relative errors {worst}")
+    return worst
