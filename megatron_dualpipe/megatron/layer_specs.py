@@ -13,7 +13,10 @@ qk_pos_emb_head_dim``, value heads of ``v_head_dim``), so building fails. The sp
 :class:`MLADotProductAttention`, the same attention with the value head size taken from
 ``v_channels``. (With Transformer Engine, ``TEDotProductAttention`` takes both.)
 
-With ``deferrable`` the linear layers are Megatron's deferrable ones (:mod:`.deferral`).
+With ``deferrable`` the linear layers are Megatron's deferrable ones (:mod:`.deferral`),
+except MLA's two down projections: ``MLASelfAttention`` accepts only Megatron's own classes
+there (it picks their arguments by class), so they are built as Megatron's and converted in
+place afterwards (``enable_weight_grad_deferral``).
 """
 
 from __future__ import annotations
@@ -71,11 +74,13 @@ class MLADotProductAttention(DotProductAttention):
             self.hidden_size_per_partition = divide(v_channels * heads, self.tp_group.size())
 
 
-def _with_mla_attention(spec: ModuleSpec) -> ModuleSpec:
+#: MLA submodules whose class MLASelfAttention checks by identity.
+_MLA_EXACT = ("linear_q_down_proj", "linear_kv_down_proj")
+
+
+def _with_attention_submodules(spec: ModuleSpec, **changes: Any) -> ModuleSpec:
     attention = spec.submodules.self_attention
-    if attention.submodules.core_attention is not DotProductAttention:
-        return spec
-    submodules = dataclasses.replace(attention.submodules, core_attention=MLADotProductAttention)
+    submodules = dataclasses.replace(attention.submodules, **changes)
     self_attention = dataclasses.replace(attention, submodules=submodules)
     return dataclasses.replace(
         spec, submodules=dataclasses.replace(spec.submodules, self_attention=self_attention)
@@ -83,9 +88,15 @@ def _with_mla_attention(spec: ModuleSpec) -> ModuleSpec:
 
 
 def _layer_spec(spec: ModuleSpec, config: TransformerConfig, deferrable: bool) -> ModuleSpec:
-    if config.multi_latent_attention:
-        spec = _with_mla_attention(spec)
-    return deferrable_layer_spec(spec) if deferrable else spec
+    if not config.multi_latent_attention:
+        return deferrable_layer_spec(spec) if deferrable else spec
+    attention = spec.submodules.self_attention.submodules
+    exact = {name: getattr(attention, name) for name in _MLA_EXACT}
+    if attention.core_attention is DotProductAttention:
+        spec = _with_attention_submodules(spec, core_attention=MLADotProductAttention)
+    if deferrable:
+        spec = _with_attention_submodules(deferrable_layer_spec(spec), **exact)
+    return spec
 
 
 def local_gpt_specs(

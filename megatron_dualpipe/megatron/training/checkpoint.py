@@ -66,6 +66,16 @@ MODEL_KEYS = (
     "moe_ffn_hidden_size",
     "moe_shared_expert_intermediate_size",
     "optimizer",
+    "moe_layer_freq",
+    "moe_router_enable_expert_bias",
+    "untie_embeddings_and_output_weights",
+    "mtp_num_layers",
+    "multi_latent_attention",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
 )
 #: dist_checkpointing metadata for the optimizer: keys without a per-optimizer prefix.
 _OPTIMIZER_METADATA = {"chained_optim_avoid_prefix": True}
