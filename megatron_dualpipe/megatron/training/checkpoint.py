@@ -106,7 +106,8 @@ def _model_state(cfg: TrainConfig, model: list[Any]) -> dict[str, Any]:
     """Each chunk's sharded state dict; dualpipe's chunk 1 (the mirrored copy) as replicas."""
     state = {}
     for i, chunk in enumerate(model):
-        chunk_state = unwrap_model(chunk).sharded_state_dict()
+        # A metadata dict, as Megatron-LM passes: GPTModel's MTP chunks read it (None fails).
+        chunk_state = unwrap_model(chunk).sharded_state_dict(metadata={})
         if i == 1 and schedule_spec(cfg.pipeline_schedule).placement == "mirror":
             for item in nested_values(chunk_state):
                 if hasattr(item, "replica_id"):
