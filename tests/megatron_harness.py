@@ -629,8 +629,9 @@ def _training(model: Model, layout: Layout, steps: int = 5) -> Training:
         trackers = [r["mtp_losses"][step] for r in first if r["mtp_losses"][step]]
         mtp_means.append([sum(v) / layout.microbatches for v in zip(*trackers, strict=True)])
     grads: dict[str, torch.Tensor] = {}
-    for result in results:
-        grads = _merge([grads, result["grads"]])
+    if not layout.distributed_optimizer:  # else each rank's main_grad is right on its shard
+        for result in results:
+            grads = _merge([grads, result["grads"]])
     return Training(means, mtp_means, grads)
 
 
