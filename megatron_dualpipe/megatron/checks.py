@@ -55,9 +55,8 @@ def stage_layers(
     if layout is not None:
         if first is not None or last is not None or account_for_embedding or account_for_loss:
             raise DualPipeConfigError(
-                "pipeline_model_parallel_layout cannot be combined with first/last stage layer "
-                "counts or with accounting for the embedding or loss (as in Megatron-Core): "
-                "use one of them"
+                "a layout string cannot be combined with first/last stage layer counts or with "
+                "accounting for the embedding or loss (as in Megatron-Core): use one of them"
             )
         from .placement import layout_stage_layers  # Megatron's layout parser
 

@@ -126,7 +126,7 @@ def layout_stage_layers(
     the MTP layers ``m`` and the loss ``L`` last in the last stage. Raises
     :class:`DualPipeConfigError` with Megatron's reason or ours."""
     stages = schedule_spec(schedule).model_stages(pipeline_size)
-    where = f"pipeline_model_parallel_layout {layout!r}"
+    where = f"the layout {layout!r}"
     try:
         parsed = PipelineParallelLayerLayout.parse_str_to_list(layout)
     except AssertionError as err:
