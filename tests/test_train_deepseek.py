@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from megatron_dualpipe.megatron.training import load_config, train
+from tests.megatron_harness import _same_to_7_digits
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multiproc]
 
@@ -64,10 +65,6 @@ def _run(split: str, *overrides: str):
         ],
     )
     return train(cfg, source=str(CONFIG))
-
-
-def _same_to_7_digits(a: float, b: float) -> bool:
-    return f"{a:.6E}" == f"{b:.6E}" or abs(a - b) <= 1e-7 * abs(b)
 
 
 @pytest.fixture(scope="module")
