@@ -158,7 +158,7 @@ def test_megatrons_own_1f1b_keeps_megatrons_function() -> None:
                 pipeline_schedule="dualpipe",
                 pipeline_model_parallel_layout="Ettt|tttt|tttt|ttttL",
             ),
-            "must match num_layers 16",
+            "holds 15 decoder layers (t) but num_layers is 16",
         ),
         (
             dict(pipeline_schedule="1f1b", virtual_pipeline_model_parallel_size=2),

@@ -102,11 +102,23 @@ def test_splits_read_over_the_model_stages_in_pipeline_order(
         (
             "dualpipev",
             {"layout": "Ettttt|ttttmL"},
-            "lists 2 stages but dualpipev at PP=2 runs 4 model stages",
+            "runs 4 model stages: the pipeline layout has 2 stages but the schedule cuts",
         ),
-        ("dualpipev", {"layout": "Et|ttt|ttttttm|L"}, "MTP layers m and the loss L end the last"),
-        ("dualpipev", {"layout": "t|Ettt|ttt|tttmL"}, "The first layer must be embedding"),
-        ("dualpipe", {"layout": "Etttt|tttttmL"}, "must match num_layers 10"),
+        (
+            "dualpipev",
+            {"layout": "Et|ttt|ttttttm|L"},
+            "end with the MTP layers \\(m\\) and the loss",
+        ),
+        (
+            "dualpipev",
+            {"layout": "t|Ettt|ttt|tttmL"},
+            "must start with E \\(the embedding\\), once",
+        ),
+        (
+            "dualpipe",
+            {"layout": "Etttt|tttttmL"},
+            "holds 9 decoder layers \\(t\\) but num_layers is 10",
+        ),
         ("dualpipev", {"layout": "Et|ttt|ttt|tttmL", "first": 1}, "cannot be combined"),
         ("dualpipev", {"first": 3, "last": 2}, "5 layers do not split evenly into the other 2"),
         ("dualpipe", {"first": 2, "account_for_loss": True}, "cannot be combined"),

@@ -128,11 +128,12 @@ def test_too_few_microbatches(tmp_path: Path) -> None:
         ),
         (
             "pipeline_model_parallel_layout: Etttt|ttttL",
-            "pipeline_model_parallel_layout: the layout 'Etttt|ttttL' lists 2 stages but",
+            "pipeline_model_parallel_layout: dualpipev at PP=2 runs 4 model stages: the pipeline "
+            "layout has 2 stages",
         ),
         (
             "pipeline_model_parallel_layout: Et|ttt|ttt|tL\ndecoder_last_pipeline_num_layers: 1",
-            "pipeline_model_parallel_layout: a layout string cannot be combined",
+            "model stages: a layout string cannot be combined with first/last stage layer counts",
         ),
         ("moe_layer_freq: 2", "moe_layer_freq: needs num_experts"),
         (

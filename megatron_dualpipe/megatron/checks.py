@@ -10,6 +10,7 @@ from __future__ import annotations
 from ..errors import DualPipeError
 from ..schedules.ir import ScheduleError
 from ..schedules.layer_split import LayerSplit, stage_layer_counts
+from ..schedules.layout import MTP, check_layout, parse_layout
 from ..schedules.registry import SCHEDULES, ScheduleSpec, spec
 
 __all__ = [
@@ -48,26 +49,32 @@ def stage_layers(
     """Decoder layers of each model stage of ``schedule`` at ``pipeline_size`` ranks, in
     pipeline order (the stage where data enters first, the stage ending in the loss last),
     from Megatron's split settings: even, ``first`` / ``last`` (Megatron-LM's
-    ``--decoder-first/last-pipeline-num-layers``), the embedding / loss counted as a layer,
-    or a ``layout`` string read by Megatron-Core's own parser over the model stages (which
-    imports megatron). Raises :class:`DualPipeConfigError`, one sentence with the fix."""
+    ``--decoder-first/last-pipeline-num-layers``), the embedding / loss counted as a layer
+    (:mod:`~..schedules.layer_split`), or a ``layout`` string with one entry per model stage
+    (:mod:`~..schedules.layout`, which reads it as Megatron-Core's parser does, also for the
+    balance advisor; the MTP layers in the last stage, with the loss). Raises
+    :class:`DualPipeConfigError`, one sentence with the fix."""
     stages = schedule_spec(schedule).model_stages(pipeline_size)
-    if layout is not None:
+    where = f"{schedule} at PP={pipeline_size} runs {stages} model stages"
+    try:
+        if layout is None:
+            split = LayerSplit(num_layers, first, last, account_for_embedding, account_for_loss)
+            return tuple(stage_layer_counts(split, stages))
         if first is not None or last is not None or account_for_embedding or account_for_loss:
-            raise DualPipeConfigError(
+            raise ScheduleError(
                 "a layout string cannot be combined with first/last stage layer counts or with "
                 "accounting for the embedding or loss (as in Megatron-Core): use one of them"
             )
-        from .placement import layout_stage_layers  # Megatron's layout parser
-
-        return layout_stage_layers(schedule, pipeline_size, layout, num_layers, mtp_num_layers)
-    split = LayerSplit(num_layers, first, last, account_for_embedding, account_for_loss)
-    try:
-        return tuple(stage_layer_counts(split, stages))
+        parsed = parse_layout(layout)
+        counts = check_layout(parsed, num_layers, mtp_num_layers or 0, stages)
+        if mtp_num_layers and MTP not in parsed[-1]:
+            raise ScheduleError(
+                "the pipeline layout must end with the MTP layers (m) and the loss (L) in the "
+                "last stage: the MTP block lives with the loss"
+            )
+        return tuple(counts)
     except ScheduleError as err:
-        raise DualPipeConfigError(
-            f"{schedule} at PP={pipeline_size} runs {stages} model stages: {err}"
-        ) from None
+        raise DualPipeConfigError(f"{where}: {err}") from None
 
 
 def check_run(

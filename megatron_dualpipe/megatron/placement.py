@@ -16,7 +16,7 @@ parameter and checkpoint names, match a standard run.
 
 How many decoder layers each model stage holds is Megatron's own choice, read over the
 model stages in pipeline order (:func:`~.checks.stage_layers`): even, first/last stage
-counts, embedding/loss accounting, or a layout string (:func:`layout_stage_layers`).
+counts, embedding/loss accounting, or a layout string.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ __all__ = [
     "chunk_roles",
     "config_chunk_roles",
     "embedding_ranks",
-    "layout_stage_layers",
     "placement_of",
 ]
 
@@ -111,50 +110,6 @@ def _stage_contents(counts: Sequence[int], mtp_num_layers: int | None) -> list[l
     stages[0].insert(0, "embedding")
     stages[-1] += ["mtp"] * (mtp_num_layers or 0) + ["loss"]
     return stages
-
-
-def layout_stage_layers(
-    schedule: str,
-    pipeline_size: int,
-    layout: str,
-    num_layers: int,
-    mtp_num_layers: int | None = None,
-) -> tuple[int, ...]:
-    """Decoder layers per model stage from Megatron's layout string, read with Megatron-Core's
-    own parser and validator as if each model stage (in pipeline order) were a pipeline
-    rank: one ``|``-separated entry per model stage, the embedding ``E`` first in stage 0,
-    the MTP layers ``m`` and the loss ``L`` last in the last stage. Raises
-    :class:`DualPipeConfigError` with Megatron's reason or ours."""
-    stages = schedule_spec(schedule).model_stages(pipeline_size)
-    where = f"the layout {layout!r}"
-    try:
-        parsed = PipelineParallelLayerLayout.parse_str_to_list(layout)
-    except AssertionError as err:
-        raise DualPipeConfigError(f"{where}: {err}") from None
-    if len(parsed) != stages:
-        raise DualPipeConfigError(
-            f"{where} lists {len(parsed)} stages but {schedule} at PP={pipeline_size} runs "
-            f"{stages} model stages: write one |-separated entry per model stage, in pipeline "
-            "order"
-        )
-    try:
-        PipelineParallelLayerLayout(parsed, stages).validate_layer_layout(
-            num_layers=num_layers, mtp_num_layers=mtp_num_layers
-        )
-    except (AssertionError, NotImplementedError) as err:
-        raise DualPipeConfigError(f"{where}: {' '.join(str(err).split())}") from None
-    counts = [stage.count(LayerType.decoder) for stage in parsed]
-    if parsed != _as_layer_types(_stage_contents(counts, mtp_num_layers)):
-        raise DualPipeConfigError(
-            f"{where}: under {schedule} the embedding E starts the first model stage and the "
-            "MTP layers m and the loss L end the last one (they live with the schedule's "
-            "input and loss): move them there"
-        )
-    return tuple(counts)
-
-
-def _as_layer_types(stages: list[list[str]]) -> list[list[LayerType]]:
-    return [[LayerType[name] for name in stage] for stage in stages]
 
 
 class StagePlacementLayout(PipelineParallelLayerLayout):

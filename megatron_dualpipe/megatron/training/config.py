@@ -2,8 +2,7 @@
 typed, validated :class:`TrainConfig`.
 
 Keys mirror Megatron-LM's command-line flags in snake_case (``--num-layers`` is
-``num_layers``). Loading never imports torch or megatron (except that a
-``pipeline_model_parallel_layout`` is read with Megatron-Core's own parser). Every problem is one
+``num_layers``). Loading never imports torch or megatron. Every problem is one
 :class:`ConfigError` sentence of the form ``<source>: <key>: <what is wrong and what to
 do>``: unknown keys, wrong types, values out of range, and the pipeline schedule's own
 constraints (checked with the schedule generators, as at run time).
