@@ -116,3 +116,18 @@ def test_resume_under_another_split_and_schedule(
         }
     )
     assert not different, f"{saved_under} -> {resumed_under}: {different}"
+
+
+@pytest.mark.slow
+def test_fb_overlap_gives_the_same_losses() -> None:
+    """bf16 with MLA, MTP and dense-then-MoE: FB pairs through Megatron's schedule plan
+    (every FB action overlapped) print the losses of sequential FB pairs."""
+    runs = {
+        overlap: _run("dualpipev", "bf16=true", f"overlap_moe_expert_parallel_comm={overlap}")
+        for overlap in (False, True)
+    }
+    assert runs[True].losses == runs[False].losses
+    assert runs[True].mtp_losses == runs[False].mtp_losses
+    assert any(
+        line.startswith(" overlapped FB pairs per step: 6 (of 6") for line in runs[True].lines
+    )
