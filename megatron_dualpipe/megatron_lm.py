@@ -10,11 +10,16 @@
   their forward-backward function, ours for our schedules (one object per run, kept with
   the run's ``args``; nothing is patched);
 - :func:`build_model_chunks` / :func:`prepare_model`: ``get_model``'s chunk 0 and chunk 1
-  in the schedule's placement (V for dualpipev, mirrored copies for dualpipe);
+  in the schedule's placement (V for dualpipev, mirrored copies for dualpipe), split as
+  ``--decoder-first/last-pipeline-num-layers``, the embedding/loss accounting or (dualpipe)
+  ``--pipeline-model-parallel-layout`` say, read over the model stages in pipeline order;
+  copies of the embedding on one rank (tied output layer, MTP block) made one parameter;
+- :func:`embedding_ranks`: ``pretrain_gpt.get_embedding_ranks`` for our placements (the
+  embedding group is the first rank alone: its copies share a rank and are tied locally);
 - :func:`full_batch_on_this_rank`: a rank that holds both an embedding and a loss needs the
   whole batch broadcast over tensor parallelism;
-- :func:`losses_on_last_stage`: Megatron reports the loss from the last pipeline stage;
-  dualpipev computes it on rank 0 (dualpipe on the first and the last rank).
+- :func:`losses_on_last_stage`: Megatron reports the loss (and the MTP loss) from the last
+  pipeline stage; dualpipev computes it on rank 0 (dualpipe on the first and the last rank).
 
 Importing this module imports neither torch nor megatron; the hooks import them when called.
 """
@@ -27,7 +32,13 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .megatron.checks import DualPipeConfigError, check_run, overlap_problem, schedule_spec
+from .megatron.checks import (
+    DualPipeConfigError,
+    check_run,
+    overlap_problem,
+    schedule_spec,
+    stage_layers,
+)
 from .schedules.registry import SCHEDULES
 
 __all__ = [
@@ -35,6 +46,7 @@ __all__ = [
     "add_arguments",
     "apply",
     "build_model_chunks",
+    "embedding_ranks",
     "float16_chunks",
     "forward_backward_func",
     "full_batch_on_this_rank",
@@ -86,6 +98,31 @@ def _num_microbatches(args: Any) -> int:
     return (args.global_batch_size or micro) // micro
 
 
+#: Megatron-LM's split arguments, cleared in the config our placement builds from (Megatron's
+#: TransformerConfig refuses them beside a layout; the layout carries the split).
+_SPLIT_ARGS = {
+    "decoder_first_pipeline_num_layers": None,
+    "decoder_last_pipeline_num_layers": None,
+    "account_for_embedding_in_pipeline_split": False,
+    "account_for_loss_in_pipeline_split": False,
+}
+
+
+def _stage_layers(args: Any) -> tuple[int, ...]:
+    """Decoder layers per model stage from Megatron-LM's split arguments."""
+    return stage_layers(
+        _schedule(args),
+        args.pipeline_model_parallel_size,
+        args.num_layers,
+        first=getattr(args, "decoder_first_pipeline_num_layers", None),
+        last=getattr(args, "decoder_last_pipeline_num_layers", None),
+        account_for_embedding=getattr(args, "account_for_embedding_in_pipeline_split", False),
+        account_for_loss=getattr(args, "account_for_loss_in_pipeline_split", False),
+        layout=getattr(args, "pipeline_model_parallel_layout", None),
+        mtp_num_layers=getattr(args, "mtp_num_layers", None),
+    )
+
+
 def _check(args: Any) -> None:
     schedule = _schedule(args)
     found = schedule_spec(schedule)
@@ -104,6 +141,14 @@ def _check(args: Any) -> None:
         )
     if not found.runs_ours:
         return
+    layout = getattr(args, "pipeline_model_parallel_layout", None)
+    if layout is not None and found.model_stages(pp) != pp:
+        raise DualPipeConfigError(
+            f"{schedule} runs {found.model_stages(pp)} model stages on {pp} ranks, and "
+            "Megatron-LM makes a layout of that many stages a virtual pipeline: split with "
+            "--decoder-first/last-pipeline-num-layers here, or use the layout with "
+            "megatron-dualpipe train"
+        )
     if getattr(args, "rampup_batch_size", None):
         raise DualPipeConfigError(
             f"{schedule} needs the same number of micro-batches every step: unset "
@@ -113,25 +158,15 @@ def _check(args: Any) -> None:
         schedule,
         pipeline_size=pp,
         num_microbatches=_num_microbatches(args),
-        config=args,  # Megatron's args carry num_layers and mtp_num_layers under those names
         virtual_pipeline_size=vp,
         context_parallel_size=getattr(args, "context_parallel_size", 1),
     )
-    if found.places_chunks:
-        if not getattr(args, "untie_embeddings_and_output_weights", True):
-            raise DualPipeConfigError(
-                f"{schedule} places the output layer away from Megatron's last stage, so its "
-                "weight cannot be tied to the embedding: add --untie-embeddings-and-output-weights"
-            )
-        if getattr(args, "yaml_cfg", None) is not None:
-            raise DualPipeConfigError(
-                f"{schedule} builds its model config from command-line arguments: "
-                "drop --yaml-cfg and pass the model settings as arguments"
-            )
-        if getattr(args, "pipeline_model_parallel_layout", None) is not None:
-            raise DualPipeConfigError(
-                f"{schedule} places the layers itself: unset --pipeline-model-parallel-layout"
-            )
+    _stage_layers(args)
+    if found.places_chunks and getattr(args, "yaml_cfg", None) is not None:
+        raise DualPipeConfigError(
+            f"{schedule} builds its model config from command-line arguments: "
+            "drop --yaml-cfg and pass the model settings as arguments"
+        )
     if getattr(args, "overlap_moe_expert_parallel_comm", False):
         problem = overlap_problem(
             schedule,
@@ -204,27 +239,28 @@ def build_model_chunks(
     Calls ``model_provider(pre_process=, post_process=, vp_stage=, config=, **provider_kwargs)``
     once per chunk with the chunk's own ends, and a TransformerConfig whose
     ``pipeline_model_parallel_layout`` is our
-    :class:`~megatron_dualpipe.megatron.placement.StagePlacementLayout`, so that Megatron's
-    layer builders give each chunk its global layers (and parameter names). The config is
-    ``config_from_args(args)`` (Megatron's ``core_transformer_config_from_args``), or
-    ``config`` when given, which must already carry such a layout.
+    :class:`~megatron_dualpipe.megatron.placement.StagePlacementLayout` (the split arguments
+    read over the model stages; the MTP block where the loss is), so that Megatron's layer
+    builders give each chunk its global layers (and parameter names). The config is
+    ``config_from_args(args)`` (Megatron's ``core_transformer_config_from_args``, with the
+    split arguments folded into the layout), or ``config`` when given, which must already
+    carry such a layout. Copies of the embedding in the rank's two chunks are marked as one
+    parameter (before ``get_model`` wraps them in DDP).
     """
-    from .megatron.placement import StagePlacementLayout, chunk_roles
+    from .megatron.placement import StagePlacementLayout, config_chunk_roles
+    from .megatron.tied import mark_tied_copies, release_unused_output_weight
 
     schedule = _schedule(args)
     pp = args.pipeline_model_parallel_size
     if config is None:
-        layout = StagePlacementLayout(schedule, pp, args.num_layers)
-        with_layout = argparse.Namespace(**vars(args))
+        layout = StagePlacementLayout(
+            schedule, pp, _stage_layers(args), getattr(args, "mtp_num_layers", None)
+        )
+        with_layout = argparse.Namespace(**{**vars(args), **_SPLIT_ARGS})
         with_layout.pipeline_model_parallel_layout = layout
         config = config_from_args(with_layout)
-    elif not isinstance(config.pipeline_model_parallel_layout, StagePlacementLayout):
-        raise DualPipeConfigError(
-            f"{schedule} needs the model config's pipeline_model_parallel_layout to be "
-            f"StagePlacementLayout({schedule!r}, {pp}, num_layers)"
-        )
     chunks = []
-    for role in chunk_roles(schedule, pp, pp_rank, args.num_layers):
+    for role in config_chunk_roles(config, schedule, pp, pp_rank):
         chunk = model_provider(
             pre_process=role.pre_process,
             post_process=role.post_process,
@@ -232,8 +268,10 @@ def build_model_chunks(
             config=config,
             **provider_kwargs,
         )
+        release_unused_output_weight(chunk)
         chunk.vp_stage = role.chunk
         chunks.append(chunk)
+    mark_tied_copies(chunks)
     return chunks
 
 
@@ -245,7 +283,7 @@ def float16_chunks(model: Sequence[Any], config: Any, args: Any, *, pp_rank: int
     from .megatron.precision import StageFloat16Module
 
     roles = chunk_roles(
-        _schedule(args), args.pipeline_model_parallel_size, pp_rank, args.num_layers
+        _schedule(args), args.pipeline_model_parallel_size, pp_rank, _stage_layers(args)
     )
     return [
         StageFloat16Module(config, chunk, pre_process=r.pre_process, post_process=r.post_process)
@@ -255,12 +293,29 @@ def float16_chunks(model: Sequence[Any], config: Any, args: Any, *, pp_rank: int
 
 def prepare_model(model: Sequence[Any], args: Any) -> None:
     """After building and wrapping: make dualpipe's two copies of every stage start equal
-    (a collective over the pipeline group). No-op for other schedules."""
-    schedule = _schedule(args)
-    if schedule is not None and schedule_spec(schedule).placement == "mirror":
+    (a collective over the pipeline group), then each copy of the embedding on a rank equal
+    to the embedding (Megatron zeroes them and, with our embedding group, leaves them so).
+    No-op for other schedules."""
+    if not places_model_chunks(args):
+        return
+    from .megatron.tied import copy_tied_params
+
+    if schedule_spec(_schedule(args)).placement == "mirror":
         from .megatron.mirror import prepare_mirrors
 
         prepare_mirrors(model)
+    copy_tied_params(model)
+
+
+def embedding_ranks(args: Any, pp_ranks: list[int]) -> list[int] | None:
+    """Megatron's embedding group of one pipeline (``pretrain_gpt.get_embedding_ranks``):
+    under dualpipe and dualpipev only its first rank (the embedding's copies share a rank
+    and are summed there, dualpipe's two copies of a stage by the mirror sum), so Megatron's
+    embedding all-reduce does nothing; None: Megatron's own choice."""
+    from .megatron.placement import embedding_ranks as ranks_of
+
+    ranks = ranks_of(_schedule(args))
+    return None if ranks is None else ranks(pp_ranks)
 
 
 def full_batch_on_this_rank(args: Any) -> bool:
@@ -271,8 +326,8 @@ def full_batch_on_this_rank(args: Any) -> bool:
 
 
 def losses_on_last_stage(losses: list[dict[str, Any]], args: Any) -> list[dict[str, Any]]:
-    """Move the per-micro-batch loss reports to the last pipeline stage, where Megatron's
-    training loop averages and logs them.
+    """Move the per-micro-batch loss reports (and Megatron's MTP loss tracker) to the last
+    pipeline stage, where Megatron's training loop averages and logs them.
 
     Under dualpipe and dualpipev the losses are computed on pipeline rank 0 (dualpipe: and on
     the last rank); every pipeline rank calls this (a collective over the pipeline group):
@@ -280,6 +335,8 @@ def losses_on_last_stage(losses: list[dict[str, Any]], args: Any) -> list[dict[s
     """
     if not places_model_chunks(args):
         return losses
-    from .megatron.loss_reports import reports_to_last_stage
+    from .megatron.loss_reports import mtp_losses_to_last_stage, reports_to_last_stage
 
+    if getattr(args, "mtp_num_layers", None):
+        mtp_losses_to_last_stage(args.mtp_num_layers)
     return reports_to_last_stage(losses)

@@ -37,7 +37,8 @@ FLAGS = (
     "micro-batch-size", "global-batch-size", "train-iters", "lr", "min-lr",
     "lr-warmup-iters", "lr-decay-style", "weight-decay", "clip-grad", "num-experts",
     "moe-router-topk", "save", "load", "save-interval", "eval-interval", "eval-iters",
-    "log-interval", "seed", "world-size", "output-dir",
+    "log-interval", "seed", "world-size", "output-dir", "decoder-first-pipeline-num-layers",
+    "decoder-last-pipeline-num-layers", "pipeline-model-parallel-layout", "mtp-num-layers",
 )  # fmt: skip
 
 

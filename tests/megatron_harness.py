@@ -13,11 +13,13 @@ a 6 s timeout so a deadlock fails fast.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.distributed import (
     DistributedDataParallel,
@@ -27,16 +29,19 @@ from megatron.core.distributed import (
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import schedules as megatron_schedules
 from megatron.core.tensor_parallel import random as megatron_random
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from megatron_dualpipe.megatron import tiny_models as tm
+from megatron_dualpipe.megatron.checks import stage_layers
 from megatron_dualpipe.megatron.cpu_compat import apply_cpu_compat
 from megatron_dualpipe.megatron.deferral import (
     ddp_config_for_deferral,
     enable_weight_grad_deferral,
 )
 from megatron_dualpipe.megatron.mirror import prepare_mirrors
-from megatron_dualpipe.megatron.placement import StagePlacementLayout, chunk_roles
+from megatron_dualpipe.megatron.placement import StagePlacementLayout, embedding_ranks
 from megatron_dualpipe.megatron.registry import get_forward_backward_func
+from megatron_dualpipe.megatron.tied import mark_tied_copies
 from megatron_dualpipe.runtime import WeightGradStore
 from megatron_dualpipe.schedules.ir import Kind
 from megatron_dualpipe.schedules.registry import generate
@@ -45,6 +50,7 @@ from tests.multiproc import run_workers
 apply_cpu_compat()  # before forking: every worker inherits the patches
 
 REL_TOL = 1e-5
+FP32_EPS = float(torch.finfo(torch.float32).eps)
 NUM_MICROBATCHES = 8
 MICRO_BATCH_SIZE = 2
 INIT_SEED = 1234
@@ -52,6 +58,8 @@ DATA_SEED = 99
 TIMEOUT_MIN = 0.1
 PG_TIMEOUT_S = 6.0
 RUN_TIMEOUT_S = 60.0
+#: More ranks than cores wait on one another longer: timeouts grow with ranks per core.
+CORES = max(1, os.cpu_count() or 1)
 # Optimizer check: SGD keeps the update linear in the gradient, so the 1e-5 bound on
 # gradients carries over; the step moves every weight tensor by 1e-4 (layer norms) to
 # 0.4 of its size, so a wrong update (unclipped, wrong group, missed parameter) shows
@@ -63,15 +71,50 @@ CLIP_GRAD = 0.05
 
 @dataclass(frozen=True)
 class Model:
-    """What the model is, independent of how it is parallelised."""
+    """What the model is, independent of how it is parallelised. ``deepseek``: DeepSeek-V3's
+    structure in small (RMSNorm, SwiGLU, MLA; with ``moe``, a shared expert and sigmoid
+    routing with expert bias and top-k scaling); ``dense_first``: that many dense layers
+    before the MoE ones; ``mtp``: MTP layers."""
 
     moe: bool = False
     tied: bool = False
     rope: bool = False
+    deepseek: bool = False
+    dense_first: int = 0
+    mtp: int | None = None
+    num_layers: int = 8
 
     def config(self, **parallel: Any) -> Any:
-        moe = {"num_moe_experts": 4, "moe_router_topk": 2} if self.moe else {}
-        return tm.tiny_gpt_config(**moe, **parallel)
+        features: dict[str, Any] = {"num_layers": self.num_layers, "mtp_num_layers": self.mtp}
+        if self.moe:
+            features.update(num_moe_experts=4, moe_router_topk=2)
+            if self.dense_first:
+                dense = self.dense_first
+                features["moe_layer_freq"] = [0] * dense + [1] * (self.num_layers - dense)
+        if self.deepseek:
+            features.update(
+                normalization="RMSNorm",
+                gated_linear_unit=True,
+                activation_func=F.silu,
+                add_bias_linear=False,
+                multi_latent_attention=True,
+                q_lora_rank=32,
+                kv_lora_rank=16,
+                qk_head_dim=16,
+                qk_pos_emb_head_dim=8,
+                v_head_dim=16,
+                rope_type="rope",
+            )
+            if self.moe:
+                features.update(
+                    moe_ffn_hidden_size=32,
+                    moe_shared_expert_intermediate_size=32,
+                    moe_router_score_function="sigmoid",
+                    moe_router_enable_expert_bias=True,
+                    moe_router_topk_scaling_factor=2.5,
+                    moe_router_dtype="fp32",
+                )
+        return tm.tiny_gpt_config(**features, **parallel)
 
     def build_kwargs(self) -> dict[str, Any]:
         return {
@@ -102,6 +145,19 @@ class Layout:
     distributed_optimizer: bool = False
     #: Pass Megatron's explicit ``p2p_communicator`` and ``pg_collection`` to the schedule.
     explicit_groups: bool = False
+    #: Megatron's split settings, read over the schedule's model stages in pipeline order.
+    first: int | None = None
+    last: int | None = None
+    layout: str | None = None
+
+    def split(self) -> dict[str, Any]:
+        """The split as Megatron's TransformerConfig takes it, for Megatron's placement."""
+        if self.layout is not None:
+            return {"pipeline_model_parallel_layout": self.layout}
+        return {
+            "num_layers_in_first_pipeline_stage": self.first,
+            "num_layers_in_last_pipeline_stage": self.last,
+        }
 
     @property
     def defers(self) -> bool:
@@ -111,14 +167,28 @@ class Layout:
     def world_size(self) -> int:
         return self.pp * self.dp * self.tp
 
+    @property
+    def timeout_factor(self) -> float:
+        """How much longer than on a core each the ranks may wait for one another."""
+        return max(1.0, self.world_size / CORES)
 
-def _init_parallel(pp: int = 1, vp: int | None = None, ep: int = 1, tp: int = 1) -> None:
+
+def _init_parallel(
+    pp: int = 1,
+    vp: int | None = None,
+    ep: int = 1,
+    tp: int = 1,
+    schedule: str | None = None,
+    timeout_factor: float = 1.0,
+) -> None:
+    ranks = embedding_ranks(schedule)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp,
         expert_model_parallel_size=ep,
-        distributed_timeout_minutes=TIMEOUT_MIN,
+        distributed_timeout_minutes=TIMEOUT_MIN * timeout_factor,
+        **({"get_embedding_ranks": ranks} if ranks else {}),
     )
     megatron_random.model_parallel_cuda_manual_seed(INIT_SEED)
 
@@ -129,12 +199,26 @@ def _data(dp_rank: int, microbatches: int = NUM_MICROBATCHES) -> list[dict[str, 
     )
 
 
+def _take_mtp_losses() -> list[float]:
+    """The MTP losses Megatron's tracker summed over this process's micro-batches since the
+    last call ([] without MTP layers here), and a clean tracker."""
+    values = MTPLossLoggingHelper.tracker.get("values")
+    if values is None:
+        return []
+    taken = values.tolist()
+    MTPLossLoggingHelper.clean_loss_in_tracker()
+    return taken
+
+
 def _merge(per_chunk: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One rank's chunks' tensors by global name; a name in two chunks is one parameter held
+    twice (the embedding and its copy for tied embeddings or MTP), whose values must agree."""
     merged: dict[str, torch.Tensor] = {}
     for part in per_chunk:
-        clash = set(merged) & set(part)
-        assert not clash, f"parameters held by two chunks of one rank: {sorted(clash)}"
-        merged.update(part)
+        for name, value in part.items():
+            if name in merged:
+                assert torch.equal(merged[name], value), f"the two copies of {name} differ"
+            merged[name] = value
     return merged
 
 
@@ -173,6 +257,7 @@ def _reference_worker(
         state = tm.global_state(reference)
         batches = [batch for d in range(dp) for batch in _data(d, microbatches)]
         losses = tm.run_reference_step(reference, batches)
+        mtp_losses = [v / len(batches) for v in _take_mtp_losses()]
         grads = tm.global_gradients(reference)
 
         params = tm.global_named_parameters(reference)
@@ -193,6 +278,7 @@ def _reference_worker(
         return {
             "state": state,
             "losses": losses,
+            "mtp_losses": mtp_losses,
             "grads": grads,
             "grad_norm": grad_norm,
             "stepped": stepped,
@@ -215,13 +301,20 @@ def _build_chunks(model: Model, layout: Layout) -> list[torch.nn.Module]:
     if model.moe:
         parallel["moe_token_dispatcher_type"] = layout.dispatcher
     if layout.schedule not in ("dualpipe", "dualpipev"):
-        return list(tm.build_model_chunks(model.config(**parallel), **model.build_kwargs()))
-    num_layers = model.config().num_layers
-    placement = StagePlacementLayout(layout.schedule, layout.pp, num_layers)
-    config = model.config(**parallel, pipeline_model_parallel_layout=placement)
-    roles = chunk_roles(
-        layout.schedule, layout.pp, parallel_state.get_pipeline_model_parallel_rank(), num_layers
+        config = model.config(**parallel, **layout.split())
+        return list(tm.build_model_chunks(config, **model.build_kwargs()))
+    counts = stage_layers(
+        layout.schedule,
+        layout.pp,
+        model.num_layers,
+        first=layout.first,
+        last=layout.last,
+        layout=layout.layout,
+        mtp_num_layers=model.mtp,
     )
+    placement = StagePlacementLayout(layout.schedule, layout.pp, counts, model.mtp)
+    config = model.config(**parallel, pipeline_model_parallel_layout=placement)
+    roles = placement.roles(parallel_state.get_pipeline_model_parallel_rank())
     return [
         tm.build_tiny_gpt(
             config,
@@ -243,6 +336,7 @@ def _ready_chunks(
     config = chunks[0].config
     for chunk in chunks:
         tm.load_global_state(chunk, state)
+    mark_tied_copies(chunks)
     if layout.defers:
         assert enable_weight_grad_deferral(chunks) > 0
     if ddp:
@@ -324,7 +418,9 @@ def _pipelined_worker(
     rank: int, world_size: int, model: Model, layout: Layout, state: dict[str, torch.Tensor]
 ) -> dict[str, Any]:
     """One training step with the schedule of ``layout`` on this rank."""
-    _init_parallel(layout.pp, layout.vp, layout.ep, layout.tp)
+    _init_parallel(
+        layout.pp, layout.vp, layout.ep, layout.tp, layout.schedule, layout.timeout_factor
+    )
     try:
         chunks = _ready_chunks(model, layout, state, ddp=layout.ddp)
         optimizer = None
@@ -350,6 +446,7 @@ def _pipelined_worker(
             "dp_rank": parallel_state.get_data_parallel_rank(),
             "loss_microbatches": _loss_microbatches(layout),
             "losses": [d["loss"].item() for d in loss_dicts],
+            "mtp_losses": _take_mtp_losses(),
             "grads": _merge([tm.global_gradients(c) for c in chunks]),
             "deferred": deferred[0],
         }
@@ -385,8 +482,8 @@ def _run(model: Model, layout: Layout) -> tuple[dict[str, Any], list[dict[str, A
         _pipelined_worker,
         layout.world_size,
         args=(model, layout, reference["state"]),
-        timeout_s=RUN_TIMEOUT_S,
-        pg_timeout_s=PG_TIMEOUT_S,
+        timeout_s=RUN_TIMEOUT_S * layout.timeout_factor,
+        pg_timeout_s=PG_TIMEOUT_S * layout.timeout_factor,
     )
     return reference, results
 
@@ -415,6 +512,16 @@ def _check(model: Model, layout: Layout, expected_schedule: str) -> dict[str, fl
         computed = sorted(mb for r in results if r["dp_rank"] == d for mb in r["loss_microbatches"])
         # TP ranks each compute every loss of their stage.
         assert computed == sorted(list(range(layout.microbatches)) * layout.tp)
+    if model.mtp:
+        # Each MTP rank's tracker holds the sum over its micro-batches (under dualpipe two
+        # ranks hold half each): the mean over every micro-batch is the reference's.
+        holders = [r["mtp_losses"] for r in results if r["mtp_losses"]]
+        summed = [sum(v) for v in zip(*holders, strict=True)]
+        mean = [v / (layout.microbatches * layout.dp) for v in summed]
+        worst["mtp_loss"] = max(
+            abs(a - b) / abs(b) for a, b in zip(mean, reference["mtp_losses"], strict=True)
+        )
+        assert worst["mtp_loss"] <= REL_TOL, (mean, reference["mtp_losses"])
     covered = set().union(*(r["grads"] for r in results))
     assert covered == set(reference["grads"]), (
         f"gradients missing: {sorted(set(reference['grads']) - covered)}, "
@@ -448,8 +555,11 @@ def _trajectory_worker(
     steps: int,
 ) -> dict[str, Any]:
     """``steps`` training iterations on one batch with Megatron's DDP and Adam; returns the
-    micro-batches whose losses this rank computes and, per iteration, those losses."""
-    _init_parallel(layout.pp, layout.vp, layout.ep, layout.tp)
+    micro-batches whose losses this rank computes and, per iteration, those losses and the
+    MTP losses of its tracker, and the gradients of the first iteration by global name."""
+    _init_parallel(
+        layout.pp, layout.vp, layout.ep, layout.tp, layout.schedule, layout.timeout_factor
+    )
     try:
         chunks = _ready_chunks(model, layout, state, ddp=True)
         optimizer = get_megatron_optimizer(
@@ -463,36 +573,120 @@ def _trajectory_worker(
             chunks,
         )
         schedule = get_forward_backward_func(pipeline_schedule=layout.schedule)
-        trajectory = []
+        trajectory, mtp, grads = [], [], {}
         batches = _data(0, layout.microbatches)  # the same batch each time: the loss falls
-        for _ in range(steps):
+        for step in range(steps):
             for chunk in chunks:
                 chunk.zero_grad_buffer()
             optimizer.zero_grad()
             loss_dicts = _step(schedule, chunks, batches, layout)
+            if step == 0:
+                grads = _merge([tm.global_gradients(c) for c in chunks])
             success, _, _ = optimizer.step()
             assert success, "optimizer step skipped"
             trajectory.append([d["loss"].item() for d in loss_dicts])
-        return {"mbs": _loss_microbatches(layout), "losses": trajectory}
+            mtp.append(_take_mtp_losses())
+        return {
+            "dp_rank": parallel_state.get_data_parallel_rank(),
+            "mbs": _loss_microbatches(layout),
+            "losses": trajectory,
+            "mtp_losses": mtp,
+            "grads": grads,
+        }
     finally:
         parallel_state.destroy_model_parallel()
 
 
-def _trajectory(model: Model, layout: Layout, steps: int = 5) -> list[float]:
-    """The mean loss of each of ``steps`` iterations (one data-parallel rank)."""
+@dataclass(frozen=True)
+class Training:
+    """``steps`` Adam iterations on one batch: per iteration the mean loss and the mean MTP
+    loss of each MTP layer (over the batch's micro-batches), and the first iteration's
+    gradients by global name (every rank's, merged)."""
+
+    losses: list[float]
+    mtp_losses: list[list[float]]
+    grads: dict[str, torch.Tensor]
+
+
+def _training(model: Model, layout: Layout, steps: int = 5) -> Training:
     reference = _reference(model, layout.dp, layout.microbatches)
     results = run_workers(
         _trajectory_worker,
         layout.world_size,
         args=(model, layout, reference["state"], steps),
-        timeout_s=RUN_TIMEOUT_S,
-        pg_timeout_s=PG_TIMEOUT_S,
+        timeout_s=RUN_TIMEOUT_S * layout.timeout_factor,
+        pg_timeout_s=PG_TIMEOUT_S * layout.timeout_factor,
     )
-    means = []
+    means, mtp_means = [], []
     for step in range(steps):
         by_mb = {
             mb: loss for r in results for mb, loss in zip(r["mbs"], r["losses"][step], strict=True)
         }
         assert sorted(by_mb) == list(range(layout.microbatches))
         means.append(sum(by_mb.values()) / len(by_mb))
-    return means
+        # Every data-parallel rank ran the same batch: one pipeline's trackers hold its sum.
+        first = [r for r in results if r["dp_rank"] == 0]
+        trackers = [r["mtp_losses"][step] for r in first if r["mtp_losses"][step]]
+        mtp_means.append([sum(v) / layout.microbatches for v in zip(*trackers, strict=True)])
+    grads: dict[str, torch.Tensor] = {}
+    if not layout.distributed_optimizer:  # else each rank's main_grad is right on its shard
+        for result in results:
+            grads = _merge([grads, result["grads"]])
+    return Training(means, mtp_means, grads)
+
+
+@functools.cache
+def _reference_training(model: Model, microbatches: int, steps: int) -> Training:
+    return _training(model, Layout(pp=1, microbatches=microbatches), steps)
+
+
+def _trajectory(model: Model, layout: Layout, steps: int = 5) -> list[float]:
+    """The mean loss of each of ``steps`` iterations (one data-parallel rank)."""
+    return _training(model, layout, steps).losses
+
+
+def _same_to_7_digits(a: float, b: float) -> bool:
+    """Equal as printed with 7 significant digits, or within one unit of the 7th digit where
+    fp32 sums in another order straddle a rounding boundary."""
+    return f"{a:.6E}" == f"{b:.6E}" or abs(a - b) <= 1e-7 * abs(b)
+
+
+def check_training(model: Model, layout: Layout, steps: int = 5) -> dict[str, float]:
+    """``layout`` against the one-process unpipelined run (Megatron's no-pipelining schedule,
+    same DDP and Adam) over ``steps`` iterations: every iteration's loss equal to 7
+    significant digits, the first iteration's gradients within 1e-5 per parameter by global
+    name; returns the max relative errors.
+
+    The MTP loss is what Megatron reports: its tracker's fp32 sum over the micro-batches, in
+    the order the schedule computes them, over their number. Summed in another order it
+    may differ by the sum's rounding (up to one fp32 epsilon per micro-batch, relative),
+    which can reach the 7th digit: it must agree to within that."""
+    reference = _reference_training(model, layout.microbatches, steps)
+    ours = _training(model, layout, steps)
+    assert set(ours.grads) == set(reference.grads), (
+        f"gradients missing: {sorted(set(reference.grads) - set(ours.grads))}, "
+        f"unexpected: {sorted(set(ours.grads) - set(reference.grads))}"
+    )
+    worst = {"grad": _assert_close_by_name("gradients", ours.grads, reference.grads)}
+    different = [
+        (f"{a:.7E}", f"{b:.7E}")
+        for a, b in zip(ours.losses, reference.losses, strict=True)
+        if not _same_to_7_digits(a, b)
+    ]
+    assert not different, f"losses differ from the reference: {different}"
+    worst["loss"] = max(
+        abs(a - b) / abs(b) for a, b in zip(ours.losses, reference.losses, strict=True)
+    )
+    mtp = [
+        (a, b)
+        for step, ref in zip(ours.mtp_losses, reference.mtp_losses, strict=True)
+        for a, b in zip(step, ref, strict=True)
+    ]
+    rounding = layout.microbatches * FP32_EPS
+    off = [(f"{a:.7E}", f"{b:.7E}") for a, b in mtp if abs(a - b) > rounding * abs(b)]
+    assert not off, f"MTP losses differ from the reference beyond the fp32 sum's rounding: {off}"
+    worst["mtp_loss"] = max((abs(a - b) / abs(b) for a, b in mtp), default=0.0)
+    assert bool(mtp) == bool(model.mtp)
+    assert ours.losses[-1] < ours.losses[0], f"{steps} Adam steps should lower the loss"
+    print(f"\n{layout}: {steps} Adam steps, max relative errors {worst}")
+    return worst

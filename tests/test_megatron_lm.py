@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from megatron.core.transformer.enums import LayerType
 
 from megatron_dualpipe import megatron_lm
 from megatron_dualpipe.megatron.checks import DualPipeConfigError
@@ -106,6 +107,19 @@ def test_apply_without_the_argument_does_nothing() -> None:
     assert megatron_lm.forward_backward_func(args, _megatrons) is _megatrons
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(mtp_num_layers=1),
+        dict(untie_embeddings_and_output_weights=False),
+        dict(decoder_first_pipeline_num_layers=1, decoder_last_pipeline_num_layers=3),
+        dict(pipeline_schedule="dualpipe", pipeline_model_parallel_layout="Et|ttttt|ttttt|tttttL"),
+    ],
+)
+def test_mtp_tied_embeddings_and_uneven_stages_are_accepted(overrides: dict[str, Any]) -> None:
+    megatron_lm.apply(_args(**overrides))
+
+
 def test_megatrons_own_1f1b_keeps_megatrons_function() -> None:
     args = _args(pipeline_schedule="1f1b")
     megatron_lm.apply(args)
@@ -116,7 +130,11 @@ def test_megatrons_own_1f1b_keeps_megatrons_function() -> None:
     ("overrides", "message"),
     [
         (dict(global_batch_size=12), "micro-batches to be >= 2 x PP = 8, got 6"),
-        (dict(num_layers=12), "--num-layers 12 is not divisible by 8"),
+        (dict(num_layers=12), "dualpipev at PP=4 runs 8 model stages: 12 layers do not split"),
+        (
+            dict(num_layers=16, decoder_first_pipeline_num_layers=3),
+            "after 3 layers in the first/last stage, 13 layers do not split evenly",
+        ),
         (
             dict(
                 pipeline_schedule="dualpipe",
@@ -129,11 +147,19 @@ def test_megatrons_own_1f1b_keeps_megatrons_function() -> None:
         (dict(pipeline_model_parallel_size=1), "needs --pipeline-model-parallel-size >= 2"),
         (dict(virtual_pipeline_model_parallel_size=2), "places its own model chunks"),
         (dict(context_parallel_size=2), "--context-parallel-size 1"),
-        (dict(mtp_num_layers=1), "unset --mtp-num-layers"),
-        (dict(untie_embeddings_and_output_weights=False), "--untie-embeddings-and-output-weights"),
         (dict(rampup_batch_size=["4", "4", "100"]), "unset --rampup-batch-size"),
         (dict(yaml_cfg="model.yaml"), "drop --yaml-cfg"),
-        (dict(pipeline_model_parallel_layout="Et|tL"), "unset --pipeline-model-parallel-layout"),
+        (
+            dict(pipeline_model_parallel_layout="Et|tt|tt|tt|tt|tt|tt|tL"),
+            "Megatron-LM makes a layout of that many stages a virtual pipeline",
+        ),
+        (
+            dict(
+                pipeline_schedule="dualpipe",
+                pipeline_model_parallel_layout="Ettt|tttt|tttt|ttttL",
+            ),
+            "holds 15 decoder layers (t) but num_layers is 16",
+        ),
         (
             dict(pipeline_schedule="1f1b", virtual_pipeline_model_parallel_size=2),
             "1f1b runs one model chunk per rank",
@@ -176,8 +202,11 @@ def test_apply_can_exit_with_the_sentence(capsys: pytest.CaptureFixture[str]) ->
 # The hooks the patch calls
 
 
-class _Chunk:
+class _Chunk(torch.nn.Module):
+    """Stands for what the model provider builds (a module without parameters)."""
+
     def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
         self.kwargs = kwargs
 
 
@@ -208,6 +237,42 @@ def test_build_model_chunks_places_the_v() -> None:
         (False, False),
         (False, False),
     ]
+
+
+def test_build_model_chunks_splits_as_the_arguments_say() -> None:
+    args = _args(
+        pipeline_model_parallel_size=2,
+        num_layers=7,
+        global_batch_size=8,
+        decoder_first_pipeline_num_layers=1,
+        decoder_last_pipeline_num_layers=2,
+        account_for_embedding_in_pipeline_split=False,
+        account_for_loss_in_pipeline_split=False,
+        mtp_num_layers=1,
+    )
+    seen: list[argparse.Namespace] = []
+
+    def config_from_args(a: argparse.Namespace) -> argparse.Namespace:
+        seen.append(a)
+        return argparse.Namespace(pipeline_model_parallel_layout=a.pipeline_model_parallel_layout)
+
+    chunks = megatron_lm.build_model_chunks(_Chunk, args, config_from_args, pp_rank=0)
+    layout = chunks[0].kwargs["config"].pipeline_model_parallel_layout
+    assert layout.stage_layers == (1, 2, 2, 2)  # 2 x PP = 4 stages in the V
+    # rank 0: stage 0 (layer 0) and stage 3 (layers 5-6, the MTP layer and the loss)
+    assert [layout.get_layer_offset(vp_stage=c, pp_rank=0) for c in (0, 1)] == [0, 5]
+    assert [layout.get_num_layers_to_build(vp_stage=c, pp_rank=0) for c in (0, 1)] == [1, 2]
+    mtp = [layout.get_num_layers_to_build(LayerType.mtp, vp_stage=c, pp_rank=0) for c in (0, 1)]
+    assert mtp == [0, 1]
+    # Megatron's TransformerConfig refuses the split arguments beside a layout: folded in it.
+    assert seen[0].decoder_first_pipeline_num_layers is None
+    assert args.decoder_first_pipeline_num_layers == 1  # args untouched
+
+
+def test_embedding_ranks_hook() -> None:
+    assert megatron_lm.embedding_ranks(_args(), [4, 5, 6, 7]) == [4]
+    assert megatron_lm.embedding_ranks(_args(pipeline_schedule="dualpipe"), [4, 5]) == [4]
+    assert megatron_lm.embedding_ranks(_args(pipeline_schedule="zb1p"), [4, 5]) is None
 
 
 def test_build_model_chunks_refuses_a_config_without_our_layout() -> None:
@@ -244,8 +309,13 @@ def test_which_schedules_use_the_placement_and_batch_hooks(
         assert megatron_lm.losses_on_last_stage(losses, args) is losses
 
 
-def _gather_losses(rank: int, world_size: int, schedule: str) -> list[dict[str, list[float]]]:
+def _gather_losses(rank: int, world_size: int, schedule: str) -> tuple[list[dict], Any]:
     from megatron.core import parallel_state
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from megatron_dualpipe.megatron.cpu_compat import apply_cpu_compat
+
+    apply_cpu_compat()  # the tracker's device
 
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world_size)
     try:
@@ -256,8 +326,13 @@ def _gather_losses(rank: int, world_size: int, schedule: str) -> list[dict[str, 
             if has_losses
             else []
         )
-        out = megatron_lm.losses_on_last_stage(mine, _args(pipeline_schedule=schedule))
-        return [{k: v.tolist() for k, v in report.items()} for report in out]
+        if has_losses:  # what GPTModel records for one MTP layer over this rank's batches
+            MTPLossLoggingHelper.save_loss_to_tracker(torch.tensor(3.0 + 5.0 * (rank > 0)), 0, 1)
+        args = _args(pipeline_schedule=schedule, mtp_num_layers=1)
+        out = megatron_lm.losses_on_last_stage(mine, args)
+        values = MTPLossLoggingHelper.tracker.get("values")
+        tracked = None if values is None else values.tolist()
+        return [{k: v.tolist() for k, v in report.items()} for report in out], tracked
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -267,7 +342,10 @@ def test_losses_reach_the_last_stage(schedule: str) -> None:
     per_rank = run_workers(_gather_losses, 4, args=(schedule,), timeout_s=60)
     first = [{"lm loss": [0.0, 4.0]}, {"lm loss": [1.0, 4.0]}]
     last = [{"lm loss": [30.0, 4.0]}, {"lm loss": [31.0, 4.0]}] if schedule == "dualpipe" else []
-    assert per_rank == [[], [], [], first + last]
+    assert [reports for reports, _ in per_rank] == [[], [], [], first + last]
+    # Megatron's MTP tracker: the pipeline's sum on the last stage, cleared where it was.
+    mtp = 3.0 + (8.0 if schedule == "dualpipe" else 0.0)
+    assert [tracked for _, tracked in per_rank] == [[0.0], None, None, [mtp]]
 
 
 # --------------------------------------------------------------------------------------

@@ -11,7 +11,11 @@ import megatron_dualpipe
 from megatron_dualpipe.megatron import registry
 from megatron_dualpipe.megatron.checks import DualPipeConfigError, check_run
 from megatron_dualpipe.megatron.forward_backward import DualPipeForwardBackward
-from megatron_dualpipe.megatron.placement import StagePlacementLayout, chunk_roles
+from megatron_dualpipe.megatron.placement import (
+    StagePlacementLayout,
+    chunk_roles,
+    config_chunk_roles,
+)
 from megatron_dualpipe.megatron.tiny_models import tiny_gpt_config
 
 
@@ -105,10 +109,25 @@ def test_bad_combinations_fail_before_work(schedule: str, kwargs: dict, message:
 
 
 def test_layers_must_split_into_stages() -> None:
-    config = tiny_gpt_config(num_layers=6)
-    with pytest.raises(DualPipeConfigError, match="--num-layers 6 is not divisible by 8"):
-        check_run("dualpipev", pipeline_size=4, num_microbatches=8, config=config)
-    check_run("dualpipe", pipeline_size=2, num_microbatches=4, config=tiny_gpt_config(num_layers=6))
+    with pytest.raises(DualPipeConfigError, match="6 layers do not split evenly into 8 stages"):
+        chunk_roles("dualpipev", 4, 0, 6)
+    assert [r.num_layers for r in chunk_roles("dualpipe", 2, 0, 6)] == [3, 3]
+
+
+def test_a_model_built_for_another_placement_is_refused() -> None:
+    layout = StagePlacementLayout("dualpipev", 2, 8)
+    config = tiny_gpt_config(num_layers=8, pipeline_model_parallel_layout=layout)
+    assert [r.layer_offset for r in config_chunk_roles(config, "dualpipev", 2, 1)] == [2, 4]
+    with pytest.raises(DualPipeConfigError, match="built for dualpipev at PP=2 but runs dualpipe"):
+        config_chunk_roles(config, "dualpipe", 2, 0)
+    plain = tiny_gpt_config(num_layers=8, pipeline_model_parallel_size=2)
+    with pytest.raises(DualPipeConfigError, match="pipeline_model_parallel_layout to be"):
+        config_chunk_roles(plain, "dualpipev", 2, 0)
+    # zb1p: Megatron's own split, here its first/last counts.
+    uneven = tiny_gpt_config(
+        num_layers=8, pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=3
+    )
+    assert [r.num_layers for r in config_chunk_roles(uneven, "zb1p", 2, 1)] == [5]
 
 
 def test_v_placement_keeps_global_layer_numbers() -> None:

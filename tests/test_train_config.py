@@ -32,11 +32,12 @@ def _error(path: Path, overrides: tuple[str, ...] = ()) -> str:
     return message
 
 
-def test_the_four_configs_are_there() -> None:
+def test_the_five_configs_are_there() -> None:
     assert {p.name for p in CONFIGS} >= {
         "tiny_gpt_cpu.yaml",
         "tiny_moe_cpu.yaml",
-        "deepseek_v3_like_pp16.yaml",
+        "tiny_deepseek_cpu.yaml",
+        "deepseek_v3_pp16.yaml",
         "dense_70b_dualpipe.yaml",
     }
 
@@ -55,10 +56,27 @@ def test_every_config_validates_and_megatron_accepts_its_model(path: Path) -> No
 
 
 def test_realistic_configs_are_what_they_say() -> None:
-    deepseek = load_config(next(p for p in CONFIGS if p.name.startswith("deepseek")))
-    assert deepseek.pipeline_schedule == "dualpipev"
+    deepseek = load_config(next(p for p in CONFIGS if p.name == "deepseek_v3_pp16.yaml"))
+    assert deepseek.pipeline_schedule == "dualpipe"
     assert deepseek.pipeline_model_parallel_size == 16
     assert deepseek.is_moe and deepseek.expert_model_parallel_size > 1
+    assert (deepseek.num_layers, deepseek.hidden_size, deepseek.vocab_size) == (61, 7168, 129280)
+    assert deepseek.moe_layer_pattern == [0] * 3 + [1] * 58
+    assert (deepseek.num_experts, deepseek.moe_router_topk) == (256, 8)
+    assert deepseek.moe_shared_expert_intermediate_size == deepseek.moe_ffn_hidden_size
+    assert deepseek.moe_router_score_function == "sigmoid"
+    assert deepseek.moe_router_enable_expert_bias
+    assert deepseek.multi_latent_attention and deepseek.mtp_num_layers == 1
+    assert (deepseek.q_lora_rank, deepseek.kv_lora_rank) == (1536, 512)
+    mla = (deepseek.qk_head_dim, deepseek.qk_pos_emb_head_dim, deepseek.v_head_dim)
+    assert mla == (128, 64, 128)
+    assert deepseek.seq_length == 4096
+    stages = deepseek.stage_layers()
+    assert len(stages) == 16 and sum(stages) == 61 and len(set(stages[1:-1])) == 1
+    tiny = load_config(next(p for p in CONFIGS if p.name == "tiny_deepseek_cpu.yaml"))
+    assert tiny.pipeline_schedule == "dualpipev" and tiny.expert_model_parallel_size == 2
+    assert tiny.multi_latent_attention and tiny.mtp_num_layers == 1
+    assert 0 in tiny.moe_layer_pattern and len(set(tiny.stage_layers())) > 1  # dense, uneven
     dense = load_config(next(p for p in CONFIGS if p.name.startswith("dense_70b")))
     assert dense.pipeline_schedule == "dualpipe"
     assert dense.pipeline_model_parallel_size == 8
@@ -103,7 +121,35 @@ def test_too_few_microbatches(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("num_layers: 6", "num_layers: dualpipev cuts the model into 4 stages"),
+        ("num_layers: 6", "num_layers: dualpipev at PP=2 runs 4 model stages: 6 layers do not"),
+        (
+            "decoder_first_pipeline_num_layers: 3",
+            "decoder_first_pipeline_num_layers: dualpipev at PP=2 runs 4 model stages: after 3",
+        ),
+        (
+            "pipeline_model_parallel_layout: Etttt|ttttL",
+            "pipeline_model_parallel_layout: dualpipev at PP=2 runs 4 model stages: the pipeline "
+            "layout has 2 stages",
+        ),
+        (
+            "pipeline_model_parallel_layout: Et|ttt|ttt|tL\ndecoder_last_pipeline_num_layers: 1",
+            "model stages: a layout string cannot be combined with first/last stage layer counts",
+        ),
+        ("moe_layer_freq: 2", "moe_layer_freq: needs num_experts"),
+        (
+            "num_experts: 4\nadd_bias_linear: false\nmoe_layer_freq: '[0]*2+[1]*5'",
+            "moe_layer_freq: lists 7 layers but num_layers is 8",
+        ),
+        (
+            "num_experts: 4\nadd_bias_linear: false\nmoe_layer_freq: '[0]*2+1'",
+            "moe_layer_freq: '[0]*2+1' is neither an integer nor a sum of 0/1 lists",
+        ),
+        (
+            "num_experts: 4\nadd_bias_linear: false\nmoe_router_enable_expert_bias: true",
+            "moe_router_enable_expert_bias: needs moe_router_score_function: sigmoid",
+        ),
+        ("q_lora_rank: 8", "q_lora_rank: is a multi-latent attention key"),
+        ("mtp_num_layers: 0", "mtp_num_layers: must be >= 1, got 0"),
         ("global_batch_size: 15", "global_batch_size: 15 is not divisible by"),
         ("world_size: 3", "world_size: 3 ranks do not split"),
         ("pipeline_schedule: gpipe", "pipeline_schedule: 'gpipe' is not one of 1f1b,"),
@@ -134,6 +180,20 @@ def test_override_mistakes_name_set() -> None:
         f"{TINY}: world_size: 2 ranks do not split into tensor x pipeline groups of 1 x 3: "
         "use a multiple of 3"
     )
+
+
+def test_the_split_keys_read_over_the_schedules_model_stages(tmp_path: Path) -> None:
+    uneven = "decoder_first_pipeline_num_layers: 1\ndecoder_last_pipeline_num_layers: 3"
+    assert load_config(_write(tmp_path, uneven)).stage_layers() == (1, 2, 2, 3)
+    layout = load_config(_write(tmp_path, "pipeline_model_parallel_layout: E|ttt|ttt|ttL"))
+    assert layout.stage_layers() == (0, 3, 3, 2)
+    # 1f1b: Megatron's own meaning, one stage per pipeline rank.
+    one_f_one_b = ["pipeline_schedule=1f1b", "decoder_first_pipeline_num_layers=3"]
+    one_f_one_b.append("decoder_last_pipeline_num_layers=5")
+    assert load_config(TINY, one_f_one_b).stage_layers() == (3, 5)
+    # An integer moe_layer_freq in YAML is Megatron-LM's integer form.
+    moe = "num_experts: 4\nadd_bias_linear: false\nmoe_layer_freq: 2"
+    assert load_config(_write(tmp_path, moe)).moe_layer_pattern == 2
 
 
 def test_yaml_float_literals_without_a_dot_are_numbers(tmp_path: Path) -> None:

@@ -7,19 +7,18 @@ the schedule registry.
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..errors import DualPipeError
 from ..schedules.ir import ScheduleError
+from ..schedules.layer_split import LayerSplit, stage_layer_counts
+from ..schedules.layout import MTP, check_layout, parse_layout
 from ..schedules.registry import SCHEDULES, ScheduleSpec, spec
 
 __all__ = [
     "DualPipeConfigError",
-    "check_layers",
-    "check_model",
     "check_run",
     "overlap_problem",
     "schedule_spec",
+    "stage_layers",
 ]
 
 
@@ -35,14 +34,47 @@ def schedule_spec(name: str) -> ScheduleSpec:
         raise DualPipeConfigError(str(err)) from None
 
 
-def check_layers(schedule: str, pipeline_size: int, num_layers: int) -> None:
-    """The layers must split evenly into the schedule's model stages."""
+def stage_layers(
+    schedule: str,
+    pipeline_size: int,
+    num_layers: int,
+    *,
+    first: int | None = None,
+    last: int | None = None,
+    account_for_embedding: bool = False,
+    account_for_loss: bool = False,
+    layout: str | None = None,
+    mtp_num_layers: int | None = None,
+) -> tuple[int, ...]:
+    """Decoder layers of each model stage of ``schedule`` at ``pipeline_size`` ranks, in
+    pipeline order (the stage where data enters first, the stage ending in the loss last),
+    from Megatron's split settings: even, ``first`` / ``last`` (Megatron-LM's
+    ``--decoder-first/last-pipeline-num-layers``), the embedding / loss counted as a layer
+    (:mod:`~..schedules.layer_split`), or a ``layout`` string with one entry per model stage
+    (:mod:`~..schedules.layout`, which reads it as Megatron-Core's parser does, also for the
+    balance advisor; the MTP layers in the last stage, with the loss). Raises
+    :class:`DualPipeConfigError`, one sentence with the fix."""
     stages = schedule_spec(schedule).model_stages(pipeline_size)
-    if num_layers % stages:
-        raise DualPipeConfigError(
-            f"{schedule} cuts the model into {stages} stages of equal size, but "
-            f"--num-layers {num_layers} is not divisible by {stages}: use a multiple of {stages}"
-        )
+    where = f"{schedule} at PP={pipeline_size} runs {stages} model stages"
+    try:
+        if layout is None:
+            split = LayerSplit(num_layers, first, last, account_for_embedding, account_for_loss)
+            return tuple(stage_layer_counts(split, stages))
+        if first is not None or last is not None or account_for_embedding or account_for_loss:
+            raise ScheduleError(
+                "a layout string cannot be combined with first/last stage layer counts or with "
+                "accounting for the embedding or loss (as in Megatron-Core): use one of them"
+            )
+        parsed = parse_layout(layout)
+        counts = check_layout(parsed, num_layers, mtp_num_layers or 0, stages)
+        if mtp_num_layers and MTP not in parsed[-1]:
+            raise ScheduleError(
+                "the pipeline layout must end with the MTP layers (m) and the loss (L) in the "
+                "last stage: the MTP block lives with the loss"
+            )
+        return tuple(counts)
+    except ScheduleError as err:
+        raise DualPipeConfigError(f"{where}: {err}") from None
 
 
 def check_run(
@@ -50,16 +82,12 @@ def check_run(
     *,
     pipeline_size: int,
     num_microbatches: int,
-    config: Any = None,
     virtual_pipeline_size: int | None = None,
     context_parallel_size: int = 1,
 ) -> None:
-    """Refuse unsupported combinations for a schedule our runtime runs.
-
-    ``config`` is a Megatron TransformerConfig (or anything with its attribute names);
-    checked: layers divisible into stages, no MTP. (Tied embeddings are a property of the
-    model: :func:`check_model`.)
-    """
+    """Refuse unsupported combinations for a schedule our runtime runs: too few ranks, a
+    virtual pipeline, context parallelism, illegal micro-batch counts. (How the layers split
+    into stages: :func:`stage_layers`; the placement's roles check the model's config.)"""
     found = schedule_spec(schedule)
     if not found.runs_ours:
         ours = ", ".join(n for n, s in SCHEDULES.items() if s.runs_ours)
@@ -84,30 +112,6 @@ def check_run(
     problem = found.problem(pipeline_size, num_microbatches)
     if problem is not None:
         raise DualPipeConfigError(problem)
-    if config is None:
-        return
-    check_layers(schedule, pipeline_size, config.num_layers)
-    if getattr(config, "mtp_num_layers", None):
-        raise DualPipeConfigError(
-            f"{schedule} does not support multi-token prediction yet: unset --mtp-num-layers"
-        )
-
-
-def check_model(schedule: str, model_chunks: Any) -> None:
-    """Refuse model features the schedule's placement breaks: DualPipe(V) keep embedding
-    and output layer where Megatron's embedding group does not expect them, so tied
-    embeddings would be synchronised between the wrong ranks."""
-    if not schedule_spec(schedule).places_chunks:
-        return
-    for chunk in model_chunks:
-        while hasattr(chunk, "module"):
-            chunk = chunk.module
-        if getattr(chunk, "share_embeddings_and_output_weights", False):
-            raise DualPipeConfigError(
-                f"{schedule} does not support tied embeddings yet: set "
-                "--untie-embeddings-and-output-weights (share_embeddings_and_output_weights="
-                "False)"
-            )
 
 
 def overlap_problem(

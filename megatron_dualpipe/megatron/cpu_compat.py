@@ -26,6 +26,9 @@ The remaining patches, each against the megatron-core 0.16.1 code it addresses:
 - ``RouterGatingLinearFunction.forward`` (transformer/moe/moe_utils.py, via
   ``Router.gating``): ``te_general_gemm`` is only defined when Transformer Engine
   imports; it is defined as None otherwise.
+- ``MLASelfAttention.__init__`` (transformer/multi_latent_attention.py): without Transformer
+  Engine the module still imports TE's names (the extension's stand-ins), sets ``HAVE_TE``
+  and then calls ``isinstance`` with a stand-in; its ``HAVE_TE`` is set to False.
 - ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize``
   (transformer/moe/token_dispatcher.py) -> ``moe_utils.maybe_move_tensor_to_cpu``: split
   sizes become numpy only for CUDA tensors and gloo's all_to_all_single rejects tensors;
@@ -168,6 +171,11 @@ _TORCH_ON_CPU_SITES: tuple[tuple[str, str], ...] = (
         "megatron.core.dist_checkpointing.strategies.state_dict_saver",
         "save_state_dict_async_finalize puts a failure flag on torch.cuda.current_device()",
     ),
+    (
+        "megatron.core.transformer.multi_token_prediction",
+        "MTPLossLoggingHelper.save_loss_to_tracker keeps the MTP losses on "
+        "torch.cuda.current_device() (GPTModel._postprocess, in training)",
+    ),
 )
 
 # Tensor factories whose ``device="cuda"`` the CPU view maps to the CPU.
@@ -215,6 +223,7 @@ def apply_cpu_compat() -> None:
     _install_cpu_rng_tracker()
     _make_tensor_cuda_identity_in_embedding_setup()
     _patch_moe()
+    _patch_mla_without_te()
     _patch_grad_clipping()
     _patch_distributed_optimizer_types()
     _patch_float16_optimizer_types()
@@ -522,6 +531,17 @@ def _patch_moe() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_to_host
+
+
+def _patch_mla_without_te() -> None:
+    """``MLASelfAttention.__init__`` tests ``isinstance(linear_proj, TELinear)`` when its
+    module's ``HAVE_TE`` is set, which 0.16.1 sets from importing the TE extension's names;
+    without Transformer Engine those are stand-ins, not types."""
+    from megatron.core.extensions import transformer_engine
+    from megatron.core.transformer import multi_latent_attention
+
+    if not getattr(transformer_engine, "HAVE_TE", False):
+        multi_latent_attention.HAVE_TE = False
 
 
 # --------------------------------------------------------------------------------------

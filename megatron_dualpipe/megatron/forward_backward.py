@@ -43,11 +43,12 @@ from megatron.core.utils import get_model_config
 
 from ..runtime import DEFAULT_TIMEOUT_S, PipelineExecutor, RankTimeline, TensorSpec
 from ..schedules.ir import Action, Kind, Schedule
-from .checks import DualPipeConfigError, check_model, check_run, schedule_spec
-from .mirror import sync_mirror_gradients
-from .placement import chunk_roles
+from .checks import DualPipeConfigError, check_run, schedule_spec
+from .mirror import sync_mirror_expert_loads, sync_mirror_gradients
+from .placement import config_chunk_roles
 from .schedule_plan import plan_supported
 from .stage import MegatronStage, StepInputs
+from .tied import sum_tied_gradients
 
 __all__ = ["DualPipeForwardBackward", "OverlapReport", "TimelineSink"]
 
@@ -215,13 +216,11 @@ class DualPipeForwardBackward:
             self.schedule_name,
             pipeline_size=groups.pp_size,
             num_microbatches=num_microbatches,
-            config=config,
             virtual_pipeline_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
             context_parallel_size=groups.cp_size,
         )
-        check_model(self.schedule_name, model)
         schedule = self.spec.generate(groups.pp_size, num_microbatches)
-        roles = chunk_roles(self.schedule_name, groups.pp_size, groups.pp_rank, config.num_layers)
+        roles = config_chunk_roles(config, self.schedule_name, groups.pp_size, groups.pp_rank)
         overlap = self._overlap(config, model)
         stages = [
             MegatronStage(m, role, overlap=overlap) for m, role in zip(model, roles, strict=True)
@@ -358,7 +357,12 @@ class DualPipeForwardBackward:
         schedule: Schedule,
     ) -> None:
         """What Megatron's schedules do after the last backward: grad sync, finalize (data
-        parallel reduction, layer-norm and embedding sync); then the mirror copies' sum."""
+        parallel reduction, layer-norm and embedding sync, expert-bias update); then the sums
+        over the copies of a parameter on this rank (:mod:`.tied`) and over dualpipe's two
+        copies of every stage (whose expert-bias token counts are summed before finalize)."""
+        mirror = schedule.placement.kind == "mirror"
+        if mirror and getattr(config, "moe_router_enable_expert_bias", False):
+            sync_mirror_expert_loads(model, group=groups.pipeline, timeout_s=self.timeout_s)
         if config.grad_sync_func is not None:
             for func, chunk in zip(_as_list(config.grad_sync_func, len(model)), model, strict=True):
                 func(chunk.parameters())
@@ -375,7 +379,8 @@ class DualPipeForwardBackward:
                 pg_collection=groups.pg_collection,
                 force_all_reduce=force_all_reduce,
             )
-        if schedule.placement.kind == "mirror":
+        sum_tied_gradients(model)
+        if mirror:
             sync_mirror_gradients(model, group=groups.pipeline, timeout_s=self.timeout_s)
 
 

@@ -1,5 +1,7 @@
-"""Per-micro-batch loss reports moved to the last pipeline stage, where Megatron-LM's
-training loop averages and logs them (our placements compute losses elsewhere)."""
+"""Loss reports where Megatron-LM's training loop expects them, though our placements
+compute losses elsewhere: per-micro-batch reports moved to the last pipeline stage, and the
+MTP losses of Megatron's tracker reduced over the pipeline (under dualpipe two ranks hold
+an MTP block each, for half of the micro-batches)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-__all__ = ["reports_to_last_stage"]
+__all__ = ["mtp_losses", "mtp_losses_to_last_stage", "reports_to_last_stage"]
 
 
 def reports_to_last_stage(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -32,3 +35,45 @@ def reports_to_last_stage(reports: list[dict[str, Any]]) -> list[dict[str, Any]]
         for part in gathered
         for report in part
     ]
+
+
+def _pipeline_mtp_sum(num_mtp_layers: int) -> torch.Tensor:
+    """Each MTP layer's loss as Megatron's tracker summed it on this rank (zeros without an
+    MTP block), summed over the pipeline group; the tracker is cleared. Collective over the
+    pipeline group."""
+    tracker = MTPLossLoggingHelper.tracker
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    total = torch.zeros(num_mtp_layers, dtype=torch.float64, device=device)
+    if tracker.get("values") is not None:
+        total += tracker["values"].to(total)
+        MTPLossLoggingHelper.clean_loss_in_tracker()
+    dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+    return total
+
+
+def mtp_losses(num_mtp_layers: int, num_microbatches: int) -> list[float]:
+    """Each MTP layer's loss over the last training step, as Megatron-LM reports it
+    (``track_mtp_metrics``: "mtp_1 loss"): the per-micro-batch losses Megatron's tracker
+    summed, over the micro-batches, averaged over data-parallel ranks; here summed over the
+    pipeline first, wherever the MTP blocks are. Clears the tracker; collective over every
+    rank (all get the values)."""
+    total = _pipeline_mtp_sum(num_mtp_layers)
+    data_parallel = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    dist.all_reduce(total, group=data_parallel)
+    total /= num_microbatches * dist.get_world_size(data_parallel)
+    return total.tolist()
+
+
+def mtp_losses_to_last_stage(num_mtp_layers: int) -> None:
+    """Move Megatron's MTP loss tracker to the last pipeline stage, where Megatron-LM's
+    ``training_log`` reports it: the pipeline's sum there (with the data-parallel group to
+    average over, as ``GPTModel`` records it), empty elsewhere. Collective over the pipeline
+    group."""
+    total = _pipeline_mtp_sum(num_mtp_layers)
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return
+    data_parallel = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    for layer, loss in enumerate(total.float()):
+        MTPLossLoggingHelper.save_loss_to_tracker(
+            loss, layer, num_mtp_layers, avg_group=data_parallel
+        )

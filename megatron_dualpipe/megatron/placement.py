@@ -7,16 +7,21 @@ consult (``config.pipeline_model_parallel_layout``), so that layer numbers, and 
 parameter and checkpoint names, match a standard run.
 
 - dualpipev: rank r holds stage r (chunk 0) and stage 2P-1-r (chunk 1) of a model cut into
-  2P stages; embedding, output layer and loss are all on rank 0.
+  2P stages; embedding, output layer, MTP block and loss are all on rank 0.
 - dualpipe: rank r holds model stage r (chunk 0, direction 0) and model stage P-1-r
   (chunk 1, direction 1) of a model cut into P stages: two copies of every stage, whose
-  gradients are summed (see :mod:`.mirror`).
+  gradients are summed (see :mod:`.mirror`). The last model stage (output layer, MTP block,
+  loss) is on rank P-1 (direction 0) and rank 0 (direction 1).
 - zb1p: the standard one-stage-per-rank split.
+
+How many decoder layers each model stage holds is Megatron's own choice, read over the
+model stages in pipeline order (:func:`~.checks.stage_layers`): even, first/last stage
+counts, embedding/loss accounting, or a layout string.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,9 +29,18 @@ from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
 from ..schedules.ir import Placement
-from .checks import check_layers, schedule_spec
+from .checks import DualPipeConfigError, schedule_spec, stage_layers
 
-__all__ = ["ChunkRole", "StagePlacementLayout", "build_model_chunks", "chunk_roles", "placement_of"]
+__all__ = [
+    "ChunkRole",
+    "StagePlacementLayout",
+    "build_model_chunks",
+    "chunk_roles",
+    "config_chunk_roles",
+    "embedding_ranks",
+    "placement_of",
+]
+
 
 def placement_of(schedule: str, pipeline_size: int, num_microbatches: int = 2) -> Placement:
     """The IR placement of ``schedule`` (micro-batches matter only for dualpipe's paths)."""
@@ -48,11 +62,29 @@ class ChunkRole:
     post_process: bool
 
 
-def chunk_roles(schedule: str, pipeline_size: int, rank: int, num_layers: int) -> list[ChunkRole]:
-    """The chunks pipeline rank ``rank`` builds under ``schedule``, chunk 0 first."""
-    check_layers(schedule, pipeline_size, num_layers)
+def _counts(schedule: str, pipeline_size: int, layers: int | Sequence[int]) -> tuple[int, ...]:
+    """Per-model-stage decoder counts: ``layers`` as given, or an even split of an int."""
+    if isinstance(layers, int):
+        return stage_layers(schedule, pipeline_size, layers)
+    counts = tuple(layers)
+    stages = schedule_spec(schedule).model_stages(pipeline_size)
+    if len(counts) != stages or min(counts, default=0) < 0:
+        raise DualPipeConfigError(
+            f"{schedule} at PP={pipeline_size} runs {stages} model stages: give {stages} "
+            f"per-stage layer counts >= 0, got {list(counts)}"
+        )
+    return counts
+
+
+def chunk_roles(
+    schedule: str, pipeline_size: int, rank: int, layers: int | Sequence[int]
+) -> list[ChunkRole]:
+    """The chunks pipeline rank ``rank`` builds under ``schedule``, chunk 0 first.
+
+    ``layers``: the decoder layers of each model stage in pipeline order (see
+    :func:`~.checks.stage_layers`), or ``num_layers`` split evenly."""
+    counts = _counts(schedule, pipeline_size, layers)
     p = placement_of(schedule, pipeline_size)
-    per_stage = num_layers // p.num_model_stages
     roles = []
     for chunk in range(p.num_chunks):
         stage = p.stage_of(rank, chunk)
@@ -62,8 +94,8 @@ def chunk_roles(schedule: str, pipeline_size: int, rank: int, num_layers: int) -
                 chunk=chunk,
                 stage=stage,
                 model_stage=model_stage,
-                layer_offset=model_stage * per_stage,
-                num_layers=per_stage,
+                layer_offset=sum(counts[:model_stage]),
+                num_layers=counts[model_stage],
                 pre_process=model_stage == 0,
                 post_process=model_stage == p.num_model_stages - 1,
             )
@@ -71,37 +103,66 @@ def chunk_roles(schedule: str, pipeline_size: int, rank: int, num_layers: int) -
     return roles
 
 
-class StagePlacementLayout(PipelineParallelLayerLayout):
-    """A layout whose layer counts and offsets come from our placement.
+def _stage_contents(counts: Sequence[int], mtp_num_layers: int | None) -> list[list[str]]:
+    """Each model stage's layers in Megatron's layout terms: the embedding first, the MTP
+    layers and the loss last."""
+    stages = [["decoder"] * n for n in counts]
+    stages[0].insert(0, "embedding")
+    stages[-1] += ["mtp"] * (mtp_num_layers or 0) + ["loss"]
+    return stages
 
-    Megatron's own layout orders stages virtual-stage-major and cannot express a V or a
-    mirror; its methods ``get_num_layers_to_build`` and ``get_layer_offset`` are what the
-    layer builders ask, so this subclass answers those from :func:`chunk_roles`, with
-    ``vp_stage`` meaning the local chunk. The base layout it is built on (embedding first,
-    loss last, ``num_layers`` decoders over ``chunks x P`` entries) exists only to pass
-    TransformerConfig's validation.
+
+class StagePlacementLayout(PipelineParallelLayerLayout):
+    """Megatron's layout for a model placed by one of our schedules.
+
+    ``stages`` is Megatron's own :class:`PipelineParallelLayerLayout` of the model stages in
+    pipeline order (as if each were a pipeline rank), which Megatron validates; the layout
+    itself holds, in ``layout[pp_rank][chunk]``, what each rank's chunk builds (so
+    Megatron's readers of ``layout``, such as ``mtp_on_this_rank``, see the truth), and
+    answers ``get_num_layers_to_build`` / ``get_layer_offset`` (what the layer builders ask,
+    for decoder and MTP layers) with global numbers, ``vp_stage`` meaning the local chunk.
     """
 
-    def __init__(self, schedule: str, pipeline_size: int, num_layers: int):
-        entries = schedule_spec(schedule).chunks_per_rank() * pipeline_size
-        layers = [["decoder"] * (num_layers // entries) for _ in range(entries)]
-        for i in range(num_layers % entries):
-            layers[i].append("decoder")
-        layers[0].insert(0, "embedding")
-        layers[-1].append("loss")
-        super().__init__(layers, pipeline_size)
-        self.schedule = schedule
-        self.num_layers = num_layers
-        self._roles = [
-            chunk_roles(schedule, pipeline_size, r, num_layers) for r in range(pipeline_size)
+    def __init__(
+        self,
+        schedule: str,
+        pipeline_size: int,
+        layers: int | Sequence[int],
+        mtp_num_layers: int | None = None,
+    ):
+        counts = _counts(schedule, pipeline_size, layers)
+        p = placement_of(schedule, pipeline_size)
+        contents = _stage_contents(counts, mtp_num_layers)
+        self.stages = PipelineParallelLayerLayout(contents, p.num_model_stages)
+        # Megatron's 1-D order is chunk-major: entry c * P + r is rank r's chunk c.
+        placed = [
+            contents[p.model_stage(p.stage_of(rank, chunk))]
+            for chunk in range(p.num_chunks)
+            for rank in range(pipeline_size)
         ]
+        super().__init__(placed, pipeline_size)
+        self.schedule = schedule
+        self.stage_layers = counts
+        self.mtp_num_layers = mtp_num_layers
+        self._placement = p
 
-    def _role(self, vp_stage: int | None, pp_rank: int | None) -> ChunkRole:
+    def validate_layer_layout(self, num_layers: int, mtp_num_layers: int | None) -> bool:
+        """Megatron's validation of the model stages in pipeline order; MTP is never
+        standalone (it sits with the loss)."""
+        return self.stages.validate_layer_layout(num_layers, mtp_num_layers)
+
+    def roles(self, rank: int) -> list[ChunkRole]:
+        """:func:`chunk_roles` of ``rank`` under this layout."""
+        return chunk_roles(
+            self.schedule, self.pipeline_model_parallel_size, rank, self.stage_layers
+        )
+
+    def _model_stage(self, vp_stage: int | None, pp_rank: int | None) -> int:
         from megatron.core import parallel_state
 
         if pp_rank is None:
             pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-        return self._roles[pp_rank][vp_stage or 0]
+        return self._placement.model_stage(self._placement.stage_of(pp_rank, vp_stage or 0))
 
     def get_num_layers_to_build(
         self,
@@ -109,9 +170,7 @@ class StagePlacementLayout(PipelineParallelLayerLayout):
         vp_stage: int | None = None,
         pp_rank: int | None = None,
     ) -> int:
-        if layer_type is not LayerType.decoder:
-            return 0
-        return self._role(vp_stage, pp_rank).num_layers
+        return self.stages.layout[self._model_stage(vp_stage, pp_rank)][0].count(layer_type)
 
     def get_layer_offset(
         self,
@@ -119,12 +178,61 @@ class StagePlacementLayout(PipelineParallelLayerLayout):
         vp_stage: int | None = None,
         pp_rank: int | None = None,
     ) -> int:
-        if layer_type is not LayerType.decoder:
-            return 0
-        return self._role(vp_stage, pp_rank).layer_offset
+        stage = self._model_stage(vp_stage, pp_rank)
+        return sum(row[0].count(layer_type) for row in self.stages.layout[:stage])
 
     def __repr__(self) -> str:
-        return f"StagePlacementLayout({self.schedule}, {self.pipeline_model_parallel_size})"
+        return (
+            f"StagePlacementLayout({self.schedule}, {self.pipeline_model_parallel_size}, "
+            f"{list(self.stage_layers)}, mtp={self.mtp_num_layers})"
+        )
+
+
+def config_chunk_roles(
+    config: Any, schedule: str, pipeline_size: int, rank: int
+) -> list[ChunkRole]:
+    """:func:`chunk_roles` of ``rank`` for a model built from TransformerConfig ``config``:
+    from its :class:`StagePlacementLayout` (required where the schedule places the chunks),
+    else from Megatron's own split of the layers over the pipeline ranks."""
+    layout = config.pipeline_model_parallel_layout
+    if isinstance(layout, StagePlacementLayout):
+        if (layout.schedule, layout.pipeline_model_parallel_size) != (schedule, pipeline_size):
+            raise DualPipeConfigError(
+                f"the model was built for {layout.schedule} at PP="
+                f"{layout.pipeline_model_parallel_size} but runs {schedule} at PP={pipeline_size}:"
+                " build it with StagePlacementLayout for the schedule it runs"
+            )
+        return layout.roles(rank)
+    if schedule_spec(schedule).places_chunks:
+        raise DualPipeConfigError(
+            f"{schedule} needs the model config's pipeline_model_parallel_layout to be "
+            f"StagePlacementLayout({schedule!r}, {pipeline_size}, layers): Megatron's own "
+            "layouts cannot express its placement"
+        )
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    if layout is not None:
+        counts = [
+            layout.get_num_layers_to_build(vp_stage=0, pp_rank=r) for r in range(pipeline_size)
+        ]
+    else:
+        counts = [get_num_layers_to_build(config, pp_rank=r) for r in range(pipeline_size)]
+    return chunk_roles(schedule, pipeline_size, rank, counts)
+
+
+def embedding_ranks(schedule: str | None) -> Callable[[list[int]], list[int]] | None:
+    """Megatron's ``get_embedding_ranks`` for ``initialize_model_parallel`` under
+    ``schedule``: under dualpipe and dualpipev only the first pipeline rank, so Megatron's
+    embedding-group all-reduce is empty (the embedding's copies on one rank are tied locally,
+    :mod:`.tied`, and dualpipe's mirrored copies are summed, :mod:`.mirror`); None (Megatron's
+    default: first and last rank) otherwise."""
+    if schedule is None or not schedule_spec(schedule).places_chunks:
+        return None
+    return _first_rank
+
+
+def _first_rank(pp_ranks: list[int]) -> list[int]:
+    return list(pp_ranks[:1])
 
 
 def build_model_chunks(
@@ -133,18 +241,18 @@ def build_model_chunks(
     *,
     pipeline_size: int,
     rank: int,
-    num_layers: int,
+    layers: int | Sequence[int],
 ) -> list[Any]:
     """Call ``model_provider(pre_process=, post_process=, vp_stage=)`` once per local chunk.
 
     The provider must build its TransformerConfig with
-    ``pipeline_model_parallel_layout=StagePlacementLayout(schedule, pipeline_size,
-    num_layers)`` (or receive such a config): that is how Megatron's layer builders learn
-    each chunk's global layers.
+    ``pipeline_model_parallel_layout=StagePlacementLayout(schedule, pipeline_size, layers)``
+    (or receive such a config): that is how Megatron's layer builders learn each chunk's
+    global layers.
     """
     return [
         model_provider(
             pre_process=role.pre_process, post_process=role.post_process, vp_stage=role.chunk
         )
-        for role in chunk_roles(schedule, pipeline_size, rank, num_layers)
+        for role in chunk_roles(schedule, pipeline_size, rank, layers)
     ]

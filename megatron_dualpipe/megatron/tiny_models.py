@@ -23,11 +23,12 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from .deferral import deferrable_layer_spec
+from .layer_specs import local_gpt_specs
 from .names import global_named_parameters
+from .tied import release_unused_output_weight
 
 __all__ = [
     "SEQ_LENGTH",
@@ -65,11 +66,12 @@ def tiny_gpt_config(
     **overrides: Any,
 ) -> TransformerConfig:
     """TransformerConfig of a small fp32 GPT for CPU runs: no dropout, no fusions,
-    CPU initialisation. With ``num_moe_experts`` every layer is MoE (dropless, no
-    auxiliary loss, so routing is per token and layout-independent) and linear layers
-    have no bias (a biased SequentialMLP fails in 0.16.1, in ``MLP.forward`` of
-    transformer/mlp.py). ``overrides``
-    go to TransformerConfig as they are (e.g. ``batch_p2p_comm=False``).
+    CPU initialisation. With ``num_moe_experts`` the layers are MoE (every one, or as
+    ``moe_layer_freq`` says; dropless, no auxiliary loss, so routing is per token and
+    layout-independent) and linear layers have no bias (a biased SequentialMLP fails in
+    0.16.1, in ``MLP.forward`` of transformer/mlp.py). ``overrides`` go to
+    TransformerConfig as they are (e.g. ``batch_p2p_comm=False``); with
+    ``multi_latent_attention=True`` the config is Megatron's MLATransformerConfig.
     """
     moe = num_moe_experts is not None
     kwargs: dict[str, Any] = dict(
@@ -103,7 +105,8 @@ def tiny_gpt_config(
             moe_grouped_gemm=False,
         )
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    mla = kwargs.get("multi_latent_attention", False)
+    return (MLATransformerConfig if mla else TransformerConfig)(**kwargs)
 
 
 def reference_config(config: TransformerConfig) -> TransformerConfig:
@@ -113,6 +116,11 @@ def reference_config(config: TransformerConfig) -> TransformerConfig:
         pipeline_model_parallel_size=1,
         virtual_pipeline_model_parallel_size=None,
         expert_model_parallel_size=1,
+        pipeline_model_parallel_layout=None,
+        num_layers_in_first_pipeline_stage=None,
+        num_layers_in_last_pipeline_stage=None,
+        account_for_embedding_in_pipeline_split=False,
+        account_for_loss_in_pipeline_split=False,
     )
 
 
@@ -128,22 +136,24 @@ def build_tiny_gpt(
     max_sequence_length: int = SEQ_LENGTH,
     deferrable: bool = False,
 ) -> GPTModel:
-    """One GPTModel chunk with the local (non-TE) layer spec (its linear layers deferrable
-    from construction with ``deferrable``); pre/post as given."""
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
-    if deferrable:
-        spec = deferrable_layer_spec(spec)
-    return GPTModel(
+    """One GPTModel chunk with Megatron's local (non-TE) specs (:mod:`.layer_specs`: MoE
+    layers as ``moe_layer_freq`` says, MLA, the MTP block where the layout puts it; linear
+    layers deferrable from construction with ``deferrable``); pre/post as given."""
+    block, mtp = local_gpt_specs(config, vp_stage=vp_stage, deferrable=deferrable)
+    chunk = GPTModel(
         config=config,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=block,
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         position_embedding_type=position_embedding_type,
+        mtp_block_spec=mtp,
         vp_stage=vp_stage,
     )
+    release_unused_output_weight(chunk)
+    return chunk
 
 
 def build_model_chunks(config: TransformerConfig, **model_kwargs: Any) -> list[GPTModel]:
@@ -316,7 +326,9 @@ def run_reference_step(
     model: torch.nn.Module, microbatches: Sequence[Mapping[str, torch.Tensor]]
 ) -> list[float]:
     """Forward and backward every micro-batch in order on a one-stage model, each loss
-    weighted by 1/len(microbatches) as Megatron's schedules do; returns the losses."""
+    weighted by 1/len(microbatches) as Megatron's schedules do (the MTP loss too, through
+    Megatron's ``MTPLossAutoScaler``); returns the losses."""
+    MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0 / len(microbatches)))
     losses = []
     for batch in microbatches:
         loss = _masked_mean(batch["loss_mask"], _forward(model, batch))

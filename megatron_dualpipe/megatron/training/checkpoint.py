@@ -66,6 +66,16 @@ MODEL_KEYS = (
     "moe_ffn_hidden_size",
     "moe_shared_expert_intermediate_size",
     "optimizer",
+    "moe_layer_freq",
+    "moe_router_enable_expert_bias",
+    "untie_embeddings_and_output_weights",
+    "mtp_num_layers",
+    "multi_latent_attention",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
 )
 #: dist_checkpointing metadata for the optimizer: keys without a per-optimizer prefix.
 _OPTIMIZER_METADATA = {"chained_optim_avoid_prefix": True}
@@ -96,7 +106,8 @@ def _model_state(cfg: TrainConfig, model: list[Any]) -> dict[str, Any]:
     """Each chunk's sharded state dict; dualpipe's chunk 1 (the mirrored copy) as replicas."""
     state = {}
     for i, chunk in enumerate(model):
-        chunk_state = unwrap_model(chunk).sharded_state_dict()
+        # A metadata dict, as Megatron-LM passes: GPTModel's MTP chunks read it (None fails).
+        chunk_state = unwrap_model(chunk).sharded_state_dict(metadata={})
         if i == 1 and schedule_spec(cfg.pipeline_schedule).placement == "mirror":
             for item in nested_values(chunk_state):
                 if hasattr(item, "replica_id"):

@@ -25,7 +25,7 @@ import yaml
 
 from ...errors import DualPipeError
 from ...schedules.registry import SCHEDULES
-from ..checks import overlap_problem, schedule_spec
+from ..checks import DualPipeConfigError, overlap_problem, schedule_spec, stage_layers
 
 __all__ = ["config_from_values", "ConfigError", "TrainConfig", "load_config", "parse_overrides"]
 
@@ -39,8 +39,11 @@ class TrainConfig:
     """One training run. Fields without a default are required; the others default to
     Megatron-LM's defaults except: dropout 0 (Megatron-LM: 0.1; with dropout the masks
     depend on the order micro-batches run in, so losses would differ between schedules),
-    ``moe_router_load_balancing_type`` "none" (Megatron-LM: "aux_loss"), no evaluation
+    ``moe_router_load_balancing_type`` "none" (Megatron-LM: "aux_loss"),
+    ``untie_embeddings_and_output_weights`` true (Megatron-LM: false, tied), no evaluation
     unless ``eval_interval`` is set, and ``world_size`` one model replica (TP x PP).
+    The pipeline split keys read over the schedule's model stages in pipeline order
+    (dualpipev: the 2 x PP stages of the V; see docs/megatron.md).
     Under torchrun or srun the launcher's world size replaces ``world_size``."""
 
     # Model.
@@ -83,6 +86,29 @@ class TrainConfig:
     moe_aux_loss_coeff: float = 0.0
     moe_router_dtype: str | None = None
     overlap_moe_expert_parallel_comm: bool = False
+    #: "[0]*3+[1]*58" (dense then MoE), "[1,0,1,0]", or N (one MoE layer every N).
+    moe_layer_freq: str | None = None
+    moe_router_score_function: str = "softmax"
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_topk_scaling_factor: float | None = None
+    # Pipeline split, over the schedule's model stages (Megatron-LM's flags).
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
+    pipeline_model_parallel_layout: str | None = None
+    # Embeddings, multi-token prediction, multi-latent attention.
+    untie_embeddings_and_output_weights: bool = True
+    mtp_num_layers: int | None = None
+    mtp_loss_scaling_factor: float = 0.1
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_type: str | None = None
     # Optimizer and learning-rate schedule.
     optimizer: str = "adam"
     min_lr: float = 0.0
@@ -135,6 +161,40 @@ class TrainConfig:
         return self.num_experts is not None
 
     @property
+    def moe_layer_pattern(self) -> int | list[int]:
+        """``moe_layer_freq`` as Megatron-Core takes it: an int N (one MoE layer every N) or
+        one 0 (dense) / 1 (MoE) per layer; 1 (every layer MoE) when unset."""
+        if self.moe_layer_freq is None:
+            return 1
+        return _moe_layer_pattern(self.moe_layer_freq)
+
+    def stage_layers(self) -> tuple[int, ...]:
+        """Decoder layers of each of the schedule's model stages, in pipeline order
+        (:func:`~..checks.stage_layers`); DualPipeConfigError where they do not split."""
+        return stage_layers(
+            self.pipeline_schedule,
+            self.pipeline_model_parallel_size,
+            self.num_layers,
+            first=self.decoder_first_pipeline_num_layers,
+            last=self.decoder_last_pipeline_num_layers,
+            account_for_embedding=self.account_for_embedding_in_pipeline_split,
+            account_for_loss=self.account_for_loss_in_pipeline_split,
+            layout=self.pipeline_model_parallel_layout,
+            mtp_num_layers=self.mtp_num_layers,
+        )
+
+    @property
+    def splits_pipeline(self) -> bool:
+        """Whether a split key (first/last counts, accounting, layout) is set."""
+        return (
+            self.decoder_first_pipeline_num_layers is not None
+            or self.decoder_last_pipeline_num_layers is not None
+            or self.account_for_embedding_in_pipeline_split
+            or self.account_for_loss_in_pipeline_split
+            or self.pipeline_model_parallel_layout is not None
+        )
+
+    @property
     def model_chunks(self) -> int:
         """Model chunks each pipeline rank holds."""
         return schedule_spec(self.pipeline_schedule).chunks_per_rank(
@@ -158,12 +218,17 @@ _CHOICES: dict[str, tuple[str | None, ...]] = {
     "moe_token_dispatcher_type": ("alltoall", "allgather"),
     "moe_router_load_balancing_type": ("none", "aux_loss", "seq_aux_loss"),
     "moe_router_dtype": (None, "fp32", "fp64"),
+    "moe_router_score_function": ("softmax", "sigmoid"),
+    "rope_type": (None, "rope", "yarn"),
     "recompute_granularity": (None, "full", "selective"),
     "optimizer": ("adam", "sgd"),
     "lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
 }
 _FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+#: String keys whose Megatron-LM flag also takes an integer.
+_INT_OR_STRING = ("moe_layer_freq",)
+_MOE_TERM = re.compile(r"^\[([01](?:,[01])*)\](?:\*(\d+))?$")
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _TYPES = typing.get_type_hints(TrainConfig)
 
@@ -256,6 +321,8 @@ def _coerce(source: str, key: str, value: Any) -> Any:
             return float(value)
     if base is str and isinstance(value, str):
         return value
+    if key in _INT_OR_STRING and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
     nullable = " or null" if optional else ""
     raise ConfigError(
         f"{source}: {key}: expected {_NAMES[base]}{nullable}, got {value!r} "
@@ -329,6 +396,21 @@ def _check_values(cfg: TrainConfig) -> Problem:
     return None
 
 
+def _moe_layer_pattern(text: str) -> int | list[int]:
+    """Megatron-LM's ``--moe-layer-freq``: an integer, or a sum of lists of 0/1, each
+    optionally repeated (``[0]*3+[1]*58``); ValueError otherwise."""
+    text = "".join(text.split())
+    if text.isdigit():
+        return int(text)
+    pattern: list[int] = []
+    for term in text.split("+"):
+        match = _MOE_TERM.match(term)
+        if match is None:
+            raise ValueError(text)
+        pattern += [int(v) for v in match.group(1).split(",")] * int(match.group(2) or 1)
+    return pattern
+
+
 def _minimum(name: str) -> int:
     """Smallest legal value of an integer key."""
     return 0 if name in ("seed", "eval_iters", "lr_warmup_iters") else 1
@@ -392,6 +474,35 @@ def _check_model(cfg: TrainConfig) -> Problem:
                 "MoE layers of Megatron-Core's local spec fail with biased linears "
                 "(SequentialMLP, 0.16.1): set add_bias_linear: false"
             )
+    return _check_model_features(cfg)
+
+
+def _check_model_features(cfg: TrainConfig) -> Problem:
+    """Dense-then-MoE, router and MLA keys."""
+    if cfg.moe_layer_freq is not None:
+        if not cfg.is_moe:
+            return "moe_layer_freq", "needs num_experts (a MoE model)"
+        try:
+            pattern = cfg.moe_layer_pattern
+        except ValueError:
+            return "moe_layer_freq", (
+                f"{cfg.moe_layer_freq!r} is neither an integer nor a sum of 0/1 lists such as "
+                "[0]*3+[1]*58"
+            )
+        if isinstance(pattern, int) and pattern < 1:
+            return "moe_layer_freq", f"must be >= 1, got {pattern}"
+        if isinstance(pattern, list) and len(pattern) != cfg.num_layers:
+            return "moe_layer_freq", (
+                f"lists {len(pattern)} layers but num_layers is {cfg.num_layers}: give one 0 "
+                "(dense) or 1 (MoE) per layer"
+            )
+    if cfg.moe_router_enable_expert_bias and cfg.moe_router_score_function != "sigmoid":
+        return "moe_router_enable_expert_bias", (
+            "needs moe_router_score_function: sigmoid (as in Megatron-Core)"
+        )
+    if not cfg.multi_latent_attention and (cfg.q_lora_rank is not None or cfg.rope_type):
+        key = "q_lora_rank" if cfg.q_lora_rank is not None else "rope_type"
+        return key, "is a multi-latent attention key: set multi_latent_attention: true"
     return None
 
 
@@ -411,7 +522,13 @@ def _check_schedule(cfg: TrainConfig) -> Problem:
             f"only {virtual} uses virtual pipeline stages; unset it for {schedule}"
         )
     stages = found.model_stages(pp, vp)
-    if cfg.num_layers % stages:
+    if found.chunks is not None:
+        try:
+            cfg.stage_layers()
+        except DualPipeConfigError as err:
+            return _split_key(cfg), str(err)
+    elif not cfg.splits_pipeline and cfg.num_layers % stages:
+        # Megatron's own interleaved split (its TransformerConfig checks the split keys).
         return "num_layers", (
             f"{schedule} cuts the model into {stages} stages of equal size, but {cfg.num_layers} "
             f"is not divisible by {stages}"
@@ -432,6 +549,22 @@ def _check_schedule(cfg: TrainConfig) -> Problem:
     return None
 
 
+def _split_key(cfg: TrainConfig) -> str:
+    """The key a split problem is reported under: the split setting in use, else
+    num_layers."""
+    if cfg.pipeline_model_parallel_layout is not None:
+        return "pipeline_model_parallel_layout"
+    if cfg.decoder_first_pipeline_num_layers is not None:
+        return "decoder_first_pipeline_num_layers"
+    if cfg.decoder_last_pipeline_num_layers is not None:
+        return "decoder_last_pipeline_num_layers"
+    if cfg.account_for_embedding_in_pipeline_split:
+        return "account_for_embedding_in_pipeline_split"
+    if cfg.account_for_loss_in_pipeline_split:
+        return "account_for_loss_in_pipeline_split"
+    return "num_layers"
+
+
 def _check_overlap(cfg: TrainConfig) -> Problem:
     """Megatron's preconditions of ``overlap_moe_expert_parallel_comm`` (MoE all-to-all
     hidden behind another micro-batch's compute in FB pairs), and recomputation, which
@@ -443,6 +576,7 @@ def _check_overlap(cfg: TrainConfig) -> Problem:
             dispatcher=cfg.moe_token_dispatcher_type,
             half_precision=cfg.bf16,
             recompute_granularity=cfg.recompute_granularity,
+            mtp_num_layers=cfg.mtp_num_layers,
         )
         if problem is not None:
             return "overlap_moe_expert_parallel_comm", problem

@@ -31,6 +31,8 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.utils import unwrap_model
 
+from ..loss_reports import mtp_losses
+from ..placement import embedding_ranks
 from ..registry import get_forward_backward_func
 from .checkpoint import TrainState, load_checkpoint, save_checkpoint
 from .config import TrainConfig
@@ -55,10 +57,12 @@ LOSS_KEY = "lm loss"
 @dataclass
 class TrainResult:
     """What one rank reports: per iteration the global-batch loss (identical on all
-    ranks), validation losses by iteration, the lines this rank printed, the iteration it
-    resumed from, the iterations it saved and (rank 0) the measured step."""
+    ranks) and the MTP losses, validation losses by iteration, the lines this rank printed,
+    the iteration it resumed from, the iterations it saved and (rank 0) the measured
+    step."""
 
     losses: dict[int, float] = field(default_factory=dict)
+    mtp_losses: dict[int, tuple[float, ...]] = field(default_factory=dict)
     validation: dict[int, float] = field(default_factory=dict)
     lines: list[str] = field(default_factory=list)
     resumed_from: int | None = None
@@ -124,6 +128,7 @@ class _Run:
             dp_size=cfg.data_parallel_size,
             device=self.device,
         )
+        self.mtp: tuple[float, ...] = ()  # the last step's MTP losses
         self.train_data = SyntheticData(split="train", **data)
         self.valid_data = SyntheticData(split="valid", **data)
         self.state = TrainState()
@@ -193,6 +198,8 @@ class _Run:
                 loss = self._run_schedule(data, False, recorder.forward_step(forward_step))
         else:
             loss = self._run_schedule(data, forward_only=False)
+        if self.cfg.mtp_num_layers:
+            self.mtp = tuple(mtp_losses(self.cfg.mtp_num_layers, self.cfg.num_microbatches))
         success, grad_norm, _ = self.optimizer.step()
         if success:
             self.scheduler.step(increment=1)
@@ -254,8 +261,10 @@ class _Run:
         while self.state.iteration < last:
             start = time.perf_counter()
             loss, success, grad_norm, recorder = self.train_step(self.state.iteration + 1 == last)
-            window.add(loss, time.perf_counter() - start, success)
+            window.add(loss, time.perf_counter() - start, success, self.mtp)
             self.result.losses[self.state.iteration] = loss
+            if self.mtp:
+                self.result.mtp_losses[self.state.iteration] = self.mtp
             if self._after_step(window, grad_norm, last):
                 saved_at = self.state.iteration
             if self.bar is not None:
@@ -355,12 +364,14 @@ def _header_line(cfg: TrainConfig, backend: str) -> str:
 
 def run_rank(cfg: TrainConfig) -> TrainResult:
     """Train on this rank (the default process group must exist); collective."""
+    ranks = embedding_ranks(cfg.pipeline_schedule)  # where our placements keep them
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=cfg.expert_model_parallel_size,
         distributed_timeout_minutes=cfg.distributed_timeout_minutes,
+        **({"get_embedding_ranks": ranks} if ranks else {}),
     )
     try:
         _seed(cfg)

@@ -1,9 +1,12 @@
 """Build this rank's model chunks for a :class:`~.config.TrainConfig`.
 
-A GPT (dense, or MoE when ``num_experts`` is set) from Megatron-Core's local layer spec,
-cut by the schedule's placement (V for dualpipev, mirrored copies for dualpipe, Megatron's
-own split otherwise), initialised layout-independently, wrapped in Megatron's
-DistributedDataParallel, with the config hooks Megatron's training loop sets.
+A GPT (dense, MoE when ``num_experts`` is set, dense-then-MoE with ``moe_layer_freq``;
+multi-latent attention, MTP layers, tied embeddings) from Megatron-Core's local layer specs
+(:mod:`..layer_specs`), cut by the schedule's placement (V for dualpipev, mirrored copies for
+dualpipe, Megatron's own split otherwise; uneven as the split keys say), initialised
+layout-independently, wrapped in Megatron's DistributedDataParallel, with the config hooks
+Megatron's training loop sets. Copies of the embedding that a rank holds in two chunks (the
+output layer of tied embeddings, the MTP block's embedding) are one parameter (:mod:`..tied`).
 
 With ``bf16`` every chunk is wrapped in Megatron's ``Float16Module`` (our placements: in
 :class:`~..precision.StageFloat16Module`, which knows where the loss is), as Megatron-LM does.
@@ -31,20 +34,17 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import Float16Module
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from ..checks import schedule_spec
-from ..deferral import (
-    ddp_config_for_deferral,
-    deferrable_layer_spec,
-    enable_weight_grad_deferral,
-)
+from ..deferral import ddp_config_for_deferral, enable_weight_grad_deferral
+from ..layer_specs import local_gpt_specs
 from ..mirror import prepare_mirrors
 from ..names import global_named_parameters
-from ..placement import StagePlacementLayout, chunk_roles
+from ..placement import StagePlacementLayout
 from ..precision import StageFloat16Module
+from ..tied import mark_tied_copies, release_unused_output_weight
 from .config import TrainConfig
 
 __all__ = ["build_model", "transformer_config"]
@@ -55,11 +55,6 @@ _SCALED_OUTPUTS = ("linear_proj.weight", "linear_fc2.weight")
 def transformer_config(cfg: TrainConfig, *, on_gpu: bool) -> TransformerConfig:
     """Megatron's TransformerConfig for ``cfg`` (raises Megatron's own errors)."""
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
-    layout = None
-    if schedule_spec(cfg.pipeline_schedule).places_chunks:
-        layout = StagePlacementLayout(
-            cfg.pipeline_schedule, cfg.pipeline_model_parallel_size, cfg.num_layers
-        )
     kwargs: dict[str, Any] = dict(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -76,7 +71,7 @@ def transformer_config(cfg: TrainConfig, *, on_gpu: bool) -> TransformerConfig:
         virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=cfg.expert_model_parallel_size,
         sequence_parallel=cfg.sequence_parallel,
-        pipeline_model_parallel_layout=layout,
+        **_split(cfg),
         # Megatron's P2P with two chunks per rank at PP=2 and batched P2P gives wrong
         # gradients (Megatron-LM #750); our schedules do not use Megatron's P2P.
         batch_p2p_comm=cfg.model_chunks == 1,
@@ -95,6 +90,21 @@ def transformer_config(cfg: TrainConfig, *, on_gpu: bool) -> TransformerConfig:
     )
     if cfg.swiglu:
         kwargs.update(gated_linear_unit=True, activation_func=F.silu)
+    if cfg.mtp_num_layers:
+        kwargs.update(
+            mtp_num_layers=cfg.mtp_num_layers, mtp_loss_scaling_factor=cfg.mtp_loss_scaling_factor
+        )
+    if cfg.multi_latent_attention:
+        kwargs.update(
+            multi_latent_attention=True,
+            q_lora_rank=cfg.q_lora_rank,
+            kv_lora_rank=cfg.kv_lora_rank,
+            qk_head_dim=cfg.qk_head_dim,
+            qk_pos_emb_head_dim=cfg.qk_pos_emb_head_dim,
+            v_head_dim=cfg.v_head_dim,
+        )
+        if cfg.rope_type is not None:
+            kwargs["rope_type"] = cfg.rope_type
     if cfg.is_moe:
         kwargs.update(
             num_moe_experts=cfg.num_experts,
@@ -106,18 +116,43 @@ def transformer_config(cfg: TrainConfig, *, on_gpu: bool) -> TransformerConfig:
             moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
             moe_router_dtype=cfg.moe_router_dtype,
             moe_grouped_gemm=False,
+            moe_layer_freq=cfg.moe_layer_pattern,
+            moe_router_score_function=cfg.moe_router_score_function,
+            moe_router_enable_expert_bias=cfg.moe_router_enable_expert_bias,
+            moe_router_bias_update_rate=cfg.moe_router_bias_update_rate,
+            moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
         )
-    return TransformerConfig(**kwargs)
+    config_class = MLATransformerConfig if cfg.multi_latent_attention else TransformerConfig
+    return config_class(**kwargs)
 
 
-def _chunk_ends(cfg: TrainConfig) -> list[tuple[bool, bool, int | None]]:
+def _split(cfg: TrainConfig) -> dict[str, Any]:
+    """How the layers split over the pipeline, in TransformerConfig's keys: our schedules'
+    placements as a :class:`StagePlacementLayout` of the model stages' layer counts;
+    Megatron's own settings as they are otherwise."""
+    if schedule_spec(cfg.pipeline_schedule).places_chunks:
+        layout = StagePlacementLayout(
+            cfg.pipeline_schedule,
+            cfg.pipeline_model_parallel_size,
+            cfg.stage_layers(),
+            cfg.mtp_num_layers,
+        )
+        return {"pipeline_model_parallel_layout": layout}
+    return dict(
+        num_layers_in_first_pipeline_stage=cfg.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=cfg.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=cfg.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=cfg.account_for_loss_in_pipeline_split,
+        pipeline_model_parallel_layout=cfg.pipeline_model_parallel_layout,
+    )
+
+
+def _chunk_ends(cfg: TrainConfig, config: TransformerConfig) -> list[tuple[bool, bool, int | None]]:
     """(pre_process, post_process, vp_stage) of each local chunk, chunk 0 first."""
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    if schedule_spec(cfg.pipeline_schedule).places_chunks:
-        roles = chunk_roles(
-            cfg.pipeline_schedule, cfg.pipeline_model_parallel_size, pp_rank, cfg.num_layers
-        )
-        return [(r.pre_process, r.post_process, r.chunk) for r in roles]
+    layout = config.pipeline_model_parallel_layout
+    if isinstance(layout, StagePlacementLayout):
+        return [(r.pre_process, r.post_process, r.chunk) for r in layout.roles(pp_rank)]
     stages: list[int | None] = (
         list(range(cfg.virtual_pipeline_model_parallel_size))
         if cfg.virtual_pipeline_model_parallel_size
@@ -173,29 +208,33 @@ def build_model(cfg: TrainConfig, config: TransformerConfig) -> list[Distributed
     (``megatron.deferral``); dualpipe's mirrored copies are made equal.
     """
     found = schedule_spec(cfg.pipeline_schedule)
-    spec = get_gpt_layer_local_spec(
-        num_experts=cfg.num_experts, moe_grouped_gemm=False, normalization=cfg.normalization
-    )
-    if found.splits_backward:
-        spec = deferrable_layer_spec(spec)
     chunks = []
-    ends = _chunk_ends(cfg)
+    ends = _chunk_ends(cfg, config)
     for pre_process, post_process, vp_stage in ends:
+        block, mtp = local_gpt_specs(
+            config,
+            normalization=cfg.normalization,
+            vp_stage=vp_stage,
+            deferrable=found.splits_backward,
+        )
         chunk = GPTModel(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=block,
             vocab_size=cfg.vocab_size,
             max_sequence_length=cfg.max_position_embeddings or cfg.seq_length,
             pre_process=pre_process,
             post_process=post_process,
-            share_embeddings_and_output_weights=False,
+            share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
             position_embedding_type=cfg.position_embedding_type,
+            mtp_block_spec=mtp,
             vp_stage=vp_stage,
         )
+        release_unused_output_weight(chunk)
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
-        init_weights(chunk, cfg)
+        init_weights(chunk, cfg)  # copies of one parameter get its values: same name
         chunks.append(chunk)
+    mark_tied_copies(chunks)
     deferred = found.splits_backward
     if deferred:
         enable_weight_grad_deferral(chunks)  # what the layer spec does not build: output layer

@@ -37,6 +37,8 @@ class IterationLog:
     grad_norm: float | None
     skipped: int
     nans: int
+    #: Megatron-LM's "mtp_N loss" of each MTP layer (means over the interval).
+    mtp_losses: tuple[float, ...] = ()
 
 
 class LogWindow:
@@ -47,8 +49,12 @@ class LogWindow:
         self._seconds: list[float] = []
         self._skipped = 0
         self._nans = 0
+        self._mtp: list[tuple[float, ...]] = []
 
-    def add(self, loss: float, seconds: float, success: bool) -> None:
+    def add(
+        self, loss: float, seconds: float, success: bool, mtp_losses: tuple[float, ...] = ()
+    ) -> None:
+        self._mtp.append(mtp_losses)
         self._losses.append(loss)
         self._seconds.append(seconds)
         self._skipped += not success
@@ -78,6 +84,7 @@ class LogWindow:
             grad_norm=grad_norm,
             skipped=self._skipped,
             nans=self._nans,
+            mtp_losses=tuple(math.fsum(v) / len(v) for v in zip(*self._mtp, strict=True)),
         )
         self.__init__()
         return log
@@ -92,6 +99,7 @@ def iteration_line(log: IterationLog) -> str:
         f" learning rate: {log.learning_rate:.6E} |",
         f" global batch size: {log.global_batch_size:5d} |",
         f" lm loss: {log.lm_loss:.6E} |",
+        *(f" mtp_{i + 1} loss: {loss:.6E} |" for i, loss in enumerate(log.mtp_losses)),
         f" loss scale: {log.loss_scale:.1f} |",
     ]
     if log.grad_norm is not None:

@@ -1,0 +1,131 @@
+"""The layer specs of a GPT chunk built from Megatron-Core's local (CPU-runnable) modules.
+
+:func:`local_gpt_specs` gives what ``GPTModel(transformer_layer_spec=, mtp_block_spec=)``
+takes for one chunk, from Megatron's own builders: ``get_gpt_decoder_block_spec`` (dense or
+MoE layers as ``moe_layer_freq`` says, MLA or standard attention, RMSNorm or LayerNorm; the
+chunk's layers found through ``config.pipeline_model_parallel_layout``) and
+``get_gpt_mtp_block_spec`` (the MTP block where the layout puts MTP layers, else None).
+
+One repair, for multi-latent attention: megatron-core 0.16.1's local spec gives MLA
+Megatron's ``DotProductAttention``, which takes neither the ``k_channels`` nor the
+``v_channels`` that ``MLASelfAttention`` passes (query/key heads of ``qk_head_dim +
+qk_pos_emb_head_dim``, value heads of ``v_head_dim``), so building fails. The spec here uses
+:class:`MLADotProductAttention`, the same attention with the value head size taken from
+``v_channels``. (With Transformer Engine, ``TEDotProductAttention`` takes both.)
+
+With ``deferrable`` the linear layers are Megatron's deferrable ones (:mod:`.deferral`),
+except MLA's two down projections: ``MLASelfAttention`` accepts only Megatron's own classes
+there (it picks their arguments by class), so they are built as Megatron's and converted in
+place afterwards (``enable_weight_grad_deferral``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_decoder_layer_specs,
+    get_gpt_mtp_block_spec,
+)
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+
+from .deferral import deferrable_layer_spec
+
+__all__ = ["MLADotProductAttention", "local_gpt_specs"]
+
+
+class MLADotProductAttention(DotProductAttention):
+    """Megatron's ``DotProductAttention`` for MLA: accepts ``k_channels`` (the query/key head
+    size, used only through ``softmax_scale``, which MLA passes) and ``v_channels`` (the value
+    head size, which sets the output width)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: Any,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+    ):
+        super().__init__(
+            config,
+            layer_number,
+            attn_mask_type,
+            attention_type,
+            attention_dropout=attention_dropout,
+            softmax_scale=softmax_scale,
+            cp_comm_type=cp_comm_type,
+            pg_collection=pg_collection,
+        )
+        del k_channels  # the scores' scale is softmax_scale; the key width is the query's
+        if v_channels is not None:
+            heads = config.num_attention_heads
+            self.hidden_size_per_partition = divide(v_channels * heads, self.tp_group.size())
+
+
+#: MLA submodules whose class MLASelfAttention checks by identity.
+_MLA_EXACT = ("linear_q_down_proj", "linear_kv_down_proj")
+
+
+def _with_attention_submodules(spec: ModuleSpec, **changes: Any) -> ModuleSpec:
+    attention = spec.submodules.self_attention
+    submodules = dataclasses.replace(attention.submodules, **changes)
+    self_attention = dataclasses.replace(attention, submodules=submodules)
+    return dataclasses.replace(
+        spec, submodules=dataclasses.replace(spec.submodules, self_attention=self_attention)
+    )
+
+
+def _layer_spec(spec: ModuleSpec, config: TransformerConfig, deferrable: bool) -> ModuleSpec:
+    if not config.multi_latent_attention:
+        return deferrable_layer_spec(spec) if deferrable else spec
+    attention = spec.submodules.self_attention.submodules
+    exact = {name: getattr(attention, name) for name in _MLA_EXACT}
+    if attention.core_attention is DotProductAttention:
+        spec = _with_attention_submodules(spec, core_attention=MLADotProductAttention)
+    if deferrable:
+        spec = _with_attention_submodules(deferrable_layer_spec(spec), **exact)
+    return spec
+
+
+def local_gpt_specs(
+    config: TransformerConfig,
+    *,
+    normalization: str | None = None,
+    vp_stage: int | None = None,
+    deferrable: bool = False,
+) -> tuple[TransformerBlockSubmodules, Any]:
+    """(decoder block spec, MTP block spec or None) of the chunk ``vp_stage`` of this
+    pipeline rank, from Megatron's local modules (see the module docstring)."""
+    normalization = normalization or config.normalization
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=False, normalization=normalization, vp_stage=vp_stage
+    )
+    block = dataclasses.replace(
+        block, layer_specs=[_layer_spec(s, config, deferrable) for s in block.layer_specs]
+    )
+    mtp = None
+    if config.mtp_num_layers:
+        # As Megatron-LM builds it: the MTP layer's transformer layer is the model's last
+        # decoder layer (MoE under dense-then-MoE).
+        last = get_gpt_decoder_layer_specs(
+            config, use_transformer_engine=False, normalization=normalization
+        )[-1]
+        mtp = get_gpt_mtp_block_spec(
+            config,
+            _layer_spec(last, config, deferrable),
+            use_transformer_engine=False,
+            vp_stage=vp_stage,
+        )
+    return block, mtp
