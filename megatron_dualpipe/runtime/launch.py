@@ -9,7 +9,11 @@ and then. A rare loss of that port between pick and bind shows up as a failure b
 
 A call never hangs and leaves nothing behind: after the first failure the other ranks get
 a short grace to report (usually a broken connection), then every rank still running is
-killed with SIGKILL together with its process group; so it is at ``timeout_s``.
+killed with SIGKILL together with its process group (and so with whatever it started,
+such as a checkpoint writer); so it is at ``timeout_s``. A rank that dies without
+reporting (SIGKILL, the OOM killer, a crash) counts as failed the moment it dies: the
+parent watches each rank's process through a pidfd (polling where there is none), not
+only its result pipe, whose write end a child forked by the rank may still hold open.
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ logger = logging.getLogger(__name__)
 
 _HOST = "127.0.0.1"
 _FAILURE_GRACE_S = 2.0
+#: How often ranks are polled where the kernel has no pidfd.
+_POLL_S = 0.2
+#: How long to wait for a rank whose result pipe closed to exit.
+_EXIT_WAIT_S = 1.0
 _LAUNCH_ATTEMPTS = 3
 _ports_handed_out: set[int] = set()
 
@@ -48,9 +56,10 @@ _ports_handed_out: set[int] = set()
 class LaunchFailure(DualPipeError, RuntimeError):
     """Some ranks failed or overran the deadline (and were killed).
 
-    ``errors`` are (rank, kind, text), kind "setup" (before ``fn`` ran) or "error", in the
-    order the ranks failed, so the root cause comes first; ``unfinished`` are the ranks
-    killed at the deadline or after the first failure."""
+    ``errors`` are (rank, kind, text), kind "setup" (before ``fn`` ran), "died" (exited
+    without reporting) or "error": ranks that died first (their peers' errors follow from
+    the death), then in the order the ranks failed, so the root cause comes first;
+    ``unfinished`` are the ranks killed at the deadline or after the first failure."""
 
     def __init__(
         self,
@@ -133,7 +142,7 @@ def _launch(
     ctx = multiprocessing.get_context("fork")
     port = _pick_port()
     procs: list[multiprocessing.process.BaseProcess] = []
-    conns: dict[Any, int] = {}
+    watches: list[_Watch] = []
     try:
         for rank in range(world_size):
             recv_end, send_end = ctx.Pipe(duplex=False)
@@ -157,16 +166,16 @@ def _launch(
             send_end.close()
             _own_process_group(proc.pid)
             procs.append(proc)
-            conns[recv_end] = rank
-        return _collect(conns, deadline)
+            watches.append(_Watch(rank, proc, recv_end))
+        return _collect(watches, deadline)
     finally:
         for proc in procs:
             _kill_tree(proc.pid)
         for proc in procs:
             proc.join()
             proc.close()
-        for conn in conns:
-            conn.close()
+        for watch in watches:
+            watch.close()
 
 
 def _pick_port() -> int:
@@ -180,34 +189,92 @@ def _pick_port() -> int:
             return port
 
 
+class _Watch:
+    """One rank as the parent sees it: its result pipe and its process (a pidfd that
+    becomes readable when the process exits, or None where the kernel has none)."""
+
+    def __init__(
+        self,
+        rank: int,
+        proc: multiprocessing.process.BaseProcess,
+        conn: multiprocessing.connection.Connection,
+    ) -> None:
+        self.rank, self.proc, self.conn = rank, proc, conn
+        self.pidfd: int | None = None
+        with contextlib.suppress(AttributeError, OSError):  # not Linux >= 5.3
+            self.pidfd = os.pidfd_open(proc.pid)
+
+    def report(self) -> tuple[str, Any, float]:
+        """The rank's (status, payload, time): its report, or ("died", why, now) when it
+        exited without one."""
+        try:
+            if self.conn.poll():
+                return pickle.loads(self.conn.recv_bytes())
+        except (EOFError, OSError):
+            pass
+        self.proc.join(timeout=_EXIT_WAIT_S)  # its pipe closed: the exit is moments away
+        return "died", _death_text(self.proc.exitcode), time.monotonic()
+
+    def close(self) -> None:
+        self.conn.close()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+def _death_text(exitcode: int | None) -> str:
+    """Why a rank that never reported is gone, from its exit code."""
+    if exitcode is None:
+        return "it closed its result pipe without reporting and did not exit"
+    if exitcode < 0:
+        try:
+            name = f"{signal.Signals(-exitcode).name}, signal {-exitcode}"
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return (
+            f"it was killed by {name} before reporting a result (killed from outside, "
+            "or by the out-of-memory killer)"
+        )
+    return f"it exited with code {exitcode} without reporting a result"
+
+
 def _collect(
-    conns: dict[Any, int], deadline: float
+    watches: list[_Watch], deadline: float
 ) -> tuple[dict[int, Any], list[tuple[int, str, str]], list[int]]:
     """Read one report per rank until all reported, the deadline, or a failure (plus the
-    grace); errors in the order the ranks failed (each rank's own clock reading)."""
+    grace); errors with the ranks that died first, then in the order the ranks failed
+    (each rank's own clock reading)."""
     results: dict[int, Any] = {}
-    failed: list[tuple[float, int, str, str]] = []
-    pending = dict(conns)
+    failed: list[tuple[bool, float, int, str, str]] = []
+    pending: dict[Any, _Watch] = {}
+    for watch in watches:
+        pending[watch.conn] = watch
+        if watch.pidfd is not None:
+            pending[watch.pidfd] = watch
+    polled = [w for w in watches if w.pidfd is None]
     while pending:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
         timeout = None if remaining == float("inf") else remaining
-        for conn in multiprocessing.connection.wait(list(pending), timeout=timeout):
-            rank = pending.pop(conn)
-            try:
-                status, payload, when = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError):
-                status, payload = "error", "the rank exited without reporting a result"
-                when = time.monotonic()
+        if polled:
+            timeout = _POLL_S if timeout is None else min(timeout, _POLL_S)
+        ready = multiprocessing.connection.wait(list(pending), timeout=timeout)
+        ready_watches = {pending[key] for key in ready}
+        ready_watches.update(w for w in polled if w.conn in pending and not w.proc.is_alive())
+        for watch in sorted(ready_watches, key=lambda w: w.rank):
+            pending.pop(watch.conn, None)
+            pending.pop(watch.pidfd, None)
+            status, payload, when = watch.report()
             if status == "ok":
-                results[rank] = payload
+                results[watch.rank] = payload
             else:
-                failed.append((when, rank, status, payload))
+                failed.append((status != "died", when, watch.rank, status, payload))
         if failed:
             deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
-    errors = [(rank, kind, text) for _, rank, kind, text in sorted(failed)]
-    return results, errors, sorted(pending.values())
+    errors = [(rank, kind, text) for _, _, rank, kind, text in sorted(failed)]
+    unfinished = sorted({watch.rank for watch in pending.values()})
+    return results, errors, unfinished
 
 
 def _rank_main(
