@@ -98,8 +98,7 @@ class SimResult:
                     "busy": r.busy,
                     "peak_activations": r.peak_activations,
                     "actions": [
-                        {**t.action.to_json(), "start": t.start, "end": t.end}
-                        for t in r.actions
+                        {**t.action.to_json(), "start": t.start, "end": t.end} for t in r.actions
                     ],
                 }
                 for r in self.ranks

@@ -1,7 +1,8 @@
 """Layout-agnostic checkpoints with ``megatron.core.dist_checkpointing``.
 
 A checkpoint is Megatron-LM's directory layout: ``<root>/iter_0000005/`` plus
-``<root>/latest_checkpointed_iteration.txt``. It holds
+``<root>/latest_checkpointed_iteration.txt`` (see :mod:`.checkpoint_files`, which also
+finds damaged checkpoints before any work). It holds
 
 - the model: each chunk's ``sharded_state_dict()``. Our chunks keep global layer numbers,
   so the keys and offsets are those of a standard run and any pipeline schedule (and any
@@ -17,6 +18,13 @@ A checkpoint is Megatron-LM's directory layout: ``<root>/iter_0000005/`` plus
 - per-rank RNG states (python, numpy, torch, CUDA, Megatron's tracker), restored only
   when the world size is unchanged (they are per rank; with dropout 0 they do not affect
   the losses).
+
+Loading takes the tracker's iteration, or ``ckpt_step``'s. The learning-rate schedule
+saved must match the config's unless ``override_opt_param_scheduler`` (the config's wins)
+or ``use_checkpoint_opt_param_scheduler`` (the checkpoint's wins) says otherwise, as in
+Megatron-LM; a mismatch is refused before any work. A save that fails (a full disk) is
+one sentence naming the iteration and the last complete checkpoint, which stays the
+tracker's.
 """
 
 from __future__ import annotations
@@ -34,11 +42,23 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import unwrap_model
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..checks import schedule_spec
 from ..cpu_compat import apply_cpu_compat
+from .checkpoint_files import (
+    TRACKER,
+    CheckpointError,
+    damage,
+    earlier_advice,
+    failure_cause,
+    iteration_dir,
+    iterations,
+    read_tracker,
+    write_tracker,
+)
 from .config import TrainConfig
-from .errors import TrainError
+from .optim import scheduler_settings
 
 __all__ = [
     "CheckpointError",
@@ -48,7 +68,6 @@ __all__ = [
     "save_checkpoint",
 ]
 
-TRACKER = "latest_checkpointed_iteration.txt"
 #: Keys that define the model's parameters: a checkpoint only loads into the same model.
 MODEL_KEYS = (
     "num_layers",
@@ -81,20 +100,12 @@ MODEL_KEYS = (
 _OPTIMIZER_METADATA = {"chained_optim_avoid_prefix": True}
 
 
-class CheckpointError(TrainError):
-    """A checkpoint that cannot be loaded into this run; the message says why."""
-
-
 @dataclass
 class TrainState:
     """Where training stands: the last finished iteration and the samples it consumed."""
 
     iteration: int = 0
     consumed_train_samples: int = 0
-
-
-def _iteration_dir(root: str, iteration: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}"
 
 
 def _as_replica(replica_id: int | tuple[int, ...]) -> tuple[int, ...]:
@@ -163,7 +174,7 @@ def save_checkpoint(
     directory. The tracker file is written after every rank has saved."""
     assert cfg.save is not None
     apply_cpu_compat()  # dist_checkpointing's writer assumes CUDA (no-op with CUDA)
-    directory = _iteration_dir(cfg.save, state.iteration)
+    directory = iteration_dir(cfg.save, state.iteration)
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
     dist.barrier()
@@ -176,41 +187,121 @@ def save_checkpoint(
         pipeline_schedule=cfg.pipeline_schedule,
         model_config={key: getattr(cfg, key) for key in MODEL_KEYS},
     )
-    dist_checkpointing.save(sharded, str(directory))
+    try:
+        dist_checkpointing.save(sharded, str(directory))
+    except (Exception, CheckpointException) as err:  # every rank's failure, gathered
+        message = [_save_failure(cfg.save, state.iteration, err)]
+        if isinstance(err, CheckpointException) and err.args[:1] == ("write",):
+            # Raised on every rank, with the causes on the coordinator only: say its words.
+            dist.broadcast_object_list(message, src=0)
+        raise CheckpointError(message[0]) from None
     dist.barrier()
     if dist.get_rank() == 0:
-        (Path(cfg.save) / TRACKER).write_text(f"{state.iteration}\n", encoding="utf-8")
+        write_tracker(cfg.save, state.iteration)
     dist.barrier()
     return directory
 
 
-def latest_iteration(root: str) -> int | None:
-    """The iteration the tracker file under ``root`` names, or None without one."""
-    tracker = Path(root) / TRACKER
-    if not tracker.is_file():
-        return None
-    text = tracker.read_text(encoding="utf-8").strip()
-    if not text.isdigit():
-        raise CheckpointError(f"{tracker}: expected an iteration number, found {text!r}")
-    return int(text)
+def _save_failure(root: str, iteration: int, err: BaseException) -> str:
+    ranks, cause = failure_cause(err)
+    where = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else ""
+    last = read_tracker(root)
+    kept = (
+        f"the last complete checkpoint is iteration {last} (the tracker still names it)"
+        if last is not None
+        else f"there is no complete checkpoint in {root} yet"
+    )
+    return (
+        f"saving iteration {iteration} to {iteration_dir(root, iteration)} failed{where}: "
+        f"{cause}; {kept}: free space in {root} or set save to another directory"
+    )
+
+
+def _iteration_to_load(cfg: TrainConfig) -> int | None:
+    """``ckpt_step``, else the tracker's iteration; None when ``cfg.load`` holds no
+    checkpoint at all (training starts from scratch, as in Megatron-LM)."""
+    assert cfg.load is not None
+    root = Path(cfg.load)
+    if not root.exists():
+        raise CheckpointError(
+            f"load: {root} does not exist: point load at a checkpoint directory (the save "
+            "directory of an earlier run), or unset it to train from scratch"
+        )
+    if not root.is_dir():
+        raise CheckpointError(f"load: {root} is a file, not a checkpoint directory")
+    if cfg.ckpt_step is not None:
+        return cfg.ckpt_step
+    iteration = read_tracker(root)
+    if iteration is None and iterations(root):
+        raise CheckpointError(
+            f"{root} holds checkpoints but no latest_checkpointed_iteration.txt: "
+            f"{earlier_advice(root)}"
+        )
+    return iteration
 
 
 def check_loadable(cfg: TrainConfig) -> None:
-    """Raise :class:`CheckpointError` when the latest checkpoint under ``cfg.load`` was
-    saved for a different model (see :data:`MODEL_KEYS`); reads only its common state, so
-    it can run before any process group exists. No checkpoint there: nothing to check."""
+    """Raise :class:`CheckpointError` when the checkpoint ``cfg.load`` names is missing or
+    damaged, was saved for a different model (see :data:`MODEL_KEYS`), or has another
+    learning-rate schedule than the config without a key saying which wins. Reads only
+    files, so it can run before any process group exists. No checkpoint: nothing to do."""
     if cfg.load is None:
         return
-    iteration = latest_iteration(cfg.load)
+    iteration = _iteration_to_load(cfg)
     if iteration is None:
         return
-    directory = _iteration_dir(cfg.load, iteration)
-    saved = dist_checkpointing.load_common_state_dict(str(directory))["model_config"]
+    directory = iteration_dir(cfg.load, iteration)
+    problem = damage(directory)
+    if problem is not None and not directory.is_dir():
+        named = f"{TRACKER} in {cfg.load}" if cfg.ckpt_step is None else "ckpt_step"
+        raise CheckpointError(
+            f"{named} names iteration {iteration}, but {directory} does not exist: "
+            f"{earlier_advice(cfg.load)}"
+        )
+    if problem is not None:
+        raise CheckpointError(
+            f"checkpoint {directory}: {problem}: {earlier_advice(cfg.load, before=iteration)}"
+        )
+    common = dist_checkpointing.load_common_state_dict(str(directory))
+    saved = common["model_config"]
     for key in MODEL_KEYS:
         if saved.get(key) != getattr(cfg, key):
             raise CheckpointError(
                 f"{directory}: the checkpoint was saved with {key} {saved.get(key)!r} but the "
                 f"config has {getattr(cfg, key)!r}: a checkpoint only loads into the same model"
+            )
+    _check_scheduler(cfg, directory, common["opt_param_scheduler"])
+
+
+#: The learning-rate scheduler's saved settings that Megatron compares on load, with the
+#: config keys that set them.
+_SCHEDULER_KEYS = {
+    "max_lr": "lr",
+    "min_lr": "min_lr",
+    "lr_warmup_steps": "lr_warmup_iters",
+    "lr_decay_steps": "lr_decay_iters (default: train_iters)",
+    "lr_decay_style": "lr_decay_style",
+    "start_wd": "weight_decay",
+    "end_wd": "weight_decay",
+    "wd_incr_steps": "train_iters (the weight-decay schedule's length)",
+    "wd_incr_style": "the weight-decay style",
+}
+
+
+def _check_scheduler(cfg: TrainConfig, directory: Path, saved: dict[str, Any]) -> None:
+    """Megatron's OptimizerParamScheduler asserts equal settings on load unless one of
+    the two keys says which wins; say so in one sentence instead, before any work."""
+    if cfg.override_opt_param_scheduler or cfg.use_checkpoint_opt_param_scheduler:
+        return
+    ours = scheduler_settings(cfg)
+    for name, key in _SCHEDULER_KEYS.items():
+        if name in saved and saved[name] != ours[name]:
+            raise CheckpointError(
+                f"{directory}: the checkpoint's learning-rate schedule differs from the "
+                f"config's ({key}: {saved[name]!r} in the checkpoint, {ours[name]!r} now): set "
+                "override_opt_param_scheduler: true to follow the config's schedule from the "
+                "checkpoint's iteration on, or use_checkpoint_opt_param_scheduler: true to keep "
+                "the checkpoint's"
             )
 
 
@@ -220,20 +311,27 @@ def load_checkpoint(
     optimizer: Any,
     scheduler: OptimizerParamScheduler,
 ) -> tuple[TrainState, Path] | None:
-    """Load the latest checkpoint under ``cfg.load`` into the model, optimizer and
-    scheduler (and RNG states, when the world size is unchanged); collective. Returns the
-    state to resume from and the directory, or None when ``cfg.load`` holds no tracker
-    file (training starts from scratch, as in Megatron-LM)."""
-    assert cfg.load is not None
-    iteration = latest_iteration(cfg.load)
+    """Load the checkpoint ``cfg.load`` names (``ckpt_step``, else the tracker's) into the
+    model, optimizer and scheduler (and RNG states, when the world size is unchanged);
+    collective. Returns the state to resume from and the directory, or None when
+    ``cfg.load`` holds no checkpoint (training starts from scratch, as in Megatron-LM)."""
+    iteration = _iteration_to_load(cfg)
     if iteration is None:
         return None
     check_loadable(cfg)
-    directory = _iteration_dir(cfg.load, iteration)
+    directory = iteration_dir(cfg.load, iteration)
     common = dist_checkpointing.load_common_state_dict(str(directory))
     same_world = common["world_size"] == dist.get_world_size()
     sharded = _sharded_state(cfg, model, optimizer, loading=True, with_rng=same_world)
-    loaded = dist_checkpointing.load(sharded, str(directory))
+    try:
+        loaded = dist_checkpointing.load(sharded, str(directory))
+    except (Exception, CheckpointException) as err:  # every rank's failure, gathered
+        ranks, cause = failure_cause(err)
+        where = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        raise CheckpointError(
+            f"checkpoint {directory} cannot be loaded: reading it failed{where if ranks else ''} "
+            f"({cause}): {earlier_advice(cfg.load, before=iteration)}"
+        ) from None
     for i, chunk in enumerate(model):
         unwrap_model(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
     optimizer.load_state_dict(loaded["optimizer"])

@@ -136,6 +136,11 @@ class TrainConfig:
     load: str | None = None
     output_dir: str | None = None
     distributed_timeout_minutes: float = 10.0
+    # Faults and resuming (Megatron-LM's keys and defaults).
+    check_for_nan_in_loss_and_grad: bool = True
+    ckpt_step: int | None = None
+    override_opt_param_scheduler: bool = False
+    use_checkpoint_opt_param_scheduler: bool = False
 
     @property
     def data_parallel_size(self) -> int:
@@ -592,4 +597,11 @@ def _check_io(cfg: TrainConfig) -> Problem:
         return "save_interval", "needs save (a checkpoint directory)"
     if cfg.eval_interval is not None and cfg.eval_iters == 0:
         return "eval_iters", "must be >= 1 when eval_interval is set"
+    if cfg.ckpt_step is not None and cfg.load is None:
+        return "ckpt_step", "needs load (the checkpoint directory to load that iteration from)"
+    if cfg.override_opt_param_scheduler and cfg.use_checkpoint_opt_param_scheduler:
+        return "override_opt_param_scheduler", (
+            "and use_checkpoint_opt_param_scheduler are both set: choose one (override: the "
+            "config's learning-rate schedule wins; use_checkpoint: the checkpoint's)"
+        )
     return None

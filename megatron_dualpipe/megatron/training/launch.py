@@ -175,10 +175,20 @@ def _run_forked(cfg: TrainConfig) -> TrainResult:
             plain_errors=(ConfigError, TrainError),
         )
     except LaunchFailure as failure:
-        raise LaunchError(failure.first) from None
+        raise LaunchError(_failure_text(failure)) from None
     merged = results[0]
     merged.lines = [line for result in results for line in result.lines]
     return merged
+
+
+def _failure_text(failure: LaunchFailure) -> str:
+    """The root cause of a failed launch. A verdict every rank reached together (a
+    non-finite loss, a checkpoint that cannot be written) reads the same on every rank and
+    is said once, without a rank; anything else names the rank it came from."""
+    texts = {text for _, _, text in failure.errors}
+    if len(texts) == 1 and len(failure.errors) == failure.world_size:
+        return texts.pop()
+    return failure.first
 
 
 def _train_rank(rank: int, world_size: int, cfg: TrainConfig) -> TrainResult:

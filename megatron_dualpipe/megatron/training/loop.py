@@ -34,9 +34,12 @@ from megatron.core.utils import unwrap_model
 from ..loss_reports import mtp_losses
 from ..placement import embedding_ranks
 from ..registry import get_forward_backward_func
+from . import finite
 from .checkpoint import TrainState, load_checkpoint, save_checkpoint
+from .checkpoint_files import unwritable
 from .config import TrainConfig
 from .data import MicroBatch, SyntheticData
+from .errors import TrainError
 from .measure import StepRecorder, predict, write_side_by_side_png
 from .model import build_model, transformer_config
 from .optim import build_optimizer
@@ -117,6 +120,7 @@ class _Run:
         self.model = build_model(cfg, self.config)
         self.optimizer, self.scheduler = build_optimizer(cfg, self.model)
         self.config.grad_scale_func = self.optimizer.scale_loss
+        self.loss_scaling = finite.uses_loss_scaling(self.optimizer)
         self.printer = self._loss_rank()
         self.bar: ProgressBar | None = None
         data = dict(
@@ -160,11 +164,16 @@ class _Run:
         return iter(batches)
 
     def _run_schedule(
-        self, data_iterator: Any, forward_only: bool, step_func: Callable[..., Any] = forward_step
-    ) -> float:
-        """One forward-backward call; returns the global mean loss (all ranks)."""
+        self,
+        data_iterator: Any,
+        forward_only: bool,
+        step_func: Callable[..., Any] | None = None,
+    ) -> tuple[float, str | None]:
+        """One forward-backward call (``step_func``, default :func:`forward_step`); returns
+        the global mean loss and, with ``check_for_nan_in_loss_and_grad``, what was not
+        finite where (:mod:`.finite`); the same on all ranks."""
         loss_dicts = self.forward_backward(
-            forward_step_func=step_func,
+            forward_step_func=step_func or forward_step,
             data_iterator=data_iterator,
             model=self.model,
             num_microbatches=self.cfg.num_microbatches,
@@ -173,11 +182,32 @@ class _Run:
             forward_only=forward_only,
         )
         local = [float(d[LOSS_KEY]) for d in loss_dicts]
-        total = torch.tensor(
-            [math.fsum(local), len(local)], dtype=torch.float64, device=self.device
-        )
+        world = dist.get_world_size()
+        flags = torch.zeros(world, len(finite.FINDINGS), dtype=torch.float64)
+        if self.cfg.check_for_nan_in_loss_and_grad:
+            grads = [] if forward_only or self.loss_scaling else finite.grad_buffers(self.model)
+            flags[self.rank] = torch.tensor(finite.local_flags(local, grads), dtype=torch.float64)
+        total = torch.cat([torch.tensor([math.fsum(local), len(local)]), flags.flatten()])
+        total = total.to(dtype=torch.float64, device=self.device)
         dist.all_reduce(total)
-        return float(total[0] / total[1])
+        found = finite.describe(total[2:].view(world, -1).tolist())
+        return float(total[0] / total[1]), found
+
+    def _stop(self, when: str, found: str) -> None:
+        """Raise the one-sentence error for a non-finite loss or gradient (every rank);
+        ``when`` names the iteration and whether it was a training step."""
+        if self.result.saved:
+            last = f"the last checkpoint is iteration {self.result.saved[-1]} in {self.cfg.save}"
+        elif self.result.resumed_from is not None:
+            last = f"the last checkpoint is iteration {self.result.resumed_from} in {self.cfg.load}"
+        else:
+            last = "no checkpoint was saved"
+        raise TrainError(
+            f"{when}: found {found} (check_for_nan_in_loss_and_grad): stopped "
+            f"{'before the optimizer step ' if when.startswith('iteration') else ''}"
+            f"and saved nothing ({last}); lower lr ({self.cfg.lr:g}) or "
+            "clip_grad, or set check_for_nan_in_loss_and_grad: false to carry on regardless"
+        )
 
     def train_step(self, measure: bool) -> tuple[float, bool, float | None, StepRecorder | None]:
         """One iteration; with ``measure``, its forward-backward call is recorded."""
@@ -195,11 +225,13 @@ class _Run:
                 self.cfg.num_microbatches,
             )
             with recorder:
-                loss = self._run_schedule(data, False, recorder.forward_step(forward_step))
+                loss, found = self._run_schedule(data, False, recorder.forward_step(forward_step))
         else:
-            loss = self._run_schedule(data, forward_only=False)
+            loss, found = self._run_schedule(data, forward_only=False)
         if self.cfg.mtp_num_layers:
             self.mtp = tuple(mtp_losses(self.cfg.mtp_num_layers, self.cfg.num_microbatches))
+        if found is not None:
+            self._stop(f"iteration {self.state.iteration + 1}", found)
         success, grad_norm, _ = self.optimizer.step()
         if success:
             self.scheduler.step(increment=1)
@@ -212,13 +244,14 @@ class _Run:
         """The mean loss over ``eval_iters`` validation batches (forward only)."""
         for chunk in self.model:
             chunk.eval()
+        losses = []
         with torch.no_grad():
-            losses = [
-                self._run_schedule(
-                    self._data_iterator(self.valid_data, k * self.cfg.global_batch_size), True
-                )
-                for k in range(self.cfg.eval_iters)
-            ]
+            for k in range(self.cfg.eval_iters):
+                data = self._data_iterator(self.valid_data, k * self.cfg.global_batch_size)
+                loss, found = self._run_schedule(data, forward_only=True)
+                if found is not None:
+                    self._stop(f"validation at iteration {self.state.iteration}", found)
+                losses.append(loss)
         for chunk in self.model:
             chunk.train()
         return math.fsum(losses) / len(losses)
@@ -362,6 +395,27 @@ def _header_line(cfg: TrainConfig, backend: str) -> str:
     )
 
 
+def _check_writable(cfg: TrainConfig) -> None:
+    """Refuse, before any work, a ``save`` some rank cannot write its shards to, or an
+    ``output_dir`` rank 0 cannot write the timeline to; collective."""
+    mine = []
+    if cfg.save is not None:
+        mine.append(("save", cfg.save, unwritable(cfg.save)))
+    if cfg.output_dir is not None and dist.get_rank() == 0:
+        mine.append(("output_dir", cfg.output_dir, unwritable(cfg.output_dir)))
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    for key, path, why in [item for items in every for item in items]:
+        if why is None:
+            continue
+        ranks = [r for r, items in enumerate(every) if (key, path, why) in items]
+        where = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        raise TrainError(
+            f"{key}: cannot write to {path} on {where} ({why}): set {key} to a directory "
+            f"{'every rank' if key == 'save' else 'rank 0'} can write to"
+        )
+
+
 def run_rank(cfg: TrainConfig) -> TrainResult:
     """Train on this rank (the default process group must exist); collective."""
     ranks = embedding_ranks(cfg.pipeline_schedule)  # where our placements keep them
@@ -374,6 +428,7 @@ def run_rank(cfg: TrainConfig) -> TrainResult:
         **({"get_embedding_ranks": ranks} if ranks else {}),
     )
     try:
+        _check_writable(cfg)
         _seed(cfg)
         run = _Run(cfg)
         run.say([_header_line(cfg, dist.get_backend())])

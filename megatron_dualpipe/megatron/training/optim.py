@@ -13,14 +13,32 @@ from .config import TrainConfig
 __all__ = ["build_optimizer"]
 
 
+def scheduler_settings(cfg: TrainConfig) -> dict[str, Any]:
+    """The OptimizerParamScheduler settings of ``cfg``, named as in its state dict: linear
+    warm-up from 0 over ``lr_warmup_iters``, then ``lr_decay_style`` down to ``min_lr`` at
+    ``lr_decay_iters`` (default ``train_iters``); constant weight decay. One step per
+    iteration."""
+    return {
+        "max_lr": cfg.lr,
+        "min_lr": cfg.min_lr,
+        "lr_warmup_steps": cfg.lr_warmup_iters,
+        "lr_decay_steps": cfg.lr_decay_iters or cfg.train_iters,
+        "lr_decay_style": cfg.lr_decay_style,
+        "start_wd": cfg.weight_decay,
+        "end_wd": cfg.weight_decay,
+        "wd_incr_steps": cfg.train_iters,
+        "wd_incr_style": "constant",
+    }
+
+
 def build_optimizer(
     cfg: TrainConfig, model: list[Any]
 ) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
     """``get_megatron_optimizer`` over the model chunks (Adam or SGD, gradient clipping at
     ``clip_grad``, the distributed optimizer when asked) and an ``OptimizerParamScheduler``
-    stepped once per iteration: linear warm-up from 0 over ``lr_warmup_iters``, then
-    ``lr_decay_style`` down to ``min_lr`` at ``lr_decay_iters`` (default ``train_iters``);
-    constant weight decay."""
+    with :func:`scheduler_settings`; on load, its settings are compared with the
+    checkpoint's as Megatron-LM's ``override_opt_param_scheduler`` and
+    ``use_checkpoint_opt_param_scheduler`` say."""
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
@@ -42,14 +60,8 @@ def build_optimizer(
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
-        max_lr=cfg.lr,
-        min_lr=cfg.min_lr,
-        lr_warmup_steps=cfg.lr_warmup_iters,
-        lr_decay_steps=cfg.lr_decay_iters or cfg.train_iters,
-        lr_decay_style=cfg.lr_decay_style,
-        start_wd=cfg.weight_decay,
-        end_wd=cfg.weight_decay,
-        wd_incr_steps=cfg.train_iters,
-        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=cfg.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=cfg.override_opt_param_scheduler,
+        **scheduler_settings(cfg),
     )
     return optimizer, scheduler

@@ -111,7 +111,7 @@ def iteration_line(log: IterationLog) -> str:
 
 def validation_lines(iteration: int, lm_loss: float) -> list[str]:
     """Megatron-LM's validation block: the loss and its perplexity between rules."""
-    ppl = math.exp(min(20.0, lm_loss))
+    ppl = math.exp(min(20.0, lm_loss)) if math.isfinite(lm_loss) else lm_loss
     text = (
         f" validation loss at iteration {iteration} | lm loss value: {lm_loss:.6E} |"
         f" lm loss PPL: {ppl:.6E} | "

@@ -1,0 +1,288 @@
+"""Bad checkpoint paths and damaged checkpoints get one sentence, before any work where the
+files tell; a full disk during a save names the iteration and keeps the last complete
+checkpoint; a resumed run's learning-rate schedule follows Megatron-LM's rules.
+
+One run saves iterations 1-3 of the tiny config (module fixture); each test damages a copy.
+Refusals found from the files alone come before any rank starts (well under a second);
+the rest run the ranks and are bounded by the harness's timeouts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron_dualpipe.megatron.training import ConfigError, TrainError, load_config, train
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_gpt_cpu.yaml"
+SAVED = 3
+LR = re.compile(r"^ iteration +(\d+)/ +\d+ \|.* learning rate: (\S+) \|")
+
+
+def _cfg(*overrides: str):
+    return load_config(TINY, ["eval_interval=null", "output_dir=null", *overrides])
+
+
+def _run(*overrides: str):
+    return train(_cfg(*overrides), source=str(TINY))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("saved") / "ckpt"
+    result = _run(f"train_iters={SAVED}", f"save={root}", "save_interval=1")
+    assert result.saved == [1, 2, 3]
+    return root
+
+
+@pytest.fixture
+def copy(saved: Path, tmp_path: Path) -> Path:
+    root = tmp_path / "ckpt"
+    shutil.copytree(saved, root)
+    return root
+
+
+def _refused(message: str, *overrides: str) -> None:
+    with pytest.raises(TrainError) as info:
+        _run(f"train_iters={SAVED}", *overrides)
+    assert str(info.value) == message
+
+
+# -- load: paths -------------------------------------------------------------------------
+
+
+def test_a_load_path_that_does_not_exist_is_an_error(tmp_path: Path) -> None:
+    _refused(
+        f"load: {tmp_path / 'nope'} does not exist: point load at a checkpoint directory (the "
+        "save directory of an earlier run), or unset it to train from scratch",
+        f"load={tmp_path / 'nope'}",
+    )
+
+
+def test_a_load_path_that_is_a_file_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    _refused(f"load: {tmp_path / 'file'} is a file, not a checkpoint directory",
+             f"load={tmp_path / 'file'}")  # fmt: skip
+
+
+def test_checkpoints_without_a_tracker_are_not_ignored(copy: Path) -> None:
+    (copy / "latest_checkpointed_iteration.txt").unlink()
+    _refused(
+        f"{copy} holds checkpoints but no latest_checkpointed_iteration.txt: load an earlier "
+        f"iteration with ckpt_step (complete checkpoints in {copy}: iterations 1, 2, 3)",
+        f"load={copy}",
+    )
+
+
+def test_a_tracker_that_is_not_a_number(copy: Path) -> None:
+    (copy / "latest_checkpointed_iteration.txt").write_text("three\n")
+    _refused(
+        f"{copy / 'latest_checkpointed_iteration.txt'}: expected an iteration number, found "
+        f"'three': load an earlier iteration with ckpt_step (complete checkpoints in {copy}: "
+        "iterations 1, 2, 3)",
+        f"load={copy}",
+    )
+
+
+def test_a_tracker_naming_a_missing_iteration(copy: Path) -> None:
+    (copy / "latest_checkpointed_iteration.txt").write_text("9\n")
+    _refused(
+        f"latest_checkpointed_iteration.txt in {copy} names iteration 9, but "
+        f"{copy / 'iter_0000009'} does not exist: load an earlier iteration with ckpt_step "
+        f"(complete checkpoints in {copy}: iterations 1, 2, 3)",
+        f"load={copy}",
+    )
+
+
+# -- load: damaged iteration directories ------------------------------------------------
+
+
+def _advice(root: Path) -> str:
+    listed = f"complete checkpoints in {root}: iterations 1, 2"
+    return f"load an earlier iteration with ckpt_step ({listed})"
+
+
+def test_a_truncated_shard(copy: Path) -> None:
+    shard = copy / "iter_0000003" / "__1_0.distcp"
+    size = shard.stat().st_size
+    os.truncate(shard, 1000)
+    _refused(
+        f"checkpoint {copy / 'iter_0000003'}: __1_0.distcp is truncated (1000 of its {size} "
+        f"bytes): {_advice(copy)}",
+        f"load={copy}",
+    )
+
+
+@pytest.mark.parametrize("name", ["__0_1.distcp", "common.pt", ".metadata", "metadata.json"])
+def test_a_deleted_file(copy: Path, name: str) -> None:
+    (copy / "iter_0000003" / name).unlink()
+    _refused(f"checkpoint {copy / 'iter_0000003'}: {name} is missing: {_advice(copy)}",
+             f"load={copy}")  # fmt: skip
+
+
+def test_an_incomplete_directory_named_by_the_tracker(copy: Path) -> None:
+    """What a kill in the middle of a save leaves: some files, no metadata."""
+    for item in (copy / "iter_0000003").iterdir():
+        if item.name != "common.pt":
+            item.unlink()
+    _refused(f"checkpoint {copy / 'iter_0000003'}: metadata.json is missing: {_advice(copy)}",
+             f"load={copy}")  # fmt: skip
+
+
+def test_every_file_replaced_by_random_bytes(copy: Path) -> None:
+    for item in (copy / "iter_0000003").iterdir():
+        item.write_bytes(b"\xff" + os.urandom(item.stat().st_size))
+    with pytest.raises(TrainError) as info:
+        _run(f"train_iters={SAVED}", f"load={copy}")
+    assert str(info.value).startswith(
+        f"checkpoint {copy / 'iter_0000003'}: metadata.json cannot be read (UnicodeDecodeError:"
+    )
+    assert str(info.value).endswith(_advice(copy))
+
+
+@pytest.mark.slow
+def test_shards_of_the_right_length_with_random_contents(copy: Path) -> None:
+    """Only reading them finds this: after the ranks start, one sentence all the same."""
+    for shard in (copy / "iter_0000003").glob("*.distcp"):
+        shard.write_bytes(b"\xff" + os.urandom(shard.stat().st_size - 1))
+    with pytest.raises(TrainError) as info:
+        _run(f"train_iters={SAVED}", f"load={copy}")
+    message = str(info.value)
+    assert message.startswith(
+        f"checkpoint {copy / 'iter_0000003'} cannot be loaded: reading it failed on ranks 0, 1 ("
+    ), message
+    assert message.endswith(_advice(copy)) and "\n" not in message
+
+
+def test_ckpt_step_loads_an_earlier_iteration(copy: Path) -> None:
+    os.truncate(copy / "iter_0000003" / "__0_0.distcp", 10)
+    result = _run(f"train_iters={SAVED}", f"load={copy}", "ckpt_step=2")
+    assert result.resumed_from == 2 and sorted(result.losses) == [3]
+
+
+def test_ckpt_step_needs_load() -> None:
+    with pytest.raises(ConfigError, match=r"ckpt_step: needs load"):
+        _cfg(f"train_iters={SAVED}", "ckpt_step=2")
+
+
+# -- resuming: the learning-rate schedule -----------------------------------------------
+
+
+def _lr_at(result, iteration: int) -> float:
+    return {int(m[1]): float(m[2]) for m in map(LR.match, result.lines) if m}[iteration]
+
+
+def test_a_longer_run_from_a_checkpoint_must_say_which_schedule_wins(copy: Path) -> None:
+    _refused(
+        f"{copy / 'iter_0000003'}: the checkpoint's learning-rate schedule differs from the "
+        "config's (lr_decay_iters (default: train_iters): 3 in the checkpoint, 6 now): set "
+        "override_opt_param_scheduler: true to follow the config's schedule from the "
+        "checkpoint's iteration on, or use_checkpoint_opt_param_scheduler: true to keep the "
+        "checkpoint's",
+        f"load={copy}",
+        "train_iters=6",
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("key", "lr_at_4"),
+    [
+        # cosine from 3e-3 to 3e-4 over iterations 2-6: half way at iteration 4
+        ("override_opt_param_scheduler", 1.65e-3),
+        # the checkpoint's schedule ended at iteration 3: flat at min_lr
+        ("use_checkpoint_opt_param_scheduler", 3.0e-4),
+    ],
+)
+def test_the_chosen_schedule_is_the_one_followed(copy: Path, key: str, lr_at_4: float) -> None:
+    result = _run(f"load={copy}", "train_iters=6", f"{key}=true")
+    assert result.resumed_from == SAVED
+    assert _lr_at(result, 4) == pytest.approx(lr_at_4)
+
+
+def test_both_schedule_keys_at_once_is_an_error() -> None:
+    with pytest.raises(
+        ConfigError,
+        match="override_opt_param_scheduler: and "
+        "use_checkpoint_opt_param_scheduler are both set: choose one",
+    ):
+        _cfg(f"train_iters={SAVED}", "override_opt_param_scheduler=true",
+             "use_checkpoint_opt_param_scheduler=true")  # fmt: skip
+
+
+# -- save ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["proc", "file"])
+def test_an_unwritable_save_is_refused_before_the_first_iteration(tmp_path: Path, where) -> None:
+    if where == "proc":
+        path, why = Path("/proc/megatron-dualpipe-test"), "No such file or directory"
+    else:
+        (tmp_path / "file").write_text("x")
+        path, why = tmp_path / "file" / "ckpt", "Not a directory"
+    with pytest.raises(TrainError) as info:
+        _run(f"train_iters={SAVED}", f"save={path}")
+    assert str(info.value) == (
+        f"save: cannot write to {path} on ranks 0, 1 ({why}): set save to a directory every "
+        "rank can write to"
+    )
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path):
+    """A read-only file system (a tmpfs mounted ro); skipped where mounting is not allowed."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)],
+                          capture_output=True)  # fmt: skip
+    if done.returncode != 0:
+        pytest.skip("mounting a read-only tmpfs needs privileges this machine does not grant")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.slow
+def test_a_read_only_save_is_refused_before_the_first_iteration(read_only_dir: Path) -> None:
+    with pytest.raises(TrainError) as info:
+        _run(f"train_iters={SAVED}", f"save={read_only_dir / 'ckpt'}")
+    assert str(info.value) == (
+        f"save: cannot write to {read_only_dir / 'ckpt'} on ranks 0, 1 (Read-only file system): "
+        "set save to a directory every rank can write to"
+    )
+
+
+def test_an_unwritable_output_dir_is_refused_before_the_first_iteration() -> None:
+    path = Path("/proc/megatron-dualpipe-test")
+    with pytest.raises(TrainError) as info:
+        train(load_config(TINY, [f"train_iters={SAVED}", f"output_dir={path}"]), source=str(TINY))
+    assert str(info.value) == (
+        f"output_dir: cannot write to {path} on rank 0 (No such file or directory): set "
+        "output_dir to a directory rank 0 can write to"
+    )
+
+
+@pytest.mark.slow
+def test_a_full_disk_names_the_iteration_and_keeps_the_last_checkpoint(tmp_path: Path) -> None:
+    """Iteration 2's shard files are /dev/full: every write fails with ENOSPC."""
+    root = tmp_path / "ckpt"
+    (root / "iter_0000002").mkdir(parents=True)
+    for rank in range(2):
+        for part in range(2):
+            (root / "iter_0000002" / f"__{rank}_{part}.distcp").symlink_to("/dev/full")
+    with pytest.raises(TrainError) as info:
+        _run(f"train_iters={SAVED}", f"save={root}", "save_interval=1")
+    assert str(info.value) == (
+        f"saving iteration 2 to {root / 'iter_0000002'} failed on ranks 0, 1: no space left on "
+        "device; the last complete checkpoint is iteration 1 (the tracker still names it): free "
+        f"space in {root} or set save to another directory"
+    )
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "1\n"
+    result = _run(f"train_iters={SAVED}", f"load={root}")  # and it loads
+    assert result.resumed_from == 1 and sorted(result.losses) == [2, 3]
