@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -126,9 +127,18 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     )
 
 
+class _Terminated(BaseException):
+    """SIGTERM arrived: unwind like Ctrl-C, so the embedded launcher kills its ranks."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
 def _run_train(args: argparse.Namespace) -> None:
     from .megatron.training import load_config, train  # train imports torch and megatron
 
+    signal.signal(signal.SIGTERM, _terminate)
     train(load_config(args.config, args.overrides), source=str(args.config))
 
 
@@ -328,6 +338,16 @@ def main(argv: list[str] | None = None) -> int:
             _run_train(args)
         elif args.command == "bench":
             _run_bench(args)
+    except KeyboardInterrupt:
+        # The embedded launchers kill every rank they started on the way out.
+        print(f"megatron-dualpipe: {args.command} interrupted", file=sys.stderr)
+        return 130
+    except _Terminated:
+        print(f"megatron-dualpipe: {args.command} terminated (SIGTERM)", file=sys.stderr)
+        return 143
+    except BrokenPipeError:  # the reader of our output went away (| head)
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the interpreter's final flush
+        return 1
     except (DualPipeError, OSError) as err:
         print(f"megatron-dualpipe: error: {err}", file=sys.stderr)
         return 2

@@ -19,14 +19,13 @@ import argparse
 import sys
 from pathlib import Path
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_dualpipe.megatron.training import ConfigError, TrainError, train  # noqa: E402
 from megatron_dualpipe.megatron.training.config import (  # noqa: E402
     config_from_values,
     parse_overrides,
+    read_yaml_values,
 )
 from megatron_dualpipe.schedules.registry import SCHEDULES  # noqa: E402
 
@@ -39,6 +38,7 @@ FLAGS = (
     "moe-router-topk", "save", "load", "save-interval", "eval-interval", "eval-iters",
     "log-interval", "seed", "world-size", "output-dir", "decoder-first-pipeline-num-layers",
     "decoder-last-pipeline-num-layers", "pipeline-model-parallel-layout", "mtp-num-layers",
+    "ckpt-step",
 )  # fmt: skip
 
 
@@ -50,6 +50,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--overlap-grad-reduce", action="store_true", default=None)
     parser.add_argument("--bf16", action="store_true", default=None)
     parser.add_argument("--overlap-moe-expert-parallel-comm", action="store_true", default=None)
+    parser.add_argument(
+        "--check-for-nan-in-loss-and-grad",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="stop at the first NaN/Inf in the loss or gradients (default: on)",
+    )
+    parser.add_argument("--override-opt_param-scheduler", action="store_true", default=None,
+                        dest="override_opt_param_scheduler")  # fmt: skip
+    parser.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true", default=None,
+                        dest="use_checkpoint_opt_param_scheduler")  # fmt: skip
     for flag in FLAGS:
         parser.add_argument(f"--{flag}", metavar="VALUE")
     return parser.parse_args(argv)
@@ -57,12 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def config_from_args(args: argparse.Namespace):
     """The validated TrainConfig of ``args`` (flags over the YAML file's keys)."""
-    values = {}
-    if args.yaml_cfg is not None:
-        loaded = yaml.safe_load(args.yaml_cfg.read_text(encoding="utf-8")) or {}
-        values.update(parse_overrides(f"{k}={v}" for k, v in loaded.items()))
-    given = {k: v for k, v in vars(args).items() if v is not None and k != "yaml_cfg"}
-    values.update(parse_overrides(f"{k}={v}" for k, v in given.items()))
+    values = {} if args.yaml_cfg is None else read_yaml_values(args.yaml_cfg)
+    for key, value in vars(args).items():
+        if value is not None and key != "yaml_cfg":
+            flag = "--" + key.replace("_", "-")
+            values.update(parse_overrides([f"{key}={value}"], source=flag))
     source = str(args.yaml_cfg) if args.yaml_cfg else "pretrain_gpt_dualpipe.py"
     return config_from_values(values, source, "runs/pretrain_gpt_dualpipe")
 
@@ -70,6 +79,9 @@ def config_from_args(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     try:
         train(config_from_args(parse_args(argv)), source="pretrain_gpt_dualpipe.py")
+    except KeyboardInterrupt:
+        print("pretrain_gpt_dualpipe.py: interrupted", file=sys.stderr)
+        return 130
     except (ConfigError, TrainError) as err:
         print(f"pretrain_gpt_dualpipe.py: error: {err}", file=sys.stderr)
         return 2

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_dualpipe.megatron.training.checkpoint_files import damage, iteration_dir, read_tracker
 from megatron_dualpipe.runtime.launch import LaunchFailure, run_ranks
 
 #: Long enough that only the launcher's own detection can end the call in time.
@@ -71,10 +75,115 @@ def _running(pid: int) -> bool:
 
 
 def _gone_soon(pids: list[int], within_s: float = 1.0) -> list[int]:
-    """The pids still running after ``within_s`` (SIGKILL is delivered asynchronously)."""
+    """The pids still running after ``within_s`` (at once when none is)."""
     deadline = time.monotonic() + within_s
     while True:
         left = [pid for pid in pids if _running(pid)]
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.02)
+
+
+# -- megatron-dualpipe train -----------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny_gpt_cpu.yaml"
+#: How long the CLI may take to start its ranks and reach the first save on a busy machine.
+START_TIMEOUT_S = 240
+
+
+def _start_train(tmp_path: Path, *sets: str) -> tuple[subprocess.Popen, Path, Path]:
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    args = [
+        arg for item in ("output_dir=null", "eval_interval=null", *sets) for arg in ("--set", item)
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(TINY), *args],
+        cwd=ROOT,
+        stdout=out.open("w"),
+        stderr=err.open("w"),
+    )
+    return proc, out, err
+
+
+def _wait_for(what: str, check, proc: subprocess.Popen, timeout_s: float = START_TIMEOUT_S):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        if proc.poll() is not None:
+            pytest.fail(f"train exited with {proc.returncode} before {what}")
+        time.sleep(0.002)
+    proc.kill()
+    pytest.fail(f"no {what} within {timeout_s} s")
+
+
+def _ranks(proc: subprocess.Popen) -> list[psutil.Process]:
+    """The forked ranks (children of the train process), rank order."""
+    return sorted(psutil.Process(proc.pid).children(), key=lambda p: p.create_time())
+
+
+def _writer_child(rank: psutil.Process) -> list[psutil.Process]:
+    """The rank's forked checkpoint writers (same command line as the rank)."""
+    try:
+        return [c for c in rank.children() if c.cmdline() == rank.cmdline()]
+    except psutil.Error:
+        return []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [1, 0])
+def test_kill_9_of_a_training_rank_while_it_writes_a_checkpoint(tmp_path: Path, victim) -> None:
+    """The issue's reproduction: every process gone within seconds, the dead rank named,
+    the last complete checkpoint intact."""
+    save = tmp_path / "ckpt"
+    proc, _, err = _start_train(
+        tmp_path, f"save={save}", "save_interval=1", "train_iters=300",
+        "distributed_timeout_minutes=1.5",
+    )  # fmt: skip
+
+    def writing() -> list[psutil.Process] | None:
+        """The ranks, once the victim writes a checkpoint and an earlier one is complete."""
+        ranks = _ranks(proc)
+        saved = (save / "latest_checkpointed_iteration.txt").exists()
+        if saved and len(ranks) == 2 and _writer_child(ranks[victim]):
+            return ranks
+        return None
+
+    ranks = _wait_for("a checkpoint writer", writing, proc)
+    everyone = psutil.Process(proc.pid).children(recursive=True)
+    ranks[victim].kill()
+    assert _gone_soon([p.pid for p in everyone], within_s=STOP_WITHIN_S) == []
+    try:  # the train process itself exits once the interpreter has torn down
+        code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert code == 2
+    assert err.read_text().splitlines()[-1] == (
+        f"megatron-dualpipe: error: rank {victim} of 2 failed: it was killed by SIGKILL, signal 9 "
+        "before reporting a result (killed from outside, or by the out-of-memory killer)"
+    )
+    last = read_tracker(save)
+    assert last is not None and damage(iteration_dir(save, last)) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("signum", "code", "said"), [
+    (signal.SIGINT, 130, "interrupted"),
+    (signal.SIGTERM, 143, "terminated (SIGTERM)"),
+])  # fmt: skip
+def test_ctrl_c_or_sigterm_stops_every_rank_with_one_line(tmp_path, signum, code, said) -> None:
+    proc, out, err = _start_train(tmp_path, "train_iters=300", "log_interval=1")
+    _wait_for("the first iteration", lambda: " iteration        1/" in out.read_text(), proc)
+    everyone = psutil.Process(proc.pid).children(recursive=True)
+    # A terminal's Ctrl-C reaches the train process only: the ranks have their own groups.
+    proc.send_signal(signum)
+    assert _gone_soon([p.pid for p in everyone], within_s=STOP_WITHIN_S) == []
+    try:
+        assert proc.wait(timeout=60) == code
+    finally:
+        proc.kill()
+    lines = err.read_text().splitlines()
+    assert lines[-1] == f"megatron-dualpipe: train {said}"
+    assert not any("Traceback" in line for line in lines), lines

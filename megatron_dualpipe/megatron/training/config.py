@@ -27,7 +27,14 @@ from ...errors import DualPipeError
 from ...schedules.registry import SCHEDULES
 from ..checks import DualPipeConfigError, overlap_problem, schedule_spec, stage_layers
 
-__all__ = ["config_from_values", "ConfigError", "TrainConfig", "load_config", "parse_overrides"]
+__all__ = [
+    "ConfigError",
+    "TrainConfig",
+    "config_from_values",
+    "load_config",
+    "parse_overrides",
+    "read_yaml_values",
+]
 
 
 class ConfigError(DualPipeError, ValueError):
@@ -244,20 +251,28 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> TrainConfig:
     ``overrides`` are ``key=value`` strings (the CLI's ``--set``); their values are
     converted to the key's type. ``output_dir`` defaults to ``runs/<config file stem>``.
     """
+    values = read_yaml_values(path)
+    values.update(parse_overrides(overrides))
+    return config_from_values(values, str(path), str(Path("runs") / Path(path).stem))
+
+
+def read_yaml_values(path: str | Path) -> dict[str, Any]:
+    """A YAML config's keys and values, each checked against its key's type; raises
+    :class:`ConfigError` naming the file (unreadable, not YAML, unknown key, wrong type)."""
     source = str(path)
     try:
         raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except OSError as err:
         raise ConfigError(f"{source}: cannot read the config: {err.strerror}") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{source}: not valid YAML: {_one_line(err)}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark else None
+        raise ConfigError(f"{source}: not valid YAML: {where or _one_line(err)}") from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a mapping of keys to values at the top level")
-    values = {str(k): _coerce(source, str(k), v) for k, v in raw.items()}
-    values.update(parse_overrides(overrides))
-    return config_from_values(values, source, str(Path("runs") / Path(path).stem))
+    return {str(k): _coerce(source, str(k), v) for k, v in raw.items()}
 
 
 def config_from_values(values: dict[str, Any], source: str, output_dir: str) -> TrainConfig:
@@ -270,15 +285,16 @@ def config_from_values(values: dict[str, Any], source: str, output_dir: str) -> 
     return _validated(TrainConfig(**values), source)
 
 
-def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
-    """``["key=value", ...]`` to typed values; raises :class:`ConfigError` naming ``--set``."""
+def parse_overrides(overrides: Iterable[str], source: str = "--set") -> dict[str, Any]:
+    """``["key=value", ...]`` to typed values; raises :class:`ConfigError` naming
+    ``source`` (where the values came from: ``--set``, a command-line flag)."""
     values: dict[str, Any] = {}
     for item in overrides:
         key, sep, text = item.partition("=")
         key = key.strip()
         if not sep:
-            raise ConfigError(f"--set {item}: write key=value")
-        values[key] = _from_text("--set", key, text.strip())
+            raise ConfigError(f"{source} {item}: write key=value")
+        values[key] = _from_text(source, key, text.strip())
     return values
 
 

@@ -80,10 +80,25 @@ def launcher_env() -> RankEnv | None:
         keys, launcher = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"), "srun"
     else:
         return None
-    rank, world, local = (int(env.get(k, "0")) for k in keys)
+    rank, world, local = (_whole_number(k, env.get(k, "0"), launcher) for k in keys)
+    if not 0 <= rank < world:
+        raise LaunchError(
+            f"{launcher} environment with {keys[0]}={rank} and {keys[1]}={world}: the rank must "
+            f"be between 0 and {keys[1]} - 1"
+        )
     addr = _required("MASTER_ADDR", launcher)
-    port = int(_required("MASTER_PORT", launcher))
+    port = _whole_number("MASTER_PORT", _required("MASTER_PORT", launcher), launcher)
     return RankEnv(rank, world, local, addr, port, launcher)
+
+
+def _whole_number(name: str, value: str, launcher: str) -> int:
+    if not value.strip().isdigit():
+        raise LaunchError(
+            f"{launcher} environment with {name}={value!r}: expected a whole number (unset "
+            "RANK and WORLD_SIZE, or SLURM_PROCID and SLURM_NTASKS, to let train fork the ranks "
+            "itself)"
+        )
+    return int(value)
 
 
 def _preflight(cfg: TrainConfig, source: str, on_gpu: bool) -> None:
