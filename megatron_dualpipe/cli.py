@@ -7,22 +7,27 @@ Importing this module imports neither torch nor megatron: ``simulate`` is pure P
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import shutil
 import signal
 import sys
 import time
+from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 from .bench import SECTIONS
 from .errors import DualPipeError
+from .progress import Progress
 from .schedules.cost import CostModel
 from .schedules.ir import Schedule, ScheduleError
 from .schedules.registry import SCHEDULES, generate, spec
 from .schedules.report import comparison_table, rank_table
 from .schedules.simulate import SimResult, simulate
-from .schedules.validate import validate
+from .schedules.validate import check
 
 __all__ = ["main"]
 
@@ -149,13 +154,57 @@ def _load(path: Path) -> Schedule:
     return Schedule.from_text(text)
 
 
-def _simulate_one(schedule: Schedule, args: argparse.Namespace) -> SimResult:
-    validate(schedule, dry_run=False)  # simulate() below is the dry run
+#: The largest PP x micro-batches (x chunks / 2) simulated: about a minute and 1.5 GB at
+#: PP=1000 x 2000 (docs/schedules.md); beyond, the actions alone outgrow 2 GB.
+MAX_SIZE = 2_000_000
+#: The largest size whose every action's times are kept for --json, --png, --trace, --grid,
+#: and whose generated schedule is checked before it is simulated (beyond, the check would
+#: add a quarter to the time; the generators are checked for every legal size up to PP=16
+#: by the tests, and the simulation itself still finds deadlocks and lost messages).
+MAX_TIMELINE_SIZE = 250_000
+
+
+def _check_size(args: argparse.Namespace, mbs: int) -> None:
+    """Refuse, before any work, what this command cannot simulate in a minute and 2 GB."""
+    size = args.pp * mbs * max(1, args.chunks // 2)
+    if size > MAX_SIZE:
+        raise ScheduleError(
+            f"PP={args.pp} x {mbs} micro-batches is too large to simulate here: PP x "
+            f"micro-batches must be at most {MAX_SIZE:,} (PP=1000 x 2000 takes about a minute "
+            "and 1.5 GB): lower --pp or --microbatches"
+        )
+    wanted = [f"--{name}" for name in ("json", "png", "trace", "grid") if getattr(args, name)]
+    if wanted and size > MAX_TIMELINE_SIZE:
+        raise ScheduleError(
+            f"{', '.join(wanted)} keep every action's times, several GB at PP={args.pp} x {mbs} "
+            f"micro-batches: drop {'them' if len(wanted) > 1 else 'it'} for the figures alone, "
+            f"or keep PP x micro-batches at most {MAX_TIMELINE_SIZE:,}"
+        )
+
+
+def _simulate_one(schedule: Schedule, args: argparse.Namespace, bar: Progress) -> SimResult:
+    if args.load or schedule.num_ranks * schedule.num_microbatches <= MAX_TIMELINE_SIZE:
+        bar.phase(f"checking {schedule.name}", total=schedule.num_ranks)
+        # The simulation below is the dry run.
+        check(schedule, dry_run=False, progress=partial(setattr, bar, "done"))
     cost = CostModel.parse(args.cost, latency=args.latency)
     if args.cost_per == "rank":
         p = schedule.placement
         cost = cost.per_stage(p.num_ranks, p.num_model_stages)
-    return simulate(schedule, cost)
+    bar.phase(f"simulating {schedule.name}", total=sum(map(len, schedule.ranks)))
+    timeline = any((args.grid, args.png, args.trace, args.json))
+    return simulate(schedule, cost, timeline=timeline, progress=partial(setattr, bar, "done"))
+
+
+@contextlib.contextmanager
+def _no_cyclic_gc() -> Iterator[None]:
+    """Schedules are millions of acyclic tuples: the cyclic collector would walk them over
+    and over (twice the time at PP=1000) and find nothing."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def _suffixed(path: Path, name: str, many: bool) -> Path:
@@ -292,21 +341,40 @@ def _run_simulate(args: argparse.Namespace) -> None:
     if args.overrides or args.memory_cap is not None:
         raise ScheduleError("--set and --memory-cap apply to the advisor: add --config CONFIG")
     args.schedule = args.schedule or "dualpipev"
+    with _no_cyclic_gc(), Progress() as bar:
+        schedules, skipped = _schedules(args, bar)
+        results = [_simulate_one(s, args, bar) for s in schedules]
+    _report(results, skipped, schedules, args)
+
+
+def _schedules(args: argparse.Namespace, bar: Progress) -> tuple[list[Schedule], dict[str, str]]:
+    """The schedules to simulate, and why any of ``--schedule all`` do not apply."""
     if args.load:
-        schedules, skipped = [_load(args.load)], {}
-    else:
-        mbs = args.microbatches if args.microbatches is not None else 2 * args.pp + 2
-        names = list(SCHEDULES) if args.schedule == "all" else [args.schedule]
-        schedules, skipped = [], {}
-        for name in names:
-            options = {"chunks": args.chunks} if spec(name).chunks is None else {}
-            try:
-                schedules.append(generate(name, args.pp, mbs, **options))
-            except ScheduleError as err:
-                if len(names) == 1:
-                    raise ScheduleError(f"{err}: change --microbatches or --pp") from None
-                skipped[name] = str(err)
-    results = [_simulate_one(s, args) for s in schedules]
+        bar.phase(f"reading {args.load}")
+        return [_load(args.load)], {}
+    mbs = args.microbatches if args.microbatches is not None else 2 * args.pp + 2
+    _check_size(args, mbs)
+    names = list(SCHEDULES) if args.schedule == "all" else [args.schedule]
+    schedules, skipped = [], {}
+    for name in names:
+        options = {"chunks": args.chunks} if spec(name).chunks is None else {}
+        bar.phase(f"generating {name} for PP={args.pp} x {mbs} micro-batches")
+        try:
+            schedules.append(generate(name, args.pp, mbs, **options))
+        except ScheduleError as err:
+            if len(names) == 1:
+                raise ScheduleError(f"{err}: change --microbatches or --pp") from None
+            skipped[name] = str(err)
+    return schedules, skipped
+
+
+def _report(
+    results: list[SimResult],
+    skipped: dict[str, str],
+    schedules: list[Schedule],
+    args: argparse.Namespace,
+) -> None:
+    """Print the table and write the files asked for."""
     if len(results) == 1:
         print(rank_table(results[0]))
     else:

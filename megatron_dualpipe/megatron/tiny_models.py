@@ -51,7 +51,6 @@ VOCAB_SIZE = 128
 SEQ_LENGTH = 16
 
 
-
 def tiny_gpt_config(
     *,
     num_layers: int = 8,

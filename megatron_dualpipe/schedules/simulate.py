@@ -8,6 +8,7 @@ send takes no rank time. The same engine is the validator's dry run.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple
@@ -122,142 +123,243 @@ _new_timed = partial(tuple.__new__, TimedAction)
 _new_message = partial(tuple.__new__, Message)
 
 
-def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
+def simulate(
+    schedule: Schedule,
+    cost: CostModel | None = None,
+    *,
+    timeline: bool = True,
+    progress: Callable[[int], None] | None = None,
+) -> SimResult:
     """Simulate ``schedule``. A compute-only schedule is run as if lowered (each receive
     right before its consumer, each send right after its producer) without building the
-    communication actions; a lowered schedule runs its own sends and receives."""
+    communication actions; a lowered schedule runs its own sends and receives.
+
+    ``timeline=False`` keeps only the figures (busy time, peaks, makespan): the result's
+    ``ranks[r].actions`` and ``messages`` stay empty, and memory does not grow with the
+    schedule. ``progress`` is called now and then with the number of actions run so far.
+    Time and memory are linear in the number of actions."""
     cost = cost or CostModel()
     placement = schedule.placement
     cost.check_fits(placement.num_model_stages, placement.num_ranks)
-    engine = _Engine(schedule, cost)
+    engine = _Engine(schedule, cost, timeline, progress)
     engine.run()
     return engine.result()
 
 
-class _Engine:
-    """The event loop: ranks run until they block on a message; a send wakes its receiver."""
+#: How many actions run between two calls of a progress callback.
+_PROGRESS_EVERY = 200_000
 
-    def __init__(self, schedule: Schedule, cost: CostModel):
+
+class _Engine:
+    """The event loop: ranks run until they block on a message; a send wakes its receiver.
+
+    A message is an int: ``s * M + m`` is the forward input of stage s for micro-batch m,
+    ``(S + s) * M + m`` the gradient of stage s's output (S stages, M micro-batches).
+    ``arrived`` maps a message sent and not yet received to its send time. The inner loop
+    tells kinds apart by identity and looks facts up by stage: it hashes no enum."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        cost: CostModel,
+        timeline: bool,
+        progress: Callable[[int], None] | None,
+    ):
         self.schedule, self.cost = schedule, cost
+        self.timeline, self.progress = timeline, progress
         p = schedule.placement
         self.implicit = not schedule.is_lowered
-        n = p.num_ranks
+        n, self.S, self.M = p.num_ranks, p.num_stages, p.num_microbatches
         self.pc, self.clock, self.busy = [0] * n, [0.0] * n, [0.0] * n
         self.live, self.peak = [0] * n, [0] * n
         self.timelines: list[list[TimedAction]] = [[] for _ in range(n)]
-        self.arrived: dict[tuple, tuple[float, int]] = {}
-        self.waiting: dict[tuple, int] = {}
-        self.blocked_on: dict[int, tuple] = {}
+        self.arrived: dict[int, float] = {}
+        self.waiting: dict[int, int] = {}
+        self.blocked_on: dict[int, int] = {}
         self.messages: list[Message] = []
         self.ready = deque(range(n))
-        self.next_stage = [p.next_stage(s) for s in range(p.num_stages)]
-        self.prev_stage = [p.prev_stage(s) for s in range(p.num_stages)]
-        self.prev_remote = [
-            q is not None and p.rank_of(q) != p.rank_of(s) for s, q in enumerate(self.prev_stage)
-        ]
-        self.next_remote = [
-            q is not None and p.rank_of(q) != p.rank_of(s) for s, q in enumerate(self.next_stage)
-        ]
-        self.facts: dict[tuple, tuple[float, int, int]] = {}
+        self.next_stage = [p.next_stage(s) for s in range(self.S)]
+        self.prev_stage = [p.prev_stage(s) for s in range(self.S)]
+        self.rank_of = [p.rank_of(s) for s in range(self.S)]
+        self.plain = {kind: self._plain_facts(kind) for kind in (Kind.F, Kind.B, Kind.W, Kind.BW)}
+        self.pairs: dict[int, tuple[float, int, int, int, int, int, int]] = {}
 
-    def _routes(self) -> tuple[dict, dict]:
-        """Per (kind, stage): the receive kind a compute half waits for, and the (receive
-        kind, stage) of the message it sends; None where the neighbour is local or absent."""
-        inputs: dict[tuple[Kind, int], Kind | None] = {}
-        outputs: dict[tuple[Kind, int], tuple[Kind, int] | None] = {}
-        for s in range(len(self.next_stage)):
-            forward_out = (Kind.RECV_F, self.next_stage[s]) if self.next_remote[s] else None
-            backward_out = (Kind.RECV_B, self.prev_stage[s]) if self.prev_remote[s] else None
-            inputs[(Kind.F, s)] = Kind.RECV_F if self.prev_remote[s] else None
-            outputs[(Kind.F, s)] = forward_out
-            for kind in (Kind.B, Kind.BW):
-                inputs[(kind, s)] = Kind.RECV_B if self.next_remote[s] else None
-                outputs[(kind, s)] = backward_out
-            inputs[(Kind.W, s)] = outputs[(Kind.W, s)] = None
-        return inputs, outputs
+    def _bases(self, kind: Kind, s: int) -> tuple[int, int]:
+        """The bases (add the micro-batch) of the message a compute half of ``kind`` on
+        stage ``s`` waits for and of the one it sends; -1 where that neighbour is on the
+        same rank, absent, or the schedule is lowered (it sends and receives itself)."""
+        if not self.implicit or kind is Kind.W:
+            return -1, -1
+        S, M, rank_of = self.S, self.M, self.rank_of
+        prev, nxt = self.prev_stage[s], self.next_stage[s]
+        prev_remote = prev is not None and rank_of[prev] != rank_of[s]
+        next_remote = nxt is not None and rank_of[nxt] != rank_of[s]
+        if kind is Kind.F:
+            return (s * M if prev_remote else -1), (nxt * M if next_remote else -1)
+        return ((S + s) * M if next_remote else -1), ((S + prev) * M if prev_remote else -1)
 
-    def _send(self, key: tuple, now: float, rank: int) -> None:
-        self.arrived[key] = (now, rank)
-        waiter = self.waiting.pop(key, None)
-        if waiter is not None:
-            self.ready.append(waiter)
-
-    def _receive(self, key: tuple, now: float, rank: int) -> float | None:
-        """The time the message is in hand, or None (and the rank waits) if not yet sent."""
-        got = self.arrived.pop(key, None)
-        if got is None:
-            self.waiting[key] = rank
-            self.blocked_on[rank] = key
-            return None
-        sent, src = got
-        arrival = sent + self.cost.latency
-        self.messages.append(_new_message((*key, src, rank, sent, arrival)))
-        return max(now, arrival)
-
-    def _compute_facts(self, action: Action, rank: int) -> tuple[float, int, int]:
-        sub = action.sub
-        memo = (rank, action.kind, action.stage) + ((sub[1].kind, sub[1].stage) if sub else ())
-        facts = self.facts.get(memo)
-        if facts is None:
-            alloc, free = _activation_delta(action)
-            duration = self.cost.duration(action, rank, self.schedule.placement.model_stage)
-            facts = self.facts[memo] = (duration, alloc, free)
+    def _plain_facts(self, kind: Kind) -> list[tuple[float, int, int, int, int]]:
+        """Per stage, what the engine needs of a ``kind`` action there, bar its
+        micro-batch: (duration, activations allocated at the start, freed at the end, the
+        bases of the message it waits for and of the one it sends)."""
+        p = self.schedule.placement
+        facts = []
+        for s in range(self.S):
+            action = Action(kind, s, 0, p.chunk_of(s))
+            duration = self.cost.duration(action, self.rank_of[s], p.model_stage)
+            facts.append((duration, *_activation_delta(action), *self._bases(kind, s)))
         return facts
+
+    def _pair_facts(self, code: int, action: Action) -> tuple[float, int, int, int, int, int, int]:
+        """The same for an FB action, memoised under ``code`` (its halves' stages and
+        backward kind), with the bases of its backward half appended."""
+        forward, backward = action.sub
+        p = self.schedule.placement
+        duration = self.cost.duration(action, self.rank_of[action.stage], p.model_stage)
+        facts = (
+            duration,
+            *_activation_delta(action),
+            *self._bases(forward.kind, forward.stage),
+            *self._bases(backward.kind, backward.stage),
+        )
+        self.pairs[code] = facts
+        return facts
+
+    def _comm_ids(self) -> dict[tuple[Kind, int], int]:
+        """Per (communication kind, stage) of a lowered schedule: its message's base."""
+        S, M = self.S, self.M
+        ids: dict[tuple[Kind, int], int] = {}
+        for s in range(S):
+            ids[(Kind.RECV_F, s)] = s * M
+            ids[(Kind.RECV_B, s)] = (S + s) * M
+            if self.next_stage[s] is not None:
+                ids[(Kind.SEND_F, s)] = self.next_stage[s] * M
+            if self.prev_stage[s] is not None:
+                ids[(Kind.SEND_B, s)] = (S + self.prev_stage[s]) * M
+        return ids
+
+    def _record(self, key: int, sent: float, dst: int) -> None:
+        kind, stage, mb = self._decode(key)
+        arrival = sent + self.cost.latency
+        self.messages.append(_new_message((kind, stage, mb, self._sender(key), dst, sent, arrival)))
 
     def run(self) -> None:
         """Advance ranks until every one has finished or waits for a message never sent."""
-        programs, implicit = self.schedule.ranks, self.implicit
-        route_in, route_out = self._routes()
-        arrived, receive, send = self.arrived, self._receive, self._send
-        recv_f, recv_b, send_f, send_b = Kind.RECV_F, Kind.RECV_B, Kind.SEND_F, Kind.SEND_B
-        next_stage, prev_stage = self.next_stage, self.prev_stage
-        while self.ready:
-            rank = self.ready.popleft()
+        programs, keep = self.schedule.ranks, self.timeline
+        comm = {} if self.implicit else self._comm_ids()
+        arrived, waiting, ready = self.arrived, self.waiting, self.ready
+        blocked_on, record = self.blocked_on, self._record
+        latency, two_s = self.cost.latency, 2 * self.S
+        F, B, W, BW, FB = Kind.F, Kind.B, Kind.W, Kind.BW, Kind.FB
+        f_facts, b_facts, w_facts, bw_facts = (self.plain[k] for k in (F, B, W, BW))
+        pairs, pair_facts = self.pairs, self._pair_facts
+        send_f, send_b = Kind.SEND_F, Kind.SEND_B
+        done = reported = 0
+        while ready:
+            rank = ready.popleft()
             actions, timeline = programs[rank], self.timelines[rank]
-            i, now, busy = self.pc[rank], self.clock[rank], self.busy[rank]
+            first = i = self.pc[rank]
+            now, busy = self.clock[rank], self.busy[rank]
             live, peak = self.live[rank], self.peak[rank]
-            while i < len(actions):
+            end = len(actions)
+            while i < end:
                 action = actions[i]
-                kind = action.kind
-                if kind is recv_f or kind is recv_b:
-                    got = receive((kind, action.stage, action.microbatch), now, rank)
-                    if got is None:
-                        break
-                    now = got
-                elif kind is send_f:
-                    send((recv_f, next_stage[action.stage], action.microbatch), now, rank)
-                elif kind is send_b:
-                    send((recv_b, prev_stage[action.stage], action.microbatch), now, rank)
-                else:
-                    halves = action.sub or (action,)
-                    if implicit:
-                        keys = [
-                            (r, h.stage, h.microbatch)
-                            for h in halves
-                            if (r := route_in[(h.kind, h.stage)]) is not None
-                        ]
-                        if any(k not in arrived for k in keys):
-                            # Wait for all inputs before consuming any.
-                            receive(next(k for k in keys if k not in arrived), now, rank)
+                kind, mb = action[0], action[2]
+                if kind is F or kind is B or kind is W or kind is BW:
+                    if kind is F:
+                        duration, alloc, free, wait, send = f_facts[action[1]]
+                    elif kind is B:
+                        duration, alloc, free, wait, send = b_facts[action[1]]
+                    elif kind is W:
+                        duration, alloc, free, wait, send = w_facts[action[1]]
+                    else:
+                        duration, alloc, free, wait, send = bw_facts[action[1]]
+                    if wait >= 0:
+                        key = wait + mb
+                        sent = arrived.pop(key, None)
+                        if sent is None:
+                            waiting[key] = rank
+                            blocked_on[rank] = key
                             break
-                        for key in keys:
-                            now = receive(key, now, rank)
-                    duration, alloc, free = self._compute_facts(action, rank)
+                        if keep:
+                            record(key, sent, rank)
+                        if sent + latency > now:
+                            now = sent + latency
                     live += alloc
                     if live > peak:
                         peak = live
                     live -= free
-                    timeline.append(_new_timed((action, now, now + duration)))
+                    if keep:
+                        timeline.append(_new_timed((action, now, now + duration)))
                     busy += duration
                     now += duration
-                    if implicit:
-                        for h in halves:
-                            out = route_out[(h.kind, h.stage)]
-                            if out is not None:
-                                send((out[0], out[1], h.microbatch), now, rank)
+                    if send >= 0:
+                        key = send + mb
+                        arrived[key] = now
+                        waiter = waiting.pop(key, None)
+                        if waiter is not None:
+                            ready.append(waiter)
+                elif kind is FB:
+                    backward = action[4][1]
+                    mb2 = backward[2]
+                    code = (action[1] * two_s + backward[1]) * 2 + (backward[0] is BW)
+                    facts = pairs.get(code) or pair_facts(code, action)
+                    duration, alloc, free, wait, send, wait2, send2 = facts
+                    key = wait + mb if wait >= 0 else -1
+                    key2 = wait2 + mb2 if wait2 >= 0 else -1
+                    if key >= 0 and key not in arrived:  # wait for both inputs, then take
+                        waiting[key] = rank
+                        blocked_on[rank] = key
+                        break
+                    if key2 >= 0 and key2 not in arrived:
+                        waiting[key2] = rank
+                        blocked_on[rank] = key2
+                        break
+                    for k in (key, key2):
+                        if k >= 0:
+                            sent = arrived.pop(k)
+                            if keep:
+                                record(k, sent, rank)
+                            if sent + latency > now:
+                                now = sent + latency
+                    live += alloc
+                    if live > peak:
+                        peak = live
+                    live -= free
+                    if keep:
+                        timeline.append(_new_timed((action, now, now + duration)))
+                    busy += duration
+                    now += duration
+                    for k in (send + mb if send >= 0 else -1, send2 + mb2 if send2 >= 0 else -1):
+                        if k >= 0:
+                            arrived[k] = now
+                            waiter = waiting.pop(k, None)
+                            if waiter is not None:
+                                ready.append(waiter)
+                else:  # a send or receive of a lowered schedule
+                    key = comm[(kind, action[1])] + mb
+                    if kind is send_f or kind is send_b:
+                        arrived[key] = now
+                        waiter = waiting.pop(key, None)
+                        if waiter is not None:
+                            ready.append(waiter)
+                    else:
+                        sent = arrived.pop(key, None)
+                        if sent is None:
+                            waiting[key] = rank
+                            blocked_on[rank] = key
+                            break
+                        if keep:
+                            record(key, sent, rank)
+                        if sent + latency > now:
+                            now = sent + latency
                 i += 1
             self.pc[rank], self.clock[rank], self.busy[rank] = i, now, busy
             self.live[rank], self.peak[rank] = live, peak
+            done += i - first
+            if self.progress is not None and done - reported >= _PROGRESS_EVERY:
+                self.progress(done)
+                reported = done
 
     def result(self) -> SimResult:
         p, programs = self.schedule.placement, self.schedule.ranks
@@ -265,15 +367,17 @@ class _Engine:
         if stuck:
             details = "; ".join(
                 f"rank {r} waits at {programs[r][self.pc[r]]} for "
-                f"{_key_text(self.blocked_on[r])} from rank {self._sender(self.blocked_on[r])}"
+                f"{_key_text(self._decode(self.blocked_on[r]))} from rank "
+                f"{self._sender(self.blocked_on[r])}"
                 for r in stuck
             )
             raise DeadlockError(f"the schedule deadlocks: {details}")
         if self.arrived:
-            key, (_, src) = next(iter(self.arrived.items()))
+            key = next(iter(self.arrived))
+            _, stage, _ = decoded = self._decode(key)
             raise ScheduleError(
-                f"rank {src} sends {_key_text(key)} to rank {p.rank_of(key[1])}, which never "
-                "receives it"
+                f"rank {self._sender(key)} sends {_key_text(decoded)} to rank "
+                f"{p.rank_of(stage)}, which never receives it"
             )
         makespan = max(self.clock, default=0.0)
         ranks = [
@@ -282,10 +386,17 @@ class _Engine:
         ]
         return SimResult(self.schedule, self.cost, makespan, ranks, self.messages)
 
-    def _sender(self, key: tuple) -> int:
-        kind, stage, _ = key
+    def _decode(self, key: int) -> tuple[Kind, int, int]:
+        """A message's receive key: (RECV_F or RECV_B, receiving stage, micro-batch)."""
+        stage, mb = divmod(key, self.M)
+        if stage < self.S:
+            return Kind.RECV_F, stage, mb
+        return Kind.RECV_B, stage - self.S, mb
+
+    def _sender(self, key: int) -> int:
+        kind, stage, _ = self._decode(key)
         source = self.prev_stage[stage] if kind is Kind.RECV_F else self.next_stage[stage]
-        return self.schedule.placement.rank_of(source)
+        return self.rank_of[source]
 
 
 def _key_text(key: tuple) -> str:

@@ -6,14 +6,16 @@ Every failure raises :class:`ScheduleError` naming the rank, the action and what
 
 from __future__ import annotations
 
+from array import array
 from collections import defaultdict
+from collections.abc import Callable
 
 from .cost import CostModel
 from .ir import COMM_KINDS, COMPUTE_KINDS, Action, Kind, Placement, Schedule, ScheduleError
 from .lowering import channel_of, lower, message_key
 from .simulate import simulate
 
-__all__ = ["validate"]
+__all__ = ["check", "validate"]
 
 
 def _check_placement(schedule: Schedule) -> None:
@@ -196,17 +198,163 @@ def _check_communication(lowered: Schedule) -> None:
                 )
 
 
-def validate(schedule: Schedule, *, dry_run: bool = True) -> Schedule:
-    """Check ``schedule`` and return its lowered form; raise ScheduleError on any fault.
+# --------------------------------------------------------------------------------------
+# Compute-only schedules, in time and memory linear in their actions.
+#
+# One pass per rank writes each action's position into per (kind, stage) rows indexed by
+# micro-batch, and appends the messages the lowering pass would make its sends and
+# receives to per-channel arrays of ints, without building the lowered schedule. A sweep
+# over the rows then finds any fault the checks above would report (and those checks,
+# run on a faulty schedule only, name it); the channels' arrays must list the same
+# messages in the same order on both ends.
+
+Channels = dict[tuple[int, int, str], array]
+
+
+def _rank_is_sound(
+    rank: int, actions: list[Action], p: Placement, sent: Channels, received: Channels
+) -> bool:
+    """Whether rank ``rank``'s actions pass :func:`_check_placement`, :func:`_check_order`
+    and :func:`_check_complete` (False: run those to name the fault); appends the messages
+    its lowered form would send and receive to ``sent`` and ``received``."""
+    M, S = p.num_microbatches, p.num_stages
+    stages = [p.stage_of(rank, c) for c in range(p.num_chunks)]
+    # rows[k][stage]: (chunk, position of each micro-batch's action of kind k or -1,
+    # channel of its receive, message base, channel of its send, message base)
+    rows: list[dict[int, tuple]] = [{}, {}, {}, {}]
+    for c, s in enumerate(stages):
+        prev, nxt = p.prev_stage(s), p.next_stage(s)
+        prev_rank = rank if prev is None else p.rank_of(prev)
+        next_rank = rank if nxt is None else p.rank_of(nxt)
+        forward_in = forward_out = backward_in = backward_out = (None, -1)
+        if prev_rank != rank:
+            forward_in = (received[(prev_rank, rank, "F")], s * M)
+            backward_out = (sent[(rank, prev_rank, "B")], (S + prev) * M)
+        if next_rank != rank:
+            forward_out = (sent[(rank, next_rank, "F")], nxt * M)
+            backward_in = (received[(next_rank, rank, "B")], (S + s) * M)
+        rows[0][s] = (c, [-1] * M, *forward_in, *forward_out)
+        rows[1][s] = (c, [-1] * M, *backward_in, *backward_out)
+        rows[2][s] = (c, [-1] * M, None, -1, None, -1)
+        rows[3][s] = (c, [-1] * M, *backward_in, *backward_out)
+    f_rows, b_rows, w_rows, bw_rows = rows
+    F, B, W, BW = Kind.F, Kind.B, Kind.W, Kind.BW
+    i = 0
+    try:
+        for action in actions:
+            for half in action[4] or (action,):
+                kind, s, m = half[0], half[1], half[2]
+                if kind is F:
+                    found = f_rows.get(s)
+                elif kind is B:
+                    found = b_rows.get(s)
+                elif kind is W:
+                    found = w_rows.get(s)
+                elif kind is BW:
+                    found = bw_rows.get(s)
+                else:
+                    return False
+                if found is None or found[0] != half[3] or m < 0 or found[1][m] >= 0:
+                    return False
+                found[1][m] = i
+                i += 1
+                if found[2] is not None:
+                    found[2].append(found[3] + m)
+                if found[4] is not None:
+                    found[4].append(found[5] + m)
+    except IndexError:  # a micro-batch beyond the last
+        return False
+    half_m = M // 2
+    for s in stages:
+        f, b, w, bw = (kind_rows[s][1] for kind_rows in rows)
+        lo, hi = 0, M
+        if p.kind == "mirror":
+            lo, hi = (0, half_m) if s < p.num_ranks else (half_m, M)
+            if any(x >= 0 for row in (f, b, w, bw) for x in (*row[:lo], *row[hi:])):
+                return False
+        prev, nxt = p.prev_stage(s), p.next_stage(s)
+        fp = f_rows[prev][1] if prev in f_rows else None
+        nb, nbw = (b_rows[nxt][1], bw_rows[nxt][1]) if nxt in b_rows else (None, None)
+        for m in range(lo, hi):
+            fm, bm, wm, bwm = f[m], b[m], w[m], bw[m]
+            if fm < 0 or (bwm >= 0) == (bm >= 0) or (bm >= 0) != (wm >= 0):
+                return False
+            dx = bm if bm >= 0 else bwm
+            if dx < fm or (wm >= 0 and wm < bm):
+                return False
+            if fp is not None and not 0 <= fp[m] < fm:
+                return False
+            if nb is not None:
+                next_dx = nb[m] if nb[m] >= 0 else nbw[m]
+                if not 0 <= next_dx < dx:
+                    return False
+    return True
+
+
+def _check_compute_only(schedule: Schedule, progress: Callable[[int], None] | None) -> None:
+    """Placement, completeness, local order and channel order of a compute-only schedule
+    (what the checks above find in it and in ``lower(schedule)``), in linear time;
+    ``progress`` gets the number of ranks checked."""
+    p = schedule.placement
+    sent: Channels = defaultdict(lambda: array("q"))
+    received: Channels = defaultdict(lambda: array("q"))
+    sound = len(schedule.ranks) == p.num_ranks
+    for rank, actions in enumerate(schedule.ranks):
+        sound = sound and _rank_is_sound(rank, actions, p, sent, received)
+        if progress is not None:
+            progress(rank + 1)
+    if not sound:  # name the fault, the slow way
+        _check_placement(schedule)
+        _check_complete_and_local_order(schedule)
+        _check_communication(lower(schedule))
+        return
+    S, M = p.num_stages, p.num_microbatches
+    for channel in sorted(sent.keys() | received.keys()):
+        out, into = sent[channel], received[channel]
+        if out == into:
+            continue
+        src, dst, direction = channel
+        i = next((i for i, (a, b) in enumerate(zip(out, into)) if a != b), None)  # noqa: B905
+        if i is None:  # same order, different counts: the completeness checks rule it out
+            raise ScheduleError(
+                f"rank {src} -> rank {dst} ({direction}): {len(out)} messages sent, "
+                f"{len(into)} received"
+            )
+        a, b = (_message_text(key, S, M) for key in (out[i], into[i]))
+        raise ScheduleError(
+            f"rank {src} -> rank {dst} ({direction}): message {i} is sent for {a} but "
+            f"received as {b}: the two ranks must agree on the order (NCCL matches by order)"
+        )
+
+
+def _message_text(key: int, S: int, M: int) -> str:
+    """``1RECV_F5``: the receive that consumes message ``key``."""
+    stage, mb = divmod(key, M)
+    kind = Kind.RECV_F if stage < S else Kind.RECV_B
+    return f"{stage % S}{kind.value}{mb}"
+
+
+def check(
+    schedule: Schedule, *, dry_run: bool = True, progress: Callable[[int], None] | None = None
+) -> None:
+    """Check ``schedule``; raise ScheduleError on any fault. Linear in the number of
+    actions for a compute-only schedule (a lowered one is checked action by action), and
+    then ``progress`` is called with the number of ranks checked so far.
 
     ``dry_run=False`` skips the deadlock check, for callers about to :func:`simulate` the
     schedule anyway (the simulation raises the same DeadlockError)."""
-    _check_placement(schedule)
-    _check_complete_and_local_order(schedule.compute_only())
     if schedule.is_lowered:
+        _check_placement(schedule)
+        _check_complete_and_local_order(schedule.compute_only())
         _check_same_messages(schedule)
-    lowered = schedule if schedule.is_lowered else lower(schedule)
-    _check_communication(lowered)
+        _check_communication(schedule)
+    else:
+        _check_compute_only(schedule, progress)
     if dry_run:
-        simulate(schedule, CostModel())  # raises DeadlockError naming the waiting ranks
-    return lowered
+        simulate(schedule, CostModel(), timeline=False)  # raises DeadlockError, naming ranks
+
+
+def validate(schedule: Schedule, *, dry_run: bool = True) -> Schedule:
+    """:func:`check` ``schedule`` and return its lowered form."""
+    check(schedule, dry_run=dry_run)
+    return schedule if schedule.is_lowered else lower(schedule)

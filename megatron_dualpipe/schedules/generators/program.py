@@ -8,7 +8,8 @@ from functools import partial
 
 from ..ir import Action, Kind, Placement, ScheduleError
 
-# Actions built without NamedTuple's Python-level __new__: generators make ~10^5 of them.
+# Actions built without NamedTuple's Python-level __new__: generators make ~10^7 of them at
+# PP=1000, so each method below builds its actions inline, without helper calls.
 _new_action = partial(tuple.__new__, Action)
 
 
@@ -30,23 +31,24 @@ class RankProgram:
         self._deferred_w: deque[Action] = deque()
         self._stages = [placement.stage_of(rank, c) for c in range(len(microbatches))]
 
-    def _action(self, kind: Kind, chunk: int, microbatch: int) -> Action:
-        return _new_action((kind, self._stages[chunk], microbatch, chunk, ()))
-
-    def _next(self, queue: deque[int], chunk: int, what: str) -> int:
-        if not queue:
-            raise ScheduleError(f"rank {self.rank}: no micro-batch left to {what} on chunk {chunk}")
-        return queue.popleft()
+    def _none_left(self, chunk: int, what: str) -> ScheduleError:
+        return ScheduleError(f"rank {self.rank}: no micro-batch left to {what} on chunk {chunk}")
 
     def _make_forward(self, chunk: int) -> Action:
-        return self._action(Kind.F, chunk, self._next(self._to_forward[chunk], chunk, "forward"))
+        queue = self._to_forward[chunk]
+        if not queue:
+            raise self._none_left(chunk, "forward")
+        return _new_action((Kind.F, self._stages[chunk], queue.popleft(), chunk, ()))
 
     def _make_backward(self, chunk: int, split: bool) -> Action:
-        mb = self._next(self._to_backward[chunk], chunk, "backward")
+        queue = self._to_backward[chunk]
+        if not queue:
+            raise self._none_left(chunk, "backward")
+        stage, mb = self._stages[chunk], queue.popleft()
         if not split:
-            return self._action(Kind.BW, chunk, mb)
-        self._deferred_w.append(self._action(Kind.W, chunk, mb))
-        return self._action(Kind.B, chunk, mb)
+            return _new_action((Kind.BW, stage, mb, chunk, ()))
+        self._deferred_w.append(_new_action((Kind.W, stage, mb, chunk, ())))
+        return _new_action((Kind.B, stage, mb, chunk, ()))
 
     def forward(self, chunk: int = 0) -> None:
         """Forward the chunk's next micro-batch."""
@@ -65,7 +67,8 @@ class RankProgram:
     def forward_backward(self, forward_chunk: int, backward_chunk: int) -> None:
         """Forward one chunk and fully backward another, issued together to overlap."""
         forward = self._make_forward(forward_chunk)
-        self.actions.append(Action.overlapped(forward, self._make_backward(backward_chunk, False)))
+        pair = (forward, self._make_backward(backward_chunk, False))
+        self.actions.append(_new_action((Kind.FB, forward[1], forward[2], forward_chunk, pair)))
 
     @property
     def deferred(self) -> int:

@@ -1,0 +1,80 @@
+"""A progress line for long command-line work, drawn on a terminal only.
+
+:class:`Progress` draws on ``stream`` (stderr by default) from a background thread, so
+work that reports nothing (a generator) still shows its elapsed time, and work that
+reports often pays only an attribute store. Nothing is drawn before ``delay_s`` (quick
+runs print nothing), nor when ``stream`` is not a terminal; the line is erased at the end.
+Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from types import TracebackType
+from typing import TextIO
+
+__all__ = ["Progress"]
+
+
+class Progress:
+    """``with Progress() as bar: bar.phase("simulating", total=n); bar.done = k; ...``"""
+
+    WIDTH = 30
+
+    def __init__(
+        self, stream: TextIO | None = None, *, delay_s: float = 2.0, every_s: float = 0.25
+    ):
+        self.stream = sys.stderr if stream is None else stream
+        self.enabled = self.stream.isatty()
+        self.delay_s, self.every_s = delay_s, every_s
+        self.label, self.total, self.done = "", 0, 0
+        self._began = time.monotonic()
+        self._phase_began = self._began
+        self._stop = threading.Event()
+        self._drawn = False
+        self._thread: threading.Thread | None = None
+
+    def phase(self, label: str, total: int = 0) -> None:
+        """Start a phase: ``total`` units to do (0: unknown, elapsed time only)."""
+        self.label, self.total, self.done = label, total, 0
+        self._phase_began = time.monotonic()
+
+    def line(self) -> str:
+        """The line as drawn now."""
+        elapsed = time.monotonic() - self._phase_began
+        if self.total <= 0:
+            return f" {self.label} ... {elapsed:.0f} s"
+        share = min(self.done / self.total, 1.0)
+        filled = int(self.WIDTH * share)
+        bar = "#" * filled + "-" * (self.WIDTH - filled)
+        return f" [{bar}] {share:4.0%} {self.label} ({elapsed:.0f} s)"
+
+    def __enter__(self) -> Progress:
+        if self.enabled:
+            self._thread = threading.Thread(target=self._draw, name="progress", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._drawn:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+
+    def _draw(self) -> None:
+        if self._stop.wait(self.delay_s):
+            return
+        while not self._stop.is_set():
+            self.stream.write("\r\x1b[K" + self.line())
+            self.stream.flush()
+            self._drawn = True
+            self._stop.wait(self.every_s)
