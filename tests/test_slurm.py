@@ -19,8 +19,10 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,10 +72,11 @@ class Job:
     output: str
 
 
-def _submit(
+def _sbatch(
     tmp_path: Path, config: Path, *train_args: str, stand_in: bool, tasks_per_node: int
-) -> Job:
-    """``sbatch --wait`` the CPU launcher on 2 nodes; return its exit code and output."""
+) -> tuple[list[str], dict[str, str], str]:
+    """The ``sbatch --wait`` command of the CPU launcher on 2 nodes, its environment and
+    the job's name."""
     name = f"test-slurm-{uuid.uuid4().hex[:8]}"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
@@ -96,6 +99,16 @@ def _submit(
         # what the job writes (timelines, checkpoints) stays out of the checkout
         *("--set", f"output_dir={tmp_path / 'run'}"),
     ]
+    return cmd, env, name
+
+
+def _submit(
+    tmp_path: Path, config: Path, *train_args: str, stand_in: bool, tasks_per_node: int
+) -> Job:
+    """``sbatch --wait`` the CPU launcher on 2 nodes; return its exit code and output."""
+    cmd, env, name = _sbatch(
+        tmp_path, config, *train_args, stand_in=stand_in, tasks_per_node=tasks_per_node
+    )
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=WAIT_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -174,6 +187,58 @@ def test_cpu_launcher_missing_config_is_refused(tmp_path: Path) -> None:
     assert job.returncode == 2, job.output
     assert "nope.yaml not found" in job.output, job.output
     assert "srun" not in job.output, job.output
+
+
+def _task_pid(job_id: str, task: int) -> int | None:
+    """The pid of the training process of task ``task`` of job ``job_id`` (this machine
+    runs every pretend node), or None before it exists."""
+    wanted = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_PROCID={task}".encode()}
+    for proc in Path("/proc").iterdir():
+        try:
+            environ = set((proc / "environ").read_bytes().split(b"\0"))
+            command = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if wanted <= environ and b"megatron_dualpipe" in command and b"train" in command:
+            return int(proc.name)
+    return None
+
+
+@needs_slurm
+@pytest.mark.slow
+def test_a_rank_killed_mid_step_ends_the_job_within_a_minute(tmp_path: Path) -> None:
+    """kill -9 of rank 1's process in the middle of training: srun's --kill-on-bad-exit
+    ends the other ranks, the job ends non-zero within 60 s, and its output names the dead
+    rank (srun's task number is the rank)."""
+    cmd, env, name = _sbatch(
+        tmp_path, TRAIN_CONFIG,
+        *("--set", "train_iters=5000", "--set", "log_interval=1", "--set", "eval_interval=null"),
+        stand_in=False, tasks_per_node=1,
+    )  # fmt: skip
+    env["TRAIN_CMD"] = f"{sys.executable} -m megatron_dualpipe train"
+    sbatch = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        job_id = sbatch.stdout.readline().strip().split(";")[0]
+        assert job_id.isdigit(), job_id
+        out = tmp_path / f"job-{job_id}.out"
+        deadline = time.monotonic() + WAIT_TIMEOUT_S
+        while not (out.exists() and re.search(r"iteration +2/", out.read_text())):
+            assert time.monotonic() < deadline and sbatch.poll() is None, "no training step"
+            time.sleep(0.2)
+        pid = _task_pid(job_id, 1)
+        assert pid is not None, "rank 1's process not found"
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        code = sbatch.wait(timeout=WAIT_TIMEOUT_S)
+        ended_after = time.monotonic() - killed
+    finally:
+        if sbatch.poll() is None:
+            sbatch.kill()
+            subprocess.run(["scancel", f"--name={name}"], check=False)
+    output = out.read_text()
+    assert code != 0, output
+    assert ended_after < 60, output
+    assert re.search(r"task 1: Killed", output), output
 
 
 # --------------------------------------------------------------------------------------

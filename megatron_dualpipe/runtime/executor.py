@@ -349,6 +349,17 @@ class PipelineExecutor:
             if half.kind in forward_kinds
         ]
 
+    @property
+    def live_activations(self) -> int:
+        """(stage, micro-batch) activations held right now: 0 between steps, unless some
+        are leaked (the deferred weight gradients still queued are ``len(self.store)``)."""
+        return self._counter.live
+
+    @property
+    def peak_activations(self) -> int:
+        """The most (stage, micro-batch) activations held at once in the last step."""
+        return self._counter.peak
+
     # -- the step ----------------------------------------------------------------------
     def run(
         self,
