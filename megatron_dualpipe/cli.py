@@ -143,8 +143,11 @@ def _terminate(signum: int, frame: object) -> None:
 def _run_train(args: argparse.Namespace) -> None:
     from .megatron.training import load_config, train  # train imports torch and megatron
 
-    signal.signal(signal.SIGTERM, _terminate)
-    train(load_config(args.config, args.overrides), source=str(args.config))
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        train(load_config(args.config, args.overrides), source=str(args.config))
+    finally:  # a SIGTERM while the error is printed must not interrupt the printing
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _load(path: Path) -> Schedule:

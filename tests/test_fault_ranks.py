@@ -10,6 +10,7 @@ hanging.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -187,3 +188,35 @@ def test_ctrl_c_or_sigterm_stops_every_rank_with_one_line(tmp_path, signum, code
     lines = err.read_text().splitlines()
     assert lines[-1] == f"megatron-dualpipe: train {said}"
     assert not any("Traceback" in line for line in lines), lines
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_rank_started_by_torchrun_style_variables(tmp_path: Path) -> None:
+    """Each rank its own process (as torchrun or srun start them): the survivor stops at
+    once with one line naming the rank it lost."""
+    port = str(29500 + os.getpid() % 1000)
+    procs, errs = [], []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port)  # fmt: skip
+        errs.append(tmp_path / f"stderr{rank}")
+        sets = ["train_iters=3000", "log_interval=1", "eval_interval=null", "output_dir=null"]
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(TINY),
+             *[arg for item in sets for arg in ("--set", item)]],
+            cwd=ROOT, env=env, stdout=(tmp_path / f"stdout{rank}").open("w"),
+            stderr=errs[-1].open("w"),
+        ))  # fmt: skip
+    try:
+        out = tmp_path / "stdout0"
+        _wait_for("the second iteration", lambda: " iteration        2/" in out.read_text(),
+                  procs[0])  # fmt: skip
+        procs[1].kill()
+        assert procs[0].wait(timeout=STOP_WITHIN_S + 60) == 2  # + the interpreter's teardown
+    finally:
+        for proc in procs:
+            proc.kill()
+    last = errs[0].read_text().splitlines()[-1]
+    assert re.match(r"^megatron-dualpipe: error: rank 0 of 2: (pipeline rank 0 gave up on "
+                    r"\S+ \(peer: rank 1\)|a collective failed, another rank has probably "
+                    r"died)", last), last  # fmt: skip

@@ -3,7 +3,8 @@
 - The CPU launcher, on a real Slurm (``bash .ci/slurm_up.sh``: two pretend nodes on this
   machine), starts one rank per task across nodes that rendezvous from SLURM_* variables,
   trains end to end, and makes ``sbatch --wait`` return the training's exit code: 0 with the
-  iteration log lines, non-zero with the one-sentence error for a bad configuration.
+  iteration log lines, non-zero with the one-sentence error for a bad configuration; a
+  rank killed mid-step ends the job non-zero within a minute, named in its output.
 - The GPU launcher (no GPUs here) hands srun the right rendezvous, NCCL settings and
   arguments, and refuses an allocation that is not one task per GPU; checked with stand-in
   ``srun`` / ``scontrol`` commands.
@@ -238,7 +239,8 @@ def test_a_rank_killed_mid_step_ends_the_job_within_a_minute(tmp_path: Path) -> 
     output = out.read_text()
     assert code != 0, output
     assert ended_after < 60, output
-    assert re.search(r"task 1: Killed", output), output
+    assert re.search(r"srun: error: n\d: task 1: Killed", output), output
+    assert "Traceback" not in output, output
 
 
 # --------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ...runtime.launch import LaunchFailure, run_ranks
+from ...runtime.watchdog import PipelineWaitError
 from ..cpu_compat import apply_cpu_compat
 from .checkpoint import check_loadable
 from .config import ConfigError, TrainConfig
@@ -161,8 +162,28 @@ def _run_here(cfg: TrainConfig, env: RankEnv, on_gpu: bool) -> TrainResult:
     )
     try:
         return run_rank(cfg)
+    except PipelineWaitError as err:  # names the peer it waited for
+        raise LaunchError(f"rank {env.rank} of {env.world_size}: {err}") from None
+    except RuntimeError as err:
+        if not _is_communication_error(err):
+            raise
+        raise LaunchError(
+            f"rank {env.rank} of {env.world_size}: a collective failed, another rank has "
+            f"probably died (the launcher's log names it): {_first_line(err)}"
+        ) from None
     finally:
         dist.destroy_process_group()
+
+
+def _is_communication_error(err: RuntimeError) -> bool:
+    """Whether ``err`` comes from gloo or NCCL (a peer that went away, a timeout)."""
+    text = str(err)
+    return "gloo" in text or "NCCL" in text or "Connection closed by peer" in text
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
 
 
 # --------------------------------------------------------------------------------------
