@@ -8,7 +8,8 @@ and then. A rare loss of that port between pick and bind shows up as a failure b
 ``fn`` starts, and the launch is retried on a fresh port.
 
 A call never hangs and leaves nothing behind: after the first failure the other ranks get
-a short grace to report (usually a broken connection), then every rank still running is
+a short grace to report (usually a broken connection; shorter after a death, whose cause is
+already known), then every rank still running is
 killed with SIGKILL together with its process group (and so with whatever it started,
 such as a checkpoint writer); so it is at ``timeout_s``. A rank that dies without
 reporting (SIGKILL, the OOM killer, a crash) counts as failed the moment it dies: the
@@ -45,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 _HOST = "127.0.0.1"
 _FAILURE_GRACE_S = 2.0
+#: The same after a rank died without a word: the cause is known, the rest is its echo.
+_DEATH_GRACE_S = 0.5
 #: How often ranks are polled where the kernel has no pidfd.
 _POLL_S = 0.2
 #: How long to wait for a rank whose result pipe closed to exit.
@@ -271,7 +274,9 @@ def _collect(
             else:
                 failed.append((status != "died", when, watch.rank, status, payload))
         if failed:
-            deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
+            died = any(not reported for reported, *_ in failed)
+            grace = _DEATH_GRACE_S if died else _FAILURE_GRACE_S
+            deadline = min(deadline, time.monotonic() + grace)
     errors = [(rank, kind, text) for _, _, rank, kind, text in sorted(failed)]
     unfinished = sorted({watch.rank for watch in pending.values()})
     return results, errors, unfinished
