@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ...runtime.launch import LaunchFailure, run_ranks
-from ...runtime.watchdog import PipelineWaitError
+from ...runtime.watchdog import PipelineCommError
 from ..cpu_compat import apply_cpu_compat
 from .checkpoint import check_loadable
 from .config import ConfigError, TrainConfig
@@ -162,7 +162,7 @@ def _run_here(cfg: TrainConfig, env: RankEnv, on_gpu: bool) -> TrainResult:
     )
     try:
         return run_rank(cfg)
-    except PipelineWaitError as err:  # names the peer it waited for
+    except PipelineCommError as err:  # names the peer it exchanged with
         raise LaunchError(f"rank {env.rank} of {env.world_size}: {err}") from None
     except RuntimeError as err:
         if not _is_communication_error(err):
