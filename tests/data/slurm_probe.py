@@ -18,7 +18,7 @@ from datetime import timedelta
 
 import yaml
 
-from megatron_dualpipe.megatron.checks import MEGATRON_SCHEDULES, OUR_SCHEDULES
+from megatron_dualpipe.schedules.registry import SCHEDULES
 
 __all__ = ["main"]
 
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = _config(args.config, args.set)
     schedule = config.get("pipeline_schedule")
-    known = (*MEGATRON_SCHEDULES, *OUR_SCHEDULES)
+    known = tuple(SCHEDULES)
     if schedule is not None and schedule not in known:
         print(
             f"error: unknown pipeline schedule {schedule!r}: choose one of {', '.join(known)}",
