@@ -228,7 +228,9 @@ def peer_statements(rows: Sequence[SimRow]) -> list[str]:
             continue
         figures = ", ".join(f"{r:.3f} at m={m}" for m, r in ratios.items())
         behind = [m for m, r in ratios.items() if r >= 1.0]
-        verdict = f"not ahead at m={', '.join(map(str, behind))}" if behind else "ahead at every m"
+        verdict = (
+            f"not ahead at m={', '.join(map(str, behind))}" if behind else "ahead at every m"
+        )
         statements.append(f"{name} / Megatron's {MEGATRON_OVERLAP}: {figures} ({verdict})")
     return statements
 

@@ -126,7 +126,8 @@ _TORCH_ON_CPU_SITES: tuple[tuple[str, str], ...] = (
     ),
     (
         "megatron.core.distributed.param_and_grad_buffer",
-        "_ParamAndGradBuffer.__init__ puts DDP param/grad buffers on torch.cuda.current_device()",
+        "_ParamAndGradBuffer.__init__ puts DDP param/grad buffers on "
+        "torch.cuda.current_device()",
     ),
     (
         "megatron.core.optimizer.optimizer",

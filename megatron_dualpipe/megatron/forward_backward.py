@@ -285,7 +285,8 @@ class DualPipeForwardBackward:
             raise DualPipeConfigError(f"{name} does not support adjust_tensor_shapes_fn")
         if decoder_seq_length is not None and decoder_seq_length != seq_length:
             raise DualPipeConfigError(
-                f"{name} runs decoder-only models: decoder_seq_length must be None or seq_length"
+                f"{name} runs decoder-only models: decoder_seq_length must be None or "
+                "seq_length"
             )
         model = list(model) if isinstance(model, list | tuple) else [model]
         config = get_model_config(model[0])

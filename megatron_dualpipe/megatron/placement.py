@@ -42,7 +42,6 @@ __all__ = [
 ]
 
 
-
 def placement_of(schedule: str, pipeline_size: int, num_microbatches: int = 2) -> Placement:
     """The IR placement of ``schedule`` (micro-batches matter only for dualpipe's paths)."""
     found = schedule_spec(schedule)

@@ -51,6 +51,7 @@ VOCAB_SIZE = 128
 SEQ_LENGTH = 16
 
 
+
 def tiny_gpt_config(
     *,
     num_layers: int = 8,
@@ -181,7 +182,9 @@ def build_reference_gpt(config: TransformerConfig, **model_kwargs: Any) -> GPTMo
 def global_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Detached copies of a chunk's parameters by global name (picklable); tensor-parallel
     parts are gathered whole (collective over the TP group)."""
-    return {n: _tp_gather(p, p.detach().clone()) for n, p in global_named_parameters(model).items()}
+    return {
+        n: _tp_gather(p, p.detach().clone()) for n, p in global_named_parameters(model).items()
+    }
 
 
 def load_global_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
