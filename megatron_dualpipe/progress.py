@@ -3,12 +3,14 @@
 :class:`Progress` draws on ``stream`` (stderr by default) from a background thread, so
 work that reports nothing (a generator) still shows its elapsed time, and work that
 reports often pays only an attribute store. Nothing is drawn before ``delay_s`` (quick
-runs print nothing), nor when ``stream`` is not a terminal; the line is erased at the end.
-Pure Python: no torch.
+runs print nothing), nor when ``stream`` is not a terminal or ``CI`` is set; the line is
+cut to the terminal's width and erased at the end. Pure Python: no torch.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 import threading
 import time
@@ -27,7 +29,7 @@ class Progress:
         self, stream: TextIO | None = None, *, delay_s: float = 2.0, every_s: float = 0.25
     ):
         self.stream = sys.stderr if stream is None else stream
-        self.enabled = self.stream.isatty()
+        self.enabled = self.stream.isatty() and not os.environ.get("CI")
         self.delay_s, self.every_s = delay_s, every_s
         self.label, self.total, self.done = "", 0, 0
         self._began = time.monotonic()
@@ -74,7 +76,8 @@ class Progress:
         if self._stop.wait(self.delay_s):
             return
         while not self._stop.is_set():
-            self.stream.write("\r\x1b[K" + self.line())
+            width = shutil.get_terminal_size().columns - 1
+            self.stream.write("\r\x1b[K" + self.line()[:width])
             self.stream.flush()
             self._drawn = True
             self._stop.wait(self.every_s)

@@ -17,6 +17,7 @@ import torch
 from megatron.core.utils import unwrap_model
 
 from megatron_dualpipe.megatron.training import TrainError, finite, load_config, loop, train
+from megatron_dualpipe.megatron.training.report import validation_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_gpt_cpu.yaml"
@@ -129,3 +130,9 @@ def test_gradients_are_left_to_the_optimizer_under_loss_scaling() -> None:
     assert not finite.uses_loss_scaling(_Optimizer())
     assert finite.uses_loss_scaling(_Optimizer(_Scaler()))
     assert finite.uses_loss_scaling(_Optimizer(chained=[_Optimizer(), _Optimizer(_Scaler())]))
+
+
+def test_a_nan_validation_loss_has_no_finite_perplexity() -> None:
+    """It printed exp(20) = 4.85e8 for a NaN loss (the check off lets one through)."""
+    assert "| lm loss PPL: NAN |" in validation_lines(3, float("nan"))[1]
+    assert "| lm loss PPL: 4.851652E+08 |" in validation_lines(3, 25.0)[1]  # capped, as before

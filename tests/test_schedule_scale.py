@@ -151,7 +151,8 @@ class _Terminal(io.StringIO):
         return self.tty
 
 
-def test_the_progress_line_shows_on_terminals_only_after_the_delay() -> None:
+def test_the_progress_line_shows_on_terminals_only_after_the_delay(monkeypatch) -> None:
+    monkeypatch.delenv("CI", raising=False)
     for tty in (True, False):
         stream = _Terminal(tty)
         with Progress(stream, delay_s=0.05, every_s=0.01) as bar:
@@ -168,3 +169,5 @@ def test_the_progress_line_shows_on_terminals_only_after_the_delay() -> None:
     with Progress(quick, delay_s=5.0):
         pass
     assert quick.getvalue() == ""  # nothing for work shorter than the delay
+    monkeypatch.setenv("CI", "1")
+    assert not Progress(_Terminal(True)).enabled
