@@ -147,7 +147,7 @@ def simulate(
 
 
 #: How many actions run between two calls of a progress callback.
-_PROGRESS_EVERY = 200_000
+_PROGRESS_EVERY = 50_000
 
 
 class _Engine:
