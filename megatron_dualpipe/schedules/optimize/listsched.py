@@ -210,10 +210,9 @@ class _Builder:
     # -- the choice -----------------------------------------------------------------
     def _decide(self, r: int, t: float) -> None:
         inst, pol = self.inst, self.policy
-        # Candidates: (urgency class, tie-break, ready time, duration, what, stages).
-        cands: list[tuple[int, tuple, float, float, str, tuple]] = []
+        own = inst.stages_of[r]
         forwards, backwards, blocked = [], [], False
-        for s in inst.stages_of[r]:
+        for s in own:
             ready = self._f_ready(s)
             if ready is not None:
                 if self._admits(r, s):
@@ -229,43 +228,47 @@ class _Builder:
             backward_first = last.kind is Kind.F
             last_chunk = last.chunk if backward_first else -1
         f_class, b_class = (1, 2) if backward_first else (2, 1)
-        w_class = 3 if blocked and pol.w_when_full else 0
         sign = -1.0 if pol.deep_first else 1.0
-        for s, ready in forwards:
-            cands.append((f_class, (sign * self.prio_f[s],), ready, inst.f[s], "F", (s,)))
+        # Candidates: (urgency, ready time, duration, what, stages); the most urgent of
+        # those that can start before the earliest any candidate could end wins.
+        cands = [
+            ((f_class, sign * self.prio_f[s]), ready, inst.f[s], "F", s, -1)
+            for s, ready in forwards
+        ]
         for s, ready in backwards:
             age = -inst.mbs[s][self.nb[s]] if pol.oldest_first else 0
-            tie = (inst.chunk[s] == last_chunk, age, self.prio_b[s])
-            cands.append((b_class, tie, ready, inst.b[s], "B", (s,)))
+            tie = (b_class, inst.chunk[s] == last_chunk, age, self.prio_b[s])
+            cands.append((tie, ready, inst.b[s], "B", s, -1))
         if pol.pair:
             bw = pol.pair == 2
             for sf, rf in forwards:
                 for sb, rb in backwards:
                     if inst.pair_pays(sf, sb, bw):
-                        urgency = self.prio_b[sb] + self.prio_f[sf]
-                        cands.append(
-                            (4, (urgency,), max(rf, rb), inst.pair[(sf, sb, bw)], "P", (sf, sb))
-                        )
-        for s in inst.stages_of[r]:
+                        urgency = (4, self.prio_b[sb] + self.prio_f[sf])
+                        cands.append((urgency, max(rf, rb), inst.pair[(sf, sb, bw)], "P", sf, sb))
+        w_class = 3 if blocked and pol.w_when_full else 0
+        for s in own:
             if self.pending_w[s]:
-                cands.append((w_class, (len(self.pending_w[s]),), t, inst.w[s], "W", (s,)))
+                cands.append(((w_class, len(self.pending_w[s])), t, inst.w[s], "W", s, -1))
         if not cands:
             return  # sleep until a message for this rank is sent (_notify wakes it)
-        soonest = min(max(t, c[2]) + c[3] for c in cands)
-        conflict = [c for c in cands if max(t, c[2]) < soonest or c[2] <= t]
-        best = max(conflict, key=lambda c: (c[0], c[1]))
-        if best[2] > t:
-            self._wake(r, best[2])
+        soonest = min((ready if ready > t else t) + d for _, ready, d, _, _, _ in cands)
+        best = None
+        for c in cands:
+            if (c[1] < soonest or c[1] <= t) and (best is None or c[0] > best[0]):
+                best = c
+        if best[1] > t:
+            self._wake(r, best[1])
             return
-        what, stages = best[4], best[5]
+        what = best[3]
         if what == "F":
-            self._run_f(r, t, stages[0])
+            self._run_f(r, t, best[4])
         elif what == "B":
-            self._run_b(r, t, stages[0])
+            self._run_b(r, t, best[4])
         elif what == "W":
-            self._run_w(r, t, stages[0])
+            self._run_w(r, t, best[4])
         else:
-            self._run_pair(r, t, stages[0], stages[1], pol.pair == 2)
+            self._run_pair(r, t, best[4], best[5], pol.pair == 2)
 
     # -- running actions ------------------------------------------------------------
     def _append(self, r: int, action: Action, t: float, duration: float) -> float:

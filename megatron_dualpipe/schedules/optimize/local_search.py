@@ -40,12 +40,11 @@ class _Rules:
             return ab is None or ab != (b[1], b[2])
         if a[0] == W:
             return True  # a W depends on nothing later
-        if af is not None and bf is not None:
-            if af[0] == bf[0] or inst.next[af[0]] == bf[0] and af[1] == bf[1]:
-                return False
-        if ab is not None and bb is not None:
-            if ab[0] == bb[0] or inst.prev[ab[0]] == bb[0] and ab[1] == bb[1]:
-                return False
+        # the same stage (micro-batch order), or the next stage of the same micro-batch
+        if af and bf and (af[0] == bf[0] or (inst.next[af[0]] == bf[0] and af[1] == bf[1])):
+            return False
+        if ab and bb and (ab[0] == bb[0] or (inst.prev[ab[0]] == bb[0] and ab[1] == bb[1])):
+            return False
         if af is not None and af == bb:
             return False
         return not (inst.shared_channels and channels(inst, a) & channels(inst, b))
@@ -62,7 +61,7 @@ def _excess(orders: Orders, caps: tuple[int, ...]) -> int:
                 live += 1
                 if live > cap:
                     total += live - cap
-            if code == W or code == BW or code == FBW:
+            if code in (W, BW, FBW):
                 live -= 1
     return total
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from ..cost import CostModel
 from ..generators import GENERATORS
@@ -23,7 +24,7 @@ from .bound import Bound, lower_bound, tails
 from .instance import Instance
 from .listsched import Policy, build
 from .local_search import improve
-from .timing import from_actions, time_orders, to_actions
+from .timing import Timing, from_actions, time_orders, to_actions
 
 __all__ = ["PORTFOLIO", "OptimizeResult", "hand_schedules", "optimize"]
 
@@ -65,12 +66,16 @@ class OptimizeResult:
     schedule: Schedule
     result: SimResult
     baseline: Schedule
-    baseline_result: SimResult
     bound: Bound
     caps: tuple[int, ...]
     solve_seconds: float
     fell_back: bool
     log: list[str] = field(default_factory=list)
+
+    @cached_property
+    def baseline_result(self) -> SimResult:
+        """The warm start simulated under the same costs (computed when first asked)."""
+        return simulate(self.baseline, self.result.cost)
 
     @property
     def makespan(self) -> float:
@@ -113,16 +118,16 @@ def hand_schedules(placement: Placement) -> list[Schedule]:
 
 
 def _caps(
-    placement: Placement, memory_cap: int | Sequence[int] | None, baseline: SimResult | None
+    placement: Placement, memory_cap: int | Sequence[int] | None, baseline_peak: int | None
 ) -> tuple[int, ...]:
     ranks = placement.num_ranks
     if memory_cap is None:
-        if baseline is None:
+        if baseline_peak is None:
             raise ScheduleError(
                 "no hand-made schedule runs on this placement, so there is no default memory "
                 "cap: give one (--memory-cap N)"
             )
-        return (max(r.peak_activations for r in baseline.ranks),) * ranks
+        return (baseline_peak,) * ranks
     caps = (memory_cap,) * ranks if isinstance(memory_cap, int) else tuple(memory_cap)
     if len(caps) != ranks:
         raise ScheduleError(f"memory caps name {len(caps)} ranks, the placement has {ranks}")
@@ -172,7 +177,7 @@ def optimize(
     """Optimise the per-rank order of ``placement``'s work under ``cost`` (per stage, as
     the simulator takes it) within ``memory_cap`` live activations per rank (one int for
     every rank, or one per rank; default: the peak of the best hand-made schedule of the
-    placement), spending at most about ``time_limit`` seconds.
+    placement), spending about ``time_limit`` seconds at most.
 
     ``warm_starts`` adds schedules of the same placement to the hand-made ones. The
     result is validated and simulated; it is never slower than the best warm start that
@@ -181,7 +186,6 @@ def optimize(
     a cap too small to run it, or warm starts of another placement."""
     import scipy.optimize  # noqa: F401  (imported before the clock starts: a one-off cost)
 
-    say = progress or (lambda _line: None)
     _check_placement(placement)
     cost.check_fits(placement.num_model_stages, placement.num_ranks)
     for schedule in warm_starts:
@@ -189,105 +193,169 @@ def optimize(
             raise ScheduleError(
                 f"warm start {schedule.name} runs on {schedule.placement}, not {placement}"
             )
-    start = time.perf_counter()
-    deadline = start + time_limit
-    starts = [*hand_schedules(placement), *warm_starts]
-    simulated = [(s, simulate(s, cost)) for s in starts]
-    simulated.sort(key=lambda pair: pair[1].makespan)
-    baseline = simulated[0] if simulated else None
-    caps = _caps(placement, memory_cap, baseline[1] if baseline else None)
-    inst = Instance(placement, cost, caps)
-    bound = lower_bound(inst)
-    log = [f"lower bound {bound.value:.6g} (rank {bound.rank}, {bound.methods[bound.rank]})"]
-    say(log[-1])
+    search = _Search(placement, cost, time_limit, progress)
+    search.warm_start([*hand_schedules(placement), *(s.compute_only() for s in warm_starts)])
+    search.set_caps(_caps(placement, memory_cap, search.baseline_peak))
+    search.prove_bound()
+    search.construct()
+    search.improve()
+    return search.result(name)
 
-    def fits(peaks: Sequence[int]) -> bool:
-        return all(p <= c for p, c in zip(peaks, caps, strict=True))
 
-    # Candidates: (makespan, orders, where from).
-    candidates: list[tuple[float, list, str]] = []
-    feasible_start = None
-    for schedule, result in simulated:
-        if fits([r.peak_activations for r in result.ranks]):
-            orders = from_actions(inst, schedule.compute_only().ranks)
-            candidates.append((result.makespan, orders, f"hand-made {schedule.name}"))
-            if feasible_start is None:
-                feasible_start = (schedule, result)
+class _Search:
+    """One optimisation's state: the instance, the candidates and the clock."""
 
-    def best_makespan() -> float:
-        return min((c[0] for c in candidates), default=float("inf"))
-
-    def close_enough() -> bool:
-        best = best_makespan()
-        return best < float("inf") and (best - bound.value) <= GAP_TOLERANCE * best
-
-    pairs = any(inst.any_pair_pays(r) for r in range(inst.num_ranks))
-    policies = [
-        replace(p, pair=mode) for p in PORTFOLIO for mode in (_PAIR_MODES if pairs else (0,))
-    ]
-    variants = [(name, Instance(placement, c, caps)) for name, c in _variants(cost)]
-    priorities = {name: tails(v) for name, v in variants}
-    build_seconds = 0.0
-    tried = 0
-    for i, policy in enumerate(policies):
-        for variant, vinst in variants:
-            if close_enough() or (tried and time.perf_counter() + build_seconds > deadline):
-                break
-            t0 = time.perf_counter()
-            built = build(vinst, policy, priorities[variant])
-            tried += 1
-            if built is not None and fits(built.peaks):
-                orders = from_actions(inst, built.ranks)
-                timed = built if variant == "as given" else time_orders(inst, orders)
-                label = f"list scheduler, policy {i}, {variant} costs"
-                candidates.append((timed.makespan, orders, label))
-            build_seconds = max(build_seconds, time.perf_counter() - t0)
-    if not candidates:
-        raise ScheduleError(
-            f"no schedule of this placement fits a memory cap of {min(caps)} activations "
-            "per rank: raise --memory-cap"
-        )
-    candidates.sort(key=lambda c: c[0])
-    say(f"best of {len(candidates)} candidates: {candidates[0][0]:.6g} ({candidates[0][2]})")
-    makespan, orders, origin = candidates[0]
-    timing = time_orders(inst, orders)
-    if not close_enough() and time.perf_counter() < deadline:
-        orders, timing = improve(inst, orders, deadline)
-        log.append(f"local search: {makespan:.6g} -> {timing.makespan:.6g}")
-        say(log[-1])
-    left = deadline - time.perf_counter()
-    if (
-        left >= WINDOW_MIN_SECONDS
-        and (timing.makespan - bound.value) > GAP_TOLERANCE * timing.makespan
+    def __init__(
+        self,
+        placement: Placement,
+        cost: CostModel,
+        time_limit: float,
+        progress: Callable[[str], None] | None,
     ):
+        self.placement, self.cost = placement, cost
+        self.start = time.perf_counter()
+        self.deadline = self.start + time_limit
+        self.say = progress or (lambda _line: None)
+        self.log: list[str] = []
+        # Caps are set once the warm starts are known (their peak is the default).
+        self.inst = Instance(placement, cost, (0,) * placement.num_ranks)
+        self.starts: list[tuple[Schedule, list, Timing]] = []
+        self.candidates: list[tuple[float, list, str]] = []
+        self.bound: Bound | None = None
+        self.orders: list | None = None
+        self.timing: Timing | None = None
+
+    def note(self, line: str) -> None:
+        self.log.append(line)
+        self.say(line)
+
+    # -- steps ----------------------------------------------------------------------
+    def warm_start(self, schedules: list[Schedule]) -> None:
+        """Time the warm starts; keep them best first. The final validation and
+        simulation cost about ten timings: that much is kept free at the end."""
+        t0 = time.perf_counter()
+        for schedule in schedules:
+            orders = from_actions(self.inst, schedule.ranks)
+            timing = time_orders(self.inst, orders)
+            if timing is not None:
+                self.starts.append((schedule, orders, timing))
+        self.starts.sort(key=lambda s: s[2].makespan)
+        per_timing = (time.perf_counter() - t0) / max(1, len(schedules))
+        self.deadline -= 10 * per_timing
+
+    @property
+    def baseline_peak(self) -> int | None:
+        return max(self.starts[0][2].peaks) if self.starts else None
+
+    def set_caps(self, caps: tuple[int, ...]) -> None:
+        self.inst.caps = caps
+        for schedule, orders, timing in self.starts:
+            if self._fits(timing.peaks):
+                self.candidates.append((timing.makespan, orders, f"hand-made {schedule.name}"))
+
+    def prove_bound(self) -> None:
+        self.bound = lower_bound(self.inst)
+        b = self.bound
+        self.note(f"lower bound {b.value:.6g} (rank {b.rank}, {b.methods[b.rank]})")
+
+    def construct(self) -> None:
+        """The list scheduler under each policy of the portfolio and each cost variant,
+        while time is left and no candidate has reached the bound."""
+        inst = self.inst
+        pairs = any(inst.any_pair_pays(r) for r in range(inst.num_ranks))
+        modes = _PAIR_MODES if pairs else (0,)
+        policies = [replace(p, pair=mode) for p in PORTFOLIO for mode in modes]
+        variants = [
+            (label, Instance(self.placement, c, inst.caps)) for label, c in _variants(self.cost)
+        ]
+        priorities = {label: tails(v) for label, v in variants}
+        slowest, tried = 0.0, 0
+        for i, policy in enumerate(policies):
+            for label, vinst in variants:
+                now = time.perf_counter()
+                if self._closed() or (tried and now + slowest > self.deadline):
+                    break
+                built = build(vinst, policy, priorities[label])
+                tried += 1
+                if built is not None and self._fits(built.peaks):
+                    orders = from_actions(inst, built.ranks)
+                    makespan = (
+                        built.makespan
+                        if vinst.cost == inst.cost
+                        else time_orders(inst, orders).makespan
+                    )
+                    where = f"list scheduler, policy {i}, {label} costs"
+                    self.candidates.append((makespan, orders, where))
+                slowest = max(slowest, time.perf_counter() - now)
+        if not self.candidates:
+            raise ScheduleError(
+                f"no schedule of this placement fits a memory cap of {min(inst.caps)} "
+                "activations per rank: raise --memory-cap"
+            )
+        self.candidates.sort(key=lambda c: c[0])
+        best = self.candidates[0]
+        self.note(f"best of {len(self.candidates)} candidates: {best[0]:.6g} ({best[2]})")
+        self.orders = best[1]
+        self.timing = time_orders(inst, best[1])
+
+    def improve(self) -> None:
+        """Local search; then, with time left, the window MILP and local search again."""
+        if self._closed() or time.perf_counter() >= self.deadline:
+            return
+        before = self.timing.makespan
+        self.orders, self.timing = improve(self.inst, self.orders, self.deadline)
+        self.note(f"local search: {before:.6g} -> {self.timing.makespan:.6g}")
+        left = self.deadline - time.perf_counter()
+        if self._closed() or left < WINDOW_MIN_SECONDS:
+            return
         from .window_milp import reorder_window
 
-        new = reorder_window(inst, orders, timing, limit=WINDOW_OPS, time_limit=left / 2)
-        if new is not None:
-            new_timing = time_orders(inst, new)
-            if (
-                new_timing is not None
-                and fits(new_timing.peaks)
-                and new_timing.makespan < timing.makespan - 1e-12
-            ):
-                log.append(f"window MILP: {timing.makespan:.6g} -> {new_timing.makespan:.6g}")
-                say(log[-1])
-                orders, timing = improve(inst, new, deadline)
-    label = name or (f"{feasible_start[0].name}-opt" if feasible_start else "optimised")
-    schedule = Schedule(label, placement, to_actions(inst, orders), list(caps))
-    validate(schedule, dry_run=False)
-    result = simulate(schedule, cost)
-    fell_back = False
-    if feasible_start is not None and result.makespan >= feasible_start[1].makespan - 1e-12:
-        base = feasible_start[0]
-        schedule = Schedule(label, placement, base.compute_only().ranks, list(caps))
-        result = simulate(schedule, cost)
-        fell_back = True
-        log.append(f"nothing better than {base.name} found: returning it")
-        say(log[-1])
-    solve = time.perf_counter() - start
-    if baseline is None:
-        baseline = (schedule, result)
-    return OptimizeResult(
-        schedule, result, baseline[0], baseline[1], bound, caps, solve, fell_back, log
-    )
+        new = reorder_window(
+            self.inst, self.orders, self.timing, limit=WINDOW_OPS, time_limit=left / 2
+        )
+        timing = None if new is None else time_orders(self.inst, new)
+        if timing is None or not self._fits(timing.peaks):
+            self.note("window MILP: no better end found")
+            return
+        self.note(f"window MILP: {self.timing.makespan:.6g} -> {timing.makespan:.6g}")
+        if timing.makespan < self.timing.makespan - 1e-12:
+            self.orders, self.timing = improve(self.inst, new, self.deadline)
+
+    def result(self, name: str | None) -> OptimizeResult:
+        """Validate and simulate the best orders; fall back to the best warm start that
+        keeps the cap where they are not faster."""
+        caps = list(self.inst.caps)
+        label = name or (f"{self.starts[0][0].name}-opt" if self.starts else "optimised")
+        schedule = Schedule(label, self.placement, to_actions(self.inst, self.orders), caps)
+        validate(schedule, dry_run=False)
+        result = simulate(schedule, self.cost)
+        fallback = next((s for s in self.starts if self._fits(s[2].peaks)), None)
+        fell_back = fallback is not None and result.makespan >= fallback[2].makespan - 1e-12
+        if fell_back:
+            schedule = Schedule(label, self.placement, fallback[0].ranks, caps)
+            result = simulate(schedule, self.cost)
+            self.note(f"nothing better than {fallback[0].name} found: returning it")
+        baseline = self.starts[0][0] if self.starts else schedule
+        return OptimizeResult(
+            schedule,
+            result,
+            baseline,
+            self.bound,
+            tuple(caps),
+            time.perf_counter() - self.start,
+            fell_back,
+            self.log,
+        )
+
+    # -- helpers --------------------------------------------------------------------
+    def _fits(self, peaks: Sequence[int]) -> bool:
+        return all(p <= c for p, c in zip(peaks, self.inst.caps, strict=True))
+
+    def _closed(self) -> bool:
+        """Whether a candidate has reached the lower bound."""
+        best = (
+            self.timing.makespan
+            if self.timing
+            else min((c[0] for c in self.candidates), default=float("inf"))
+        )
+        return best < float("inf") and best - self.bound.value <= GAP_TOLERANCE * best

@@ -67,7 +67,7 @@ def halves(op: Op) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
     """The (stage, index) of an op's forward and of its backward (B or BW), or None."""
     code, s, k, s2, k2 = op
     forward = (s, k) if code == F or code >= FB else None
-    if code == B or code == BW:
+    if code in (B, BW):
         return forward, (s, k)
     return forward, ((s2, k2) if code >= FB else None)
 
@@ -112,94 +112,89 @@ def time_orders(inst: Instance, orders: list[list[Op]]) -> Timing | None:
     bend: list[list[float | None]] = [[None] * len(m) for m in inst.mbs]
     fpos: list[list[tuple[int, int] | None]] = [[None] * len(m) for m in inst.mbs]
     bpos: list[list[tuple[int, int] | None]] = [[None] * len(m) for m in inst.mbs]
-    prev, nxt, prev_remote, next_remote = inst.prev, inst.next, inst.prev_remote, inst.next_remote
+    prev, nxt = inst.prev, inst.next
+    hop_in = [lat if x else 0.0 for x in inst.prev_remote]
+    hop_back = [lat if x else 0.0 for x in inst.next_remote]
+    f_dur, b_dur, w_dur, pair = inst.f, inst.b, inst.w, inst.pair
     starts = [[0.0] * len(o) for o in orders]
     ends = [[0.0] * len(o) for o in orders]
     cause: list[list[tuple[int, int] | None]] = [[None] * len(o) for o in orders]
     pc, clock, live, peak = [0] * n_ranks, [0.0] * n_ranks, [0] * n_ranks, [0] * n_ranks
     waiting: dict[tuple[int, int, int], int] = {}
     ready = deque(range(n_ranks))
-    durations: dict[Op, float] = {}
-
-    def need(code: int, s: int, k: int):
-        """(arrival time, producer position) of an input, or None if not yet produced."""
-        if code == F:
-            q = prev[s]
-            if q is None:
-                return 0.0, None
-            t = fend[q][k]
-            if t is None:
-                waiting[(F, q, k)] = r
-                return None
-            return (t + lat if prev_remote[s] else t), fpos[q][k]
-        q = nxt[s]
-        if q is None:
-            t = fend[s][k]
-            if t is None:  # only where the order is broken
-                waiting[(F, s, k)] = r
-                return None
-            return t, fpos[s][k]
-        t = bend[q][k]
-        if t is None:
-            waiting[(B, q, k)] = r
-            return None
-        return (t + lat if next_remote[s] else t), bpos[q][k]
-
     while ready:
         r = ready.popleft()
         order, i, now = orders[r], pc[r], clock[r]
         st, en, ca = starts[r], ends[r], cause[r]
-        while i < len(order):
-            op = order[i]
-            code, s, k, s2, k2 = op
+        lv, pk = live[r], peak[r]
+        n = len(order)
+        while i < n:
+            code, s, k, s2, k2 = order[i]
             at, why = now, ((r, i - 1) if i else None)
-            if code != W:
-                inputs = []
-                if code != B and code != BW:
-                    inputs.append((F, s, k))
-                if code != F:
-                    inputs.append((B, s2, k2) if code >= FB else (B, s, k))
-                blocked = False
-                for kind, ss, kk in inputs:
-                    got = need(kind, ss, kk)
-                    if got is None:
-                        blocked = True
-                        break
-                    if got[0] > at:
-                        at, why = got
-                if blocked:
-                    break
-            d = durations.get(op)
-            if d is None:
-                d = durations[op] = duration(inst, op)
+            if code == W:
+                d = w_dur[s]
+            else:
+                if code == F or code >= FB:  # needs the previous stage's forward
+                    q = prev[s]
+                    if q is not None:
+                        t = fend[q][k]
+                        if t is None:
+                            waiting[(F, q, k)] = r
+                            break
+                        t += hop_in[s]
+                        if t > at:
+                            at, why = t, fpos[q][k]
+                if code != F:  # needs the gradient from the next stage (or its own F)
+                    bs, bk = (s2, k2) if code >= FB else (s, k)
+                    q = nxt[bs]
+                    if q is None:
+                        t = fend[bs][bk]
+                        if t is None:
+                            waiting[(F, bs, bk)] = r
+                            break
+                        if t > at:
+                            at, why = t, fpos[bs][bk]
+                    else:
+                        t = bend[q][bk]
+                        if t is None:
+                            waiting[(B, q, bk)] = r
+                            break
+                        t += hop_back[bs]
+                        if t > at:
+                            at, why = t, bpos[q][bk]
+                if code == F:
+                    d = f_dur[s]
+                elif code == B:
+                    d = b_dur[s]
+                elif code == BW:
+                    d = b_dur[s] + w_dur[s]
+                else:
+                    d = pair[(s, s2, code == FBW)]
             if code == F or code >= FB:
-                live[r] += 1
-                if live[r] > peak[r]:
-                    peak[r] = live[r]
-            if code == W or code == BW or code == FBW:
-                live[r] -= 1
-            st[i], en[i], ca[i] = at, at + d, why
+                lv += 1
+                if lv > pk:
+                    pk = lv
+            if code in (W, BW, FBW):
+                lv -= 1
             now = at + d
-            done = []
+            st[i], en[i], ca[i] = at, now, why
             if code == F or code >= FB:
                 fend[s][k], fpos[s][k] = now, (r, i)
-                done.append((F, s, k))
-            if code == B or code == BW:
-                bend[s][k], bpos[s][k] = now, (r, i)
-                done.append((B, s, k))
-            elif code >= FB:
-                bend[s2][k2], bpos[s2][k2] = now, (r, i)
-                done.append((B, s2, k2))
-            for key in done:
-                waiter = waiting.pop(key, None)
-                if waiter is not None and waiter != r:
+                waiter = waiting.pop((F, s, k), None)
+                if waiter is not None:
+                    ready.append(waiter)
+            if code in (B, BW) or code >= FB:
+                bs, bk = (s2, k2) if code >= FB else (s, k)
+                bend[bs][bk], bpos[bs][bk] = now, (r, i)
+                waiter = waiting.pop((B, bs, bk), None)
+                if waiter is not None:
                     ready.append(waiter)
             i += 1
-        pc[r], clock[r] = i, now
+        pc[r], clock[r], live[r], peak[r] = i, now, lv, pk
     if any(pc[r] < len(orders[r]) for r in range(n_ranks)):
         return None
     finish = [e[-1] if e else 0.0 for e in ends]
-    return Timing(starts, ends, max(finish), peak, finish, cause)
+    return Timing(starts, ends, max(finish, default=0.0), peak, finish, cause)
 
 
 def to_actions(inst: Instance, orders: list[list[Op]]) -> list[list[Action]]:
