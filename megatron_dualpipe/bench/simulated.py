@@ -49,7 +49,7 @@ OPTIMISED: tuple[tuple[str, str], ...] = (
     ("dualpipe-opt", "dualpipe"),
 )
 #: The optimiser's time limit per placement and memory cap in the grid (seconds).
-OPTIMISER_SECONDS = 2.0
+OPTIMISER_SECONDS = 5.0
 
 
 @dataclass(frozen=True)

@@ -103,14 +103,16 @@ def _over_cap_moves(inst: Instance, orders: Orders, rules: _Rules):
 
 
 def _moves(inst: Instance, orders: Orders, timing: Timing, rules: _Rules):
-    """Candidate new orders around the critical path (generated lazily)."""
+    """Candidate new orders around the critical path, each with its kind's rank (tried
+    first to last): 0 a W back to right after its B, 1 a swap, 2 a W later, 3 a pair
+    formed or split."""
     path = timing.critical()
     arcs = [(r, i) for (r, i) in path if i > 0 and timing.cause[r][i] == (r, i - 1)]
     for r, i in arcs:
         order = orders[r]
         a, b = order[i - 1], order[i]
         if rules.may_swap(a, b):
-            yield r, order[: i - 1] + [b, a] + order[i + 1 :]
+            yield 1, r, order[: i - 1] + [b, a] + order[i + 1 :]
         for with_w in (False, True):  # pair a forward with a backward's dX, or all of it
             pair = _pair(inst, a, b, with_w)
             if pair is None:
@@ -118,11 +120,11 @@ def _moves(inst: Instance, orders: Orders, timing: Timing, rules: _Rules):
             new = order[: i - 1] + [pair] + order[i + 1 :]
             if pair[0] == FBW and a[0] != BW and b[0] != BW:
                 new.remove((W, pair[3], pair[4], -1, -1))
-            yield r, new
+            yield 3, r, new
         for j, op in ((i - 1, a), (i, b)):
             if op[0] >= FB:
                 for split in _splits(op):
-                    yield r, order[:j] + split + order[j + 1 :]
+                    yield 3, r, order[:j] + split + order[j + 1 :]
             if op[0] == W:
                 back = next(
                     (x for x in range(j - 1, -1, -1) if halves(order[x])[1] == (op[1], op[2])),
@@ -130,11 +132,11 @@ def _moves(inst: Instance, orders: Orders, timing: Timing, rules: _Rules):
                 )
                 between = order[back + 1 : j] if back is not None else []
                 if back is not None and not any(x[0] == W and x[1] == op[1] for x in between):
-                    yield r, order[: back + 1] + [op] + between + order[j + 1 :]
+                    yield 0, r, order[: back + 1] + [op] + between + order[j + 1 :]
                 for to in (j + 2, j + 4, len(order)):
                     passed = order[j + 1 : to]
                     if to <= len(order) and not any(x[0] == W and x[1] == op[1] for x in passed):
-                        yield r, order[:j] + passed + [op] + order[to:]
+                        yield 2, r, order[:j] + passed + [op] + order[to:]
 
 
 def _pair(inst: Instance, a: Op, b: Op, bw: bool) -> Op | None:
@@ -185,11 +187,12 @@ def improve(
     while improved and time.perf_counter() < deadline:
         improved = False
         if score[0]:
-            moves = list(_over_cap_moves(inst, orders, rules))
+            moves = [(0, r, new) for r, new in _over_cap_moves(inst, orders, rules)]
         else:
             moves = list(_moves(inst, orders, best, rules))
         rng.shuffle(moves)
-        for r, new in moves:
+        moves.sort(key=lambda move: move[0])
+        for _, r, new in moves:
             if time.perf_counter() >= deadline:
                 break
             trial = orders[:r] + [new] + orders[r + 1 :]

@@ -42,14 +42,20 @@ PORTFOLIO: tuple[Policy, ...] = (
     Policy(backward_first=False, deep_first=False, lead=0),
     Policy(alternate=True, oldest_first=True, lead=1, reserve=False),
 )
-#: Pair modes tried with each policy where an FB pair is shorter than its halves.
-_PAIR_MODES = (2, 1, 0)
+#: Pair modes tried with each policy where an FB pair is shorter than its halves (full
+#: backward paired, none, dX only: the second matters where memory is tight).
+_PAIR_MODES = (2, 0, 1)
+#: The policy built, whatever the time, when nothing else gave a candidate: it keeps a
+#: unit free for each returning micro-batch, so it does not deadlock.
+SAFE_POLICY = Policy(alternate=True, oldest_first=True)
 #: Ops in the window the MILP reorders at the end of the schedule.
 WINDOW_OPS = 40
 #: Smallest time left (s) for which the window MILP is tried.
 WINDOW_MIN_SECONDS = 2.0
 #: Relative gap below which the search stops early.
 GAP_TOLERANCE = 1e-9
+#: Share of the search time the list scheduler may use; the rest is for improving.
+CONSTRUCT_SHARE = 0.6
 
 
 @dataclass
@@ -264,16 +270,20 @@ class _Search:
         inst = self.inst
         pairs = any(inst.any_pair_pays(r) for r in range(inst.num_ranks))
         modes = _PAIR_MODES if pairs else (0,)
-        policies = [replace(p, pair=mode) for p in PORTFOLIO for mode in modes]
+        first = [replace(p, pair=mode) for mode in modes[:2] for p in PORTFOLIO[:2]]
+        rest = [replace(p, pair=mode) for p in PORTFOLIO for mode in modes]
+        policies = list(dict.fromkeys(first + rest))
         variants = [
             (label, Instance(self.placement, c, inst.caps)) for label, c in _variants(self.cost)
         ]
         priorities = {label: tails(v) for label, v in variants}
+        now = time.perf_counter()
+        stop = now + CONSTRUCT_SHARE * max(0.0, self.deadline - now)
         slowest, tried = 0.0, 0
         for i, policy in enumerate(policies):
             for label, vinst in variants:
                 now = time.perf_counter()
-                if self._closed() or (tried and now + slowest > self.deadline):
+                if self._closed() or (tried and now + slowest > stop):
                     break
                 built = build(vinst, policy, priorities[label])
                 tried += 1
@@ -287,6 +297,10 @@ class _Search:
                     where = f"list scheduler, policy {i}, {label} costs"
                     self.candidates.append((makespan, orders, where))
                 slowest = max(slowest, time.perf_counter() - now)
+        if not self.candidates:
+            built = build(inst, SAFE_POLICY, priorities[variants[0][0]])
+            if built is not None and self._fits(built.peaks):
+                self.candidates.append((built.makespan, from_actions(inst, built.ranks), "safe"))
         if not self.candidates:
             raise ScheduleError(
                 f"no schedule of this placement fits a memory cap of {min(inst.caps)} "
