@@ -8,8 +8,15 @@ from dataclasses import replace
 
 import pytest
 
-from megatron_dualpipe.runtime.torch_schedules import import_torch_schedule
-from megatron_dualpipe.schedules import CostModel, Placement, ScheduleError, generate, simulate
+from megatron_dualpipe.bench.torch_schedules import import_torch_schedule
+from megatron_dualpipe.schedules import (
+    CostModel,
+    Placement,
+    ScheduleError,
+    generate,
+    simulate,
+    spec,
+)
 from megatron_dualpipe.schedules.optimize import lower_bound, optimize
 from megatron_dualpipe.schedules.optimize.bound import tails
 from megatron_dualpipe.schedules.optimize.instance import Instance
@@ -249,6 +256,23 @@ NOT_AHEAD = {
 }
 
 
+def _pairs_own_backward(schedule) -> bool:
+    """Whether an FB action issues a forward together with its own backward: the backward
+    needs that forward's output, so the two cannot overlap (the validator and simulator
+    do not catch this; Megatron adds a warm-up micro-batch when it overlaps)."""
+    return any(
+        a.kind.value == "FB"
+        and (a.sub[0].stage, a.sub[0].microbatch) == (a.sub[1].stage, a.sub[1].microbatch)
+        for acts in schedule.ranks
+        for a in acts
+    )
+
+
+#: Table rows not held to the comparison because their order overlaps a forward with its
+#: own backward (see _pairs_own_backward); the test checks this is the reason.
+IMPOSSIBLE_OVERLAP = {"interleaved-1f1b-a2a"}
+
+
 def _peers_unbeaten(profile, pp: int, microbatches: int, time_limit: float) -> list[str]:
     """Schedules of the cell that no optimiser row of their placement matches at equal or
     lower peak activations."""
@@ -256,13 +280,16 @@ def _peers_unbeaten(profile, pp: int, microbatches: int, time_limit: float) -> l
     from megatron_dualpipe.bench.simulated import OPTIMISED, simulate_cell
 
     rows = simulate_cell(profile, pp, microbatches, optimise=True, time_limit=time_limit)
-    kind_of_row = {name: generate(hand, 4, 8).placement.kind for name, hand in OPTIMISED}
+    kind_of_row = {name: spec(hand).placement for name, hand in OPTIMISED}
     kinds = {}
     for entry in SCHEDULES:
         try:
-            kinds[entry.name] = entry.build(pp, microbatches).placement.kind
+            schedule = entry.build(pp, microbatches)
         except ScheduleError:
             continue
+        assert _pairs_own_backward(schedule) == (entry.name in IMPOSSIBLE_OVERLAP)
+        if entry.name not in IMPOSSIBLE_OVERLAP:
+            kinds[entry.name] = schedule.placement.kind
     opt = [r for r in rows if r.source == "optimised" and r.makespan is not None]
     assert {kind_of_row[r.schedule.split(" ")[0]] for r in opt} == {"v", "loop", "mirror"}
     for r in opt:  # every optimiser row keeps its cap and has its proof
@@ -271,7 +298,7 @@ def _peers_unbeaten(profile, pp: int, microbatches: int, time_limit: float) -> l
         assert r.gap == pytest.approx((r.makespan - r.proven_bound) / r.makespan)
     unbeaten = []
     for r in rows:
-        if r.source in ("optimised", "bound") or r.makespan is None:
+        if r.source in ("optimised", "bound") or r.makespan is None or r.schedule not in kinds:
             continue
         matched = [
             o

@@ -4,7 +4,7 @@ simulator, on a grid of pipeline sizes, micro-batch counts and cost profiles.
 Costs are per rank share (see :mod:`.catalog`), so all schedules run the same model. For
 each (profile, PP, micro-batches) cell the rows are one per schedule, then, if asked, the
 optimiser's rows (:data:`OPTIMISED`), then a lower bound. Imports only the schedule layer
-(the optimiser, with SciPy, only when asked for) and ``runtime.torch_schedules``.
+(the optimiser, with SciPy, only when asked for) and ``bench.torch_schedules``.
 """
 
 from __future__ import annotations

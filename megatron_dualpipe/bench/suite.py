@@ -95,7 +95,14 @@ def simulated_section(ctx: BenchContext) -> Section:
         profile_rows = []
         for pp in pps:
             counts = [k * pp for k in SIM_MICROBATCH_MULTIPLES]
-            group = simulate_group(profile, pp, counts, progress=ctx.progress, optimise=True)
+            group = simulate_group(
+                profile,
+                pp,
+                counts,
+                progress=ctx.progress,
+                optimise=True,
+                time_limit=OPTIMISER_SECONDS,
+            )
             table = simulated_table(group, profile)
             ctx.progress("\n" + table + "\n")
             parts.append(table)
@@ -107,7 +114,7 @@ def simulated_section(ctx: BenchContext) -> Section:
             parts.append(f"![bubble ratio, {profile.label}]({path.name})")
         rows += profile_rows
     gaps = optimiser_table(rows)
-    ctx.progress("\n" + gaps + "\n")
+    ctx.progress("\n" + _GAPS_INTRO + "\n\n" + gaps + "\n")
     parts += [_GAPS_INTRO, gaps]
     return Section(
         "simulated",

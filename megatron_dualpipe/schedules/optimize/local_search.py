@@ -18,7 +18,7 @@ from collections.abc import Callable
 from .instance import Instance
 from .timing import BW, FB, FBW, B, F, Op, Timing, W, channels, halves, time_orders
 
-__all__ = ["improve"]
+__all__ = ["improve", "pair_adjacent"]
 
 Orders = list[list[Op]]
 
@@ -152,6 +152,25 @@ def _pair(inst: Instance, a: Op, b: Op, bw: bool) -> Op | None:
     if not inst.pair_pays(f[1], back[1], use_bw):
         return None
     return (FBW if use_bw else FB, f[1], f[2], back[1], back[2])
+
+
+def pair_adjacent(inst: Instance, orders: Orders) -> Orders:
+    """``orders`` with every forward directly followed by a backward of another
+    micro-batch issued together with it where the pair is shorter: what Megatron's
+    interleaved 1F1B does in its steady state with its all-to-all overlap."""
+    out = []
+    for order in orders:
+        paired: list[Op] = []
+        for op in order:
+            last = paired[-1] if paired else None
+            forward_then_back = last is not None and last[0] == F and op[0] in (B, BW)
+            pair = _pair(inst, last, op, op[0] == BW) if forward_then_back else None
+            if pair is not None:
+                paired[-1] = pair
+            else:
+                paired.append(op)
+        out.append(paired)
+    return out
 
 
 def _splits(op: Op) -> list[list[Op]]:

@@ -16,14 +16,14 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from ..cost import CostModel
-from ..generators import GENERATORS
 from ..ir import Placement, Schedule, ScheduleError
+from ..registry import SCHEDULES
 from ..simulate import SimResult, simulate
 from ..validate import validate
 from .bound import Bound, lower_bound, tails
 from .instance import Instance
 from .listsched import Policy, build
-from .local_search import improve
+from .local_search import improve, pair_adjacent
 from .timing import Timing, from_actions, time_orders, to_actions
 
 __all__ = ["PORTFOLIO", "OptimizeResult", "hand_schedules", "optimize"]
@@ -101,31 +101,26 @@ class OptimizeResult:
 
 
 def hand_schedules(placement: Placement) -> list[Schedule]:
-    """Every hand-made schedule (ours) that runs on exactly ``placement``."""
+    """Every hand-made schedule (ours, from the registry) that runs on ``placement``."""
     out = []
-    for name in GENERATORS:
-        try:
-            schedule = GENERATORS[name](placement.num_ranks, placement.num_microbatches)
-        except (ScheduleError, TypeError):
+    ranks, microbatches = placement.num_ranks, placement.num_microbatches
+    for entry in SCHEDULES.values():
+        if entry.placement != placement.kind or not entry.is_legal(ranks, microbatches):
             continue
+        options = {"chunks": placement.num_chunks} if entry.chunks is None else {}
+        try:
+            schedule = entry.generate(ranks, microbatches, **options)
+        except ScheduleError:
+            continue  # e.g. interleaved 1F1B asked for one chunk
         if schedule.placement == placement:
             out.append(schedule)
-    if placement.kind == "loop" and placement.num_chunks > 1:
-        try:
-            schedule = GENERATORS["interleaved-1f1b"](
-                placement.num_ranks, placement.num_microbatches, chunks=placement.num_chunks
-            )
-        except ScheduleError:
-            pass
-        else:
-            if schedule.placement == placement and schedule not in out:
-                out.append(schedule)
     return out
 
 
 def _caps(
-    placement: Placement, memory_cap: int | Sequence[int] | None, baseline_peak: int | None
+    inst: Instance, memory_cap: int | Sequence[int] | None, baseline_peak: int | None
 ) -> tuple[int, ...]:
+    placement = inst.placement
     ranks = placement.num_ranks
     if memory_cap is None:
         if baseline_peak is None:
@@ -137,7 +132,7 @@ def _caps(
     caps = (memory_cap,) * ranks if isinstance(memory_cap, int) else tuple(memory_cap)
     if len(caps) != ranks:
         raise ScheduleError(f"memory caps name {len(caps)} ranks, the placement has {ranks}")
-    least = 2 if placement.num_chunks > 1 and placement.kind != "mirror" else 1
+    least = 2 if any(inst.revisits) else 1  # a micro-batch coming back holds two at once
     if min(caps) < least:
         raise ScheduleError(
             f"a memory cap of {min(caps)} activations is too small for the {placement.kind} "
@@ -201,7 +196,7 @@ def optimize(
             )
     search = _Search(placement, cost, time_limit, progress)
     search.warm_start([*hand_schedules(placement), *(s.compute_only() for s in warm_starts)])
-    search.set_caps(_caps(placement, memory_cap, search.baseline_peak))
+    search.set_caps(_caps(search.inst, memory_cap, search.baseline_peak))
     search.prove_bound()
     search.construct()
     search.improve()
@@ -254,10 +249,19 @@ class _Search:
         return max(self.starts[0][2].peaks) if self.starts else None
 
     def set_caps(self, caps: tuple[int, ...]) -> None:
+        """Keep the warm starts within ``caps`` as candidates, each also with its adjacent
+        forwards and backwards paired where pairs pay."""
         self.inst.caps = caps
+        pairs = any(self.inst.any_pair_pays(r) for r in range(self.inst.num_ranks))
         for schedule, orders, timing in self.starts:
             if self._fits(timing.peaks):
                 self.candidates.append((timing.makespan, orders, f"hand-made {schedule.name}"))
+            if pairs:
+                paired = pair_adjacent(self.inst, orders)
+                paired_timing = time_orders(self.inst, paired)
+                if paired_timing is not None and self._fits(paired_timing.peaks):
+                    where = f"hand-made {schedule.name}, adjacent F and B paired"
+                    self.candidates.append((paired_timing.makespan, paired, where))
 
     def prove_bound(self) -> None:
         self.bound = lower_bound(self.inst)
