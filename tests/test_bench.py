@@ -60,7 +60,7 @@ def test_quick_bench_writes_tables_figures_and_json(
     plain = [r for r in rows if r["source"] != "optimised"]
     assert len(plain) == len(PROFILES) * 2 * (len(SCHEDULES) + 1)
     optimised = [r for r in rows if r["source"] == "optimised"]
-    names = {r["schedule"].split(" ")[0] for r in optimised}
+    names = {r["schedule"].split(",")[0] for r in optimised}
     assert names == {name for name, _ in simulated.OPTIMISED}
     assert all(0 <= r["gap"] < 1 and r["proven_bound"] <= r["makespan"] + 1e-9 for r in optimised)
     assert all(0 < r["vs_1f1b"] <= 1.5 for r in rows)

@@ -291,7 +291,7 @@ def _peers_unbeaten(profile, pp: int, microbatches: int, time_limit: float) -> l
         if entry.name not in IMPOSSIBLE_OVERLAP:
             kinds[entry.name] = schedule.placement.kind
     opt = [r for r in rows if r.source == "optimised" and r.makespan is not None]
-    assert {kind_of_row[r.schedule.split(" ")[0]] for r in opt} == {"v", "loop", "mirror"}
+    assert {kind_of_row[r.schedule.split(",")[0]] for r in opt} == {"v", "loop", "mirror"}
     for r in opt:  # every optimiser row keeps its cap and has its proof
         model_stages = r.stages // 2 if r.param_factor == 2 else r.stages  # mirror: 2 copies
         assert r.peak_activations * model_stages / r.pp <= r.memory_cap + 1e-9
@@ -303,7 +303,7 @@ def _peers_unbeaten(profile, pp: int, microbatches: int, time_limit: float) -> l
         matched = [
             o
             for o in opt
-            if kind_of_row[o.schedule.split(" ")[0]] == kinds[r.schedule]
+            if kind_of_row[o.schedule.split(",")[0]] == kinds[r.schedule]
             and o.makespan <= r.makespan + 1e-9
             and o.peak_activations <= r.peak_activations + 1e-9
         ]

@@ -167,6 +167,11 @@ def _against(row: SimRow, base: dict | None) -> SimRow:
     return replace(row, vs_1f1b=row.makespan / base["makespan"], bubble_removed=removed)
 
 
+def _holder(peers: list[str], figures: dict[str, dict], level: float) -> str:
+    """The first schedule (in table order) whose peak activations are ``level``."""
+    return next(n for n in peers if abs(figures[n]["peak_activations"] - level) < 1e-9)
+
+
 def _optimised_rows(
     profile: Profile,
     pp: int,
@@ -178,7 +183,8 @@ def _optimised_rows(
     """For each :data:`OPTIMISED` entry: the optimiser on its placement kind, first under
     the least peak activations among the cell's schedules of that kind (so it holds no
     more than any of them), then, only where a schedule of that kind holding more is
-    still faster, under that schedule's peak (a row named with the cap in 1F1B stages)."""
+    still faster, under that schedule's peak (a row named after the schedule whose memory
+    it is given)."""
     from ..schedules.optimize import optimize  # imports SciPy
 
     rows = []
@@ -221,7 +227,7 @@ def _optimised_rows(
                 profile.key,
                 pp,
                 microbatches,
-                name if not i else f"{name} ({level:g})",
+                name if not i else f"{name}, {_holder(peers, figures, level)}'s memory",
                 "optimised",
                 memory_cap=best.caps[0],
                 proven_bound=best.lower_bound,

@@ -71,8 +71,8 @@ schedules of that placement (never from torch's), {seconds:g} s at most per run:
 `dualpipev-opt` on the V, `zb1p-opt` on the loop (one and two stages per rank, the faster
 kept: see the stages column), `dualpipe-opt` on the mirror. Each runs under the least peak
 activations among the table's schedules of its placement, so it holds no more than any of
-them; where a schedule of that placement holding more is still faster, a second row, named
-with its cap in 1F1B stages, runs under that schedule's peak."""
+them; where a schedule of that placement holding more is still faster, a second row runs
+under that schedule's peak ("dualpipev-opt, dualpipev's memory")."""
 
 
 _GAPS_INTRO = """\

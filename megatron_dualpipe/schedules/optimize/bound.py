@@ -133,10 +133,14 @@ def heads(inst: Instance) -> tuple[list[float], list[float]]:
     return h_f, h_b
 
 
-def rank_groups(inst: Instance, rank: int) -> list[Group]:
-    """The jobs of ``rank``'s one-machine relaxation."""
-    h_f, h_b = heads(inst)
-    q_f, q_b = tails(inst)
+def rank_groups(
+    inst: Instance,
+    rank: int,
+    chains: tuple[tuple[list[float], list[float]], tuple[list[float], list[float]]] | None = None,
+) -> list[Group]:
+    """The jobs of ``rank``'s one-machine relaxation; ``chains`` is ``(heads(inst),
+    tails(inst))`` where the caller has them."""
+    (h_f, h_b), (q_f, q_b) = chains or (heads(inst), tails(inst))
     out = []
     for s in inst.stages_of[rank]:
         count = len(inst.mbs[s])
@@ -246,8 +250,9 @@ def _pair_lp(inst: Instance, rank: int, groups: list[Group]) -> float | None:
 def lower_bound(inst: Instance) -> Bound:
     """The largest of the ranks' relaxation bounds."""
     values, methods = [], []
+    chains = (heads(inst), tails(inst))
     for r in range(inst.num_ranks):
-        groups = rank_groups(inst, r)
+        groups = rank_groups(inst, r, chains)
         value, method = jackson(groups), "jackson"
         if inst.any_pair_pays(r):
             # Jackson with every action at its paired share is valid; the LP is tighter.
