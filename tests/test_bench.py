@@ -14,6 +14,7 @@ from megatron_dualpipe.bench.launch import BenchError, run_ranks
 from megatron_dualpipe.bench.simulated import LOWER_BOUND, simulate_cell, simulated_table
 from megatron_dualpipe.bench.sleep_model import SleepClock, SleepCosts, SleepLinear, SleepStage
 from megatron_dualpipe.cli import main
+from megatron_dualpipe.schedules.optimize import Effort
 
 # -- simulated ---------------------------------------------------------------------------
 
@@ -49,7 +50,9 @@ def test_quick_bench_writes_tables_figures_and_json(
 ) -> None:
     monkeypatch.setattr(suite, "SIM_PPS_QUICK", (4,))
     monkeypatch.setattr(suite, "SIM_MICROBATCH_MULTIPLES", (2, 4))
-    monkeypatch.setattr(simulated, "OPTIMISER_SECONDS", 0.3)
+    monkeypatch.setattr(
+        simulated, "OPTIMISER_EFFORT", Effort(builds=4, evaluations=20, milp_nodes=20)
+    )
     out, data = tmp_path / "out", tmp_path / "bench.json"
     argv = ["bench", "--quick", "--only", "simulated", "--out", str(out), "--json", str(data)]
     assert main(argv) == 0

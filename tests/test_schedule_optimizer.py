@@ -249,9 +249,11 @@ def test_a_tiny_time_limit_still_answers_and_falls_back_honestly() -> None:
 
 # -- the benchmark table: every schedule of the placement matched or beaten ---------------
 
-#: Cells of the grid where the optimiser (5 s) is not ahead of a peer: see docs/optimizer.md.
+#: Cells of the grid where the optimiser (the bench's effort) is not ahead of a peer: see
+#: docs/optimizer.md.
 NOT_AHEAD = {
     ("w-half", 16, 32): "torch's interleaved zero-bubble (91.25) against our loop's 93.25",
+    ("latency", 8, 32): "torch's ZBV (101.15) against our V's 101.25 under ZBV's memory",
     ("latency", 16, 64): "torch's ZBV (203.15) against our V's 203.25 under ZBV's memory",
 }
 
@@ -273,13 +275,15 @@ def _pairs_own_backward(schedule) -> bool:
 IMPOSSIBLE_OVERLAP = {"interleaved-1f1b-a2a"}
 
 
-def _peers_unbeaten(profile, pp: int, microbatches: int, time_limit: float) -> list[str]:
+def _peers_unbeaten(profile, pp: int, microbatches: int, effort=None) -> list[str]:
     """Schedules of the cell that no optimiser row of their placement matches at equal or
     lower peak activations."""
     from megatron_dualpipe.bench.catalog import SCHEDULES
     from megatron_dualpipe.bench.simulated import OPTIMISED, simulate_cell
 
-    rows = simulate_cell(profile, pp, microbatches, optimise=True, time_limit=time_limit)
+    rows = simulate_cell(
+        profile, pp, microbatches, optimise=True, **({"effort": effort} if effort else {})
+    )
     kind_of_row = {name: spec(hand).placement for name, hand in OPTIMISED}
     kinds = {}
     for entry in SCHEDULES:
@@ -320,7 +324,7 @@ def _profile(key: str):
 
 @pytest.mark.parametrize("key", ["equal", "moe-overlap", "latency"])
 def test_optimised_rows_match_or_beat_their_placement_sampled(key: str) -> None:
-    assert _peers_unbeaten(_profile(key), 4, 8, time_limit=2.0) == []
+    assert _peers_unbeaten(_profile(key), 4, 8) == []
 
 
 GRID = [
@@ -344,6 +348,4 @@ GRID = [
 def test_optimised_rows_match_or_beat_their_placement_whole_grid(
     key: str, pp: int, microbatches: int
 ) -> None:
-    from megatron_dualpipe.bench.simulated import OPTIMISER_SECONDS
-
-    assert _peers_unbeaten(_profile(key), pp, microbatches, OPTIMISER_SECONDS) == []
+    assert _peers_unbeaten(_profile(key), pp, microbatches) == []

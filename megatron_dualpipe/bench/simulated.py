@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from ..schedules import Schedule, ScheduleError, SimResult, simulate, validate
+from ..schedules.optimize import Effort  # the optimiser imports SciPy only when it runs
 from .catalog import PROFILES, SCHEDULES, Profile, ScheduleEntry
 from .tables import markdown_table
 
@@ -22,7 +23,9 @@ __all__ = [
     "LOWER_BOUND",
     "MEGATRON_OVERLAP",
     "OPTIMISED",
+    "OPTIMISER_EFFORT",
     "OPTIMISER_SECONDS",
+    "OPTIMISED_UP_TO",
     "SimRow",
     "optimiser_table",
     "peer_statements",
@@ -48,8 +51,13 @@ OPTIMISED: tuple[tuple[str, str], ...] = (
     ("zb1p-opt", "zb1p"),
     ("dualpipe-opt", "dualpipe"),
 )
-#: The optimiser's time limit per placement and memory cap in the grid (seconds).
-OPTIMISER_SECONDS = 5.0
+#: The optimiser's budget per placement and memory cap in the grid: a fixed amount of work,
+#: so that the table is the same on any machine under any load ...
+OPTIMISER_EFFORT = Effort()
+#: ... and a time limit (seconds) that only stops a search the machine cannot finish.
+OPTIMISER_SECONDS = 60.0
+#: The optimiser rows run up to this many micro-batches per rank (the 2PP and 4PP grid).
+OPTIMISED_UP_TO = 4
 
 
 @dataclass(frozen=True)
@@ -113,11 +121,12 @@ def simulate_cell(
     latency: float | None = None,
     optimise: bool = False,
     time_limit: float = OPTIMISER_SECONDS,
+    effort: Effort | None = OPTIMISER_EFFORT,
 ) -> list[SimRow]:
     """Build, validate and simulate each schedule at (``pp``, ``microbatches``) under
     ``profile`` (with ``latency`` per hop instead of the profile's, if given); rows in
-    ``schedules`` order, then with ``optimise`` the :data:`OPTIMISED` rows, then the
-    bound."""
+    ``schedules`` order, then with ``optimise`` the :data:`OPTIMISED` rows (each search
+    within ``effort`` and ``time_limit``), then the bound."""
     if latency is not None:
         profile = replace(profile, cost=replace(profile.cost, latency=latency))
     figures: dict[str, dict] = {}
@@ -139,7 +148,7 @@ def simulate_cell(
         for e in schedules
     ]
     if optimise:
-        rows += _optimised_rows(profile, pp, microbatches, built, figures, time_limit)
+        rows += _optimised_rows(profile, pp, microbatches, built, figures, time_limit, effort)
     if figures:
         bound = min(f["busiest"] for f in figures.values())
         rows.append(
@@ -179,6 +188,7 @@ def _optimised_rows(
     built: dict[str, Schedule],
     figures: dict[str, dict],
     time_limit: float,
+    effort: Effort | None,
 ) -> list[SimRow]:
     """For each :data:`OPTIMISED` entry: the optimiser on its placement kind, first under
     the least peak activations among the cell's schedules of that kind (so it holds no
@@ -220,6 +230,7 @@ def _optimised_rows(
                     profile.cost_for(placement),
                     memory_cap=cap,
                     time_limit=time_limit,
+                    effort=effort,
                 )
                 if best is None or result.makespan < best.makespan - 1e-12:
                     best = result
@@ -249,13 +260,16 @@ def simulate_group(
     progress: Callable[[str], None] | None = None,
     optimise: bool = False,
     time_limit: float = OPTIMISER_SECONDS,
+    effort: Effort | None = OPTIMISER_EFFORT,
 ) -> list[SimRow]:
-    """:func:`simulate_cell` for each micro-batch count; ``progress`` gets one line per
-    cell."""
+    """:func:`simulate_cell` for each micro-batch count (with ``optimise``, the optimiser
+    rows up to :data:`OPTIMISED_UP_TO` x ``pp`` micro-batches); ``progress`` gets one line
+    per cell."""
     rows: list[SimRow] = []
     for m in microbatch_counts:
         start = time.perf_counter()
-        cell = simulate_cell(profile, pp, m, schedules, latency, optimise, time_limit)
+        here = optimise and m <= OPTIMISED_UP_TO * pp
+        cell = simulate_cell(profile, pp, m, schedules, latency, here, time_limit, effort)
         rows += cell
         if progress:
             done = sum(

@@ -4,11 +4,12 @@ imported by :mod:`megatron_dualpipe.schedules`. See docs/optimizer.md."""
 
 from .bound import Bound, lower_bound
 from .instance import Instance
-from .optimizer import OptimizeResult, hand_schedules, optimize
+from .optimizer import Effort, OptimizeResult, hand_schedules, optimize
 from .report import bubble_removed, summary, summary_json
 
 __all__ = [
     "Bound",
+    "Effort",
     "Instance",
     "OptimizeResult",
     "bubble_removed",

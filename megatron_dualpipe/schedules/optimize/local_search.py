@@ -188,11 +188,13 @@ def improve(
     orders: Orders,
     deadline: float,
     *,
+    evaluations: int | None = None,
     seed: int = 0,
     on_better: Callable[[float], None] | None = None,
 ) -> tuple[Orders, Timing]:
-    """First-improvement descent from ``orders`` until no move helps or ``deadline``
-    (a ``time.perf_counter`` value) passes; returns the best orders and their timing.
+    """First-improvement descent from ``orders`` until no move helps, ``deadline`` (a
+    ``time.perf_counter`` value) passes or ``evaluations`` timings have been spent;
+    returns the best orders and their timing.
     Orders above the memory caps are first repaired (the result may still be above them
     if the deadline comes first or no repair move helps: callers check)."""
     rules = _Rules(inst)
@@ -202,8 +204,12 @@ def improve(
         raise ValueError("the starting orders deadlock")
     caps = inst.caps
     score = _objective(best, orders, caps)
-    improved = True
-    while improved and time.perf_counter() < deadline:
+    improved, spent = True, 0
+
+    def out_of_budget() -> bool:
+        return time.perf_counter() >= deadline or (evaluations is not None and spent >= evaluations)
+
+    while improved and not out_of_budget():
         improved = False
         if score[0]:
             moves = [(0, r, new) for r, new in _over_cap_moves(inst, orders, rules)]
@@ -212,10 +218,11 @@ def improve(
         rng.shuffle(moves)
         moves.sort(key=lambda move: move[0])
         for _, r, new in moves:
-            if time.perf_counter() >= deadline:
+            if out_of_budget():
                 break
             trial = orders[:r] + [new] + orders[r + 1 :]
             timing = time_orders(inst, trial)
+            spent += 1
             if timing is None:
                 continue
             trial_score = _objective(timing, trial, caps)

@@ -26,7 +26,7 @@ from .listsched import Policy, build
 from .local_search import improve, pair_adjacent
 from .timing import Timing, from_actions, time_orders, to_actions
 
-__all__ = ["PORTFOLIO", "OptimizeResult", "hand_schedules", "optimize"]
+__all__ = ["PORTFOLIO", "Effort", "OptimizeResult", "hand_schedules", "optimize"]
 
 #: Policies the list scheduler tries, most often best first (measured over the bench grid).
 PORTFOLIO: tuple[Policy, ...] = (
@@ -56,6 +56,18 @@ WINDOW_MIN_SECONDS = 2.0
 GAP_TOLERANCE = 1e-9
 #: Share of the search time the list scheduler may use; the rest is for improving.
 CONSTRUCT_SHARE = 0.6
+
+
+@dataclass(frozen=True)
+class Effort:
+    """A budget in work instead of seconds, so that a search ends the same on any machine
+    under any load (benchmarks and tests use it; the time limit still stops it):
+    ``builds`` list-scheduler orders, ``evaluations`` local-search timings (each pass of
+    the search), ``milp_nodes`` branch-and-bound nodes of the window MILP."""
+
+    builds: int = 24
+    evaluations: int = 150
+    milp_nodes: int = 400
 
 
 @dataclass
@@ -174,13 +186,15 @@ def optimize(
     warm_starts: Sequence[Schedule] = (),
     name: str | None = None,
     progress: Callable[[str], None] | None = None,
+    effort: Effort | None = None,
 ) -> OptimizeResult:
     """Optimise the per-rank order of ``placement``'s work under ``cost`` (per stage, as
     the simulator takes it) within ``memory_cap`` live activations per rank (one int for
     every rank, or one per rank; default: the peak of the best hand-made schedule of the
     placement), spending about ``time_limit`` seconds at most.
 
-    ``warm_starts`` adds schedules of the same placement to the hand-made ones. The
+    ``warm_starts`` adds schedules of the same placement to the hand-made ones;
+    ``effort`` bounds the search by work (reproducible) as well as by time. The
     result is validated and simulated; it is never slower than the best warm start that
     keeps the cap (that one is returned, with ``fell_back`` set, if nothing better is
     found). Raises :class:`ScheduleError` with one sentence for an unsupported placement,
@@ -194,7 +208,7 @@ def optimize(
             raise ScheduleError(
                 f"warm start {schedule.name} runs on {schedule.placement}, not {placement}"
             )
-    search = _Search(placement, cost, time_limit, progress)
+    search = _Search(placement, cost, time_limit, progress, effort)
     search.warm_start([*hand_schedules(placement), *(s.compute_only() for s in warm_starts)])
     search.set_caps(_caps(search.inst, memory_cap, search.baseline_peak))
     search.prove_bound()
@@ -212,8 +226,9 @@ class _Search:
         cost: CostModel,
         time_limit: float,
         progress: Callable[[str], None] | None,
+        effort: Effort | None,
     ):
-        self.placement, self.cost = placement, cost
+        self.placement, self.cost, self.effort = placement, cost, effort
         self.start = time.perf_counter()
         self.deadline = self.start + time_limit
         self.say = progress or (lambda _line: None)
@@ -287,7 +302,8 @@ class _Search:
         for i, policy in enumerate(policies):
             for label, vinst in variants:
                 now = time.perf_counter()
-                if self._closed() or (tried and now + slowest > stop):
+                budget_spent = self.effort is not None and tried >= self.effort.builds
+                if self._closed() or budget_spent or (tried and now + slowest > stop):
                     break
                 built = build(vinst, policy, priorities[label])
                 tried += 1
@@ -320,16 +336,24 @@ class _Search:
         """Local search; then, with time left, the window MILP and local search again."""
         if self._closed() or time.perf_counter() >= self.deadline:
             return
+        evaluations = None if self.effort is None else self.effort.evaluations
         before = self.timing.makespan
-        self.orders, self.timing = improve(self.inst, self.orders, self.deadline)
+        self.orders, self.timing = improve(
+            self.inst, self.orders, self.deadline, evaluations=evaluations
+        )
         self.note(f"local search: {before:.6g} -> {self.timing.makespan:.6g}")
         left = self.deadline - time.perf_counter()
-        if self._closed() or left < WINDOW_MIN_SECONDS:
+        if self._closed() or (left < WINDOW_MIN_SECONDS and self.effort is None):
             return
         from .window_milp import reorder_window
 
         new = reorder_window(
-            self.inst, self.orders, self.timing, limit=WINDOW_OPS, time_limit=left / 2
+            self.inst,
+            self.orders,
+            self.timing,
+            limit=WINDOW_OPS,
+            time_limit=left / 2,
+            node_limit=None if self.effort is None else self.effort.milp_nodes,
         )
         timing = None if new is None else time_orders(self.inst, new)
         if timing is None or not self._fits(timing.peaks):
@@ -337,7 +361,9 @@ class _Search:
             return
         self.note(f"window MILP: {self.timing.makespan:.6g} -> {timing.makespan:.6g}")
         if timing.makespan < self.timing.makespan - 1e-12:
-            self.orders, self.timing = improve(self.inst, new, self.deadline)
+            self.orders, self.timing = improve(
+                self.inst, new, self.deadline, evaluations=evaluations
+            )
 
     def result(self, name: str | None) -> OptimizeResult:
         """Validate and simulate the best orders; fall back to the best warm start that

@@ -53,10 +53,17 @@ def _fixed_before(inst: Instance, a: Op, b: Op) -> bool:
 
 
 def reorder_window(
-    inst: Instance, orders: list[list[Op]], timing: Timing, *, limit: int, time_limit: float
+    inst: Instance,
+    orders: list[list[Op]],
+    timing: Timing,
+    *,
+    limit: int,
+    time_limit: float,
+    node_limit: int | None = None,
 ) -> list[list[Op]] | None:
     """New orders with the last ``limit`` ops reordered optimally, or None if HiGHS found
-    no solution within ``time_limit`` seconds."""
+    no solution within ``time_limit`` seconds (or ``node_limit`` branch-and-bound nodes:
+    then the best solution found, deterministically)."""
     import numpy as np
     from scipy.optimize import Bounds, LinearConstraint, milp
 
@@ -208,7 +215,11 @@ def reorder_window(
         constraints=LinearConstraint(matrix, np.array(lo), np.array(hi)),
         integrality=integrality,
         bounds=Bounds(np.zeros(n), upper),
-        options={"time_limit": max(0.05, time_limit), "disp": False},
+        options={
+            "time_limit": max(0.05, time_limit),
+            "disp": False,
+            **({"node_limit": node_limit} if node_limit is not None else {}),
+        },
     )
     if res.x is None:
         return None
