@@ -45,13 +45,12 @@ class Policy:
       with the full backward (BW); a pair is only formed where it is shorter than apart,
       and is then the most urgent candidate;
     - ``eager_w``: run each W right after its B (else a W is the least urgent candidate,
-      or the most urgent with ``w_when_full`` while a forward waits for memory);
+      and the most urgent while a forward waits for memory);
     - ``deep_first``: among forwards, the later stage of the path first (else the one with
       the longer way to go); among backwards, always the longer way to go;
     - ``lead``: a forward whose micro-batch comes back to this rank may run at most this
       many micro-batches ahead of the rank's later stage, beyond the number that fills
       the round trip (None: no limit but memory);
-    - ``slack``: keep this many activation units below the cap free of forwards;
     - ``reserve``: a forward whose micro-batch comes back leaves one unit free for that
       return (deadlock-free); without it the build may deadlock and is then discarded;
     - ``alternate``: after a forward a backward is more urgent, after a backward a
@@ -66,9 +65,7 @@ class Policy:
     pair: int = 0
     eager_w: bool = False
     deep_first: bool = True
-    w_when_full: bool = True
     lead: int | None = None
-    slack: int = 0
     reserve: bool = True
     alternate: bool = False
     oldest_first: bool = False
@@ -203,9 +200,7 @@ class _Builder:
             later = self.revisit[s]
             if self.lead[s] is not None and self.nf[s] - self.nf[later] >= self.lead[s]:
                 return False
-        cap = inst.caps[r]
-        slack = max(0, min(self.policy.slack, cap - need))
-        return self.live[r] + need + slack <= cap
+        return self.live[r] + need <= inst.caps[r]
 
     # -- the choice -----------------------------------------------------------------
     def _decide(self, r: int, t: float) -> None:
@@ -246,7 +241,7 @@ class _Builder:
                     if inst.pair_pays(sf, sb, bw):
                         urgency = (4, self.prio_b[sb] + self.prio_f[sf])
                         cands.append((urgency, max(rf, rb), inst.pair[(sf, sb, bw)], "P", sf, sb))
-        w_class = 3 if blocked and pol.w_when_full else 0
+        w_class = 3 if blocked else 0
         for s in own:
             if self.pending_w[s]:
                 cands.append(((w_class, len(self.pending_w[s])), t, inst.w[s], "W", s, -1))
