@@ -201,3 +201,21 @@ def test_optimize_bad_input_is_one_sentence(
 ) -> None:
     assert main(["simulate", "--pp", "4", "--microbatches", "8", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_plain_simulate_does_not_import_scipy() -> None:
+    """Only --optimize needs SciPy (HiGHS); the schedule layer and plain simulate do not."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import megatron_dualpipe.schedules, megatron_dualpipe.schedules.optimize\n"
+        "from megatron_dualpipe.cli import main\n"
+        "assert main(['simulate', '--schedule', 'dualpipev', '--pp', '4']) == 0\n"
+        "print('scipy' in sys.modules, 'numpy' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip().splitlines()[-1] == "False False"
