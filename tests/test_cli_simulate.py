@@ -191,7 +191,9 @@ def test_optimize_prints_before_after_and_the_proof_and_saves_a_loadable_schedul
     ("argv", "message"),
     [
         (["--schedule", "all", "--optimize"], "--optimize takes one schedule"),
-        (["--schedule", "dualpipev", "--memory-cap", "8"], "--memory-cap applies to --optimize"),
+        (["--schedule", "dualpipev", "--memory-cap", "8"], "or, for --memory-cap, --optimize"),
+        (["--optimize", "--memory-cap", "8.5"], "--memory-cap is a whole number of activations"),
+        (["--optimize", "--config", "configs/tiny_gpt_cpu.yaml"], "--optimize does not apply"),
         (["--schedule", "dualpipev", "--optimize", "--memory-cap", "1"], "too small for the v"),
         (["--schedule", "dualpipev", "--optimize", "--time-limit", "0"], "--time-limit must be"),
     ],

@@ -162,10 +162,16 @@ def _variants(cost: CostModel) -> list[tuple[str, CostModel]]:
     if cost.latency:
         out.append(("no-latency", replace(cost, latency=0.0)))
         out.append(("double-latency", replace(cost, latency=2 * cost.latency)))
-    if cost.stage_scale is not None or cost.rank_scale is not None:
-        out.append(("even-stage", replace(cost, stage_scale=None, rank_scale=None)))
-    if len(out) == 4:
-        out.append(("nominal", replace(cost, latency=0.0, stage_scale=None, rank_scale=None)))
+    uneven = cost.stage_scale is not None or cost.rank_scale is not None
+    if uneven or cost.stage_costs is not None:
+        even = replace(cost, stage_scale=None, rank_scale=None, stage_costs=None)
+        if cost.stage_costs is not None:  # every stage at the mean of the given ones
+            n = len(cost.stage_costs)
+            f, b, w = (sum(c[i] for c in cost.stage_costs) / n for i in range(3))
+            even = replace(even, f=f, b=b, w=w)
+        out.append(("even-stage", even))
+        if cost.latency:
+            out.append(("nominal", replace(even, latency=0.0)))
     return out
 
 
