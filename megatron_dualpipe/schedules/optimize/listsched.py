@@ -3,14 +3,15 @@ time and, whenever a rank is free, choosing what it does next by a :class:`Polic
 
 Its timeline is exactly the simulator's (an action starts when its rank is free and its
 inputs have arrived), so its makespan is the schedule's simulated makespan. It keeps
-three rules that make the result valid and deadlock-free:
+three rules that make the result valid (and, where each channel carries one stage's
+messages and the reservation below is on, deadlock-free):
 
 - each stage runs its forwards, its backwards and its W in micro-batch order, and where
   one channel carries messages of two stages the receiver takes them in sending order;
 - a forward is admitted only while the rank's live activations stay within its cap, and a
   forward whose micro-batch will come back to this rank (the V's first half, a loop's
-  earlier chunk) leaves one more unit free, so the oldest micro-batch in flight can always
-  finish its forward and free memory through its backward;
+  earlier chunk) leaves one more unit free (``Policy.reserve``), so the oldest micro-batch
+  in flight can always finish its forward and free memory through its backward;
 - a W runs only after its B; a rank with nothing else to do and W pending runs a W.
 """
 

@@ -46,7 +46,8 @@ PORTFOLIO: tuple[Policy, ...] = (
 #: backward paired, none, dX only: the second matters where memory is tight).
 _PAIR_MODES = (2, 0, 1)
 #: The policy built, whatever the time, when nothing else gave a candidate: it keeps a
-#: unit free for each returning micro-batch, so it does not deadlock.
+#: unit free for each returning micro-batch (no deadlock where each channel carries one
+#: stage's messages).
 SAFE_POLICY = Policy(alternate=True, oldest_first=True)
 #: Ops in the window the MILP reorders at the end of the schedule.
 WINDOW_OPS = 40
