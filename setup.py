@@ -16,6 +16,8 @@ setup(
     install_requires=[
         "matplotlib>=3.7",
         "PyYAML>=6.0",
+        # HiGHS (scipy.optimize.milp / linprog) for the schedule optimiser, imported lazily.
+        "scipy>=1.11",
     ],
     extras_require={
         # Users bring their own (CUDA) torch; megatron-core needs torch >= 2.6.

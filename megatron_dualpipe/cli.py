@@ -27,7 +27,7 @@ from .schedules.ir import Schedule, ScheduleError
 from .schedules.registry import SCHEDULES, generate, spec
 from .schedules.report import comparison_table, rank_table
 from .schedules.simulate import SimResult, simulate
-from .schedules.validate import check
+from .schedules.validate import check, validate
 
 __all__ = ["main"]
 
@@ -84,9 +84,24 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         "--memory-cap",
         type=float,
         default=None,
-        metavar="GIB",
+        metavar="N",
         help="with --config: the most memory a rank may use, in GiB (parameters, gradients, "
-        "optimizer state and saved activations); default: the peak of the config's split",
+        "optimizer state and saved activations); default: the peak of the config's split. "
+        "With --optimize: live activations per rank, a whole number of stages x micro-batches "
+        "of the schedule's placement; default: the peak of the best hand-made schedule",
+    )
+    p.add_argument(
+        "--optimize",
+        action="store_true",
+        help="reorder the schedule's work for these costs: start from the best hand-made "
+        "schedule of its placement, search within the memory cap and the time limit, and "
+        "print before and after with a proven lower bound (see docs/optimizer.md)",
+    )
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=10.0,
+        help="with --optimize: seconds to search (default 10)",
     )
 
 
@@ -185,18 +200,24 @@ def _check_size(args: argparse.Namespace, mbs: int) -> None:
         )
 
 
+def _cost_for(schedule: Schedule, args: argparse.Namespace) -> CostModel:
+    """The cost model of ``--cost`` and ``--latency`` for ``schedule``'s stages."""
+    cost = CostModel.parse(args.cost, latency=args.latency)
+    if args.cost_per == "rank":
+        p = schedule.placement
+        cost = cost.per_stage(p.num_ranks, p.num_model_stages)
+    return cost
+
+
 def _simulate_one(schedule: Schedule, args: argparse.Namespace, bar: Progress) -> SimResult:
     if args.load or schedule.num_ranks * schedule.num_microbatches <= MAX_TIMELINE_SIZE:
         bar.phase(f"checking {schedule.name}", total=schedule.num_ranks)
         # The simulation below is the dry run.
         check(schedule, dry_run=False, progress=partial(setattr, bar, "done"))
-    cost = CostModel.parse(args.cost, latency=args.latency)
-    if args.cost_per == "rank":
-        p = schedule.placement
-        cost = cost.per_stage(p.num_ranks, p.num_model_stages)
     bar.phase(f"simulating {schedule.name}", total=sum(map(len, schedule.ranks)))
     timeline = any((args.grid, args.png, args.trace, args.json))
-    return simulate(schedule, cost, timeline=timeline, progress=partial(setattr, bar, "done"))
+    progress = partial(setattr, bar, "done")
+    return simulate(schedule, _cost_for(schedule, args), timeline=timeline, progress=progress)
 
 
 @contextlib.contextmanager
@@ -214,7 +235,9 @@ def _suffixed(path: Path, name: str, many: bool) -> Path:
     return path.with_name(f"{path.stem}_{name}{path.suffix}") if many else path
 
 
-def _write_outputs(results: list[SimResult], args: argparse.Namespace) -> None:
+def _write_outputs(
+    results: list[SimResult], args: argparse.Namespace, extra: dict | None = None
+) -> None:
     from .schedules.export import to_grid, to_png, write_chrome_trace
 
     many = len(results) > 1
@@ -230,6 +253,8 @@ def _write_outputs(results: list[SimResult], args: argparse.Namespace) -> None:
             print(f"wrote {_suffixed(args.trace, name, many)}")
     if args.json:
         payload = [r.to_json() for r in results]
+        if extra:
+            payload[0].update(extra)
         args.json.write_text(json.dumps(payload if many else payload[0]), encoding="utf-8")
         print(f"wrote {args.json}")
 
@@ -337,12 +362,71 @@ def _write_advice(advice, args: argparse.Namespace) -> None:
         print(f"wrote {args.json}")
 
 
+def _run_optimize(args: argparse.Namespace) -> None:
+    """``simulate --optimize``: optimise one schedule's placement and report it."""
+    from .schedules.optimize import optimize, summary, summary_json  # imports SciPy
+
+    cap = args.memory_cap
+    if cap is not None and (cap != int(cap) or cap < 1):
+        raise ScheduleError(
+            f"with --optimize, --memory-cap is a whole number of activations per rank, got {cap}"
+        )
+    if args.time_limit <= 0:
+        raise ScheduleError(f"--time-limit must be positive, got {args.time_limit}")
+    if args.load:
+        base = _load(args.load)
+        validate(base, dry_run=False)
+    elif args.schedule == "all":
+        raise ScheduleError("--optimize takes one schedule: name it with --schedule, not all")
+    else:
+        name = args.schedule or "dualpipev"
+        mbs = args.microbatches if args.microbatches is not None else 2 * args.pp + 2
+        options = {"chunks": args.chunks} if spec(name).chunks is None else {}
+        try:
+            base = generate(name, args.pp, mbs, **options)
+        except ScheduleError as err:
+            raise ScheduleError(f"{err}: change --microbatches or --pp") from None
+    p = base.placement
+    print(
+        f"optimising the {p.kind} placement of {base.name}: PP={p.num_ranks} "
+        f"micro-batches={p.num_microbatches} stages={p.num_stages}, time limit "
+        f"{args.time_limit:g} s"
+    )
+    result = optimize(
+        p,
+        _cost_for(base, args),
+        memory_cap=None if cap is None else int(cap),
+        time_limit=args.time_limit,
+        warm_starts=[base.compute_only()] if args.load else (),
+        progress=lambda line: print(f"  {line}", flush=True),
+    )
+    one_f_one_b = generate("1f1b", p.num_ranks, p.num_microbatches)
+    reference = simulate(one_f_one_b, _cost_for(one_f_one_b, args))
+    print(summary(result, reference))
+    print(rank_table(result.result))
+    _write_outputs([result.result], args, summary_json(result, reference))
+    if args.save:
+        args.save.write_text(result.schedule.to_text(), encoding="utf-8")
+        print(f"wrote {args.save}")
+
+
 def _run_simulate(args: argparse.Namespace) -> None:
     if args.config:
+        if args.optimize:
+            raise ScheduleError(
+                "--optimize does not apply with --config (the advisor chooses the layer split, "
+                "the optimiser reorders a schedule's work): drop one"
+            )
         _run_advisor(args)
         return
+    if args.optimize:
+        _run_optimize(args)
+        return
     if args.overrides or args.memory_cap is not None:
-        raise ScheduleError("--set and --memory-cap apply to the advisor: add --config CONFIG")
+        raise ScheduleError(
+            "--set and --memory-cap apply to the advisor: add --config CONFIG (or, for "
+            "--memory-cap, --optimize)"
+        )
     args.schedule = args.schedule or "dualpipev"
     with _no_cyclic_gc(), Progress() as bar:
         schedules, skipped = _schedules(args, bar)

@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_dualpipe.bench import suite
+from megatron_dualpipe.bench import simulated, suite
 from megatron_dualpipe.bench.catalog import PROFILES, SCHEDULES
 from megatron_dualpipe.bench.launch import BenchError, run_ranks
 from megatron_dualpipe.bench.simulated import LOWER_BOUND, simulate_cell, simulated_table
 from megatron_dualpipe.bench.sleep_model import SleepClock, SleepCosts, SleepLinear, SleepStage
 from megatron_dualpipe.cli import main
+from megatron_dualpipe.schedules.optimize import Effort
 
 # -- simulated ---------------------------------------------------------------------------
 
@@ -49,6 +50,9 @@ def test_quick_bench_writes_tables_figures_and_json(
 ) -> None:
     monkeypatch.setattr(suite, "SIM_PPS_QUICK", (4,))
     monkeypatch.setattr(suite, "SIM_MICROBATCH_MULTIPLES", (2, 4))
+    monkeypatch.setattr(
+        simulated, "OPTIMISER_EFFORT", Effort(builds=4, evaluations=20, milp_nodes=20)
+    )
     out, data = tmp_path / "out", tmp_path / "bench.json"
     argv = ["bench", "--quick", "--only", "simulated", "--out", str(out), "--json", str(data)]
     assert main(argv) == 0
@@ -56,8 +60,14 @@ def test_quick_bench_writes_tables_figures_and_json(
     assert "**F=B=W, PP=4**" in printed and "torch-dualpipev" in printed
     payload = json.loads(data.read_text())
     rows = payload["sections"]["simulated"]["rows"]
-    assert len(rows) == len(PROFILES) * 2 * (len(SCHEDULES) + 1)
+    plain = [r for r in rows if r["source"] != "optimised"]
+    assert len(plain) == len(PROFILES) * 2 * (len(SCHEDULES) + 1)
+    optimised = [r for r in rows if r["source"] == "optimised"]
+    names = {r["schedule"].split(",")[0] for r in optimised}
+    assert names == {name for name, _ in simulated.OPTIMISED}
+    assert all(0 <= r["gap"] < 1 and r["proven_bound"] <= r["makespan"] + 1e-9 for r in optimised)
     assert all(0 < r["vs_1f1b"] <= 1.5 for r in rows)
+    assert "bubble removed vs 1F1B" in printed and "proven gap" in printed
     for profile in PROFILES:
         assert (out / f"bench_sim_bubble_{profile.key}.png").stat().st_size > 0
     doc = (out / "BENCHMARKS.md").read_text()

@@ -152,3 +152,72 @@ def test_bad_configuration_is_one_sentence(capsys: pytest.CaptureFixture) -> Non
     )
     assert main(["simulate", "--cost", "F=1,Q=2"]) == 2
     assert "cannot read cost 'Q=2'" in capsys.readouterr().err
+
+
+# -- --optimize -------------------------------------------------------------------------
+
+
+def test_optimize_prints_before_after_and_the_proof_and_saves_a_loadable_schedule(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out, saved = tmp_path / "opt.json", tmp_path / "opt.txt"
+    argv = ["simulate", "--schedule", "dualpipev", "--pp", "4", "--microbatches", "8"]
+    argv += ["--optimize", "--memory-cap", "8", "--time-limit", "3"]
+    assert main([*argv, "--json", str(out), "--save", str(saved)]) == 0
+    printed = capsys.readouterr().out
+    for words in ("hand-made (dualpipev)", "optimised (dualpipev-opt)", "lower bound 25.5"):
+        assert words in printed
+    assert "proven gap 0.00%" in printed and "bubble removed vs 1F1B" in printed
+    data = json.loads(out.read_text())
+    # the simulate --json shape, plus the optimiser's figures
+    assert {"schedule", "pp", "microbatches", "makespan", "bubble_ratio", "ranks"} <= data.keys()
+    assert data["optimized"] is True
+    assert data["baseline_makespan"] == pytest.approx(27.0)  # hand-made DualPipeV, F=B=W
+    assert data["makespan"] == pytest.approx(25.5) == pytest.approx(data["lower_bound"])
+    assert data["solve_seconds"] > 0 and data["memory_cap"] == [8, 8, 8, 8]
+    assert max(r["peak_activations"] for r in data["ranks"]) <= 8
+    # 1F1B's bubble is 3 x 3 = 9 units at this size; the optimised step saves 7.5 of it
+    assert data["bubble_removed_vs_1f1b"] == pytest.approx((33.0 - 25.5) / 9.0)
+    assert (
+        main(
+            ["simulate", "--load", str(saved), "--cost-per", "stage", "--cost", "F=0.5,B=0.5,W=0.5"]
+        )
+        == 0
+    )
+    assert "makespan=25.50" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--schedule", "all", "--optimize"], "--optimize takes one schedule"),
+        (["--schedule", "dualpipev", "--memory-cap", "8"], "or, for --memory-cap, --optimize"),
+        (["--optimize", "--memory-cap", "8.5"], "--memory-cap is a whole number of activations"),
+        (["--optimize", "--config", "configs/tiny_gpt_cpu.yaml"], "--optimize does not apply"),
+        (["--schedule", "dualpipev", "--optimize", "--memory-cap", "1"], "too small for the v"),
+        (["--schedule", "dualpipev", "--optimize", "--time-limit", "0"], "--time-limit must be"),
+    ],
+)
+def test_optimize_bad_input_is_one_sentence(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture
+) -> None:
+    assert main(["simulate", "--pp", "4", "--microbatches", "8", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plain_simulate_does_not_import_scipy() -> None:
+    """Only --optimize needs SciPy (HiGHS); the schedule layer and plain simulate do not."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import megatron_dualpipe.schedules, megatron_dualpipe.schedules.optimize\n"
+        "from megatron_dualpipe.cli import main\n"
+        "assert main(['simulate', '--schedule', 'dualpipev', '--pp', '4']) == 0\n"
+        "print('scipy' in sys.modules, 'numpy' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip().splitlines()[-1] == "False False"

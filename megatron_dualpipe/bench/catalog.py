@@ -9,9 +9,9 @@ are compared at equal model size.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ..schedules import Action, CostModel, Kind, Schedule, generate
+from ..schedules import Action, CostModel, Kind, Placement, Schedule, generate
 from .torch_schedules import import_torch_schedule
 
 __all__ = [
@@ -19,7 +19,6 @@ __all__ = [
     "SCHEDULES",
     "Profile",
     "ScheduleEntry",
-    "per_stage_cost",
     "steady_state_pairs",
 ]
 
@@ -36,11 +35,25 @@ class ScheduleEntry:
 
 @dataclass(frozen=True)
 class Profile:
-    """A named cost model; ``key`` is a file-name-safe identifier."""
+    """A named cost model; ``key`` is a file-name-safe identifier. ``end_scale``
+    multiplies the first and the last model stage's costs (the embedding; the output
+    layer and the loss): under the V placement both are rank 0's, under a loop the first
+    and the last rank's, under the mirror each end rank holds one end of each copy."""
 
     key: str
     label: str
     cost: CostModel
+    end_scale: float = 1.0
+
+    def cost_for(self, placement: Placement) -> CostModel:
+        """This profile's costs for one of ``placement``'s stages (per rank share in the
+        profile, divided among the placement's model stages)."""
+        cost = self.cost.per_stage(placement.num_ranks, placement.num_model_stages)
+        if self.end_scale == 1.0:
+            return cost
+        n = placement.num_model_stages
+        scale = tuple(self.end_scale if s in (0, n - 1) else 1.0 for s in range(n))
+        return replace(cost, stage_scale=scale)
 
 
 def _ours(name: str, **options: int) -> ScheduleEntry:
@@ -97,10 +110,8 @@ PROFILES: tuple[Profile, ...] = (
     # An F&B pair of a forward and a full backward takes 0.7 x (F+B+W): MoE-style overlap
     # of one micro-batch's all-to-all with another's compute.
     Profile("moe-overlap", "F&B=0.7(F+B+W)", CostModel(f=1.0, b=1.0, w=1.0, overlap=0.7)),
+    # Embedding, output layer and loss make the stages at the ends 1.5x their share.
+    Profile("uneven", "ends 1.5x", CostModel(f=1.0, b=1.0, w=1.0), end_scale=1.5),
+    # Every point-to-point message takes 5% of a rank share's forward.
+    Profile("latency", "P2P latency 5% of F", CostModel(f=1.0, b=1.0, w=1.0, latency=0.05)),
 )
-
-
-def per_stage_cost(cost: CostModel, schedule: Schedule) -> CostModel:
-    """``cost`` (per rank share) as the cost of one of ``schedule``'s stages."""
-    p = schedule.placement
-    return cost.per_stage(p.num_ranks, p.num_model_stages)

@@ -2,8 +2,9 @@
 simulator, on a grid of pipeline sizes, micro-batch counts and cost profiles.
 
 Costs are per rank share (see :mod:`.catalog`), so all schedules run the same model. For
-each (profile, PP, micro-batches) cell the rows are one per schedule plus a lower bound.
-Imports only the schedule layer and ``bench.torch_schedules``.
+each (profile, PP, micro-batches) cell the rows are one per schedule, then, if asked, the
+optimiser's rows (:data:`OPTIMISED`), then a lower bound. Imports only the schedule layer
+(the optimiser, with SciPy, only when asked for) and ``bench.torch_schedules``.
 """
 
 from __future__ import annotations
@@ -12,19 +13,25 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from ..schedules import ScheduleError, SimResult, simulate, validate
-from .catalog import PROFILES, SCHEDULES, Profile, ScheduleEntry, per_stage_cost
+from ..schedules import Schedule, ScheduleError, SimResult, simulate, validate
+from ..schedules.optimize import Effort  # the optimiser imports SciPy only when it runs
+from .catalog import PROFILES, SCHEDULES, Profile, ScheduleEntry
 from .tables import markdown_table
 
 __all__ = [
     "BASELINE",
     "LOWER_BOUND",
     "MEGATRON_OVERLAP",
+    "OPTIMISED",
+    "OPTIMISER_EFFORT",
+    "OPTIMISER_SECONDS",
+    "OPTIMISED_UP_TO",
     "SimRow",
+    "optimiser_table",
+    "peer_statements",
     "profile_by_key",
     "simulate_cell",
     "simulate_group",
-    "peer_statements",
     "simulated_table",
 ]
 
@@ -36,6 +43,21 @@ LOWER_BOUND = "lower bound"
 MEGATRON_OVERLAP = "interleaved-1f1b-a2a"
 #: The schedules compared with it.
 BIDIRECTIONAL = ("dualpipe", "dualpipev")
+#: Optimiser rows: (row name, the hand-made schedule whose placement kind it optimises).
+#: Each runs on every placement of that kind in the cell (a loop: one and two stages per
+#: rank) and keeps the faster.
+OPTIMISED: tuple[tuple[str, str], ...] = (
+    ("dualpipev-opt", "dualpipev"),
+    ("zb1p-opt", "zb1p"),
+    ("dualpipe-opt", "dualpipe"),
+)
+#: The optimiser's budget per placement and memory cap in the grid: a fixed amount of work,
+#: so that the table is the same on any machine under any load ...
+OPTIMISER_EFFORT = Effort()
+#: ... and a time limit (seconds) that only stops a search the machine cannot finish.
+OPTIMISER_SECONDS = 60.0
+#: The optimiser rows run up to this many micro-batches per rank (the 2PP and 4PP grid).
+OPTIMISED_UP_TO = 4
 
 
 @dataclass(frozen=True)
@@ -47,9 +69,14 @@ class SimRow:
     - ``peak_activations``: the most live activations on any rank, in units of one 1F1B
       stage's activations of one micro-batch (stage count x ranks / model stages);
     - ``param_factor``: parameters per rank over an even 1/PP share;
-    - ``busiest``: the busiest rank's compute time (the makespan with no idle).
+    - ``busiest``: the busiest rank's compute time (the makespan with no idle);
+    - ``bubble_removed``: (1F1B's makespan - makespan) / 1F1B's bubble (its makespan
+      minus its busiest rank's compute), in the same cell.
 
-    The lower-bound row (``source`` "bound") has the least ``busiest`` of the cell's
+    Optimiser rows (``source`` "optimised") also have ``memory_cap`` (activations per
+    rank, in the placement's stages), the proven ``proven_bound`` on any schedule of
+    their placement, ``gap`` = (makespan - bound) / makespan and ``solve_seconds``. The
+    lower-bound row (``source`` "bound") has the least ``busiest`` of the cell's
     schedules as its makespan and no stages, activations or parameters. A schedule not
     legal in a cell has ``note`` set and no figures."""
 
@@ -65,6 +92,11 @@ class SimRow:
     peak_activations: float | None = None
     param_factor: float | None = None
     busiest: float | None = None
+    bubble_removed: float | None = None
+    memory_cap: int | None = None
+    proven_bound: float | None = None
+    gap: float | None = None
+    solve_seconds: float | None = None
     note: str = ""
 
 
@@ -86,13 +118,20 @@ def simulate_cell(
     pp: int,
     microbatches: int,
     schedules: Sequence[ScheduleEntry] = SCHEDULES,
-    latency: float = 0.0,
+    latency: float | None = None,
+    optimise: bool = False,
+    time_limit: float = OPTIMISER_SECONDS,
+    effort: Effort | None = OPTIMISER_EFFORT,
 ) -> list[SimRow]:
     """Build, validate and simulate each schedule at (``pp``, ``microbatches``) under
-    ``profile`` (plus ``latency`` per hop); rows in ``schedules`` order, then the bound."""
+    ``profile`` (with ``latency`` per hop instead of the profile's, if given); rows in
+    ``schedules`` order, then with ``optimise`` the :data:`OPTIMISED` rows (each search
+    within ``effort`` and ``time_limit``), then the bound."""
+    if latency is not None:
+        profile = replace(profile, cost=replace(profile.cost, latency=latency))
     figures: dict[str, dict] = {}
+    built: dict[str, Schedule] = {}
     notes: dict[str, str] = {}
-    cost = replace(profile.cost, latency=latency)
     for entry in schedules:
         try:
             schedule = entry.build(pp, microbatches)
@@ -100,26 +139,16 @@ def simulate_cell(
         except ScheduleError as err:
             notes[entry.name] = str(err)
             continue
-        figures[entry.name] = _figures(simulate(schedule, per_stage_cost(cost, schedule)))
-    base = figures.get(BASELINE, {}).get("makespan")
-
-    def ratio(makespan: float) -> float | None:
-        return makespan / base if base else None
-
+        built[entry.name] = schedule
+        figures[entry.name] = _figures(simulate(schedule, profile.cost_for(schedule.placement)))
     rows = [
         SimRow(profile.key, pp, microbatches, e.name, e.source, note=notes[e.name])
         if e.name in notes
-        else SimRow(
-            profile.key,
-            pp,
-            microbatches,
-            e.name,
-            e.source,
-            vs_1f1b=ratio(figures[e.name]["makespan"]),
-            **figures[e.name],
-        )
+        else SimRow(profile.key, pp, microbatches, e.name, e.source, **figures[e.name])
         for e in schedules
     ]
+    if optimise:
+        rows += _optimised_rows(profile, pp, microbatches, built, figures, time_limit, effort)
     if figures:
         bound = min(f["busiest"] for f in figures.values())
         rows.append(
@@ -131,10 +160,94 @@ def simulate_cell(
                 "bound",
                 makespan=bound,
                 bubble_ratio=0.0,
-                vs_1f1b=ratio(bound),
                 busiest=bound,
             )
         )
+    base = figures.get(BASELINE)
+    return [_against(row, base) for row in rows]
+
+
+def _against(row: SimRow, base: dict | None) -> SimRow:
+    """``row`` with its ratio to 1F1B and the share of 1F1B's bubble it removes."""
+    if base is None or row.makespan is None:
+        return row
+    bubble = base["makespan"] - base["busiest"]
+    removed = (base["makespan"] - row.makespan) / bubble if bubble > 0 else None
+    return replace(row, vs_1f1b=row.makespan / base["makespan"], bubble_removed=removed)
+
+
+def _holder(peers: list[str], figures: dict[str, dict], level: float) -> str:
+    """The first schedule (in table order) whose peak activations are ``level``."""
+    return next(n for n in peers if abs(figures[n]["peak_activations"] - level) < 1e-9)
+
+
+def _optimised_rows(
+    profile: Profile,
+    pp: int,
+    microbatches: int,
+    built: dict[str, Schedule],
+    figures: dict[str, dict],
+    time_limit: float,
+    effort: Effort | None,
+) -> list[SimRow]:
+    """For each :data:`OPTIMISED` entry: the optimiser on its placement kind, first under
+    the least peak activations among the cell's schedules of that kind (so it holds no
+    more than any of them), then, only where a schedule of that kind holding more is
+    still faster, under that schedule's peak (a row named after the schedule whose memory
+    it is given)."""
+    from ..schedules.optimize import optimize  # imports SciPy
+
+    rows = []
+    for name, hand in OPTIMISED:
+        if hand not in built:
+            rows.append(
+                SimRow(profile.key, pp, microbatches, name, "optimised", note=f"{hand} is n/a")
+            )
+            continue
+        kind = built[hand].placement.kind
+        peers = [n for n, s in built.items() if s.placement.kind == kind]
+        placements = list(dict.fromkeys(built[n].placement for n in peers))
+        levels = sorted({figures[n]["peak_activations"] for n in peers})
+        done: list[tuple[float, float]] = []
+        for i, level in enumerate(levels):
+            unbeaten = [
+                n
+                for n in peers
+                if figures[n]["peak_activations"] <= level + 1e-9
+                and not any(
+                    t <= figures[n]["makespan"] + 1e-9
+                    and peak <= figures[n]["peak_activations"] + 1e-9
+                    for t, peak in done
+                )
+            ]
+            if i and not unbeaten:
+                continue
+            best = None
+            for placement in placements:
+                cap = int(level * placement.num_model_stages / placement.num_ranks + 1e-9)
+                result = optimize(
+                    placement,
+                    profile.cost_for(placement),
+                    memory_cap=cap,
+                    time_limit=time_limit,
+                    effort=effort,
+                )
+                if best is None or result.makespan < best.makespan - 1e-12:
+                    best = result
+            row = SimRow(
+                profile.key,
+                pp,
+                microbatches,
+                name if not i else f"{name}, {_holder(peers, figures, level)}'s memory",
+                "optimised",
+                memory_cap=best.caps[0],
+                proven_bound=best.lower_bound,
+                gap=best.gap,
+                solve_seconds=best.solve_seconds,
+                **_figures(best.result),
+            )
+            rows.append(row)
+            done.append((row.makespan, row.peak_activations))
     return rows
 
 
@@ -143,21 +256,30 @@ def simulate_group(
     pp: int,
     microbatch_counts: Iterable[int],
     schedules: Sequence[ScheduleEntry] = SCHEDULES,
-    latency: float = 0.0,
+    latency: float | None = None,
     progress: Callable[[str], None] | None = None,
+    optimise: bool = False,
+    time_limit: float = OPTIMISER_SECONDS,
+    effort: Effort | None = OPTIMISER_EFFORT,
 ) -> list[SimRow]:
-    """:func:`simulate_cell` for each micro-batch count; ``progress`` gets one line per
-    cell."""
+    """:func:`simulate_cell` for each micro-batch count (with ``optimise``, the optimiser
+    rows up to :data:`OPTIMISED_UP_TO` x ``pp`` micro-batches); ``progress`` gets one line
+    per cell."""
     rows: list[SimRow] = []
     for m in microbatch_counts:
         start = time.perf_counter()
-        cell = simulate_cell(profile, pp, m, schedules, latency)
+        here = optimise and m <= OPTIMISED_UP_TO * pp
+        cell = simulate_cell(profile, pp, m, schedules, latency, here, time_limit, effort)
         rows += cell
         if progress:
-            done = sum(r.makespan is not None for r in cell if r.source != "bound")
+            done = sum(
+                r.makespan is not None for r in cell if r.source not in ("bound", "optimised")
+            )
+            opt = [r for r in cell if r.source == "optimised" and r.makespan is not None]
+            extra = f", {len(opt)} optimised" if opt else ""
             progress(
-                f"  simulated {profile.label:<15} PP={pp:<2} micro-batches={m:<3} "
-                f"{done} schedules in {time.perf_counter() - start:.2f} s"
+                f"  simulated {profile.label:<19} PP={pp:<2} micro-batches={m:<3} "
+                f"{done} schedules{extra} in {time.perf_counter() - start:.2f} s"
             )
     return rows
 
@@ -168,8 +290,8 @@ def _num(value: float | None, fmt: str, suffix: str = "") -> str:
 
 def simulated_table(rows: Sequence[SimRow], profile: Profile | None = None) -> str:
     """One markdown table for rows of one (profile, PP): a row per schedule; per
-    micro-batch count its makespan, bubble ratio and ratio to 1F1B; peak activations are
-    the largest over the micro-batch counts."""
+    micro-batch count its makespan, bubble ratio, ratio to 1F1B and share of 1F1B's bubble
+    removed; peak activations are the largest over the micro-batch counts."""
     if not rows:
         return ""
     label = profile.label if profile else rows[0].profile
@@ -178,7 +300,7 @@ def simulated_table(rows: Sequence[SimRow], profile: Profile | None = None) -> s
     by_key = {(r.schedule, r.microbatches): r for r in rows}
     header = ["schedule", "from", "stages", "params", "peak act."]
     for m in counts:
-        header += [f"T m={m}", "bubble", "vs 1F1B"]
+        header += [f"T m={m}", "bubble", "vs 1F1B", "bubble removed vs 1F1B"]
     body = []
     for name in names:
         cells = [by_key[(name, m)] for m in counts if (name, m) in by_key]
@@ -194,12 +316,14 @@ def simulated_table(rows: Sequence[SimRow], profile: Profile | None = None) -> s
         for m in counts:
             c = by_key.get((name, m))
             if c is None or c.makespan is None:
-                line += ["n/a", "-", "-"]
+                line += ["n/a", "-", "-", "-"]
             else:
+                removed = None if c.bubble_removed is None else 100 * c.bubble_removed
                 line += [
-                    _num(c.makespan, ".1f"),
+                    _num(c.makespan, ".2f"),
                     _num(100 * c.bubble_ratio, ".1f", "%"),
                     _num(c.vs_1f1b, ".3f"),
+                    _num(removed, ".0f", "%"),
                 ]
         body.append(line)
     title = f"**{label}, PP={rows[0].pp}** (T in units of one rank share's F)"
@@ -228,11 +352,33 @@ def peer_statements(rows: Sequence[SimRow]) -> list[str]:
             continue
         figures = ", ".join(f"{r:.3f} at m={m}" for m, r in ratios.items())
         behind = [m for m, r in ratios.items() if r >= 1.0]
-        verdict = (
-            f"not ahead at m={', '.join(map(str, behind))}" if behind else "ahead at every m"
-        )
+        verdict = f"not ahead at m={', '.join(map(str, behind))}" if behind else "ahead at every m"
         statements.append(f"{name} / Megatron's {MEGATRON_OVERLAP}: {figures} ({verdict})")
     return statements
+
+
+def optimiser_table(rows: Sequence[SimRow]) -> str:
+    """One markdown table of the optimiser rows: per (profile, row) and (PP, micro-batches)
+    its proven gap, and its solve time in brackets; ``*`` marks a gap within 1%."""
+    opt = [r for r in rows if r.source == "optimised" and r.gap is not None]
+    if not opt:
+        return ""
+    cells = sorted({(r.pp, r.microbatches) for r in opt})
+    header = ["profile", "row"] + [f"PP={pp} m={m}" for pp, m in cells]
+    keys = list(dict.fromkeys((r.profile, r.schedule) for r in opt))
+    by_key = {(r.profile, r.schedule, r.pp, r.microbatches): r for r in opt}
+    body = []
+    for profile, name in keys:
+        line = [profile, name]
+        for pp, m in cells:
+            r = by_key.get((profile, name, pp, m))
+            if r is None:
+                line.append("-")
+            else:
+                mark = "*" if r.gap <= 0.01 else ""
+                line.append(f"{100 * r.gap:.2f}%{mark} ({r.solve_seconds:.1f} s)")
+        body.append(line)
+    return markdown_table(header, body)
 
 
 def profile_by_key(key: str) -> Profile:

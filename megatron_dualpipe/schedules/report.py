@@ -6,10 +6,11 @@ from .advisor import Advice
 from .layout import format_layout
 from .simulate import SimResult
 
-__all__ = ["advice_report", "comparison_table", "rank_table"]
+__all__ = ["advice_report", "comparison_table", "rank_table", "text_table"]
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
+def text_table(header: list[str], rows: list[list[str]]) -> str:
+    """Right-aligned columns under a header and a rule."""
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
     lines.append("  ".join("-" * w for w in widths))
@@ -38,7 +39,7 @@ def rank_table(result: SimResult) -> str:
         f"stages={sched.placement.num_stages} makespan={result.makespan:.2f} "
         f"bubble={100 * result.bubble_ratio:.1f}% params/rank={result.param_factor:g}x"
     )
-    return summary + "\n" + _table(header, rows)
+    return summary + "\n" + text_table(header, rows)
 
 
 def _stage_size(result: SimResult) -> float:
@@ -77,7 +78,7 @@ def comparison_table(results: list[SimResult], skipped: dict[str, str]) -> str:
         "act. memory",
         "params/rank",
     ]
-    text = _table(header, rows)
+    text = text_table(header, rows)
     text += (
         "\npeak act.: in stages x micro-batches; act. memory: the same in units of one "
         "1F1B stage's activations of one micro-batch (a model cut into more stages has "
@@ -140,7 +141,7 @@ def advice_report(advice: Advice, model: str, source: str) -> str:
         for label, c in rows
     ]
     header = ["split", "step", "vs before", "bubble", "memory/rank", "layout (pipeline order)"]
-    lines += ["", _table(header, table)]
+    lines += ["", text_table(header, table)]
     if advice.first_last is None:
         lines.append("no split of Megatron's first/last counts fits here within the memory cap")
     lines.append(
