@@ -1,12 +1,13 @@
-"""Soak: 1,000 iterations of the tiny GPT under dualpipev on CPU hold steady.
+"""Soak: iterations of the tiny GPT under dualpipev on CPU hold steady.
 
 Every 50 iterations each rank samples its resident memory, the torch tensors alive in it,
 its pipeline executor's live activations and queued deferred dW entries (between steps
 both must be exactly 0) and the most activations the step held at once (the same every
 step, within DualPipeV's bound of 2 PP + 1 = 5). After a warm-up of 200 iterations,
 resident memory and live tensors must stay within 5% of their first post-warm-up sample.
-The figures are printed (``-s``) and summarised in docs/reliability.md. About twelve
-minutes on a busy 2-core machine.
+The suite runs 250 iterations (warm-up 50, about three minutes on 2 cores);
+``SOAK_ITERATIONS=1000`` runs the soak whose figures docs/reliability.md gives (warm-up
+200, about twelve minutes on a busy 2-core machine). The figures are printed (``-s``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from megatron_dualpipe.megatron.training import load_config, loop, train
 from megatron_dualpipe.runtime.executor import PipelineExecutor
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_gpt_cpu.yaml"
-ITERATIONS, EVERY, WARM_UP, TOLERANCE = 1000, 50, 200, 0.05
+ITERATIONS = int(os.environ.get("SOAK_ITERATIONS", "250"))
+EVERY, WARM_UP, TOLERANCE = 50, ITERATIONS // 5, 0.05
 #: DualPipeV's activation bound per rank at PP=2 (2 PP + 1 stage-micro-batches).
 BOUND = 5
 
@@ -45,7 +47,7 @@ def _sample(iteration: int) -> dict[str, int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_a_thousand_iterations_hold_memory_and_activations_steady(
+def test_many_iterations_hold_memory_and_activations_steady(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     real_step = loop._Run.train_step
