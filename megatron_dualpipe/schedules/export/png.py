@@ -139,7 +139,7 @@ def figure_width(span: float, shortest: float) -> float:
 
 def _headline(result: SimResult, title: str | None, unit: str | None) -> str:
     peak = max((r.peak_activations for r in result.ranks), default=0)
-    makespan = f"{result.makespan:.1f} {unit}" if unit else f"{result.makespan:.4g}"
+    makespan = f"{result.makespan:.4g}" + (f" {unit}" if unit else "")
     return (
         f"{title or result.schedule.name}\n"
         f"PP={len(result.ranks)}, micro-batches={result.schedule.num_microbatches}, "
