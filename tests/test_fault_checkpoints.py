@@ -21,7 +21,7 @@ from megatron_dualpipe.megatron.training import ConfigError, TrainError, load_co
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_gpt_cpu.yaml"
 SAVED = 3
-LR = re.compile(r"^ iteration +(\d+)/ +\d+ \|.* learning rate: (\S+) \|")
+LR = re.compile(r"^ \[[-\d :.]+\] iteration +(\d+)/ +\d+ \|.* learning rate: (\S+) \|")
 
 
 def _cfg(*overrides: str):

@@ -47,7 +47,7 @@ def test_every_config_validates_and_megatron_accepts_its_model(path: Path) -> No
     from megatron_dualpipe.megatron.training.model import transformer_config
 
     cfg = load_config(path)
-    assert cfg.output_dir == str(Path("runs") / path.stem)
+    assert cfg.output_dir == str(Path("runs") / f"{path.stem}-{cfg.pipeline_schedule}")
     config = transformer_config(cfg, on_gpu=False)
     assert config.num_layers == cfg.num_layers
     assert cfg.num_microbatches * cfg.micro_batch_size * cfg.data_parallel_size == (
@@ -212,3 +212,31 @@ def test_cli_prints_the_sentence_and_fails(tmp_path: Path) -> None:
     assert done.stderr.strip() == (
         f"megatron-dualpipe: error: {path}: num_layer: unknown key (did you mean 'num_layers'?)"
     )
+
+
+def test_the_output_folder_is_named_by_config_and_schedule(tmp_path: Path) -> None:
+    runs = Path("runs")
+    assert load_config(TINY).output_dir == str(runs / "tiny_gpt_cpu-dualpipev")
+    one = load_config(TINY, ["pipeline_schedule=1f1b"])
+    assert one.output_dir == str(runs / "tiny_gpt_cpu-1f1b")
+    mine = load_config(TINY, ["pipeline_schedule=1f1b", f"output_dir={tmp_path}"])
+    assert mine.output_dir == str(tmp_path)
+    assert load_config(TINY, ["output_dir=null"]).output_dir is None
+
+
+def test_moe_defaults_are_megatrons() -> None:
+    """Every MoE key defaults to Megatron-Core's TransformerConfig default (the default of
+    Megatron-LM's flag); ``moe_layer_freq`` unset means Megatron's 1."""
+    import dataclasses
+
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_dualpipe.megatron.training.config import TrainConfig
+
+    theirs = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
+    ours = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    moe = [name for name in ours if name.startswith("moe_") and name != "moe_layer_freq"]
+    assert len(moe) >= 10
+    assert {n: ours[n] for n in moe} == {n: theirs[n] for n in moe}
+    assert ours["moe_layer_freq"] is None and theirs["moe_layer_freq"] == 1
+    assert ours["moe_router_load_balancing_type"] == "aux_loss"

@@ -12,6 +12,7 @@ digits (see test_train_schedules.py for the fp32 tolerance).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,11 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         assert sorted(result.losses) == list(range(1, SAVED_AT + 1))
         assert result.saved == [SAVED_AT]
         assert any(f" exiting program at iteration {SAVED_AT:8d}" == ln for ln in result.lines)
+        saved_line = re.compile(
+            rf"^  \[\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{{6}}\] successfully saved checkpoint "
+            rf"from iteration {SAVED_AT:7d} to {re.escape(str(root))} \[ t 1/1, p 1/2 \]$"
+        )
+        assert sum(bool(saved_line.match(line)) for line in result.lines) == 1
         assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == str(SAVED_AT)
         roots[schedule] = root
     return roots
@@ -79,7 +85,8 @@ def test_resume_under_another_schedule(
         if not _same_to_7_digits(loss, uninterrupted[i])
     }
     assert not different, f"{saved_under} -> {resumed_under}: {different}"
-    assert any(line.startswith(" loaded checkpoint ") for line in result.lines)
+    loaded = f"  successfully loaded checkpoint from {saved[saved_under]} [ t 1/1, p 1/2 ] "
+    assert loaded + f"at iteration {SAVED_AT}" in result.lines
 
 
 def test_a_checkpoint_only_loads_into_the_same_model(saved: dict[str, Path]) -> None:

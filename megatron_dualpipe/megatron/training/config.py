@@ -46,7 +46,6 @@ class TrainConfig:
     """One training run. Fields without a default are required; the others default to
     Megatron-LM's defaults except: dropout 0 (Megatron-LM: 0.1; with dropout the masks
     depend on the order micro-batches run in, so losses would differ between schedules),
-    ``moe_router_load_balancing_type`` "none" (Megatron-LM: "aux_loss"),
     ``untie_embeddings_and_output_weights`` true (Megatron-LM: false, tied), no evaluation
     unless ``eval_interval`` is set, and ``world_size`` one model replica (TP x PP).
     The pipeline split keys read over the schedule's model stages in pipeline order
@@ -88,8 +87,8 @@ class TrainConfig:
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int | None = None
     moe_shared_expert_intermediate_size: int | None = None
-    moe_token_dispatcher_type: str = "alltoall"
-    moe_router_load_balancing_type: str = "none"
+    moe_token_dispatcher_type: str = "allgather"
+    moe_router_load_balancing_type: str = "aux_loss"
     moe_aux_loss_coeff: float = 0.0
     moe_router_dtype: str | None = None
     overlap_moe_expert_parallel_comm: bool = False
@@ -249,7 +248,8 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> TrainConfig:
     """Read, override and validate a YAML config; raises :class:`ConfigError`.
 
     ``overrides`` are ``key=value`` strings (the CLI's ``--set``); their values are
-    converted to the key's type. ``output_dir`` defaults to ``runs/<config file stem>``.
+    converted to the key's type. ``output_dir`` defaults to
+    ``runs/<config file stem>-<pipeline_schedule>``.
     """
     values = read_yaml_values(path)
     values.update(parse_overrides(overrides))
@@ -275,10 +275,12 @@ def read_yaml_values(path: str | Path) -> dict[str, Any]:
     return {str(k): _coerce(source, str(k), v) for k, v in raw.items()}
 
 
-def config_from_values(values: dict[str, Any], source: str, output_dir: str) -> TrainConfig:
+def config_from_values(values: dict[str, Any], source: str, output_stem: str) -> TrainConfig:
     """Validate ``values`` (known keys, typed as :func:`parse_overrides` types them) into a
-    config; ``output_dir`` is the default output folder. Raises :class:`ConfigError`."""
-    values = {"output_dir": output_dir, **values}
+    config; the default output folder is ``<output_stem>-<pipeline_schedule>``, so runs of
+    two schedules keep their own outputs. Raises :class:`ConfigError`."""
+    schedule = values.get("pipeline_schedule", _FIELDS["pipeline_schedule"].default)
+    values = {"output_dir": f"{output_stem}-{schedule}", **values}
     missing = [n for n, f in _FIELDS.items() if _required(f) and n not in values]
     if missing:
         raise ConfigError(f"{source}: {missing[0]}: required key missing")

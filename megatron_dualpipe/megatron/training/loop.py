@@ -4,8 +4,9 @@ Per iteration: zero DDP's gradient buffers, run the schedule's forward-backward 
 over ``global_batch_size / (micro_batch_size x DP)`` micro-batches of this data-parallel
 rank, step Megatron's optimizer (gradient clipping inside) and, when the step succeeded,
 the learning-rate scheduler. The loss of an iteration is the mean over every micro-batch
-of the global batch, reduced over all ranks in float64; the rank with the lowest global
-rank among those computing losses prints Megatron-LM's log line. Evaluation runs the same
+of the global batch, reduced over all ranks in float64. Global rank 0 prints every line
+(Megatron-LM's log lines, checkpoint messages, the summary), each batch of lines in one
+write, so the log has one order however the ranks are scheduled. Evaluation runs the same
 forward-backward function with ``forward_only=True`` on ``eval_iters`` fixed batches of the
 validation split. The last iteration is measured (:mod:`.measure`) and summarised.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,7 +31,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-from megatron.core.utils import unwrap_model
 
 from ..loss_reports import mtp_losses
 from ..placement import embedding_ranks
@@ -49,6 +50,7 @@ from .report import (
     StepSummary,
     iteration_line,
     summary_lines,
+    timestamp,
     validation_lines,
 )
 
@@ -121,7 +123,6 @@ class _Run:
         self.optimizer, self.scheduler = build_optimizer(cfg, self.model)
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.loss_scaling = finite.uses_loss_scaling(self.optimizer)
-        self.printer = self._loss_rank()
         self.bar: ProgressBar | None = None
         data = dict(
             seed=cfg.seed,
@@ -138,23 +139,38 @@ class _Run:
         self.state = TrainState()
 
     # -- output ------------------------------------------------------------------------
-    def _loss_rank(self) -> int:
-        """The lowest global rank holding a chunk that computes the loss; collective."""
-        has_loss = any(unwrap_model(chunk).post_process for chunk in self.model)
-        rank = torch.tensor(self.rank if has_loss else dist.get_world_size(), device=self.device)
-        dist.all_reduce(rank, op=dist.ReduceOp.MIN)
-        return int(rank)
-
-    def say(self, lines: list[str], *, rank: int | None = 0) -> None:
-        """Print ``lines`` on ``rank`` (None: the loss-printing rank, which also draws the
-        progress bar) and keep them in the result."""
-        if self.rank != (self.printer if rank is None else rank):
+    def say(self, lines: list[str]) -> None:
+        """On global rank 0 (which also draws the progress bar): print ``lines`` whole, in
+        one write, and keep them in the result; other ranks print nothing."""
+        if self.rank != 0:
             return
         if self.bar is not None:
             self.bar.clear()
-        for line in lines:
-            print(line, flush=True)
+        sys.stdout.write("".join(f"{line}\n" for line in lines))
+        sys.stdout.flush()
         self.result.lines.extend(lines)
+
+    def parameter_lines(self) -> list[str]:
+        """Megatron-LM's parameter count of each (tensor, pipeline) model-parallel rank of
+        the first data-parallel replica, in rank order; collective."""
+        count = sum(p.nelement() for chunk in self.model for p in chunk.parameters())
+        mine = None
+        if parallel_state.get_data_parallel_rank() == 0:
+            tp_rank = parallel_state.get_tensor_model_parallel_rank()
+            mine = (tp_rank, parallel_state.get_pipeline_model_parallel_rank(), count)
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        return [
+            f" > number of parameters on (tensor, pipeline) model parallel rank ({t}, {p}): {n}"
+            for t, p, n in sorted(item for item in every if item is not None)
+        ]
+
+    def _ranks_tag(self) -> str:
+        """Megatron-LM's ``[ t 1/TP, p 1/PP ]`` of rank 0 in checkpoint messages."""
+        return (
+            f"[ t 1/{self.cfg.tensor_model_parallel_size}, "
+            f"p 1/{self.cfg.pipeline_model_parallel_size} ]"
+        )
 
     # -- one step ----------------------------------------------------------------------
     def _data_iterator(self, data: SyntheticData, first_sample: int) -> Any:
@@ -263,30 +279,36 @@ class _Run:
             return
         loaded = load_checkpoint(self.cfg, self.model, self.optimizer, self.scheduler)
         if loaded is None:
-            self.say([f" no checkpoint under {self.cfg.load}: training from scratch"], rank=None)
+            self.say([f" no checkpoint under {self.cfg.load}: training from scratch"])
             return
-        self.state, directory = loaded
+        self.state, _ = loaded
         self.result.resumed_from = self.state.iteration
         self.say(
-            [f" loaded checkpoint {directory} at iteration {self.state.iteration:8d}"], rank=None
+            [
+                f"  successfully loaded checkpoint from {self.cfg.load} {self._ranks_tag()} "
+                f"at iteration {self.state.iteration}"
+            ]
         )
 
     def save(self) -> None:
         """Save a checkpoint of the current iteration under ``save``."""
-        directory = save_checkpoint(
-            self.cfg, self.model, self.optimizer, self.scheduler, self.state
-        )
+        save_checkpoint(self.cfg, self.model, self.optimizer, self.scheduler, self.state)
         self.result.saved.append(self.state.iteration)
         self.say(
-            [f" saved checkpoint at iteration {self.state.iteration:8d} to {directory}"],
-            rank=None,
+            [
+                f"  {timestamp()} successfully saved checkpoint from iteration "
+                f"{self.state.iteration:7d} to {self.cfg.save} {self._ranks_tag()}"
+            ]
         )
 
     def train(self) -> None:
         """Iterate up to ``train_iters`` (or the next ``exit_interval``), logging,
         evaluating and saving on their intervals; measure and summarise the last step."""
         last = self._last_iteration()
-        if self.rank == self.printer:
+        if self.state.iteration >= self.cfg.train_iters:
+            self.say([self._nothing_to_train()])
+            return
+        if self.rank == 0:
             self.bar = ProgressBar(self.cfg.train_iters)
         window = LogWindow()
         saved_at = self.state.iteration if self.result.resumed_from is not None else None
@@ -308,7 +330,7 @@ class _Run:
         if self.cfg.save and saved_at != self.state.iteration:
             self.save()
         if self.state.iteration < self.cfg.train_iters:
-            self.say([f" exiting program at iteration {self.state.iteration:8d}"], rank=None)
+            self.say([f" exiting program at iteration {self.state.iteration:8d}"])
         if recorder is not None:
             self.summarise(recorder)
         self.report_overlap()
@@ -326,15 +348,26 @@ class _Run:
                 loss_scale=float(self.optimizer.get_loss_scale()),
                 grad_norm=grad_norm,
             )
-            self.say([iteration_line(log)], rank=None)
+            self.say([iteration_line(log)])
         if cfg.eval_interval and iteration % cfg.eval_interval == 0:
             value = self.evaluate()
             self.result.validation[iteration] = value
-            self.say(validation_lines(iteration, value), rank=None)
+            self.say(validation_lines(iteration, value))
         if cfg.save and cfg.save_interval and iteration % cfg.save_interval == 0:
             self.save()
             return True
         return False
+
+    def _nothing_to_train(self) -> str:
+        """The line for a resumed checkpoint that already reached ``train_iters``."""
+        iteration = self.state.iteration
+        return (
+            f" the checkpoint's iteration {iteration} already reached train_iters "
+            f"({self.cfg.train_iters}): nothing to train; to train further raise train_iters "
+            "and choose the learning-rate schedule (e.g. --set "
+            f"train_iters={iteration + self.cfg.train_iters} --set "
+            "override_opt_param_scheduler=true)"
+        )
 
     def _last_iteration(self) -> int:
         """``train_iters``, or the first multiple of ``exit_interval`` after the start."""
@@ -416,6 +449,17 @@ def _check_writable(cfg: TrainConfig) -> None:
         )
 
 
+def _done_line(run: _Run, seconds: float) -> str:
+    """The last line: the iteration reached, the time taken and where the outputs are."""
+    outputs = []
+    if run.result.summary is not None and run.result.summary.png is not None:
+        outputs.append(f"timeline {run.result.summary.png}")
+    if run.result.saved:
+        outputs.append(f"checkpoints in {run.cfg.save}")
+    where = f"; outputs: {', '.join(outputs)}" if outputs else ""
+    return f" training done: iteration {run.state.iteration} after {seconds:.1f} s{where}"
+
+
 def run_rank(cfg: TrainConfig) -> TrainResult:
     """Train on this rank (the default process group must exist); collective."""
     ranks = embedding_ranks(cfg.pipeline_schedule)  # where our placements keep them
@@ -431,12 +475,12 @@ def run_rank(cfg: TrainConfig) -> TrainResult:
         _check_writable(cfg)
         _seed(cfg)
         run = _Run(cfg)
-        run.say([_header_line(cfg, dist.get_backend())])
+        run.say([_header_line(cfg, dist.get_backend()), *run.parameter_lines()])
         began = time.perf_counter()
         run.resume()
         run.train()
         seconds = time.perf_counter() - began
-        run.say([f" training done: iteration {run.state.iteration} after {seconds:.1f} s"])
+        run.say([_done_line(run, seconds)])
         return run.result
     finally:
         parallel_state.destroy_model_parallel()

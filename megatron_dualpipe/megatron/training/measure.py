@@ -30,7 +30,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from ...runtime import RankTimeline, gather_timeline
-from ...schedules.export import to_png
+from ...schedules.export import figure_width, to_png
 from ...schedules.ir import Action, Kind, Schedule
 from ...schedules.registry import generate
 from ...schedules.simulate import SimResult, simulate
@@ -177,22 +177,48 @@ class _RecordingTimer:
             self.inner.stop(barrier=barrier)
 
 
+#: The line under the timeline: why the measured bubble is not the simulated one.
+CAPTION = (
+    "Why the bubbles differ: the simulation gives every action its kind's mean measured "
+    "time and sends messages instantly; the measured step also waits between actions "
+    "(messages, Python) and its times vary."
+)
+
+
 def write_side_by_side_png(measured: SimResult, predicted: SimResult, path: Path) -> None:
-    """One PNG: the measured step on top, the simulator's prediction below."""
+    """One PNG: the measured step on top, the simulator's prediction below on the same
+    time scale (ms), and :data:`CAPTION` under them."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
     from matplotlib.image import imread, imsave
 
+    span = max(measured.makespan, predicted.makespan)
+    shortest = min(
+        (t.end - t.start for r in (*measured.ranks, *predicted.ranks) for t in r.actions),
+        default=span,
+    )
+    width = figure_width(span, max(shortest, span * 1e-3))
     parts = []
     for result, title in (
-        (measured, f"{measured.schedule.name}: measured step (ms)"),
+        (measured, f"{measured.schedule.name}: measured step"),
         (predicted, f"{predicted.schedule.name}: simulated with the measured mean durations"),
     ):
         part = path.with_name(f".{path.stem}.{len(parts)}.png")
-        to_png(result, str(part), title=title)
+        to_png(result, str(part), title=title, unit="ms", span=span, width=width)
         parts.append(imread(part))
         part.unlink()
-    width = max(p.shape[1] for p in parts)
+    caption = Figure(figsize=(width, 0.4), dpi=parts[0].shape[1] / width)
+    FigureCanvasAgg(caption)
+    size = min(11.0, 0.9 * width * 72 / (0.5 * len(CAPTION)))  # one line across the width
+    caption.text(0.5, 0.5, CAPTION, ha="center", va="center", fontsize=size)
+    part = path.with_name(f".{path.stem}.caption.png")
+    caption.savefig(part)
+    parts.append(imread(part))
+    part.unlink()
+    columns = max(p.shape[1] for p in parts)
     padded = [
-        np.pad(p, ((0, 0), (0, width - p.shape[1]), (0, 0)), constant_values=1.0) for p in parts
+        np.pad(p, ((0, 0), (0, columns - p.shape[1]), (0, 0)), constant_values=1.0)
+        for p in parts
     ]
     imsave(path, np.concatenate(padded, axis=0))
 

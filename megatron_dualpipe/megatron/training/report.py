@@ -7,6 +7,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TextIO
 
 from ...schedules.simulate import SimResult
@@ -18,6 +19,7 @@ __all__ = [
     "StepSummary",
     "iteration_line",
     "summary_lines",
+    "timestamp",
     "validation_lines",
 ]
 
@@ -90,10 +92,16 @@ class LogWindow:
         return log
 
 
+def timestamp() -> str:
+    """Megatron-LM's log stamp of the current local time: ``[2026-11-30 16:45:22.123456]``."""
+    return f"[{datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}]"
+
+
 def iteration_line(log: IterationLog) -> str:
-    """Megatron-LM's training log line; the loss with 7 significant digits."""
+    """Megatron-LM's training log line, after its time stamp; the loss with 7 significant
+    digits."""
     parts = [
-        f" iteration {log.iteration:8d}/{log.train_iters:8d} |",
+        f" {timestamp()} iteration {log.iteration:8d}/{log.train_iters:8d} |",
         f" consumed samples: {log.consumed_samples:12d} |",
         f" elapsed time per iteration (ms): {log.elapsed_ms:.1f} |",
         f" learning rate: {log.learning_rate:.6E} |",

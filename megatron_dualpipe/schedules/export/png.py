@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 from ..ir import Action, Kind
 from ..simulate import SimResult
 
-__all__ = ["to_png"]
+__all__ = ["figure_width", "to_png"]
 
 RGB = tuple[float, float, float]
 
@@ -35,7 +35,7 @@ LABELS = {
 EDGE = "#404040"
 DPI = 100
 #: Figure margins in inches: left (lane labels), right, top (title), bottom (axis, legend).
-LEFT, RIGHT, TOP, AXIS_BOTTOM, LEGEND_ROW = 1.0, 0.3, 0.8, 0.6, 0.3
+LEFT, RIGHT, TOP, AXIS_BOTTOM, LEGEND_ROW = 1.3, 0.5, 0.8, 0.6, 0.3
 LANE_IN = 0.5
 BOX = 0.8  # a box's share of its lane's height
 MIN_FONT, MAX_FONT = 5.0, 10.0
@@ -131,21 +131,40 @@ def _numbers(boxes: list[_Box], shortest_px: float, ax: Any) -> Any:
     )
 
 
-def _headline(result: SimResult, title: str | None) -> str:
+def figure_width(span: float, shortest: float) -> float:
+    """The figure width (inches) :func:`to_png` picks for a time axis of ``span`` whose
+    shortest action lasts ``shortest``: wide enough to tell actions apart, 8 to 24 in."""
+    return min(max(LEFT + RIGHT + 0.3 * span / shortest, 8.0), 24.0)
+
+
+def _headline(result: SimResult, title: str | None, unit: str | None) -> str:
     peak = max((r.peak_activations for r in result.ranks), default=0)
+    makespan = f"{result.makespan:.4g}" + (f" {unit}" if unit else "")
     return (
         f"{title or result.schedule.name}\n"
         f"PP={len(result.ranks)}, micro-batches={result.schedule.num_microbatches}, "
-        f"makespan={result.makespan:g}, bubble ratio={result.bubble_ratio:.1%}, "
+        f"makespan={makespan}, bubble ratio={result.bubble_ratio:.1%}, "
         f"peak activations={peak}"
     )
 
 
-def to_png(result: SimResult, path: str, title: str | None = None) -> None:
-    """Draw ``result`` as a PNG at ``path``: a lane per rank ("Device N", rank 0 on top), a
-    box per action coloured by kind and shaded by chunk, micro-batch numbers where they fit,
-    idle time white, a legend, and ``title`` (default: the schedule name) with the headline
-    figures. Uses matplotlib's Agg canvas directly; pyplot and global settings are untouched.
+def to_png(
+    result: SimResult,
+    path: str,
+    title: str | None = None,
+    *,
+    unit: str | None = None,
+    span: float | None = None,
+    width: float | None = None,
+) -> None:
+    """Draw ``result`` as a PNG at ``path``: a lane per rank ("pipeline rank N", rank 0 on
+    top), a box per action coloured by kind and shaded by chunk, micro-batch numbers where
+    they fit, idle time white, a legend, and ``title`` (default: the schedule name) with the
+    headline figures. The time axis is labelled with ``unit`` (default: the cost model's
+    units) and runs to ``span`` (default: the makespan) with a margin; ``width`` (inches)
+    fixes the figure's width, so that two pictures drawn with the same ``span`` and
+    ``width`` share one time scale. Uses matplotlib's Agg canvas directly; pyplot and global
+    settings are untouched.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.collections import PolyCollection
@@ -155,7 +174,7 @@ def to_png(result: SimResult, path: str, title: str | None = None) -> None:
     timed = [(lane, t) for lane, r in enumerate(result.ranks) for t in r.actions]
     num_ranks = len(result.ranks)
     num_chunks = 1 + max((h.chunk for _, t in timed for h in t.action.computes), default=0)
-    makespan = result.makespan or 1.0
+    makespan = span or result.makespan or 1.0
     shortest = min((t.end - t.start for _, t in timed if t.end > t.start), default=makespan)
     # DualPipe's two model copies run in opposite directions: there a chunk is a direction.
     part = "direction" if result.schedule.placement.kind == "mirror" else "chunk"
@@ -184,7 +203,8 @@ def to_png(result: SimResult, path: str, title: str | None = None) -> None:
         labels.append("Overlapped forward & backward")
         handler_map[split] = split
 
-    width = min(max(LEFT + RIGHT + 0.3 * makespan / shortest, 8.0), 24.0)
+    if width is None:
+        width = figure_width(makespan, shortest)
     columns = max(1, min(len(handles), int((width - LEFT) // 2.6)))
     bottom = AXIS_BOTTOM + LEGEND_ROW * math.ceil(len(handles) / columns) + 0.2
     height = TOP + bottom + LANE_IN * num_ranks
@@ -206,16 +226,17 @@ def to_png(result: SimResult, path: str, title: str | None = None) -> None:
     )
     ax.add_collection(_numbers(boxes, shortest * px_per_unit, ax))
 
-    ax.set_xlim(0, makespan)
+    ax.set_xlim(0, makespan * 1.01)
     ax.set_ylim(num_ranks, 0)
     ax.set_yticks(
-        [lane + 0.5 for lane in range(num_ranks)], [f"Device {lane}" for lane in range(num_ranks)]
+        [lane + 0.5 for lane in range(num_ranks)],
+        [f"pipeline rank {lane}" for lane in range(num_ranks)],
     )
     ax.tick_params(axis="y", length=0)
-    ax.set_xlabel("Time")
+    ax.set_xlabel(f"time ({unit or 'cost units'})")
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
-    fig.suptitle(_headline(result, title), y=1 - 0.1 / height, va="top", fontsize=12)
+    fig.suptitle(_headline(result, title, unit), y=1 - 0.1 / height, va="top", fontsize=12)
     fig.legend(
         handles,
         labels,
