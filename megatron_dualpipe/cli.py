@@ -283,7 +283,7 @@ class _StatusLine:
 def _run_advisor(args: argparse.Namespace) -> None:
     """``simulate --config``: the balance advisor (pure Python, as the rest of simulate)."""
     from .schedules.advisor import GIB, PipelineSetup, advise
-    from .schedules.config_values import read_values
+    from .schedules.config_values import override_origins, read_values
     from .schedules.model_cost import ModelShape
     from .schedules.report import advice_report
 
@@ -295,10 +295,10 @@ def _run_advisor(args: argparse.Namespace) -> None:
             f"{flag} does not apply with --config (the advisor takes one schedule and derives "
             "its costs from the model): drop it"
         )
-    source = str(args.config)
+    source, origins = override_origins(args.config, args.overrides)
     values = {**_train_defaults(), **read_values(args.config, args.overrides)}
-    shape = ModelShape.from_values(values, source)
-    setup = PipelineSetup.from_values(values, source)
+    shape = ModelShape.from_values(values, source, origins)
+    setup = PipelineSetup.from_values(values, source, origins)
     if args.memory_cap is not None and args.memory_cap <= 0:
         raise ScheduleError(f"--memory-cap must be a positive number of GiB, got {args.memory_cap}")
     status = _StatusLine()
