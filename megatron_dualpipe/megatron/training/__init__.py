@@ -3,6 +3,9 @@ Megatron adapter layer: the only layer that imports megatron.core).
 
 - :mod:`.config`: the YAML config, read and validated into a :class:`TrainConfig`
   (no torch or megatron import);
+- :mod:`.flags`: Megatron-LM's command-line flags for the config's keys, generated from its
+  field definitions (the pretrain script's parser); :mod:`.megatron_lm_flags`: the names
+  of Megatron-LM's flags, to refuse the others by name;
 - :mod:`.data`: deterministic synthetic token data by sample index;
 - :mod:`.model`: this rank's model chunks under the schedule's placement, in DDP;
 - :mod:`.optim`: Megatron's optimizer and learning-rate scheduler;
