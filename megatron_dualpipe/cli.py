@@ -19,13 +19,13 @@ from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
+from . import __version__
 from .bench import SECTIONS
 from .errors import DualPipeError
 from .progress import Progress
 from .schedules.cost import CostModel
 from .schedules.ir import Schedule, ScheduleError
 from .schedules.registry import SCHEDULES, generate, spec
-from .schedules.report import comparison_table, rank_table
 from .schedules.simulate import SimResult, simulate
 from .schedules.validate import check, validate
 
@@ -46,20 +46,33 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         "--schedule",
         default=None,
         choices=[*SCHEDULES, "all"],
-        help="default: dualpipev, or the config's pipeline_schedule with --config",
+        help="the schedule to simulate, or all side by side (default: dualpipev; with "
+        "--config, the config's pipeline_schedule)",
     )
-    p.add_argument("--pp", type=int, default=4, help="pipeline-parallel ranks")
-    p.add_argument("--microbatches", type=int, default=None, help="default: 2 x PP + 2")
-    p.add_argument("--chunks", type=int, default=2, help="stages per rank for interleaved-1f1b")
-    p.add_argument("--cost", default=_DEFAULT_COST, help="e.g. F=1,B=1,W=1,FB=1.6 (or overlap=0.8)")
+    p.add_argument("--pp", type=int, default=4, help="pipeline-parallel ranks (default: 4)")
+    p.add_argument(
+        "--microbatches", type=int, default=None, help="micro-batches (default: 2 x PP + 2)"
+    )
+    p.add_argument(
+        "--chunks", type=int, default=2, help="stages per rank for interleaved-1f1b (default: 2)"
+    )
+    p.add_argument(
+        "--cost",
+        default=_DEFAULT_COST,
+        help=f"F, B (dX) and W (dW) times, optionally FB=1.6 or overlap=0.8 for an overlapped "
+        f"forward + backward pair (default: {_DEFAULT_COST})",
+    )
     p.add_argument(
         "--cost-per",
         choices=["rank", "stage"],
         default="rank",
         help="costs are for one rank's share of the model (compare schedules at equal model "
-        "size; schedules with more, smaller stages scale them down) or for one stage as given",
+        "size; schedules with more, smaller stages scale them down) or for one stage as given "
+        "(default: rank)",
     )
-    p.add_argument("--latency", type=float, default=0.0, help="time of one P2P hop")
+    p.add_argument(
+        "--latency", type=float, default=0.0, help="time of one P2P hop (default: 0)"
+    )
     p.add_argument("--load", type=Path, help="simulate a schedule from a text or JSON file")
     p.add_argument("--grid", action="store_true", help="print a text timeline")
     p.add_argument("--png", type=Path, help="write a PNG timeline")
@@ -283,7 +296,7 @@ class _StatusLine:
 def _run_advisor(args: argparse.Namespace) -> None:
     """``simulate --config``: the balance advisor (pure Python, as the rest of simulate)."""
     from .schedules.advisor import GIB, PipelineSetup, advise
-    from .schedules.config_values import read_values
+    from .schedules.config_values import override_origins, read_values
     from .schedules.model_cost import ModelShape
     from .schedules.report import advice_report
 
@@ -295,10 +308,10 @@ def _run_advisor(args: argparse.Namespace) -> None:
             f"{flag} does not apply with --config (the advisor takes one schedule and derives "
             "its costs from the model): drop it"
         )
-    source = str(args.config)
+    source, origins = override_origins(args.config, args.overrides)
     values = {**_train_defaults(), **read_values(args.config, args.overrides)}
-    shape = ModelShape.from_values(values, source)
-    setup = PipelineSetup.from_values(values, source)
+    shape = ModelShape.from_values(values, source, origins)
+    setup = PipelineSetup.from_values(values, source, origins)
     if args.memory_cap is not None and args.memory_cap <= 0:
         raise ScheduleError(f"--memory-cap must be a positive number of GiB, got {args.memory_cap}")
     status = _StatusLine()
@@ -400,6 +413,8 @@ def _run_optimize(args: argparse.Namespace) -> None:
         warm_starts=[base.compute_only()] if args.load else (),
         progress=lambda line: print(f"  {line}", flush=True),
     )
+    from .schedules.report import rank_table
+
     one_f_one_b = generate("1f1b", p.num_ranks, p.num_microbatches)
     reference = simulate(one_f_one_b, _cost_for(one_f_one_b, args))
     print(summary(result, reference))
@@ -462,6 +477,8 @@ def _report(
     args: argparse.Namespace,
 ) -> None:
     """Print the table and write the files asked for."""
+    from .schedules.report import comparison_table, rank_table
+
     if len(results) == 1:
         print(rank_table(results[0]))
     else:
@@ -480,8 +497,13 @@ def _run_bench(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="megatron-dualpipe", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="megatron-dualpipe",
+        description="DualPipe and DualPipeV pipeline schedules for Megatron-Core: simulate a "
+        "schedule, train a GPT with one, benchmark them all. Each command's --help says more.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_simulate(sub)
     _add_train(sub)
     _add_bench(sub)
@@ -503,6 +525,16 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader of our output went away (| head)
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the interpreter's final flush
         return 1
+    except ModuleNotFoundError as err:
+        if (err.name or "").split(".")[0] not in ("torch", "megatron"):
+            raise
+        print(
+            f"megatron-dualpipe: error: {args.command} needs torch and megatron-core, and "
+            f"{err.name} is not installed: pip install 'megatron-dualpipe[megatron]' (or "
+            "install your own CUDA build of torch first)",
+            file=sys.stderr,
+        )
+        return 2
     except (DualPipeError, OSError) as err:
         print(f"megatron-dualpipe: error: {err}", file=sys.stderr)
         return 2

@@ -1,16 +1,17 @@
 #!/usr/bin/env python
-"""Pretrain a GPT (or GPT-MoE) on megatron-core with Megatron-LM-style flags.
+"""Pretrain a GPT (or GPT-MoE) on megatron-core with Megatron-LM's flags.
 
     python scripts/pretrain_gpt_dualpipe.py --pipeline-schedule dualpipev \\
         --pipeline-model-parallel-size 2 --num-layers 8 --hidden-size 64 \\
-        --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 \\
-        --global-batch-size 16 --train-iters 20 --lr 3e-3 --vocab-size 128
+        --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 \\
+        --micro-batch-size 2 --global-batch-size 16 --train-iters 20 --lr 3e-3 \\
+        --vocab-size 128
     python scripts/pretrain_gpt_dualpipe.py --yaml-cfg configs/tiny_gpt_cpu.yaml \\
         --pipeline-schedule 1f1b
 
-Flags override the ``--yaml-cfg`` file's keys (the same names in snake_case). Under
-torchrun or srun it uses their ranks; alone on a machine without a GPU it forks
-``--world-size`` CPU ranks (default: the parallel sizes' product).
+Every key of a megatron-dualpipe config is a flag, spelled as Megatron-LM spells it; flags
+override the --yaml-cfg file's keys. Under torchrun or srun it uses their ranks; alone on a
+machine without a GPU it forks --world-size CPU ranks (default: the parallel sizes' product).
 """
 
 from __future__ import annotations
@@ -23,67 +24,60 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_dualpipe.megatron.training import ConfigError, TrainError, train  # noqa: E402
 from megatron_dualpipe.megatron.training.config import (  # noqa: E402
+    TrainConfig,
     config_from_values,
-    parse_overrides,
     read_yaml_values,
 )
-from megatron_dualpipe.schedules.registry import SCHEDULES  # noqa: E402
+from megatron_dualpipe.megatron.training.flags import (  # noqa: E402
+    add_config_flags,
+    flag_values,
+    parse_flags,
+)
 
-#: Megatron-LM flags this script takes; each sets the config key of the same name.
-FLAGS = (
-    "tensor-model-parallel-size", "pipeline-model-parallel-size", "expert-model-parallel-size",
-    "num-layers", "hidden-size", "num-attention-heads", "seq-length", "vocab-size",
-    "micro-batch-size", "global-batch-size", "train-iters", "lr", "min-lr",
-    "lr-warmup-iters", "lr-decay-style", "weight-decay", "clip-grad", "num-experts",
-    "moe-router-topk", "save", "load", "save-interval", "eval-interval", "eval-iters",
-    "log-interval", "seed", "world-size", "output-dir", "decoder-first-pipeline-num-layers",
-    "decoder-last-pipeline-num-layers", "pipeline-model-parallel-layout", "mtp-num-layers",
-    "ckpt-step",
-)  # fmt: skip
+SCRIPT = "pretrain_gpt_dualpipe.py"
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
+    """The script's parser (Megatron-LM's conventions: no abbreviations) and its flags."""
+    parser = argparse.ArgumentParser(
+        prog=SCRIPT,
+        usage="%(prog)s [-h] [--yaml-cfg PATH] [--FLAG VALUE ...] [--SWITCH ...]",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument(
+        "--yaml-cfg",
+        type=Path,
+        metavar="PATH",
+        help="a megatron-dualpipe YAML config (keys in snake_case; e.g. configs/tiny_gpt_cpu.yaml)",
+    )
+    return parser, ["--help", "--yaml-cfg", *add_config_flags(parser)]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pipeline-schedule", choices=list(SCHEDULES))
-    parser.add_argument("--yaml-cfg", type=Path, help="a megatron-dualpipe YAML config")
-    parser.add_argument("--use-distributed-optimizer", action="store_true", default=None)
-    parser.add_argument("--overlap-grad-reduce", action="store_true", default=None)
-    parser.add_argument("--bf16", action="store_true", default=None)
-    parser.add_argument("--overlap-moe-expert-parallel-comm", action="store_true", default=None)
-    parser.add_argument(
-        "--check-for-nan-in-loss-and-grad",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="stop at the first NaN/Inf in the loss or gradients (default: on)",
-    )
-    parser.add_argument("--override-opt_param-scheduler", action="store_true", default=None,
-                        dest="override_opt_param_scheduler")  # fmt: skip
-    parser.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true", default=None,
-                        dest="use_checkpoint_opt_param_scheduler")  # fmt: skip
-    for flag in FLAGS:
-        parser.add_argument(f"--{flag}", metavar="VALUE")
-    return parser.parse_args(argv)
+    parser, known = build_parser()
+    return parse_flags(parser, known, argv)
 
 
-def config_from_args(args: argparse.Namespace):
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The validated TrainConfig of ``args`` (flags over the YAML file's keys)."""
     values = {} if args.yaml_cfg is None else read_yaml_values(args.yaml_cfg)
-    for key, value in vars(args).items():
-        if value is not None and key != "yaml_cfg":
-            flag = "--" + key.replace("_", "-")
-            values.update(parse_overrides([f"{key}={value}"], source=flag))
-    source = str(args.yaml_cfg) if args.yaml_cfg else "pretrain_gpt_dualpipe.py"
-    return config_from_values(values, source, "runs/pretrain_gpt_dualpipe")
+    flagged, origins = flag_values(args)
+    values.update(flagged)
+    source = str(args.yaml_cfg) if args.yaml_cfg else SCRIPT
+    return config_from_values(values, source, "runs/pretrain_gpt_dualpipe", origins)
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        train(config_from_args(parse_args(argv)), source="pretrain_gpt_dualpipe.py")
+        train(config_from_args(parse_args(argv)), source=SCRIPT)
     except KeyboardInterrupt:
-        print("pretrain_gpt_dualpipe.py: interrupted", file=sys.stderr)
+        print(f"{SCRIPT}: interrupted", file=sys.stderr)
         return 130
     except (ConfigError, TrainError) as err:
-        print(f"pretrain_gpt_dualpipe.py: error: {err}", file=sys.stderr)
+        print(f"{SCRIPT}: error: {err}", file=sys.stderr)
         return 2
     return 0
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 import json
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -149,3 +151,29 @@ def test_measured_section_writes_tables_figures_and_json(
     section = json.loads(data.read_text())["sections"]["measured"]
     assert [r["schedule"] for r in section["results"]] == list(MEASURED_SCHEDULES)
     assert "dualpipev / megatron-1f1b" in section["headline"]
+
+
+@pytest.mark.megatron
+@pytest.mark.multiproc
+def test_the_measured_section_prints_no_warnings() -> None:
+    """The smallest equivalent of ``bench --quick``'s measured section (the one that runs
+    megatron-core), in a fresh interpreter where pytest's warning filters do not apply:
+    megatron-core's TE/apex-missing and deprecation warnings are hidden as in ``train``."""
+    code = (
+        "from megatron_dualpipe.bench.measured import MeasuredConfig, measure\n"
+        "measure(MeasuredConfig(pp=2, microbatches=4, share_ms=2.0, launches=1, steps=1,"
+        " warmup=1, schedules=('megatron-1f1b', 'megatron-interleaved', 'dualpipev'),"
+        " timeline=None, timeout_s=120.0, pg_timeout_s=30.0))\n"
+        "print('measured')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=Path(__file__).resolve().parents[1],
+        stdin=subprocess.DEVNULL,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0 and "measured" in done.stdout, output[-2000:]
+    assert "Warning" not in output, output

@@ -157,9 +157,11 @@ def test_a_split_that_does_not_load_is_named_and_replaced(tmp_path: Path) -> Non
     ("args", "message"),
     [
         (["--config", "missing.yaml"], "missing.yaml: cannot read the config"),
+        (["--config", str(TINY), "--set", "hidden_size=abc"], "error: --set hidden_size=abc: "),
         (["--config", str(TINY), "--set", "hidden_size=abc"], "hidden_size: expected an integer"),
+        (["--config", str(TINY), "--microbatches", "3"], "got 3: change --microbatches"),
         (["--config", str(TINY), "--set", "moe_layer_freq=[0]*2"], "must list num_layers = 6"),
-        (["--config", str(TINY), "--set", "world_size=3"], "world_size: 3 ranks do not split"),
+        (["--config", str(TINY), "--set", "world_size=3"], "--set world_size=3: world_size: 3"),
         (["--config", str(TINY), "--grid"], "--grid does not apply with --config"),
         (["--config", str(TINY), "--schedule", "all"], "--schedule all does not apply"),
         (["--config", str(TINY), "--schedule", "interleaved-1f1b"], "interleaved-1f1b reads"),

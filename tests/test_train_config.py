@@ -176,9 +176,15 @@ def test_override_mistakes_name_set() -> None:
         "--set: train_iters: expected an integer, got 'ten'"
     )
     assert _error(TINY, ("schedule=1f1b",)).startswith("--set: schedule: unknown key")
+    # A key the file set, made wrong by an override: the file with the override.
     assert _error(TINY, ("pipeline_model_parallel_size=3",)) == (
-        f"{TINY}: world_size: 2 ranks do not split into tensor x pipeline groups of 1 x 3: "
-        "use a multiple of 3"
+        f"{TINY} with --set pipeline_model_parallel_size=3: world_size: 2 ranks do not split "
+        "into tensor x pipeline groups of 1 x 3: use a multiple of 3"
+    )
+    # An overridden key's value: the --set alone.
+    assert _error(TINY, ("global_batch_size=5",)) == (
+        "--set global_batch_size=5: global_batch_size: 5 is not divisible by micro_batch_size "
+        "x data-parallel size = 2 x 1"
     )
 
 

@@ -419,7 +419,11 @@ def _measured_rank(
 
 # -- the parent ----------------------------------------------------------------------------
 def _prepare_parent(config: MeasuredConfig) -> None:
-    """Import (and patch) what the workers need before forking, so they start warm."""
+    """Import (and patch) what the workers need before forking, so they start warm; hide
+    megatron-core's known warnings (as ``train`` does) in the parent and the ranks."""
+    from ..megatron.known_warnings import silence_known_warnings
+
+    silence_known_warnings()
     import torch
     import torch.distributed.pipelining  # noqa: F401
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
 import yaml
@@ -111,9 +111,11 @@ class PipelineSetup:
             )
 
     @staticmethod
-    def from_values(values: dict, source: str) -> PipelineSetup:
+    def from_values(
+        values: dict, source: str, origins: Mapping[str, str] | None = None
+    ) -> PipelineSetup:
         """Read the settings from a config's values; :class:`ConfigValueError` naming the key."""
-        return read_fields(PipelineSetup, values, source)
+        return read_fields(PipelineSetup, values, source, origins)
 
     @property
     def world(self) -> int:
@@ -275,8 +277,14 @@ def advise(
     pp = setup.pipeline_model_parallel_size
     m = microbatches if microbatches is not None else setup.num_microbatches
     problem = found.problem(pp, m)
+    if problem is not None and microbatches is not None:
+        raise ScheduleError(f"{problem}: change --microbatches")
     if problem is not None:
-        raise ScheduleError(f"{problem}: change the batch sizes or the pipeline size")
+        raise ScheduleError(
+            f"{problem}: change global_batch_size, micro_batch_size or "
+            f"pipeline_model_parallel_size (micro-batches = global_batch_size / "
+            f"(micro_batch_size x data-parallel size)), or give --microbatches"
+        )
     search = _Search(shape, setup, found, found.generate(pp, m))
     notes: list[str] = []
     try:

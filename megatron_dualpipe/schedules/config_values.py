@@ -15,7 +15,13 @@ import yaml
 
 from .ir import ScheduleError
 
-__all__ = ["ConfigValueError", "check_positive", "read_fields", "read_values"]
+__all__ = [
+    "ConfigValueError",
+    "check_positive",
+    "override_origins",
+    "read_fields",
+    "read_values",
+]
 
 T = TypeVar("T")
 _NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
@@ -46,6 +52,17 @@ def read_values(path: str | Path, overrides: Iterable[str] = ()) -> dict[str, An
     return values
 
 
+def override_origins(path: str | Path, overrides: Iterable[str]) -> tuple[str, dict[str, str]]:
+    """Whom an error blames: ``(source, origins)``, where ``origins`` maps each overridden
+    key to its ``--set key=value`` (a problem with that key is the option's) and ``source``
+    names the file, with the overrides when there are any (a problem with another key
+    may come from their combination)."""
+    origins = {item.partition("=")[0].strip(): f"--set {item}" for item in overrides}
+    if not origins:
+        return str(path), origins
+    return f"{path} with {' '.join(origins.values())}", origins
+
+
 def _scalar(text: str) -> Any:
     try:
         value = yaml.safe_load(text)
@@ -54,12 +71,20 @@ def _scalar(text: str) -> Any:
     return value if isinstance(value, int | float | bool | str) or value is None else text
 
 
-def read_fields(cls: type[T], values: Mapping[str, Any], source: str, **extra: Any) -> T:
+def read_fields(
+    cls: type[T],
+    values: Mapping[str, Any],
+    source: str,
+    origins: Mapping[str, str] | None = None,
+    **extra: Any,
+) -> T:
     """``cls`` (a dataclass) from the keys of ``values`` it names, checked against the
     field types (``int``, ``float``, ``bool``, ``str``, optional ones, and ``object`` for
     free-form values) and against ``cls.__post_init__``; ``extra`` fields are passed as
     given, and null stands for the default of a field that cannot be null. Raises
-    :class:`ConfigValueError` naming ``source`` and the key."""
+    :class:`ConfigValueError` naming the key and ``source``, or the key's entry in
+    ``origins`` (:func:`override_origins`)."""
+    origins = origins or {}
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = dict(extra)
     for field in dataclasses.fields(cls):
@@ -70,13 +95,14 @@ def read_fields(cls: type[T], values: Mapping[str, Any], source: str, **extra: A
             if field.name not in extra and _required(field):
                 raise ConfigValueError(f"{source}: {field.name}: required key missing")
             continue
-        kwargs[field.name] = _typed(source, field.name, values[field.name], hints[field.name])
+        where = origins.get(field.name, source)
+        kwargs[field.name] = _typed(where, field.name, values[field.name], hints[field.name])
     try:
         return cls(**kwargs)
     except ConfigValueError:
         raise
-    except ScheduleError as err:
-        raise ConfigValueError(f"{source}: {err}") from None
+    except ScheduleError as err:  # "key: what is wrong"
+        raise ConfigValueError(f"{origins.get(str(err).split(':')[0], source)}: {err}") from None
 
 
 def _required(field: dataclasses.Field) -> bool:

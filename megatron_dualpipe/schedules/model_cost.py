@@ -14,6 +14,7 @@ the output and the softmax statistics, no score matrix), in ``bf16`` or fp32.
 from __future__ import annotations
 
 import ast
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .config_values import check_positive, read_fields
@@ -136,9 +137,11 @@ class ModelShape:
         object.__setattr__(self, "_moe", _moe_pattern(self))
 
     @staticmethod
-    def from_values(values: dict, source: str) -> ModelShape:
+    def from_values(
+        values: dict, source: str, origins: Mapping[str, str] | None = None
+    ) -> ModelShape:
         """Read the shape from a config's values; :class:`ConfigValueError` naming the key."""
-        return read_fields(ModelShape, values, source)
+        return read_fields(ModelShape, values, source, origins)
 
     def summary(self) -> str:
         """One line: the layers, attention, experts, MTP, vocabulary and sequence."""

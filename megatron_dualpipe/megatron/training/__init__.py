@@ -3,6 +3,9 @@ Megatron adapter layer: the only layer that imports megatron.core).
 
 - :mod:`.config`: the YAML config, read and validated into a :class:`TrainConfig`
   (no torch or megatron import);
+- :mod:`.flags`: Megatron-LM's command-line flags for the config's keys, generated from its
+  field definitions (the pretrain script's parser); :mod:`.megatron_lm_flags`: the names
+  of Megatron-LM's flags, to refuse the others by name;
 - :mod:`.data`: deterministic synthetic token data by sample index;
 - :mod:`.model`: this rank's model chunks under the schedule's placement, in DDP;
 - :mod:`.optim`: Megatron's optimizer and learning-rate scheduler;
@@ -18,9 +21,9 @@ Importing this package imports neither torch nor megatron; :func:`train` does.
 
 from __future__ import annotations
 
-import warnings
 from typing import TYPE_CHECKING
 
+from ..known_warnings import silence_known_warnings
 from .config import ConfigError, TrainConfig, load_config
 from .errors import TrainError
 
@@ -30,21 +33,10 @@ if TYPE_CHECKING:
 __all__ = ["ConfigError", "TrainConfig", "TrainError", "load_config", "train"]
 
 
-#: Warnings of megatron-core 0.16.1 and torch 2.13 that say nothing about the run:
-#: optional fused kernels absent, deprecations inside their own code.
-_KNOWN_WARNINGS = (
-    (UserWarning, r"(Transformer Engine and )?Apex (is|are) not installed"),
-    (UserWarning, r"full scope is deprecated"),
-    (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated"),
-    (FutureWarning, r"Please use DTensor instead"),
-    (FutureWarning, r"`load_state_dict` is deprecated"),
-)
-
-
 def train(cfg: TrainConfig, *, source: str = "config") -> TrainResult:
-    """Run ``cfg`` (see :func:`.launch.train`); silences :data:`_KNOWN_WARNINGS`."""
-    for category, message in _KNOWN_WARNINGS:
-        warnings.filterwarnings("ignore", message=message, category=category)
+    """Run ``cfg`` (see :func:`.launch.train`), hiding megatron-core's known warnings
+    (:func:`~..known_warnings.silence_known_warnings`)."""
+    silence_known_warnings()
     from .launch import train as _train
 
     return _train(cfg, source=source)

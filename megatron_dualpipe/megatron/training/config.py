@@ -16,7 +16,7 @@ import math
 import re
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,13 +24,16 @@ from typing import Any
 import yaml
 
 from ...errors import DualPipeError
+from ...schedules.config_values import override_origins
 from ...schedules.registry import SCHEDULES
 from ..checks import DualPipeConfigError, overlap_problem, schedule_spec, stage_layers
 
 __all__ = [
     "ConfigError",
+    "ConfigKey",
     "TrainConfig",
     "config_from_values",
+    "config_keys",
     "load_config",
     "parse_overrides",
     "read_yaml_values",
@@ -39,6 +42,20 @@ __all__ = [
 
 class ConfigError(DualPipeError, ValueError):
     """A configuration that cannot run; the message names the source, the key and the fix."""
+
+
+def _key(
+    default: Any = dataclasses.MISSING,
+    *,
+    doc: str,
+    flags: tuple[str, ...] = (),
+    megatron_lm: bool = True,
+) -> Any:
+    """A config field with its one-line documentation and its command-line spellings:
+    ``flags`` where Megatron-LM spells the key otherwise (the first is shown; default
+    ``--`` + the key with dashes); ``megatron_lm=False`` for megatron-dualpipe's own keys."""
+    metadata = {"doc": doc, "flags": flags, "megatron_lm": megatron_lm}
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -53,100 +70,169 @@ class TrainConfig:
     Under torchrun or srun the launcher's world size replaces ``world_size``."""
 
     # Model.
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    seq_length: int
-    vocab_size: int
+    num_layers: int = _key(doc="transformer layers in the decoder")
+    hidden_size: int = _key(doc="width of the hidden states")
+    num_attention_heads: int = _key(doc="attention heads per layer")
+    seq_length: int = _key(doc="tokens per sample")
+    vocab_size: int = _key(doc="tokens in the (synthetic) vocabulary")
     # Batches and steps.
-    micro_batch_size: int
-    global_batch_size: int
-    train_iters: int
-    lr: float
+    micro_batch_size: int = _key(doc="samples per micro-batch")
+    global_batch_size: int = _key(doc="samples per step over all data-parallel ranks")
+    train_iters: int = _key(doc="training steps to run")
+    lr: float = _key(doc="peak learning rate")
     # Parallelism.
-    pipeline_schedule: str = "1f1b"
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: int | None = None
-    tensor_model_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
-    sequence_parallel: bool = False
-    world_size: int | None = None
+    pipeline_schedule: str = _key(
+        "1f1b",
+        doc="pipeline schedule (the bundled patch adds this flag to Megatron-LM)",
+        megatron_lm=False,
+    )
+    pipeline_model_parallel_size: int = _key(1, doc="pipeline-parallel ranks (PP)")
+    virtual_pipeline_model_parallel_size: int | None = _key(
+        None,
+        doc="model chunks per pipeline rank for interleaved-1f1b (the second flag is the "
+        "setting's name in Megatron-LM)",
+        flags=("--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-model-parallel-size"),
+    )
+    tensor_model_parallel_size: int = _key(1, doc="tensor-parallel ranks (TP)")
+    expert_model_parallel_size: int = _key(1, doc="expert-parallel ranks (EP) of MoE layers")
+    sequence_parallel: bool = _key(False, doc="split the sequence over tensor-parallel ranks")
+    world_size: int | None = _key(
+        None,
+        doc="ranks to fork without a launcher (default: TP x PP; torchrun or srun set their "
+        "own)",
+        megatron_lm=False,
+    )
     # Model details.
-    num_query_groups: int | None = None
-    ffn_hidden_size: int | None = None
-    max_position_embeddings: int | None = None
-    position_embedding_type: str = "learned_absolute"
-    normalization: str = "LayerNorm"
-    swiglu: bool = False
-    add_bias_linear: bool = True
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    init_method_std: float = 0.02
+    num_query_groups: int | None = _key(
+        None, doc="key/value head groups for grouped-query attention (default: one per head)"
+    )
+    ffn_hidden_size: int | None = _key(None, doc="MLP width (default: 4 x hidden_size)")
+    max_position_embeddings: int | None = _key(
+        None, doc="longest sequence the position embeddings cover (default: seq_length)"
+    )
+    position_embedding_type: str = _key("learned_absolute", doc="how positions are encoded")
+    normalization: str = _key("LayerNorm", doc="the normalization layer")
+    swiglu: bool = _key(False, doc="SwiGLU activation in the MLP")
+    add_bias_linear: bool = _key(
+        True, doc="bias terms in the linear layers", flags=("--disable-bias-linear",)
+    )
+    hidden_dropout: float = _key(0.0, doc="dropout after attention and MLP")
+    attention_dropout: float = _key(0.0, doc="dropout on the attention probabilities")
+    init_method_std: float = _key(0.02, doc="standard deviation of the weight initialisation")
     # Mixture of experts.
-    num_experts: int | None = None
-    moe_router_topk: int = 2
-    moe_ffn_hidden_size: int | None = None
-    moe_shared_expert_intermediate_size: int | None = None
-    moe_token_dispatcher_type: str = "allgather"
-    moe_router_load_balancing_type: str = "aux_loss"
-    moe_aux_loss_coeff: float = 0.0
-    moe_router_dtype: str | None = None
-    overlap_moe_expert_parallel_comm: bool = False
-    #: "[0]*3+[1]*58" (dense then MoE), "[1,0,1,0]", or N (one MoE layer every N).
-    moe_layer_freq: str | None = None
-    moe_router_score_function: str = "softmax"
-    moe_router_enable_expert_bias: bool = False
-    moe_router_bias_update_rate: float = 1e-3
-    moe_router_topk_scaling_factor: float | None = None
+    num_experts: int | None = _key(None, doc="routed experts per MoE layer (unset: dense)")
+    moe_router_topk: int = _key(2, doc="experts each token is routed to")
+    moe_ffn_hidden_size: int | None = _key(
+        None, doc="width of each expert's MLP (default: ffn_hidden_size)"
+    )
+    moe_shared_expert_intermediate_size: int | None = _key(
+        None, doc="width of the shared expert (unset: none)"
+    )
+    moe_token_dispatcher_type: str = _key("allgather", doc="how tokens reach their experts")
+    moe_router_load_balancing_type: str = _key("aux_loss", doc="the router's load-balancing loss")
+    moe_aux_loss_coeff: float = _key(0.0, doc="weight of the load-balancing loss")
+    moe_router_dtype: str | None = _key(None, doc="precision of the router's computation")
+    overlap_moe_expert_parallel_comm: bool = _key(
+        False, doc="hide the MoE all-to-all behind another micro-batch's compute"
+    )
+    moe_layer_freq: str | None = _key(
+        None, doc="which layers are MoE: N (every Nth) or a 0/1 list such as [0]*3+[1]*58"
+    )
+    moe_router_score_function: str = _key("softmax", doc="the router's score function")
+    moe_router_enable_expert_bias: bool = _key(
+        False, doc="per-expert bias for aux-loss-free load balancing (needs sigmoid)"
+    )
+    moe_router_bias_update_rate: float = _key(1e-3, doc="step of the expert bias update")
+    moe_router_topk_scaling_factor: float | None = _key(
+        None, doc="factor on the top-k routing weights"
+    )
     # Pipeline split, over the schedule's model stages (Megatron-LM's flags).
-    decoder_first_pipeline_num_layers: int | None = None
-    decoder_last_pipeline_num_layers: int | None = None
-    account_for_embedding_in_pipeline_split: bool = False
-    account_for_loss_in_pipeline_split: bool = False
-    pipeline_model_parallel_layout: str | None = None
+    decoder_first_pipeline_num_layers: int | None = _key(
+        None, doc="decoder layers of the first pipeline stage"
+    )
+    decoder_last_pipeline_num_layers: int | None = _key(
+        None, doc="decoder layers of the last pipeline stage"
+    )
+    account_for_embedding_in_pipeline_split: bool = _key(
+        False, doc="count the embedding as a layer when splitting the pipeline"
+    )
+    account_for_loss_in_pipeline_split: bool = _key(
+        False, doc="count the output layer and loss as a layer when splitting the pipeline"
+    )
+    pipeline_model_parallel_layout: str | None = _key(
+        None, doc='every stage\'s layers, e.g. "Et|(tt|)*30,mL"'
+    )
     # Embeddings, multi-token prediction, multi-latent attention.
-    untie_embeddings_and_output_weights: bool = True
-    mtp_num_layers: int | None = None
-    mtp_loss_scaling_factor: float = 0.1
-    multi_latent_attention: bool = False
-    q_lora_rank: int | None = None
-    kv_lora_rank: int = 32
-    qk_head_dim: int = 128
-    qk_pos_emb_head_dim: int = 64
-    v_head_dim: int = 128
-    rope_type: str | None = None
+    untie_embeddings_and_output_weights: bool = _key(
+        True, doc="separate input embedding and output weights"
+    )
+    mtp_num_layers: int | None = _key(None, doc="multi-token prediction layers (unset: none)")
+    mtp_loss_scaling_factor: float = _key(0.1, doc="weight of the multi-token prediction loss")
+    multi_latent_attention: bool = _key(False, doc="multi-latent attention (MLA)")
+    q_lora_rank: int | None = _key(None, doc="MLA: rank of the query compression (unset: none)")
+    kv_lora_rank: int = _key(32, doc="MLA: rank of the key/value compression")
+    qk_head_dim: int = _key(128, doc="MLA: query/key head size without the position part")
+    qk_pos_emb_head_dim: int = _key(64, doc="MLA: query/key head size of the position part")
+    v_head_dim: int = _key(128, doc="MLA: value head size")
+    rope_type: str | None = _key(None, doc="MLA: rotary embedding variant")
     # Optimizer and learning-rate schedule.
-    optimizer: str = "adam"
-    min_lr: float = 0.0
-    lr_warmup_iters: int = 0
-    lr_decay_iters: int | None = None
-    lr_decay_style: str = "linear"
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    sgd_momentum: float = 0.9
-    clip_grad: float = 1.0
-    bf16: bool = False
-    recompute_granularity: str | None = None
-    use_distributed_optimizer: bool = False
-    overlap_grad_reduce: bool = False
-    seed: int = 1234
+    optimizer: str = _key("adam", doc="the optimizer")
+    min_lr: float = _key(0.0, doc="learning rate at the end of the decay")
+    lr_warmup_iters: int = _key(0, doc="steps of linear warm-up")
+    lr_decay_iters: int | None = _key(None, doc="steps of decay (default: train_iters)")
+    lr_decay_style: str = _key("linear", doc="shape of the learning-rate decay")
+    weight_decay: float = _key(0.01, doc="weight decay coefficient")
+    adam_beta1: float = _key(0.9, doc="Adam's first-moment decay")
+    adam_beta2: float = _key(0.999, doc="Adam's second-moment decay")
+    adam_eps: float = _key(1e-8, doc="Adam's epsilon")
+    sgd_momentum: float = _key(0.9, doc="SGD's momentum")
+    clip_grad: float = _key(1.0, doc="clip the gradients' global norm to this (0: no clipping)")
+    bf16: bool = _key(False, doc="bfloat16 compute with fp32 main weights")
+    recompute_granularity: str | None = _key(
+        None, doc="activation recomputation (not run by this loop yet)"
+    )
+    use_distributed_optimizer: bool = _key(
+        False, doc="shard the optimizer state over data-parallel ranks"
+    )
+    overlap_grad_reduce: bool = _key(
+        False, doc="overlap the data-parallel gradient reduction with the backward"
+    )
+    seed: int = _key(1234, doc="random seed of the weights and the data")
     # Evaluation, logging, checkpoints, outputs.
-    eval_interval: int | None = None
-    eval_iters: int = 0
-    log_interval: int = 100
-    save: str | None = None
-    save_interval: int | None = None
-    exit_interval: int | None = None
-    load: str | None = None
-    output_dir: str | None = None
-    distributed_timeout_minutes: float = 10.0
+    eval_interval: int | None = _key(None, doc="steps between evaluations (unset: none)")
+    eval_iters: int = _key(0, doc="batches per evaluation")
+    log_interval: int = _key(100, doc="steps between iteration lines")
+    save: str | None = _key(None, doc="checkpoint directory to save to")
+    save_interval: int | None = _key(
+        None, doc="steps between checkpoints (the last step is saved too)"
+    )
+    exit_interval: int | None = _key(
+        None, doc="stop at the next step that is a multiple of this (saving if save is set)"
+    )
+    load: str | None = _key(None, doc="checkpoint directory to resume from")
+    output_dir: str | None = _key(
+        None, doc="folder for the timeline picture and measurements", megatron_lm=False
+    )
+    distributed_timeout_minutes: float = _key(
+        10.0, doc="minutes a collective may wait before the run fails"
+    )
     # Faults and resuming (Megatron-LM's keys and defaults).
-    check_for_nan_in_loss_and_grad: bool = True
-    ckpt_step: int | None = None
-    override_opt_param_scheduler: bool = False
-    use_checkpoint_opt_param_scheduler: bool = False
+    check_for_nan_in_loss_and_grad: bool = _key(
+        True,
+        doc="stop at the first NaN or Inf in the loss or gradients",
+        flags=("--no-check-for-nan-in-loss-and-grad",),
+    )
+    ckpt_step: int | None = _key(None, doc="iteration to load (default: the latest)")
+    override_opt_param_scheduler: bool = _key(
+        False,
+        doc="on resume, take the learning-rate schedule from the config",
+        flags=("--override-opt_param-scheduler", "--override-opt-param-scheduler"),
+    )
+    use_checkpoint_opt_param_scheduler: bool = _key(
+        False,
+        doc="on resume, take the learning-rate schedule from the checkpoint",
+        flags=("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"),
+    )
 
     @property
     def data_parallel_size(self) -> int:
@@ -244,6 +330,42 @@ _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _TYPES = typing.get_type_hints(TrainConfig)
 
 
+@dataclass(frozen=True)
+class ConfigKey:
+    """One key of :class:`TrainConfig` as a command line offers it."""
+
+    name: str
+    doc: str
+    #: Its flags, the first shown in help: Megatron-LM's spellings where ``megatron_lm``.
+    flags: tuple[str, ...]
+    megatron_lm: bool
+    #: ``int``, ``float``, ``bool`` or ``str`` (None allowed where the default is None).
+    type: type
+    required: bool
+    default: Any
+    choices: tuple[str, ...] | None
+
+
+def config_keys() -> tuple[ConfigKey, ...]:
+    """Every key of :class:`TrainConfig` in definition order, with its documentation and
+    flags (from the field definitions, so that command lines cannot drift from them)."""
+    return tuple(
+        ConfigKey(
+            name=f.name,
+            doc=f.metadata["doc"],
+            flags=f.metadata["flags"] or ("--" + f.name.replace("_", "-"),),
+            megatron_lm=f.metadata["megatron_lm"],
+            type=_base(_TYPES[f.name])[0],
+            required=_required(f),
+            default=f.default,
+            choices=tuple(c for c in _CHOICES[f.name] if c is not None)
+            if f.name in _CHOICES
+            else None,
+        )
+        for f in _FIELDS.values()
+    )
+
+
 def load_config(path: str | Path, overrides: Iterable[str] = ()) -> TrainConfig:
     """Read, override and validate a YAML config; raises :class:`ConfigError`.
 
@@ -252,8 +374,11 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> TrainConfig:
     ``runs/<config file stem>-<pipeline_schedule>``.
     """
     values = read_yaml_values(path)
-    values.update(parse_overrides(overrides))
-    return config_from_values(values, str(path), str(Path("runs") / Path(path).stem))
+    overrides = list(overrides)
+    overridden = parse_overrides(overrides)
+    values.update(overridden)
+    source, origins = override_origins(path, overrides)
+    return config_from_values(values, source, str(Path("runs") / Path(path).stem), origins)
 
 
 def read_yaml_values(path: str | Path) -> dict[str, Any]:
@@ -275,16 +400,22 @@ def read_yaml_values(path: str | Path) -> dict[str, Any]:
     return {str(k): _coerce(source, str(k), v) for k, v in raw.items()}
 
 
-def config_from_values(values: dict[str, Any], source: str, output_stem: str) -> TrainConfig:
+def config_from_values(
+    values: dict[str, Any],
+    source: str,
+    output_stem: str,
+    origins: Mapping[str, str] | None = None,
+) -> TrainConfig:
     """Validate ``values`` (known keys, typed as :func:`parse_overrides` types them) into a
     config; the default output folder is ``<output_stem>-<pipeline_schedule>``, so runs of
-    two schedules keep their own outputs. Raises :class:`ConfigError`."""
+    two schedules keep their own outputs. Raises :class:`ConfigError` naming ``source``, or
+    for a key in ``origins`` where its value came from (``--set``, a flag)."""
     schedule = values.get("pipeline_schedule", _FIELDS["pipeline_schedule"].default)
     values = {"output_dir": f"{output_stem}-{schedule}", **values}
     missing = [n for n, f in _FIELDS.items() if _required(f) and n not in values]
     if missing:
         raise ConfigError(f"{source}: {missing[0]}: required key missing")
-    return _validated(TrainConfig(**values), source)
+    return _validated(TrainConfig(**values), source, origins or {})
 
 
 def parse_overrides(overrides: Iterable[str], source: str = "--set") -> dict[str, Any]:
@@ -378,8 +509,11 @@ def _from_text(source: str, key: str, text: str) -> Any:
 # Validation.
 
 
-def _validated(cfg: TrainConfig, source: str) -> TrainConfig:
-    """``cfg`` if it can run; else ConfigError with ``source``, the key and the fix."""
+def _validated(
+    cfg: TrainConfig, source: str, origins: Mapping[str, str] | None = None
+) -> TrainConfig:
+    """``cfg`` if it can run; else ConfigError with where the key's value came from
+    (``origins``, else ``source``), the key and the fix."""
     checks = (
         _check_values,
         _check_parallel,
@@ -392,7 +526,7 @@ def _validated(cfg: TrainConfig, source: str) -> TrainConfig:
         problem = check(cfg)
         if problem is not None:
             key, message = problem
-            raise ConfigError(f"{source}: {key}: {message}")
+            raise ConfigError(f"{(origins or {}).get(key, source)}: {key}: {message}")
     return cfg
 
 

@@ -1,0 +1,77 @@
+"""What a new user meets first: ``--version``, help without markup and with the defaults,
+errors before any heavy import (a missing config and ``--help`` import neither torch nor
+megatron), and simulate's micro-batch error in simulate's own terms."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_dualpipe import __version__
+from megatron_dualpipe.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_version(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"megatron-dualpipe {__version__}\n"
+
+
+def test_top_level_help_is_plain_text(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert "``" not in text and ":class:" not in text and ":mod:" not in text
+    for command in ("simulate", "train", "bench", "--version"):
+        assert command in text
+
+
+def test_simulate_help_shows_the_defaults(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--schedule {1f1b," in text and "(default: dualpipev;" in text
+    assert "(default: F=1,B=1,W=1)" in text
+    assert "time of one P2P hop (default: 0)" in text
+
+
+def test_simulates_micro_batch_error_names_its_own_options(capsys: pytest.CaptureFixture) -> None:
+    assert main(["simulate", "--schedule", "dualpipev", "--pp", "4", "--microbatches", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "change --microbatches or --pp" in err and "global" not in err
+    tiny = str(ROOT / "configs" / "tiny_gpt_cpu.yaml")
+    assert main(["simulate", "--config", tiny, "--microbatches", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().endswith("got 3: change --microbatches")
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["train", "--config", "missing.yaml"], "missing.yaml: cannot read the config"),
+        (["--help"], "usage: megatron-dualpipe"),
+        (["train", "--help"], "usage: megatron-dualpipe train"),
+        (["bench", "--help"], "usage: megatron-dualpipe bench"),
+        (["simulate", "--help"], "usage: megatron-dualpipe simulate"),
+    ],
+)
+def test_help_and_a_missing_config_import_no_torch(argv: list[str], expected: str) -> None:
+    """torch and megatron load only when a command needs them (a second or more of
+    imports): help and a config error come before."""
+    code = (
+        "import sys\n"
+        "from megatron_dualpipe.cli import main\n"
+        f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'megatron'}))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert expected in done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
