@@ -38,7 +38,7 @@ FLAGS = (
     "moe-router-topk", "save", "load", "save-interval", "eval-interval", "eval-iters",
     "log-interval", "seed", "world-size", "output-dir", "decoder-first-pipeline-num-layers",
     "decoder-last-pipeline-num-layers", "pipeline-model-parallel-layout", "mtp-num-layers",
-    "ckpt-step",
+    "ckpt-step", "schedule-file",
 )  # fmt: skip
 
 
@@ -50,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--overlap-grad-reduce", action="store_true", default=None)
     parser.add_argument("--bf16", action="store_true", default=None)
     parser.add_argument("--overlap-moe-expert-parallel-comm", action="store_true", default=None)
+    parser.add_argument("--optimize-schedule", action="store_true", default=None)
     parser.add_argument(
         "--check-for-nan-in-loss-and-grad",
         action=argparse.BooleanOptionalAction,
