@@ -63,9 +63,15 @@ def measured_table(run: MeasuredRun) -> str:
     n = len(run.results[0].step_ms_all) if run.results else 0
     title = (
         f"**Measured on sleep ops, PP={config.pp}, micro-batches={config.microbatches}, "
-        f"F=B=W={config.share_ms:g} ms per rank share** (median of {n} steps: "
-        f"{config.launches} launches x {config.steps})"
+        f"F=B=W={config.share_ms:g} ms per rank share"
+        f"{f', first and last model stage x{config.end_scale:g}' if config.end_scale != 1 else ''}"
+        f"** (median of {n} steps: {config.launches} launches x {config.steps})"
     )
+    if run.calibration is not None:
+        title += (
+            f"; simulated with this machine's P2P latency {run.calibration.latency_ms:.3f} ms "
+            f"and per-action overhead {run.calibration.overhead_ms:.3f} ms"
+        )
     return title + "\n\n" + markdown_table(header, rows)
 
 
