@@ -92,8 +92,8 @@ class MeasuredConfig:
     #: embedding, output layer and loss; 1.0: every stage even).
     end_scale: float = 1.0
     #: Measure the P2P latency and the per-action overhead first (one extra launch) and
-    #: simulate with them instead of ``latency_ms`` and none.
-    calibrate: bool = False
+    #: simulate with them (False: with ``latency_ms`` and no overhead).
+    calibrate: bool = True
     timeout_s: float = 300.0
     pg_timeout_s: float = 60.0
 
