@@ -19,10 +19,13 @@ from megatron_dualpipe.bench import suite
 from megatron_dualpipe.bench.measured import (
     BASELINE,
     MEASURED_SCHEDULES,
+    OPTIMISED,
+    Calibration,
     MeasuredConfig,
     MeasuredRun,
     _round_order,
     measure,
+    per_action_overhead_ms,
 )
 from megatron_dualpipe.bench.measured_report import (
     OURS,
@@ -32,6 +35,7 @@ from megatron_dualpipe.bench.measured_report import (
     not_ahead,
 )
 from megatron_dualpipe.cli import main
+from megatron_dualpipe.schedules import generate, simulate
 
 TINY = MeasuredConfig(
     pp=2,
@@ -42,6 +46,8 @@ TINY = MeasuredConfig(
     warmup=1,
     timeout_s=120.0,
     pg_timeout_s=30.0,
+    schedules=tuple(MEASURED_SCHEDULES),  # with the optimised DualPipeV
+    calibrate=True,
 )
 
 
@@ -111,6 +117,28 @@ def test_rounds_start_at_a_different_schedule_each_time() -> None:
     names = ["a", "b", "c"]
     assert [_round_order(names, i)[0] for i in range(4)] == ["a", "b", "c", "a"]
     assert sorted(_round_order(names, 2)) == names
+
+
+def test_the_run_is_calibrated_and_simulated_with_the_calibration() -> None:
+    run = tiny_run()
+    cal = run.calibration
+    assert cal is not None and cal.latency_ms > 0 and cal.overhead_ms >= 0
+    by_name = run.by_name()
+    placement = generate("dualpipev", TINY.pp, TINY.microbatches).placement
+    cost = TINY.cost_for(placement, cal)
+    assert cost.latency == cal.latency_ms
+    assert cost.stage_costs[0][0] == pytest.approx(TINY.share_ms / 2 + cal.overhead_ms)
+    # The optimised order is never predicted slower than the hand-made one it reorders.
+    assert by_name[OPTIMISED].simulated_ms <= by_name["dualpipev"].simulated_ms + 1e-9
+
+
+def test_overhead_is_what_actions_take_beyond_their_nominal_time() -> None:
+    schedule = generate("dualpipev", 2, 4)
+    config = replace(TINY, end_scale=1.5)
+    nominal = config.cost_for(schedule.placement)
+    assert [c[0] for c in nominal.stage_costs] == [1.5, 1.0, 1.0, 1.5]  # ends x1.5, in ms
+    slower = config.cost_for(schedule.placement, Calibration(latency_ms=0.1, overhead_ms=0.25))
+    assert per_action_overhead_ms(simulate(schedule, slower), nominal) == pytest.approx(0.25)
 
 
 def test_a_bad_configuration_fails_before_launching() -> None:

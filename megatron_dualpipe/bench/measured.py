@@ -34,13 +34,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..schedules import CostModel, Schedule, SimResult, generate, lower, simulate
+from ..schedules import CostModel, Kind, Placement, Schedule, SimResult, generate, lower, simulate
 from ..schedules.registry import OUR_SCHEDULES
 from .launch import run_ranks
 from .torch_schedules import as_torch_runs, import_torch_schedule
 
 __all__ = [
     "BASELINE",
+    "OPTIMISED",
+    "Calibration",
     "MEASURED_SCHEDULES",
     "MeasuredConfig",
     "MeasuredResult",
@@ -49,6 +51,8 @@ __all__ = [
     "measure",
 ]
 
+#: The optimised DualPipeV: measured only when asked for (it needs SciPy).
+OPTIMISED = "dualpipev-opt"
 #: Name -> (who runs it, what it is). Table order; the first is the baseline.
 MEASURED_SCHEDULES: dict[str, tuple[str, str]] = {
     "megatron-1f1b": ("megatron", "forward_backward_pipelining_without_interleaving"),
@@ -57,6 +61,8 @@ MEASURED_SCHEDULES: dict[str, tuple[str, str]] = {
     "torch-zbv": ("torch", "ScheduleZBVZeroBubble"),
     "torch-dualpipev": ("torch", "ScheduleDualPipeV"),
     **{name: ("ours", name) for name in OUR_SCHEDULES},
+    # DualPipeV's work in the order the optimiser finds for the calibrated costs.
+    OPTIMISED: ("ours", "dualpipev, optimised"),
 }
 BASELINE = "megatron-1f1b"
 #: Megatron's interleaved schedule: model chunks per rank.
@@ -80,8 +86,14 @@ class MeasuredConfig:
     width: int = 16
     rows_per_microbatch: int = 2
     latency_ms: float = 0.2
-    schedules: tuple[str, ...] = tuple(MEASURED_SCHEDULES)
+    schedules: tuple[str, ...] = tuple(n for n in MEASURED_SCHEDULES if n != OPTIMISED)
     timeline: str | None = "dualpipev"
+    #: The first and the last model stage's costs x this (the bench's "uneven" profile:
+    #: embedding, output layer and loss; 1.0: every stage even).
+    end_scale: float = 1.0
+    #: Measure the P2P latency and the per-action overhead first (one extra launch) and
+    #: simulate with them (False: with ``latency_ms`` and no overhead).
+    calibrate: bool = True
     timeout_s: float = 300.0
     pg_timeout_s: float = 60.0
 
@@ -92,6 +104,37 @@ class MeasuredConfig:
     def cost(self) -> CostModel:
         """Per rank share, in ms, with the per-hop latency."""
         return CostModel(self.share_ms, self.share_ms, self.share_ms, latency=self.latency_ms)
+
+    def stage_scale(self, placement: Placement, model_stage: int) -> float:
+        """How much more a model stage's layers sleep than the even share."""
+        ends = (0, placement.num_model_stages - 1)
+        return self.end_scale if model_stage in ends else 1.0
+
+    def cost_for(self, placement: Placement, calibration: Calibration | None = None) -> CostModel:
+        """Per model stage of ``placement``, in ms: the even share scaled by
+        :meth:`stage_scale`, plus the calibrated per-action overhead on each of F, B and W,
+        with the calibrated latency (else ``latency_ms``)."""
+        even = self.cost().per_stage(placement.num_ranks, placement.num_model_stages)
+        overhead = calibration.overhead_ms if calibration else 0.0
+        latency = calibration.latency_ms if calibration else self.latency_ms
+        stages = tuple(
+            tuple(
+                part * self.stage_scale(placement, s) + overhead
+                for part in (even.f, even.b, even.w)
+            )
+            for s in range(placement.num_model_stages)
+        )
+        return CostModel(latency=latency, stage_costs=stages)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the machine adds to the sleeps: the one-way latency of a small message
+    between two ranks (gloo ping-pong, median) and the mean time an F, B or W of our
+    executor takes beyond its sleep (ms)."""
+
+    latency_ms: float
+    overhead_ms: float
 
 
 #: ``bench --quick``: 2 launches x (1 warm-up + 2 measured) rounds of the 8 schedules.
@@ -157,6 +200,9 @@ class MeasuredRun:
     load_after: tuple[float, ...] = ()
     #: Per measured round (launch by launch): schedule -> step time (ms).
     rounds: list[dict[str, float]] = field(default_factory=list)
+    #: The machine's P2P latency and per-action overhead the simulation used (None: the
+    #: config's ``latency_ms`` and no overhead).
+    calibration: Calibration | None = None
 
     def by_name(self) -> dict[str, MeasuredResult]:
         return {r.schedule: r for r in self.results}
@@ -174,8 +220,11 @@ class MeasuredRun:
 
 # -- schedules in our IR (simulation, placement) ----------------------------------------
 def ir_schedule(name: str, pp: int, microbatches: int) -> Schedule:
-    """The lowered IR schedule that runs (ours), or models (Megatron's, torch's), ``name``."""
+    """The lowered IR schedule that runs (ours), or models (Megatron's, torch's), ``name``
+    (not the optimised one, which depends on the costs: :func:`optimised_schedule`)."""
     source, _ = MEASURED_SCHEDULES[name]
+    if name == OPTIMISED:
+        raise ValueError(f"{OPTIMISED} depends on the costs: use optimised_schedule()")
     if source == "ours":
         schedule = generate(name, pp, microbatches)
     elif name == "megatron-1f1b":
@@ -185,6 +234,26 @@ def ir_schedule(name: str, pp: int, microbatches: int) -> Schedule:
     else:
         schedule = as_torch_runs(import_torch_schedule(name, pp, microbatches))
     return lower(schedule)
+
+
+def optimised_schedule(config: MeasuredConfig, calibration: Calibration | None) -> Schedule:
+    """DualPipeV's work reordered by the optimiser for the config's costs (calibrated where
+    given), within DualPipeV's own peak of live activations; lowered."""
+    from ..schedules.optimize import Effort, optimize  # imports SciPy
+
+    hand = generate("dualpipev", config.pp, config.microbatches)
+    cost = config.cost_for(hand.placement, calibration)
+    result = optimize(hand.placement, cost, time_limit=60.0, effort=Effort(), name=OPTIMISED)
+    return lower(result.schedule)
+
+
+def _schedules(config: MeasuredConfig, calibration: Calibration | None) -> dict[str, Schedule]:
+    return {
+        n: optimised_schedule(config, calibration)
+        if n == OPTIMISED
+        else ir_schedule(n, config.pp, config.microbatches)
+        for n in config.schedules
+    }
 
 
 def _stage_layers(config: MeasuredConfig, schedule: Schedule) -> int:
@@ -198,9 +267,10 @@ def _stage_layers(config: MeasuredConfig, schedule: Schedule) -> int:
     return layers
 
 
-def _simulate(config: MeasuredConfig, schedule: Schedule) -> SimResult:
-    p = schedule.placement
-    return simulate(schedule, config.cost().per_stage(p.num_ranks, p.num_model_stages))
+def _simulate(
+    config: MeasuredConfig, schedule: Schedule, calibration: Calibration | None = None
+) -> SimResult:
+    return simulate(schedule, config.cost_for(schedule.placement, calibration))
 
 
 # -- the ranks ---------------------------------------------------------------------------
@@ -226,7 +296,7 @@ class _Runner:
 
 
 class _TorchRunner(_Runner):
-    def __init__(self, name: str, rank: int, config: MeasuredConfig, clock) -> None:
+    def __init__(self, name: str, rank: int, config: MeasuredConfig, clock, schedule) -> None:
         from .peers import PeerConfig, _build
 
         peer = PeerConfig(
@@ -236,6 +306,7 @@ class _TorchRunner(_Runner):
             layers_per_share=config.layers_per_share,
             width=config.width,
             rows_per_microbatch=config.rows_per_microbatch,
+            end_scale=config.end_scale,
         )
         self.schedule, self.first, self.last = _build(name, rank, peer, clock)
         self.runner = type(self.schedule).__name__
@@ -250,22 +321,24 @@ class _TorchRunner(_Runner):
 
 
 class _OurRunner(_Runner):
-    def __init__(self, name: str, rank: int, config: MeasuredConfig, clock) -> None:
+    def __init__(
+        self, name: str, rank: int, config: MeasuredConfig, clock, schedule: Schedule
+    ) -> None:
         import torch
 
         from ..runtime import PipelineExecutor, TensorSpec
         from .sleep_model import SleepCosts, SleepStage
 
-        schedule = ir_schedule(name, config.pp, config.microbatches)
         p = schedule.placement
         layers = _stage_layers(config, schedule)
         t = config.layer_s()
-        costs = SleepCosts(t, t, t)
         modules = []
         for chunk in range(p.num_chunks):
             # Seeded by model stage: DualPipe's two copies of a stage start equal (built
             # afresh, not deep-copied, so that both sleep on this rank's clock).
-            torch.manual_seed(p.model_stage(p.stage_of(rank, chunk)))
+            model_stage = p.model_stage(p.stage_of(rank, chunk))
+            torch.manual_seed(model_stage)
+            costs = SleepCosts(t, t, t).scaled(config.stage_scale(p, model_stage))
             modules.append(SleepStage(layers, config.width, costs, clock))
         self.modules, self.placement, self.rank = modules, p, rank
         self.mirror = p.kind == "mirror"
@@ -297,7 +370,9 @@ class _OurRunner(_Runner):
 
 
 class _MegatronRunner(_Runner):
-    def __init__(self, name: str, rank: int, config: MeasuredConfig, clock) -> None:
+    def __init__(
+        self, name: str, rank: int, config: MeasuredConfig, clock, schedule: Schedule
+    ) -> None:
         import torch
 
         from ..megatron.module_chunks import module_chunks, mse_forward_step
@@ -312,8 +387,10 @@ class _MegatronRunner(_Runner):
         layers = config.layers_per_share // chunks
         stages = []
         for chunk in range(chunks):
-            torch.manual_seed(chunk * config.pp + rank)  # stage weights seeded by stage index
-            stages.append(SleepStage(layers, config.width, SleepCosts(t, t, t), clock))
+            model_stage = chunk * config.pp + rank  # stage weights seeded by stage index
+            torch.manual_seed(model_stage)
+            costs = SleepCosts(t, t, t).scaled(config.stage_scale(schedule.placement, model_stage))
+            stages.append(SleepStage(layers, config.width, costs, clock))
         self.chunks, self.fn = module_chunks(
             stages,
             pp=config.pp,
@@ -341,10 +418,12 @@ class _MegatronRunner(_Runner):
         return {"losses": len(loss_dicts)}
 
 
-def _make_runner(name: str, rank: int, config: MeasuredConfig, clock) -> _Runner:
+def _make_runner(
+    name: str, rank: int, config: MeasuredConfig, clock, schedule: Schedule
+) -> _Runner:
     source = MEASURED_SCHEDULES[name][0]
     cls = {"torch": _TorchRunner, "ours": _OurRunner, "megatron": _MegatronRunner}[source]
-    return cls(name, rank, config, clock)
+    return cls(name, rank, config, clock, schedule)
 
 
 def _round_order(names: list[str], round_index: int) -> list[str]:
@@ -354,7 +433,13 @@ def _round_order(names: list[str], round_index: int) -> list[str]:
 
 
 def _measured_rank(
-    rank: int, world_size: int, config: MeasuredConfig, launch: int, record: bool, verbose: bool
+    rank: int,
+    world_size: int,
+    config: MeasuredConfig,
+    launch: int,
+    record: bool,
+    verbose: bool,
+    schedules: dict[str, Schedule],
 ) -> dict[str, Any]:
     """Worker body of one launch: build every schedule, run the rounds, return per
     schedule a list of per-step records and, if ``record``, the gathered timeline."""
@@ -372,7 +457,7 @@ def _measured_rank(
 
             stack.enter_context(megatron_pipeline(config.pp, config.pg_timeout_s))
         clock = SleepClock()
-        runners = {name: _make_runner(name, rank, config, clock) for name in names}
+        runners = {n: _make_runner(n, rank, config, clock, schedules[n]) for n in names}
         records: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
         for round_index in range(config.warmup + config.steps):
             order = _round_order(names, launch * (config.warmup + config.steps) + round_index)
@@ -417,6 +502,54 @@ def _measured_rank(
         }
 
 
+def _calibration_rank(
+    rank: int, world_size: int, config: MeasuredConfig, schedule: Schedule
+) -> dict[str, Any]:
+    """Worker body of the calibration launch: the ping-pong latency between ranks 0 and 1,
+    then one warm-up and one recorded step of our hand-made DualPipeV, gathered on rank 0."""
+    import torch.distributed as dist
+
+    from ..runtime import gather_timeline, p2p_latency_s
+    from .sleep_model import SleepClock
+
+    latency_s = p2p_latency_s(rounds=50)
+    runner = _OurRunner("dualpipev", rank, config, SleepClock(), schedule)
+    runner.step()
+    dist.barrier()
+    result = runner.step(record=True)["result"]
+    timeline = gather_timeline(result.timeline, runner.executor.schedule)
+    return {"latency_ms": 1e3 * latency_s, "timeline": timeline}
+
+
+def per_action_overhead_ms(measured: SimResult, cost: CostModel) -> float:
+    """The mean time an F, B or W of ``measured`` took beyond its nominal duration under
+    ``cost`` (ms)."""
+    p = measured.schedule.placement
+    extra = [
+        (timed.end - timed.start) - cost.duration(timed.action, rank.rank, p.model_stage)
+        for rank in measured.ranks
+        for timed in rank.actions
+        if timed.action.kind in (Kind.F, Kind.B, Kind.W)
+    ]
+    return statistics.fmean(extra) if extra else 0.0
+
+
+def calibrate(config: MeasuredConfig) -> Calibration:
+    """One launch of ``config.pp`` ranks: the P2P latency and per-action overhead of this
+    machine, as the simulator takes them."""
+    hand = lower(generate("dualpipev", config.pp, config.microbatches))
+    ranks = run_ranks(
+        _calibration_rank,
+        config.pp,
+        (config, hand),
+        timeout_s=config.timeout_s,
+        pg_timeout_s=config.pg_timeout_s,
+    )
+    timeline = next(r["timeline"] for r in ranks if r["timeline"] is not None)
+    overhead = per_action_overhead_ms(timeline, config.cost_for(hand.placement))
+    return Calibration(latency_ms=ranks[0]["latency_ms"], overhead_ms=max(0.0, overhead))
+
+
 # -- the parent ----------------------------------------------------------------------------
 def _prepare_parent(config: MeasuredConfig) -> None:
     """Import (and patch) what the workers need before forking, so they start warm; hide
@@ -449,12 +582,20 @@ def measure(config: MeasuredConfig | None = None, verbose: bool = False) -> Meas
         )
     if config.schedules[0] != BASELINE:
         raise ValueError(f"the first schedule must be the baseline {BASELINE!r}")
-    schedules = {n: ir_schedule(n, config.pp, config.microbatches) for n in config.schedules}
-    for schedule in schedules.values():
-        _stage_layers(config, schedule)  # fail here, not in the ranks
+    for name in config.schedules:
+        if name != OPTIMISED:
+            _stage_layers(config, ir_schedule(name, config.pp, config.microbatches))  # fail here
     load_before = os.getloadavg()
     start = time.perf_counter()
     _prepare_parent(config)
+    calibration = calibrate(config) if config.calibrate else None
+    if verbose and calibration is not None:
+        print(
+            f"    calibrated: P2P latency {calibration.latency_ms:.3f} ms, per-action overhead "
+            f"{calibration.overhead_ms:.3f} ms",
+            flush=True,
+        )
+    schedules = _schedules(config, calibration)
     launches = []
     for launch in range(config.launches):
         sys.stdout.flush()
@@ -463,16 +604,20 @@ def measure(config: MeasuredConfig | None = None, verbose: bool = False) -> Meas
             run_ranks(
                 _measured_rank,
                 config.pp,
-                (config, launch, last and config.timeline is not None, verbose),
+                (config, launch, last and config.timeline is not None, verbose, schedules),
                 timeout_s=config.timeout_s,
                 pg_timeout_s=config.pg_timeout_s,
             )
         )
     elapsed = time.perf_counter() - start
-    return _summarise(config, schedules, launches, elapsed, load_before, os.getloadavg())
+    return _summarise(
+        config, schedules, launches, elapsed, load_before, os.getloadavg(), calibration
+    )
 
 
-def _summarise(config, schedules, launches, elapsed, load_before, load_after) -> MeasuredRun:
+def _summarise(
+    config, schedules, launches, elapsed, load_before, load_after, calibration=None
+) -> MeasuredRun:
     measured = range(config.warmup, config.warmup + config.steps)
     # (launch, round) -> schedule -> (step ms, per-rank busy ms, per-rank cpu ms)
     steps: dict[str, list[float]] = {n: [] for n in config.schedules}
@@ -503,7 +648,7 @@ def _summarise(config, schedules, launches, elapsed, load_before, load_after) ->
         source = MEASURED_SCHEDULES[name][0]
         schedule = schedules[name]
         p = schedule.placement
-        sim = _simulate(config, schedule)
+        sim = _simulate(config, schedule, calibration)
         ratios = [r[name] / r[BASELINE] for r in by_round.values() if BASELINE in r]
         results.append(
             MeasuredResult(
@@ -534,8 +679,16 @@ def _summarise(config, schedules, launches, elapsed, load_before, load_after) ->
     timeline = next((r["timeline"] for r in launches[-1] if r["timeline"] is not None), None)
     timeline_sim = None
     if timeline is not None:
-        timeline_sim = _simulate(config, schedules[config.timeline])
+        timeline_sim = _simulate(config, schedules[config.timeline], calibration)
     rounds = [by_round[key] for key in sorted(by_round)]
     return MeasuredRun(
-        config, results, timeline, timeline_sim, elapsed, load_before, load_after, rounds
+        config,
+        results,
+        timeline,
+        timeline_sim,
+        elapsed,
+        load_before,
+        load_after,
+        rounds,
+        calibration,
     )

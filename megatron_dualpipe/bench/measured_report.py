@@ -8,7 +8,7 @@ import statistics
 
 from ..schedules import SimResult, simulate
 from ..schedules.registry import OUR_SCHEDULES
-from .measured import BASELINE, MeasuredRun
+from .measured import BASELINE, OPTIMISED, MeasuredRun
 from .tables import markdown_table
 
 __all__ = [
@@ -63,9 +63,15 @@ def measured_table(run: MeasuredRun) -> str:
     n = len(run.results[0].step_ms_all) if run.results else 0
     title = (
         f"**Measured on sleep ops, PP={config.pp}, micro-batches={config.microbatches}, "
-        f"F=B=W={config.share_ms:g} ms per rank share** (median of {n} steps: "
-        f"{config.launches} launches x {config.steps})"
+        f"F=B=W={config.share_ms:g} ms per rank share"
+        f"{f', first and last model stage x{config.end_scale:g}' if config.end_scale != 1 else ''}"
+        f"** (median of {n} steps: {config.launches} launches x {config.steps})"
     )
+    if run.calibration is not None:
+        title += (
+            f"; simulated with this machine's P2P latency {run.calibration.latency_ms:.3f} ms "
+            f"and per-action overhead {run.calibration.overhead_ms:.3f} ms"
+        )
     return title + "\n\n" + markdown_table(header, rows)
 
 
@@ -102,7 +108,7 @@ def memory_table(run: MeasuredRun) -> str:
     return markdown_table(header, rows)
 
 
-OURS = OUR_SCHEDULES
+OURS = (*OUR_SCHEDULES, OPTIMISED)
 #: Paired ratios within this of 1 are read as "no clear difference": the launch-to-launch
 #: spread of a zero-bubble schedule's step on this machine is 3-6%
 #: (docs/benchmark-method.md).
@@ -227,10 +233,18 @@ def not_ahead(run: MeasuredRun, overlap_sim: dict[str, float] | None = None) -> 
             for n in (BASELINE, *OURS)
             if n in by_name
         )
+        cal = run.calibration
+        charged = (
+            f"the {cal.latency_ms:.3f} ms per message and {cal.overhead_ms:.3f} ms per F, B "
+            "and W measured on this machine before the run; what remains is how that "
+            "overhead varies over the run"
+            if cal is not None
+            else f"only {run.config.latency_ms:g} ms per message; the rest is time between "
+            "actions"
+        )
         lines.append(
             f"- **Runtime overhead.** Measured over simulated step time: {BASELINE} "
-            f"{base.vs_simulated:.2f}, {ours_ratios}. The simulator charges only "
-            f"{run.config.latency_ms:g} ms per message; the rest is time between actions "
+            f"{base.vs_simulated:.2f}, {ours_ratios}. The simulator charges {charged} "
             "(each message's wake-up, the runtime's Python, sleep overshoot) on a machine "
             "whose 2 cores the ranks share with each other and with other work. Mean CPU "
             f"time per rank and step: {cpu}. Schedules with two half-size stages per rank "

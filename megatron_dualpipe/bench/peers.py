@@ -42,6 +42,8 @@ class PeerConfig:
     rows_per_microbatch: int = 2
     latency_ms: float = 0.2
     schedules: tuple[str, ...] = ("torch-1f1b", "torch-zbv", "torch-dualpipev")
+    #: The first and the last stage's sleeps x this (1.0: every stage even).
+    end_scale: float = 1.0
     timeout_s: float = 240.0
 
     def layer_s(self) -> float:
@@ -86,11 +88,12 @@ def _build(name: str, rank: int, config: PeerConfig, clock):
         raise ValueError(f"{name}: layers_per_share must be a multiple of {chunks}")
     placement = Placement(spec.placement, config.pp, chunks * config.pp, config.microbatches)
     t = config.layer_s()
-    costs = SleepCosts(t, t, t)
     stages = []
     for chunk in range(chunks):
         index = placement.stage_of(rank, chunk)
         torch.manual_seed(index)
+        end = index in (0, placement.num_stages - 1)
+        costs = SleepCosts(t, t, t).scaled(config.end_scale if end else 1.0)
         module = SleepStage(config.layers_per_share // chunks, config.width, costs, clock)
         stages.append(PipelineStage(module, index, placement.num_stages, torch.device("cpu")))
     cls = getattr(schedules, spec.class_name)

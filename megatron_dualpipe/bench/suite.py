@@ -209,7 +209,8 @@ each peer runs: [benchmark-method.md](benchmark-method.md).{quick_note}
   (median over steps); `bubble vs base`: mean bubble over the ranks over {base}'s.
 - sim.: the simulator on the same schedule (ours: the one the executor ran; Megatron's:
   our IR's 1f1b / interleaved-1f1b as a model of its order; torch's: the imported
-  schedule as torch runs it), same costs, {latency:g} ms per hop.
+  schedule as torch runs it), same costs, plus what this machine adds, measured first in
+  a launch of its own: {latency} ms per hop and {overhead} ms on every F, B and W.
 - peak act.: the most live (stage, micro-batch) activations on each rank, in units of
   that schedule's stage (half a 1F1B stage for V shapes and interleaving); measured by the
   executor (`StepResult.peak_activations`) for ours, simulated for all; "max in 1F1B
@@ -307,7 +308,12 @@ def measured_section(ctx: BenchContext) -> Section:
         steps=config.steps,
         quick_note=quick_note,
         base=run.results[0].schedule,
-        latency=config.latency_ms,
+        latency=(
+            f"{run.calibration.latency_ms:.3f} (gloo ping-pong)"
+            if run.calibration
+            else f"{config.latency_ms:g}"
+        ),
+        overhead=f"{run.calibration.overhead_ms:.3f}" if run.calibration else "0",
         load_before=", ".join(f"{x:.1f}" for x in run.load_before),
         load_after=", ".join(f"{x:.1f}" for x in run.load_after),
         elapsed=run.elapsed_s,
@@ -328,6 +334,7 @@ def measured_section(ctx: BenchContext) -> Section:
     data = {
         "config": asdict(config),
         "elapsed_s": run.elapsed_s,
+        "calibration": None if run.calibration is None else asdict(run.calibration),
         "load_before": run.load_before,
         "load_after": run.load_after,
         "headline": headline(run),

@@ -148,6 +148,8 @@ class DualPipeForwardBackward:
         # Keyed by the first model chunk, held weakly: a dropped model drops its executor.
         self._prepared: weakref.WeakKeyDictionary[Any, _Prepared] = weakref.WeakKeyDictionary()
         self._backward_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        #: The schedule run in place of the generated one (see :meth:`use_schedule`).
+        self.schedule: Schedule | None = None
         #: FB overlap in the last training step (None before one).
         self.last_overlap: OverlapReport | None = None
 
@@ -163,6 +165,15 @@ class DualPipeForwardBackward:
             yield
         finally:
             self.timeline_sink = previous
+
+    def use_schedule(self, schedule: Schedule | None) -> None:
+        """Run ``schedule`` (a reordering of the generated schedule's work, such as an
+        optimised or a saved one) from the next step on; None: the generated one again.
+        Every executor is rebuilt at its next step; the next step checks that ``schedule``
+        has the generated schedule's placement and refuses it in one sentence otherwise.
+        Call it on every pipeline rank between the same two steps."""
+        self.schedule = schedule
+        self._prepared.clear()
 
     def executor(self, model: Any) -> PipelineExecutor | None:
         """The executor this object runs ``model`` (its chunk list, or chunk 0) with, or
@@ -219,7 +230,7 @@ class DualPipeForwardBackward:
             virtual_pipeline_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
             context_parallel_size=groups.cp_size,
         )
-        schedule = self.spec.generate(groups.pp_size, num_microbatches)
+        schedule = self._schedule_to_run(groups.pp_size, num_microbatches)
         roles = config_chunk_roles(config, self.schedule_name, groups.pp_size, groups.pp_rank)
         overlap = self._overlap(config, model)
         stages = [
@@ -243,6 +254,24 @@ class DualPipeForwardBackward:
         prepared = _Prepared(executor, stages, key)
         self._prepared[model[0]] = prepared
         return prepared
+
+    def _schedule_to_run(self, pp_size: int, num_microbatches: int) -> Schedule:
+        """The generated schedule, or the one given to :meth:`use_schedule` where it has
+        the generated one's placement."""
+        generated = self.spec.generate(pp_size, num_microbatches)
+        given = self.schedule
+        if given is None:
+            return generated
+        if given.placement != generated.placement:
+            p, q = given.placement, generated.placement
+            raise DualPipeConfigError(
+                f"schedule {given.name} runs the {p.kind} placement on {p.num_ranks} ranks, "
+                f"{p.num_stages} stages and {p.num_microbatches} micro-batches, but this "
+                f"{self.schedule_name} run has the {q.kind} placement on {q.num_ranks} ranks, "
+                f"{q.num_stages} stages and {q.num_microbatches} micro-batches: use a schedule "
+                "made for this run"
+            )
+        return given
 
     def _overlap(self, config: Any, model: list[Any]) -> bool:
         """Whether FB pairs run overlapped: ``overlap_moe_expert_parallel_comm`` on, and

@@ -6,7 +6,8 @@
 - :class:`WeightGradStore`, :class:`DeferrableLinear`, :func:`make_deferrable`: the dX/dW
   split; :class:`DeferrableLayer` is the protocol other layers follow to join it.
 - :func:`copy_mirror_params`, :func:`sync_mirror_grads`: DualPipe's two model copies.
-- :func:`gather_timeline`: measured timelines in the simulator's result format.
+- :func:`gather_timeline`: measured timelines in the simulator's result format;
+  :func:`p2p_latency_s`: the one-way latency between two ranks, by ping-pong.
 - :func:`~.launch.run_ranks` (in :mod:`.launch`): fork N CPU+gloo ranks and collect results.
 
 The runtime reports through :mod:`logging` (loggers named after its modules) and never
@@ -15,6 +16,7 @@ prints: the entry point that runs it decides what users see.
 
 from .deferrable import DeferrableLayer, DeferrableLinear, make_deferrable
 from .executor import Activation, PipelineExecutor, StageSpec, StepResult
+from .latency import p2p_latency_s
 from .mirror import copy_mirror_params, sync_mirror_grads
 from .p2p import TensorSpec
 from .planned import PlannedStage
@@ -40,5 +42,6 @@ __all__ = [
     "copy_mirror_params",
     "gather_timeline",
     "make_deferrable",
+    "p2p_latency_s",
     "sync_mirror_grads",
 ]

@@ -15,7 +15,7 @@ Contracts:
   not. Other elements (integer masks, indices) are forwarded and carry no gradient.
 - F runs a stage; B computes the input gradient (dX) with every deferrable layer's weight
   gradient queued in the executor's :class:`WeightGradStore`; W runs the oldest queued
-  entry, which must be its own; BW is an ordinary backward. With ``defer_weight_grads``
+  entry of its stage, which must be its own; BW is an ordinary backward. With ``defer_weight_grads``
   off, B is an ordinary backward too and W only marks the end of the activations' life.
   Gradients accumulate into ``.grad`` and are the same either way.
 - A stage module that implements :class:`~.planned.PlannedStage` (and plans this step)
@@ -477,7 +477,7 @@ class PipelineExecutor:
         elif action.kind is Kind.W:
             if self.defer_weight_grads:
                 with self._around(action, step):
-                    self.store.run((action.stage, action.microbatch))
+                    self.store.run((action.stage, action.microbatch), lane=action.stage)
         else:
             self._forward_backward(action, step)
 
@@ -596,7 +596,7 @@ class PipelineExecutor:
         unit = step.units.pop((stage, mb))
         roots, grads = self._backward_roots(action, unit, step)
         if self.defer_weight_grads and action.kind is Kind.B:
-            with self.store.capture((stage, mb), owner=unit.token):
+            with self.store.capture((stage, mb), owner=unit.token, lane=stage):
                 self._run_unit_backward(action.chunk, unit, roots, grads)
         else:
             self._run_unit_backward(action.chunk, unit, roots, grads)

@@ -2,9 +2,11 @@
 
 A B action (dX only) runs its backward while the store *captures*: every layer that can
 defer hands its weight-gradient work to the store instead of doing it, and the work
-recorded during that one backward becomes one entry. A W action runs the oldest entry.
-Entries are first-in first-out, the order Transformer Engine's per-module ``wgrad_store``
-also follows, so a schedule whose W actions are not in B order is a bug and fails loudly.
+recorded during that one backward becomes one entry. A W action runs the oldest entry of
+its lane. Entries are first-in first-out within a lane, the order Transformer Engine's
+per-module ``wgrad_store`` also follows; the executor's lanes are its stages (each stage
+has its own modules), so the W of different stages may run in any order, but a schedule
+whose W of one stage are not in that stage's B order is a bug and fails loudly.
 
 Layers find the store through :func:`active_store`, read during their *forward* (always on
 the caller's thread) and kept with the autograd context: the backward may run on another
@@ -66,10 +68,11 @@ class _Entry:
 
 
 class WeightGradStore:
-    """A FIFO of deferred weight-gradient work, one entry per captured backward."""
+    """FIFOs (one per lane) of deferred weight-gradient work, one entry per captured
+    backward."""
 
     def __init__(self) -> None:
-        self._queue: deque[_Entry] = deque()
+        self._queues: dict[Hashable, deque[_Entry]] = {}
         self._capturing: _Entry | None = None
 
     @contextmanager
@@ -82,8 +85,9 @@ class WeightGradStore:
             _ACTIVE.reset(token)
 
     @contextmanager
-    def capture(self, key: Hashable, owner: object = None) -> Iterator[None]:
-        """Record the work deferred inside the block as one entry named ``key``.
+    def capture(self, key: Hashable, owner: object = None, lane: Hashable = None) -> Iterator[None]:
+        """Record the work deferred inside the block as one entry named ``key``, queued in
+        ``lane`` (one lane for all by default).
 
         ``owner`` is kept alive as long as the entry (the executor passes the token that
         counts the micro-batch's activations as live). The entry is queued even when no
@@ -100,7 +104,7 @@ class WeightGradStore:
             yield
         finally:
             self._capturing = None
-        self._queue.append(entry)
+        self._queues.setdefault(lane, deque()).append(entry)
 
     @property
     def capturing(self) -> bool:
@@ -113,24 +117,25 @@ class WeightGradStore:
             raise RuntimeError("defer() called while no backward is being captured")
         self._capturing.work.append(work)
 
-    def run(self, key: Hashable) -> None:
-        """Run and drop the oldest entry, which must be ``key``'s.
+    def run(self, key: Hashable, lane: Hashable = None) -> None:
+        """Run and drop the oldest entry of ``lane``, which must be ``key``'s.
 
         Its work runs in the order it was recorded; the entry (and what it holds alive) is
         released before this returns.
         """
-        if not self._queue:
+        queue = self._queues.get(lane)
+        if not queue:
             raise RuntimeError(f"W for {key}: no deferred weight gradient is queued")
-        oldest = self._queue[0]
+        oldest = queue[0]
         if oldest.key != key:
             raise RuntimeError(
                 f"W for {key} but the oldest deferred weight gradient is {oldest.key}: "
                 "W actions must follow their B actions in first-in first-out order"
             )
-        entry = self._queue.popleft()
+        entry = queue.popleft()
         for work in entry.work:
             work()
 
     def __len__(self) -> int:
         """Entries waiting for their W."""
-        return len(self._queue)
+        return sum(len(queue) for queue in self._queues.values())

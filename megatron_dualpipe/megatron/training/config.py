@@ -25,10 +25,13 @@ import yaml
 
 from ...errors import DualPipeError
 from ...schedules.config_values import override_origins
-from ...schedules.registry import SCHEDULES
+from ...schedules.ir import Schedule, ScheduleError
+from ...schedules.registry import OUR_SCHEDULES, SCHEDULES
+from ...schedules.validate import validate
 from ..checks import DualPipeConfigError, overlap_problem, schedule_spec, stage_layers
 
 __all__ = [
+    "OPTIMIZE_AFTER",
     "ConfigError",
     "ConfigKey",
     "TrainConfig",
@@ -38,6 +41,11 @@ __all__ = [
     "parse_overrides",
     "read_yaml_values",
 ]
+
+
+#: Iterations ``optimize_schedule`` runs (and measures) the hand-made order before it
+#: switches: the first warms up, the second is measured.
+OPTIMIZE_AFTER = 2
 
 
 class ConfigError(DualPipeError, ValueError):
@@ -100,6 +108,17 @@ class TrainConfig:
         None,
         doc="ranks to fork without a launcher (default: TP x PP; torchrun or srun set their "
         "own)",
+        megatron_lm=False,
+    )
+    optimize_schedule: bool = _key(
+        False,
+        doc="run the hand-made order for the first iterations with the timeline recorded, "
+        "then the order the schedule optimiser finds for the measured costs",
+        megatron_lm=False,
+    )
+    schedule_file: str | None = _key(
+        None,
+        doc="a saved schedule (simulate --save's text form) to run in place of the generated one",
         megatron_lm=False,
     )
     # Model details.
@@ -519,6 +538,7 @@ def _validated(
         _check_parallel,
         _check_model,
         _check_schedule,
+        _check_schedule_order,
         _check_overlap,
         _check_io,
     )
@@ -703,6 +723,69 @@ def _check_schedule(cfg: TrainConfig) -> Problem:
         )
     if problem is not None:
         return "pipeline_schedule", problem
+    return None
+
+
+def _check_schedule_order(cfg: TrainConfig) -> Problem:
+    """``optimize_schedule`` and ``schedule_file``: our runtime's schedules only, one at a
+    time, and a schedule file that holds a valid schedule of this run's placement."""
+    key = "schedule_file" if cfg.schedule_file is not None else "optimize_schedule"
+    if cfg.schedule_file is None and not cfg.optimize_schedule:
+        return None
+    found = schedule_spec(cfg.pipeline_schedule)
+    if not found.runs_ours:
+        return key, (
+            f"reorders the work of the schedules megatron-dualpipe runs "
+            f"({', '.join(OUR_SCHEDULES)}), not "
+            f"Megatron's {cfg.pipeline_schedule}: set pipeline_schedule to one of them"
+        )
+    if cfg.schedule_file is not None and cfg.optimize_schedule:
+        return "optimize_schedule", (
+            "and schedule_file are both set: choose one (optimize_schedule finds an order from "
+            "the measured steps; schedule_file runs a saved one)"
+        )
+    if cfg.schedule_file is not None:
+        problem = schedule_file_problem(cfg)
+        return None if problem is None else (key, problem)
+    if cfg.overlap_grad_reduce:
+        return key, (
+            "switches the order mid-run, but Megatron's DDP with overlap_grad_reduce learns "
+            "the order of gradient hooks in the first step: set overlap_grad_reduce: false, or "
+            "save the optimised order (simulate --optimize --save) and run it with schedule_file"
+        )
+    if cfg.train_iters <= OPTIMIZE_AFTER:
+        return key, (
+            f"measures the first {OPTIMIZE_AFTER} iterations before it switches: raise "
+            f"train_iters above {OPTIMIZE_AFTER}"
+        )
+    return None
+
+
+def schedule_file_problem(cfg: TrainConfig) -> str | None:
+    """What makes ``cfg.schedule_file`` unusable for this run (unreadable, not a valid
+    schedule, another placement), or None."""
+    path = cfg.schedule_file
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as err:
+        return f"cannot read {path}: {err.strerror}"
+    try:
+        schedule = Schedule.from_text(text)
+        validate(schedule, dry_run=False)
+    except ScheduleError as err:
+        return f"{path} is not a valid schedule ({err}): write it with simulate --save"
+    pp, m = cfg.pipeline_model_parallel_size, cfg.num_microbatches
+    expected = schedule_spec(cfg.pipeline_schedule).generate(pp, m).placement
+    p = schedule.placement
+    if p != expected:
+        return (
+            f"{path} holds a schedule of the {p.kind} placement for PP={p.num_ranks} with "
+            f"{p.num_stages} stages and {p.num_microbatches} micro-batches, but this "
+            f"{cfg.pipeline_schedule} run has the {expected.kind} placement for PP={pp} with "
+            f"{expected.num_stages} stages and {m} micro-batches: save a schedule for this "
+            "run (simulate --schedule "
+            f"{cfg.pipeline_schedule} --pp {pp} --microbatches {m} --optimize --save FILE)"
+        )
     return None
 
 

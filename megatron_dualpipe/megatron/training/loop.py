@@ -8,7 +8,10 @@ of the global batch, reduced over all ranks in float64. Global rank 0 prints eve
 (Megatron-LM's log lines, checkpoint messages, the summary), each batch of lines in one
 write, so the log has one order however the ranks are scheduled. Evaluation runs the same
 forward-backward function with ``forward_only=True`` on ``eval_iters`` fixed batches of the
-validation split. The last iteration is measured (:mod:`.measure`) and summarised.
+validation split. The last iteration is measured (:mod:`.measure`) and summarised; with
+``optimize_schedule`` iteration OPTIMIZE_AFTER (counted from the start or the resumed
+iteration) is measured too, and the schedule switches to the optimised order after it
+(:mod:`.schedule_order`).
 
 The process group must be initialised; this module initialises and destroys Megatron's
 ``parallel_state``.
@@ -38,7 +41,7 @@ from ..registry import get_forward_backward_func
 from . import finite
 from .checkpoint import TrainState, load_checkpoint, save_checkpoint
 from .checkpoint_files import unwritable
-from .config import TrainConfig
+from .config import OPTIMIZE_AFTER, TrainConfig
 from .data import MicroBatch, SyntheticData
 from .errors import TrainError
 from .measure import StepRecorder, predict, write_side_by_side_png
@@ -53,6 +56,7 @@ from .report import (
     timestamp,
     validation_lines,
 )
+from .schedule_order import optimise_from_measured, saved_schedule
 
 __all__ = ["TrainResult", "forward_step", "run_rank"]
 
@@ -118,6 +122,8 @@ class _Run:
             pipeline_schedule=cfg.pipeline_schedule,
             timeout_s=60.0 * cfg.distributed_timeout_minutes,
         )
+        if cfg.schedule_file is not None:
+            self.forward_backward.use_schedule(saved_schedule(cfg.schedule_file))
         self.config = transformer_config(cfg, on_gpu=self.device.type == "cuda")
         self.model = build_model(cfg, self.config)
         self.optimizer, self.scheduler = build_optimizer(cfg, self.model)
@@ -313,15 +319,21 @@ class _Run:
         window = LogWindow()
         saved_at = self.state.iteration if self.result.resumed_from is not None else None
         recorder = None
+        # optimize_schedule: measure this iteration, then switch (when iterations follow).
+        switch_at = self.state.iteration + OPTIMIZE_AFTER if self.cfg.optimize_schedule else None
         while self.state.iteration < last:
             start = time.perf_counter()
-            loss, success, grad_norm, recorder = self.train_step(self.state.iteration + 1 == last)
+            upcoming = self.state.iteration + 1
+            switching = upcoming == switch_at and upcoming < last
+            loss, success, grad_norm, recorder = self.train_step(upcoming == last or switching)
             window.add(loss, time.perf_counter() - start, success, self.mtp)
             self.result.losses[self.state.iteration] = loss
             if self.mtp:
                 self.result.mtp_losses[self.state.iteration] = self.mtp
             if self._after_step(window, grad_norm, last):
                 saved_at = self.state.iteration
+            if switching:
+                self.say([optimise_from_measured(self.forward_backward, recorder, upcoming)])
             if self.bar is not None:
                 self.bar.update(self.state.iteration)
         if self.bar is not None:

@@ -4,6 +4,7 @@ imported by :mod:`megatron_dualpipe.schedules`. See docs/optimizer.md."""
 
 from .bound import Bound, lower_bound
 from .instance import Instance
+from .measured import measured_costs
 from .optimizer import Effort, OptimizeResult, hand_schedules, optimize
 from .report import bubble_removed, summary, summary_json
 
@@ -15,6 +16,7 @@ __all__ = [
     "bubble_removed",
     "hand_schedules",
     "lower_bound",
+    "measured_costs",
     "optimize",
     "summary",
     "summary_json",
