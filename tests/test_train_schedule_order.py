@@ -57,7 +57,8 @@ def test_a_saved_schedule_of_another_run_is_refused_before_work(tmp_path: Path) 
     other = tmp_path / "pp4.txt"
     other.write_text(generate("dualpipev", 4, 8).to_text(), encoding="utf-8")
     message = _error(f"schedule_file={other}")
-    assert message.startswith(f"{TINY}: schedule_file: {other} holds a schedule of the v ")
+    prefix = f"--set schedule_file={other}: schedule_file: {other} holds a schedule of the v "
+    assert message.startswith(prefix)
     assert "PP=4" in message and "PP=2" in message and "--pp 2 --microbatches 8" in message
 
     loop = tmp_path / "zb1p.txt"
