@@ -302,7 +302,7 @@ def _build_chunks(model: Model, layout: Layout) -> list[torch.nn.Module]:
         parallel["moe_token_dispatcher_type"] = layout.dispatcher
     if layout.schedule not in ("dualpipe", "dualpipev"):
         config = model.config(**parallel, **layout.split())
-        return list(tm.build_model_chunks(config, **model.build_kwargs()))
+        return list(tm.build_tiny_gpt_chunks(config, **model.build_kwargs()))
     counts = stage_layers(
         layout.schedule,
         layout.pp,

@@ -27,16 +27,18 @@ def run_workers(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks and return
     their results in rank order (see :func:`megatron_dualpipe.runtime.launch.run_ranks`)."""
-    try:
-        return run_ranks(
-            fn,
-            world_size,
-            args=args,
-            timeout_s=timeout_s,
-            pg_timeout_s=pg_timeout_s,
-            threads_per_rank=threads_per_worker,
-        )
-    except LaunchFailure as failure:
-        if failure.errors:
-            raise AssertionError(str(failure)) from None
-        raise WorkerTimeoutError(str(failure)) from None
+    return run_ranks(
+        fn,
+        world_size,
+        args=args,
+        timeout_s=timeout_s,
+        pg_timeout_s=pg_timeout_s,
+        threads_per_rank=threads_per_worker,
+        failure_as=_test_failure,
+    )
+
+
+def _test_failure(failure: LaunchFailure) -> AssertionError:
+    """A rank that raised fails the test with its traceback; a hang names the ranks killed."""
+    error = AssertionError if failure.errors else WorkerTimeoutError
+    return error(str(failure))
