@@ -15,6 +15,7 @@ from megatron.core.tensor_parallel import random as megatron_random
 
 from megatron_dualpipe.megatron.cpu_compat import apply_cpu_compat, cpu_compat_applied
 from tests.megatron_harness import (
+    CPU_ONLY,
     REL_TOL,
     RUN_TIMEOUT_S,
     Layout,
@@ -28,9 +29,7 @@ from tests.megatron_harness import (
 )
 from tests.multiproc import run_workers
 
-pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="CPU+gloo tests: apply_cpu_compat is a no-op with CUDA"
-)
+pytestmark = [pytest.mark.megatron, pytest.mark.multiproc, CPU_ONLY]
 
 
 # --------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from megatron.core import parallel_state
 from megatron_dualpipe.megatron.checks import DualPipeConfigError
 from megatron_dualpipe.megatron.registry import get_forward_backward_func
 from tests.megatron_harness import (
+    CPU_ONLY,
     PG_TIMEOUT_S,
     RUN_TIMEOUT_S,
     Layout,
@@ -36,9 +37,7 @@ def _one_f_one_b_trajectory() -> list[float]:
     return _trajectory(Model(), Layout(pp=2, ddp=True, microbatches=4))
 
 
-pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="CPU+gloo tests: apply_cpu_compat is a no-op with CUDA"
-)
+pytestmark = [pytest.mark.megatron, pytest.mark.multiproc, CPU_ONLY]
 
 
 @pytest.mark.parametrize("schedule", ["zb1p", "dualpipe", "dualpipev"])

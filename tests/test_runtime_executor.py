@@ -38,17 +38,7 @@ from megatron_dualpipe.schedules.registry import generate, spec
 from megatron_dualpipe.schedules.simulate import SimResult, simulate
 from tests.multiproc import run_workers
 
-
-def _warm_up() -> None:
-    """Pay lazy imports once, before the workers fork, not once per worker: the first
-    backward from a non-scalar output imports torch.fx (~1 s), the first optimizer step
-    torch._dynamo (~2 s)."""
-    param = nn.Parameter(torch.ones(2))
-    torch.autograd.backward(param * 2, torch.ones(2))
-    torch.optim.SGD([param], lr=0.1).step()
-
-
-_warm_up()
+pytestmark = pytest.mark.multiproc
 
 SCHEDULES = ("1f1b", "interleaved-1f1b", "zb1p", "dualpipe", "dualpipev")
 HIDDEN, IN_FEATURES, BATCH = 8, 6, 3
