@@ -7,9 +7,27 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import pytest
+
 from megatron_dualpipe.runtime.launch import LaunchFailure, run_ranks
 
-__all__ = ["WorkerTimeoutError", "run_workers"]
+__all__ = ["WorkerTimeoutError", "one_fast", "run_workers", "slow_unless"]
+
+
+def slow_unless(
+    fast: Callable[[Any], bool], values: Sequence[Any], ids: Callable[[Any], str] | None = None
+) -> list[Any]:
+    """``values`` as test parameters, those not ``fast`` marked ``slow``: the fast loop runs
+    a few variants of a multi-process test, the full suite all of them."""
+    return [
+        pytest.param(v, marks=() if fast(v) else pytest.mark.slow, id=ids(v) if ids else None)
+        for v in values
+    ]
+
+
+def one_fast(values: Sequence[Any], fast: Any) -> list[Any]:
+    """``values`` as test parameters, every one but ``fast`` marked ``slow``."""
+    return slow_unless(lambda v: v == fast, values)
 
 
 class WorkerTimeoutError(AssertionError):
