@@ -426,7 +426,7 @@ CASES = [
     pytest.param(1, False, id="dense-tp1"),
     pytest.param(1, True, id="moe-tp1"),
     pytest.param(2, False, id="dense-tp2"),
-    pytest.param(2, True, id="moe-tp2"),
+    pytest.param(2, True, id="moe-tp2", marks=pytest.mark.slow),
 ]
 
 
