@@ -234,13 +234,11 @@ CASES = [
 
 
 def _fast_first(cases: list[Case]) -> list:
-    """Cases as parameters; PP4 and dualpipe's deferral / grad-reduce variants marked slow:
-    the fast loop runs PP2 and dualpipev's variants."""
-    def fast(c: Case) -> bool:
-        variant = not c.deferral or c.overlap_grad_reduce
-        return c.pp == 2 and not (c.schedule == "dualpipe" and variant)
-
-    return slow_unless(fast, cases, ids=_id)
+    """Cases as parameters; PP4 and the deferral / grad-reduce variants marked slow: the
+    fast loop runs each schedule at PP2 with deferral."""
+    return slow_unless(
+        lambda c: c.pp == 2 and c.deferral and not c.overlap_grad_reduce, cases, ids=_id
+    )
 
 
 def _id(case: Case) -> str:
