@@ -27,9 +27,9 @@ from megatron_dualpipe.bench.measured import (  # noqa: E402
     measure,
 )
 from megatron_dualpipe.bench.measured_report import measured_table  # noqa: E402
-from megatron_dualpipe.bench.tables import markdown_table  # noqa: E402
 from megatron_dualpipe.schedules import generate, simulate  # noqa: E402
 from megatron_dualpipe.schedules.optimize import Effort, optimize  # noqa: E402
+from megatron_dualpipe.schedules.report import markdown_table  # noqa: E402
 
 PEERS = ("torch-zbv", "torch-dualpipev", "dualpipev")
 

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
@@ -33,7 +34,6 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 
 from megatron_dualpipe.megatron import tiny_models as tm
 from megatron_dualpipe.megatron.checks import stage_layers
-from megatron_dualpipe.megatron.cpu_compat import apply_cpu_compat
 from megatron_dualpipe.megatron.deferral import (
     ddp_config_for_deferral,
     enable_weight_grad_deferral,
@@ -47,8 +47,10 @@ from megatron_dualpipe.schedules.ir import Kind
 from megatron_dualpipe.schedules.registry import generate
 from tests.multiproc import run_workers
 
-apply_cpu_compat()  # before forking: every worker inherits the patches
-
+#: These tests run Megatron on CPU+gloo through the CPU compatibility layer (a no-op with CUDA).
+CPU_ONLY = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU+gloo tests: apply_cpu_compat is a no-op with CUDA"
+)
 REL_TOL = 1e-5
 FP32_EPS = float(torch.finfo(torch.float32).eps)
 NUM_MICROBATCHES = 8
@@ -302,7 +304,7 @@ def _build_chunks(model: Model, layout: Layout) -> list[torch.nn.Module]:
         parallel["moe_token_dispatcher_type"] = layout.dispatcher
     if layout.schedule not in ("dualpipe", "dualpipev"):
         config = model.config(**parallel, **layout.split())
-        return list(tm.build_model_chunks(config, **model.build_kwargs()))
+        return list(tm.build_tiny_gpt_chunks(config, **model.build_kwargs()))
     counts = stage_layers(
         layout.schedule,
         layout.pp,

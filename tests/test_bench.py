@@ -45,6 +45,7 @@ def test_an_illegal_cell_is_a_note_not_a_failure() -> None:
     assert "n/a" in simulated_table(rows, PROFILES[0])
 
 
+@pytest.mark.slow
 def test_quick_bench_writes_tables_figures_and_json(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:

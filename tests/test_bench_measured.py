@@ -37,6 +37,8 @@ from megatron_dualpipe.bench.measured_report import (
 from megatron_dualpipe.cli import main
 from megatron_dualpipe.schedules import generate, simulate
 
+pytestmark = [pytest.mark.megatron, pytest.mark.multiproc, pytest.mark.slow]
+
 TINY = MeasuredConfig(
     pp=2,
     microbatches=4,

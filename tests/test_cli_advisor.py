@@ -65,7 +65,12 @@ def _stages(config: Path) -> list[str]:
             'pipeline_model_parallel_layout: "Et|(tt|)*30,mL"',
             marks=pytest.mark.slow,
         ),
-        ("dualpipe", "Et*4|(t*4|)*14,tmL", "decoder_last_pipeline_num_layers: 1"),
+        pytest.param(
+            "dualpipe",
+            "Et*4|(t*4|)*14,tmL",
+            "decoder_last_pipeline_num_layers: 1",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_deepseek_v3_proposal(schedule: str, layout: str, line: str, tmp_path: Path) -> None:

@@ -19,6 +19,8 @@ import pytest
 
 from megatron_dualpipe.megatron.training import ConfigError, TrainError, load_config, train
 
+pytestmark = [pytest.mark.megatron, pytest.mark.multiproc, pytest.mark.slow]
+
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_gpt_cpu.yaml"
 SAVED = 3
 LR = re.compile(r"^ \[[-\d :.]+\] iteration +(\d+)/ +\d+ \|.* learning rate: (\S+) \|")

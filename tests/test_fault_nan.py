@@ -55,6 +55,7 @@ def test_a_diverging_run_stops_at_the_first_nan_and_keeps_the_last_checkpoint(
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "2\n"
 
 
+@pytest.mark.slow
 def test_with_the_check_off_training_carries_on_as_megatron_does() -> None:
     cfg = load_config(TINY, [*DIVERGING, "train_iters=5", "check_for_nan_in_loss_and_grad=false"])
     result = train(cfg, source=str(TINY))

@@ -25,6 +25,8 @@ import torch.distributed as dist
 from megatron_dualpipe.megatron.training.checkpoint_files import damage, iteration_dir, read_tracker
 from megatron_dualpipe.runtime.launch import LaunchFailure, run_ranks
 
+pytestmark = pytest.mark.multiproc
+
 #: Long enough that only the launcher's own detection can end the call in time.
 PG_TIMEOUT_S = 120.0
 #: Every rank must be gone this soon after one died.

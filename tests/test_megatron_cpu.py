@@ -15,6 +15,7 @@ from megatron.core.tensor_parallel import random as megatron_random
 
 from megatron_dualpipe.megatron.cpu_compat import apply_cpu_compat, cpu_compat_applied
 from tests.megatron_harness import (
+    CPU_ONLY,
     REL_TOL,
     RUN_TIMEOUT_S,
     Layout,
@@ -28,9 +29,7 @@ from tests.megatron_harness import (
 )
 from tests.multiproc import run_workers
 
-pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="CPU+gloo tests: apply_cpu_compat is a no-op with CUDA"
-)
+pytestmark = [pytest.mark.megatron, pytest.mark.multiproc, CPU_ONLY]
 
 
 # --------------------------------------------------------------------------------------
@@ -44,6 +43,7 @@ def test_1f1b_pp2_matches_reference() -> None:
     _check(Model(), Layout(pp=2), ONE_F_ONE_B)
 
 
+@pytest.mark.slow
 def test_1f1b_pp4_tied_rope_ddp_matches_reference() -> None:
     # Tied embeddings with PP > 1 (LanguageModule.setup_embeddings_and_output_layer), RoPE
     # (RotaryEmbedding.get_emb), DDP buffers and finalize_model_grads.
@@ -69,6 +69,7 @@ def test_interleaved_pp2_with_batched_p2p_gives_wrong_gradients() -> None:
     assert worst > 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
 def test_moe_pp2_ep2_dp2_matches_reference_through_optimizer_step(dispatcher: str) -> None:
     # 4 experts, top-2, two per EP rank; DP=2 data, DDP gradient reduction, Megatron's

@@ -25,7 +25,6 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 
 from megatron_dualpipe.megatron import deferral
 from megatron_dualpipe.megatron import tiny_models as tm
-from megatron_dualpipe.megatron.cpu_compat import apply_cpu_compat
 from megatron_dualpipe.megatron.deferral import (
     DeferrableColumnParallelLinear,
     DeferrableRowParallelLinear,
@@ -35,13 +34,10 @@ from megatron_dualpipe.megatron.deferral import (
     with_delay_wgrad_compute,
 )
 from megatron_dualpipe.runtime import DeferrableLayer, WeightGradStore
+from tests.megatron_harness import CPU_ONLY
 from tests.multiproc import run_workers
 
-pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="CPU+gloo tests: apply_cpu_compat is a no-op with CUDA"
-)
-
-apply_cpu_compat()  # before forking: every worker inherits the patches
+pytestmark = [pytest.mark.megatron, pytest.mark.multiproc, CPU_ONLY]
 
 REL_TOL = 1e-5
 NUM_LAYERS = 2
@@ -430,7 +426,7 @@ CASES = [
     pytest.param(1, False, id="dense-tp1"),
     pytest.param(1, True, id="moe-tp1"),
     pytest.param(2, False, id="dense-tp2"),
-    pytest.param(2, True, id="moe-tp2"),
+    pytest.param(2, True, id="moe-tp2", marks=pytest.mark.slow),
 ]
 
 

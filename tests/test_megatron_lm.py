@@ -26,6 +26,8 @@ from megatron_dualpipe.megatron.forward_backward import DualPipeForwardBackward
 from megatron_dualpipe.megatron.placement import StagePlacementLayout
 from tests.multiproc import run_workers
 
+pytestmark = pytest.mark.megatron
+
 PATCH = Path(__file__).resolve().parents[1] / "patches" / "megatron-lm-core_v0.16.1.patch"
 PATCHED_FILES = {
     "pretrain_gpt.py",
@@ -337,6 +339,7 @@ def _gather_losses(rank: int, world_size: int, schedule: str) -> tuple[list[dict
         parallel_state.destroy_model_parallel()
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("schedule", ["dualpipev", "dualpipe"])
 def test_losses_reach_the_last_stage(schedule: str) -> None:
     per_rank = run_workers(_gather_losses, 4, args=(schedule,), timeout_s=60)

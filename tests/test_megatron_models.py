@@ -70,6 +70,7 @@ def test_five_adam_steps_match_the_unpipelined_run(case: tuple) -> None:
     assert worst["grad"] <= 1e-5
 
 
+@pytest.mark.slow
 def test_one_step_matches_the_unpipelined_run() -> None:
     """The fast representative: dualpipev at PP=2, layout string, tied, every feature;
     losses, MTP losses and gradients of one step, and the weights after a clipped SGD step."""

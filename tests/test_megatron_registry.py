@@ -18,6 +18,8 @@ from megatron_dualpipe.megatron.placement import (
 )
 from megatron_dualpipe.megatron.tiny_models import tiny_gpt_config
 
+pytestmark = pytest.mark.megatron
+
 
 @pytest.fixture(autouse=True)
 def _nothing_installed():

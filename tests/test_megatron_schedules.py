@@ -16,6 +16,7 @@ from megatron.core import parallel_state
 from megatron_dualpipe.megatron.checks import DualPipeConfigError
 from megatron_dualpipe.megatron.registry import get_forward_backward_func
 from tests.megatron_harness import (
+    CPU_ONLY,
     PG_TIMEOUT_S,
     RUN_TIMEOUT_S,
     Layout,
@@ -28,7 +29,7 @@ from tests.megatron_harness import (
     _step,
     _trajectory,
 )
-from tests.multiproc import run_workers
+from tests.multiproc import one_fast, run_workers
 
 
 @functools.cache
@@ -36,9 +37,7 @@ def _one_f_one_b_trajectory() -> list[float]:
     return _trajectory(Model(), Layout(pp=2, ddp=True, microbatches=4))
 
 
-pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="CPU+gloo tests: apply_cpu_compat is a no-op with CUDA"
-)
+pytestmark = [pytest.mark.megatron, pytest.mark.multiproc, CPU_ONLY]
 
 
 @pytest.mark.parametrize("schedule", ["zb1p", "dualpipe", "dualpipev"])
@@ -46,11 +45,13 @@ def test_pp2_matches_reference(schedule: str) -> None:
     _check(Model(), Layout(pp=2, schedule=schedule), schedule)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["zb1p", "dualpipe", "dualpipev"])
 def test_pp4_matches_reference(schedule: str) -> None:
     _check(Model(), Layout(pp=4, schedule=schedule), schedule)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap_grad_reduce", [False, True])
 @pytest.mark.parametrize("schedule", ["zb1p", "dualpipe", "dualpipev"])
 def test_dp2_pp2_ddp_matches_reference(schedule: str, overlap_grad_reduce: bool) -> None:
@@ -60,6 +61,7 @@ def test_dp2_pp2_ddp_matches_reference(schedule: str, overlap_grad_reduce: bool)
     _check(Model(), layout, schedule)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ep", [1, 2])
 @pytest.mark.parametrize("schedule", ["zb1p", "dualpipe", "dualpipev"])
 def test_moe_matches_reference_through_optimizer_step(schedule: str, ep: int) -> None:
@@ -67,6 +69,7 @@ def test_moe_matches_reference_through_optimizer_step(schedule: str, ep: int) ->
     _check(Model(moe=True), layout, schedule)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["zb1p", "dualpipe", "dualpipev"])
 def test_five_adam_steps_follow_1f1b_loss_trajectory(schedule: str) -> None:
     """Megatron's DDP, Adam with clipping, five iterations: the same losses as Megatron's
@@ -77,12 +80,12 @@ def test_five_adam_steps_follow_1f1b_loss_trajectory(schedule: str) -> None:
     assert actual[-1] < actual[0], "five Adam steps should lower the loss"
 
 
-@pytest.mark.parametrize("schedule", ["zb1p", "dualpipe", "dualpipev"])
+@pytest.mark.parametrize("schedule", one_fast(["zb1p", "dualpipe", "dualpipev"], "dualpipev"))
 def test_tp2_pp2_matches_reference(schedule: str) -> None:
     _check(Model(), Layout(pp=2, tp=2, schedule=schedule), schedule)
 
 
-@pytest.mark.parametrize("schedule", ["zb1p", "dualpipe", "dualpipev"])
+@pytest.mark.parametrize("schedule", one_fast(["zb1p", "dualpipe", "dualpipev"], "dualpipe"))
 def test_without_deferral_matches_reference(schedule: str) -> None:
     layout = Layout(
         pp=2, dp=2, ddp=True, overlap_grad_reduce=True, schedule=schedule, deferral=False
@@ -90,6 +93,7 @@ def test_without_deferral_matches_reference(schedule: str) -> None:
     _check(Model(), layout, schedule)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["zb1p", "dualpipe", "dualpipev"])
 def test_distributed_optimizer_follows_1f1b_loss_trajectory(schedule: str) -> None:
     """DP=2 with Megatron's distributed optimizer (Adam, sharded state, reduce-scatter of
@@ -101,19 +105,20 @@ def test_distributed_optimizer_follows_1f1b_loss_trajectory(schedule: str) -> No
     assert _trajectory(Model(), layout) == pytest.approx(expected, rel=1e-5)
 
 
-@pytest.mark.parametrize("schedule", ["dualpipe", "dualpipev"])
+@pytest.mark.parametrize("schedule", one_fast(["dualpipe", "dualpipev"], "dualpipe"))
 def test_tied_embeddings_match_reference_through_optimizer_step(schedule: str) -> None:
     # The embedding and its copy for the output layer share one rank: summed locally.
     layout = Layout(pp=2, ddp=True, optimizer=True, schedule=schedule)
     _check(Model(tied=True), layout, schedule)
 
 
+@pytest.mark.slow
 def test_tied_embeddings_work_with_zb1p() -> None:
     # zb1p keeps Megatron's placement, so Megatron's embedding group ties them correctly.
     _check(Model(tied=True), Layout(pp=2, ddp=True, schedule="zb1p"), "zb1p")
 
 
-@pytest.mark.parametrize("schedule", ["dualpipe", "dualpipev"])
+@pytest.mark.parametrize("schedule", one_fast(["dualpipe", "dualpipev"], "dualpipev"))
 def test_megatrons_explicit_process_groups_are_used(schedule: str) -> None:
     layout = Layout(pp=2, dp=2, ddp=True, schedule=schedule, explicit_groups=True)
     _check(Model(), layout, schedule)

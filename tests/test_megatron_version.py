@@ -29,6 +29,8 @@ from megatron_dualpipe.megatron.version import (
 )
 from tests.multiproc import run_workers
 
+pytestmark = pytest.mark.megatron
+
 OTHER = "0.17.0"
 CPU_COMPAT_REFUSAL = (
     "the CPU compatibility layer (megatron_dualpipe.megatron.cpu_compat) is written for "
@@ -110,6 +112,7 @@ def _deferral_on_release(rank: int, world_size: int, release: str) -> dict[str, 
 
 
 @on_cpu
+@pytest.mark.multiproc
 def test_deferral_refuses_another_release_before_converting_a_layer() -> None:
     apply_cpu_compat()  # before forking: the worker inherits the patches
     pinned, other = (

@@ -11,6 +11,8 @@ import torch.distributed as dist
 
 from tests.multiproc import WorkerTimeoutError, run_workers
 
+pytestmark = pytest.mark.multiproc
+
 
 def _rank_info(rank: int, world_size: int, scale: int) -> tuple[int, int, int, float]:
     # Stagger the finish so arrival order differs from rank order.

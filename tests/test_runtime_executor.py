@@ -36,19 +36,9 @@ from megatron_dualpipe.schedules.ir import COMM_KINDS, Kind, Placement, Schedule
 from megatron_dualpipe.schedules.lowering import lower
 from megatron_dualpipe.schedules.registry import generate, spec
 from megatron_dualpipe.schedules.simulate import SimResult, simulate
-from tests.multiproc import run_workers
+from tests.multiproc import run_workers, slow_unless
 
-
-def _warm_up() -> None:
-    """Pay lazy imports once, before the workers fork, not once per worker: the first
-    backward from a non-scalar output imports torch.fx (~1 s), the first optimizer step
-    torch._dynamo (~2 s)."""
-    param = nn.Parameter(torch.ones(2))
-    torch.autograd.backward(param * 2, torch.ones(2))
-    torch.optim.SGD([param], lr=0.1).step()
-
-
-_warm_up()
+pytestmark = pytest.mark.multiproc
 
 SCHEDULES = ("1f1b", "interleaved-1f1b", "zb1p", "dualpipe", "dualpipev")
 HIDDEN, IN_FEATURES, BATCH = 8, 6, 3
@@ -97,6 +87,12 @@ def _cases() -> list[Case]:
 
 
 CASES = _cases()
+
+
+def _params(cases: list[Case]) -> list:
+    """Cases as parameters; those over more than two ranks (one launch per PP for all their
+    tests) marked slow: PP2 runs the same schedules fast."""
+    return slow_unless(lambda c: c.ranks == 2, cases, ids=str)
 
 
 # -- the model, its data, the reference ------------------------------------------------
@@ -348,7 +344,7 @@ def relative_error(actual: Any, expected: Any) -> float:
 
 
 # -- the contracts ---------------------------------------------------------------------
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("case", _params(CASES))
 def test_losses_and_gradients_match_the_single_process_reference(case: Case) -> None:
     ref = reference(case)
     outcomes = outcomes_of(case)
@@ -366,7 +362,7 @@ def test_losses_and_gradients_match_the_single_process_reference(case: Case) -> 
     assert seen == set(ref.grads)
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("case", _params(CASES))
 def test_measured_peak_activations_equal_the_simulated_ones(case: Case) -> None:
     measured = [o.peak for o in outcomes_of(case)]
     simulated = [o.simulated_peak for o in outcomes_of(case)]
@@ -377,7 +373,7 @@ def test_measured_peak_activations_equal_the_simulated_ones(case: Case) -> None:
         assert all(m <= s for m, s in zip(measured, simulated, strict=True))
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.defer and not c.variable], ids=str)
+@pytest.mark.parametrize("case", _params([c for c in CASES if c.defer and not c.variable]))
 def test_forward_only_returns_the_reference_outputs(case: Case) -> None:
     ref = reference(case)
     outputs = {mb: out for o in outcomes_of(case) for mb, out in o.outputs.items()}
@@ -386,7 +382,7 @@ def test_forward_only_returns_the_reference_outputs(case: Case) -> None:
         assert relative_error(out, ref.outputs[mb]) <= 1e-5
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.schedule == "dualpipe"], ids=str)
+@pytest.mark.parametrize("case", _params([c for c in CASES if c.schedule == "dualpipe"]))
 def test_dualpipe_copies_are_identical_after_an_optimizer_step(case: Case) -> None:
     outcomes = outcomes_of(case)
     for rank in range(case.ranks):
@@ -394,7 +390,7 @@ def test_dualpipe_copies_are_identical_after_an_optimizer_step(case: Case) -> No
         assert all(torch.equal(a, b) for a, b in zip(mine, partner, strict=True))
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.hook], ids=str)
+@pytest.mark.parametrize("case", _params([c for c in CASES if c.hook]))
 def test_planned_stages_interleave_every_fb_action(case: Case) -> None:
     schedule = case.build()
     layers = len(build_stages(1)[0])

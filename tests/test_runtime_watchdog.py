@@ -20,7 +20,7 @@ from megatron_dualpipe.runtime.watchdog import Watchdog
 from megatron_dualpipe.schedules.registry import generate
 from tests.multiproc import run_workers
 
-torch.autograd.backward(torch.ones(2, requires_grad=True) * 2, torch.ones(2))  # warm up
+pytestmark = pytest.mark.multiproc
 
 RANKS, MICROBATCHES, FAULTY_RANK = 4, 4, 1
 TIMEOUT_S = 1.0

@@ -114,6 +114,7 @@ def test_figures_only_simulation_gives_the_same_figures(name: str) -> None:
     assert figures.messages == [] and all(r.actions == [] for r in figures.ranks)
 
 
+@pytest.mark.slow
 def test_progress_is_reported_in_actions() -> None:
     schedule = generate("dualpipev", 64, 1600)  # about 400,000 actions
     seen: list[int] = []

@@ -10,13 +10,21 @@ from megatron_dualpipe.schedules.simulate import DeadlockError
 from megatron_dualpipe.schedules.validate import validate
 
 
-@pytest.mark.parametrize("name", list(SCHEDULES))
-def test_every_legal_configuration_validates(name: str) -> None:
+def _microbatch_counts(name: str, ranks: int, sampled: bool) -> list[int]:
+    """Micro-batch counts to try at ``ranks``: all from one below the minimum up to
+    ``4 x ranks``, or (``sampled``) the legality edges and a few counts in between."""
+    low = max(1, spec(name).min_microbatches(ranks) - 1)
+    counts = range(low, 4 * ranks + 1)
+    if not sampled:
+        return list(counts)
+    picks = {low, low + 1, low + 2, 2 * ranks - 1, 2 * ranks, 2 * ranks + 1, 4 * ranks}
+    return sorted(picks.intersection(counts))
+
+
+def _check_every_configuration(name: str, sampled: bool) -> None:
     checked = 0
     for ranks in range(2, 17):
-        for microbatches in range(spec(name).min_microbatches(ranks) - 1, 4 * ranks + 1):
-            if microbatches < 1:
-                continue
+        for microbatches in _microbatch_counts(name, ranks, sampled):
             if not spec(name).is_legal(ranks, microbatches):
                 with pytest.raises(ScheduleError, match=name):
                     generate(name, ranks, microbatches)
@@ -25,6 +33,17 @@ def test_every_legal_configuration_validates(name: str) -> None:
             assert lowered.is_lowered
             checked += 1
     assert checked >= 15  # at least one legal count per PP
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_legal_configurations_validate_sampled(name: str) -> None:
+    _check_every_configuration(name, sampled=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_every_legal_configuration_validates(name: str) -> None:
+    _check_every_configuration(name, sampled=False)
 
 
 def _edit(schedule: Schedule, rank: int, edit) -> Schedule:

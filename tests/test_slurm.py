@@ -147,6 +147,7 @@ def test_cpu_launcher_ranks_rendezvous_across_nodes(tmp_path: Path) -> None:
     assert job.output.count("train_iters=3") == 4, job.output
 
 
+@pytest.mark.slow
 @needs_slurm
 def test_cpu_launcher_trains_end_to_end(tmp_path: Path) -> None:
     """2 nodes x 1 task, 3 iterations of the tiny CPU config: exit code 0, one loss line per

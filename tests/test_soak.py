@@ -24,6 +24,8 @@ import torch
 from megatron_dualpipe.megatron.training import load_config, loop, train
 from megatron_dualpipe.runtime.executor import PipelineExecutor
 
+pytestmark = [pytest.mark.megatron, pytest.mark.multiproc]
+
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_gpt_cpu.yaml"
 ITERATIONS = int(os.environ.get("SOAK_ITERATIONS", "250"))
 EVERY, WARM_UP, TOLERANCE = 50, ITERATIONS // 5, 0.05

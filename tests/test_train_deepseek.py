@@ -21,7 +21,7 @@ import pytest
 from megatron_dualpipe.megatron.training import load_config, train
 from tests.megatron_harness import _same_to_7_digits
 
-pytestmark = [pytest.mark.megatron, pytest.mark.multiproc]
+pytestmark = [pytest.mark.megatron, pytest.mark.multiproc, pytest.mark.slow]
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny_deepseek_cpu.yaml"
 ITERATIONS, SAVED_AT = 6, 3

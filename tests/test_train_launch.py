@@ -11,6 +11,8 @@ import pytest
 
 from megatron_dualpipe.megatron.training import launch, load_config
 
+pytestmark = [pytest.mark.megatron, pytest.mark.multiproc]
+
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_gpt_cpu.yaml"
 _LAUNCH_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
 

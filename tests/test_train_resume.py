@@ -19,6 +19,8 @@ import pytest
 
 from megatron_dualpipe.megatron.training import TrainError, load_config, train
 
+pytestmark = [pytest.mark.megatron, pytest.mark.multiproc, pytest.mark.slow]
+
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_gpt_cpu.yaml"
 ITERATIONS, SAVED_AT = 10, 5
 

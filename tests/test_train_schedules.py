@@ -28,6 +28,8 @@ import pytest
 
 from megatron_dualpipe.megatron.training import load_config, train
 
+pytestmark = [pytest.mark.megatron, pytest.mark.multiproc, pytest.mark.slow]
+
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_gpt_cpu.yaml"
 SCHEDULES = ("1f1b", "zb1p", "dualpipe", "dualpipev", "interleaved-1f1b")
 SAME_ORDER = ("zb1p", "dualpipev", "interleaved-1f1b")  # bit-identical to 1f1b unclipped

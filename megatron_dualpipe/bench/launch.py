@@ -7,8 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import DualPipeError
-from ..runtime.launch import LaunchFailure
-from ..runtime.launch import run_ranks as _run_ranks
+from ..runtime import launch
 
 __all__ = ["BenchError", "run_ranks"]
 
@@ -27,7 +26,11 @@ def run_ranks(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks; return
     their (picklable) results in rank order, or raise :class:`BenchError`."""
-    try:
-        return _run_ranks(fn, world_size, args=args, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s)
-    except LaunchFailure as failure:
-        raise BenchError(failure.first) from None
+    return launch.run_ranks(
+        fn,
+        world_size,
+        args=args,
+        timeout_s=timeout_s,
+        pg_timeout_s=pg_timeout_s,
+        failure_as=lambda failure: BenchError(failure.first),
+    )

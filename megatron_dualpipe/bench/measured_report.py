@@ -8,8 +8,8 @@ import statistics
 
 from ..schedules import SimResult, simulate
 from ..schedules.registry import OUR_SCHEDULES
+from ..schedules.report import markdown_table
 from .measured import BASELINE, OPTIMISED, MeasuredRun
-from .tables import markdown_table
 
 __all__ = [
     "NOISE",

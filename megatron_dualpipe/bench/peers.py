@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass, field
 
 from ..schedules import CostModel, Placement, simulate
+from ..schedules.report import markdown_table
 from .launch import run_ranks
-from .tables import markdown_table
 from .torch_schedules import TORCH_SCHEDULES, as_torch_runs, import_torch_schedule
 
 __all__ = ["PeerConfig", "PeerResult", "measure_peers", "peers_table"]

@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 
 from ..schedules import Schedule, ScheduleError, SimResult, simulate, validate
 from ..schedules.optimize import Effort  # the optimiser imports SciPy only when it runs
+from ..schedules.report import markdown_table
 from .catalog import PROFILES, SCHEDULES, Profile, ScheduleEntry
-from .tables import markdown_table
 
 __all__ = [
     "BASELINE",

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from ..errors import DualPipeError
 from ..schedules.ir import ScheduleError
-from ..schedules.layer_split import LayerSplit, stage_layer_counts
-from ..schedules.layout import MTP, check_layout, parse_layout
+from ..schedules.layer_split import LayerSplit, stage_layouts
+from ..schedules.layout import DECODER
 from ..schedules.registry import SCHEDULES, ScheduleSpec, spec
 
 __all__ = [
@@ -57,24 +57,11 @@ def stage_layers(
     stages = schedule_spec(schedule).model_stages(pipeline_size)
     where = f"{schedule} at PP={pipeline_size} runs {stages} model stages"
     try:
-        if layout is None:
-            split = LayerSplit(num_layers, first, last, account_for_embedding, account_for_loss)
-            return tuple(stage_layer_counts(split, stages))
-        if first is not None or last is not None or account_for_embedding or account_for_loss:
-            raise ScheduleError(
-                "a layout string cannot be combined with first/last stage layer counts or with "
-                "accounting for the embedding or loss (as in Megatron-Core): use one of them"
-            )
-        parsed = parse_layout(layout)
-        counts = check_layout(parsed, num_layers, mtp_num_layers or 0, stages)
-        if mtp_num_layers and MTP not in parsed[-1]:
-            raise ScheduleError(
-                "the pipeline layout must end with the MTP layers (m) and the loss (L) in the "
-                "last stage: the MTP block lives with the loss"
-            )
-        return tuple(counts)
+        split = LayerSplit(num_layers, first, last, account_for_embedding, account_for_loss)
+        layouts = stage_layouts(split, stages, layout, mtp_num_layers or 0)
     except ScheduleError as err:
         raise DualPipeConfigError(f"{where}: {err}") from None
+    return tuple(stage.count(DECODER) for stage in layouts)
 
 
 def check_run(

@@ -417,8 +417,12 @@ def _install_cpu_rng_tracker() -> None:
 # Tied embeddings (LanguageModule.setup_embeddings_and_output_layer).
 
 
-class _TensorCudaIsIdentity(TorchFunctionMode):
-    """Within this mode ``tensor.cuda()`` returns the tensor itself."""
+class _TensorMethodOverride(TorchFunctionMode):
+    """Within this mode a call of the tensor method ``method`` returns ``result(tensor)``."""
+
+    def __init__(self, method: Callable[..., Any], result: Callable[[torch.Tensor], Any]):
+        super().__init__()
+        self._method, self._result = method, result
 
     def __torch_function__(
         self,
@@ -427,32 +431,27 @@ class _TensorCudaIsIdentity(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if func is torch.Tensor.cuda:
-            return args[0]
+        if func is self._method:
+            return self._result(args[0])
         return func(*args, **(kwargs or {}))
 
 
-class _RecordStreamIsNoOp(TorchFunctionMode):
+def _tensor_cuda_is_identity() -> TorchFunctionMode:
+    """Within this mode ``tensor.cuda()`` returns the tensor itself."""
+    return _TensorMethodOverride(torch.Tensor.cuda, lambda tensor: tensor)
+
+
+def _record_stream_is_no_op() -> TorchFunctionMode:
     """Within this mode ``tensor.record_stream(stream)`` does nothing: CPU work runs in
     order, and CPU tensors have no ``record_stream``."""
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        if func is torch.Tensor.record_stream:
-            return None
-        return func(*args, **(kwargs or {}))
+    return _TensorMethodOverride(torch.Tensor.record_stream, lambda tensor: None)
 
 
 def schedule_plan_context() -> contextlib.AbstractContextManager[None]:
     """Where Megatron's schedule plan runs (MoE all-to-all overlap): on CPU, its nodes'
     ``record_stream`` calls (made on tensors they free) do nothing; a no-op context with
     CUDA or when the compatibility layer is not applied."""
-    return _RecordStreamIsNoOp() if _applied else contextlib.nullcontext()
+    return _record_stream_is_no_op() if _applied else contextlib.nullcontext()
 
 
 class _CpuTypesLookCuda(TorchFunctionMode):
@@ -477,13 +476,9 @@ def _patch_distributed_optimizer_types() -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     original = DistributedOptimizer._build_model_and_main_param_groups
-
-    @functools.wraps(original)
-    def build_groups(*args: Any, **kwargs: Any) -> Any:
-        with _CpuTypesLookCuda():
-            return original(*args, **kwargs)
-
-    DistributedOptimizer._build_model_and_main_param_groups = staticmethod(build_groups)
+    DistributedOptimizer._build_model_and_main_param_groups = staticmethod(
+        _within(_CpuTypesLookCuda, original)
+    )
 
 
 def _patch_float16_optimizer_types() -> None:
@@ -492,26 +487,29 @@ def _patch_float16_optimizer_types() -> None:
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
     original = Float16OptimizerWithFloat16Params.__init__
-
-    @functools.wraps(original)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        with _CpuTypesLookCuda():
-            original(self, *args, **kwargs)
-
-    Float16OptimizerWithFloat16Params.__init__ = __init__
+    Float16OptimizerWithFloat16Params.__init__ = _within(_CpuTypesLookCuda, original)
 
 
 def _make_tensor_cuda_identity_in_embedding_setup() -> None:
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
     original = LanguageModule.setup_embeddings_and_output_layer
+    LanguageModule.setup_embeddings_and_output_layer = _within(
+        _tensor_cuda_is_identity, original
+    )
+
+
+def _within(
+    mode: Callable[[], TorchFunctionMode], original: Callable[..., Any]
+) -> Callable[..., Any]:
+    """``original``, called inside a fresh ``mode()``."""
 
     @functools.wraps(original)
-    def setup_embeddings_and_output_layer(self: Any) -> None:
-        with _TensorCudaIsIdentity():
-            original(self)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with mode():
+            return original(*args, **kwargs)
 
-    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+    return wrapped
 
 
 # --------------------------------------------------------------------------------------

@@ -34,7 +34,6 @@ from .checks import DualPipeConfigError, schedule_spec, stage_layers
 __all__ = [
     "ChunkRole",
     "StagePlacementLayout",
-    "build_model_chunks",
     "chunk_roles",
     "config_chunk_roles",
     "embedding_ranks",
@@ -233,26 +232,3 @@ def embedding_ranks(schedule: str | None) -> Callable[[list[int]], list[int]] | 
 
 def _first_rank(pp_ranks: list[int]) -> list[int]:
     return list(pp_ranks[:1])
-
-
-def build_model_chunks(
-    model_provider: Callable[..., Any],
-    schedule: str,
-    *,
-    pipeline_size: int,
-    rank: int,
-    layers: int | Sequence[int],
-) -> list[Any]:
-    """Call ``model_provider(pre_process=, post_process=, vp_stage=)`` once per local chunk.
-
-    The provider must build its TransformerConfig with
-    ``pipeline_model_parallel_layout=StagePlacementLayout(schedule, pipeline_size, layers)``
-    (or receive such a config): that is how Megatron's layer builders learn each chunk's
-    global layers.
-    """
-    return [
-        model_provider(
-            pre_process=role.pre_process, post_process=role.post_process, vp_stage=role.chunk
-        )
-        for role in chunk_roles(schedule, pipeline_size, rank, layers)
-    ]

@@ -33,9 +33,9 @@ from .tied import release_unused_output_weight
 __all__ = [
     "SEQ_LENGTH",
     "VOCAB_SIZE",
-    "build_model_chunks",
     "build_reference_gpt",
     "build_tiny_gpt",
+    "build_tiny_gpt_chunks",
     "global_gradients",
     "global_named_parameters",
     "global_state",
@@ -156,7 +156,7 @@ def build_tiny_gpt(
     return chunk
 
 
-def build_model_chunks(config: TransformerConfig, **model_kwargs: Any) -> list[GPTModel]:
+def build_tiny_gpt_chunks(config: TransformerConfig, **model_kwargs: Any) -> list[GPTModel]:
     """This rank's model chunks (one per virtual stage) in Megatron's standard placement."""
     vp = config.virtual_pipeline_model_parallel_size
     stages: Sequence[int | None] = [None] if vp is None else range(vp)

@@ -552,7 +552,7 @@ class PipelineExecutor:
         the tensors its graph saved); returns the tensors its backward starts from (the
         loss, or the elements that get a gradient)."""
         elements = _elements(out, f"the output of stage {stage}")
-        remote = nxt is not None and self.placement.rank_of(nxt) != self.rank
+        remote = self.placement.remote_neighbours(stage)[1]
         if remote and step.training and self.free_outputs:
             elements = tuple(_viewless(t) for t in elements)
         if nxt is None:
@@ -567,7 +567,7 @@ class PipelineExecutor:
             loss = self.loss_fn(out, mb)
             step.result.losses[mb] = loss.detach()
             return (loss,)
-        if self.placement.rank_of(nxt) == self.rank:
+        if not remote:
             step.inbox[(Kind.RECV_F, nxt, mb)] = tuple(t.detach() for t in elements)
         else:
             key = (Kind.RECV_F, nxt, mb)
@@ -636,7 +636,7 @@ class PipelineExecutor:
         if prev is None:
             return
         dx = tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in unit.inputs)
-        box = step.inbox if p.rank_of(prev) == self.rank else step.outbox
+        box = step.outbox if p.remote_neighbours(action.stage)[0] else step.inbox
         box[(Kind.RECV_B, prev, action.microbatch)] = dx
 
     def _forward_backward(self, action: Action, step: _Step) -> None:

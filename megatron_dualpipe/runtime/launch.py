@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from ..errors import DualPipeError
 
-__all__ = ["LaunchFailure", "run_ranks"]
+__all__ = ["LaunchFailure", "pick_port", "run_ranks"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,10 +107,12 @@ def run_ranks(
     pg_timeout_s: float = 10.0,
     threads_per_rank: int = 1,
     plain_errors: tuple[type[BaseException], ...] = (),
+    failure_as: Callable[[LaunchFailure], BaseException] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked ranks, each with the
     default gloo process group (``pg_timeout_s``) and the torchrun environment variables
-    set; return their picklable results in rank order, or raise :class:`LaunchFailure`.
+    set; return their picklable results in rank order, or raise :class:`LaunchFailure`
+    (or, given ``failure_as``, the caller's own error made from it).
 
     ``timeout_s`` None waits as long as the ranks run. An exception of a ``plain_errors``
     type is reported by its message alone (it explains itself); others as
@@ -128,7 +130,8 @@ def run_ranks(
             break
         logger.warning("run_ranks: rendezvous failed (attempt %d), retrying", attempt)
     if errors or unfinished:
-        raise LaunchFailure(world_size, errors, unfinished, timeout_s)
+        failure = LaunchFailure(world_size, errors, unfinished, timeout_s)
+        raise failure if failure_as is None else failure_as(failure)
     return [results[rank] for rank in range(world_size)]
 
 
@@ -143,7 +146,7 @@ def _launch(
 ) -> tuple[dict[int, Any], list[tuple[int, str, str]], list[int]]:
     """Fork the ranks once, collect their reports, and leave none running."""
     ctx = multiprocessing.get_context("fork")
-    port = _pick_port()
+    port = pick_port()
     procs: list[multiprocessing.process.BaseProcess] = []
     watches: list[_Watch] = []
     try:
@@ -181,7 +184,7 @@ def _launch(
             watch.close()
 
 
-def _pick_port() -> int:
+def pick_port() -> int:
     """A port free right now that this process has not handed out before."""
     while True:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

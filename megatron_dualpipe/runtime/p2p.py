@@ -42,14 +42,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..schedules.ir import Action, Kind, Placement
-from ..schedules.lowering import message_key, peer_of
+from ..schedules.ir import Action, Kind, Placement, action_text
+from ..schedules.lowering import MessageKey, message_key, peer_of
 from .watchdog import PipelineCommError, PipelineWaitError, Watchdog
 
 __all__ = ["MAX_ELEMENTS", "MessageKey", "Payload", "PipeComm", "TensorSpec"]
 
-#: ``(Kind.RECV_F or Kind.RECV_B, receiving stage, micro-batch)``.
-MessageKey = tuple[Kind, int, int]
 #: What one message carries: its elements, in order.
 Payload = tuple[torch.Tensor, ...]
 #: Schedule messages use tags below this; tags from here up are free for other traffic.
@@ -230,7 +228,7 @@ class PipeComm:
         ops = send_ops + receive_ops
         if not ops:
             return
-        names = dict.fromkeys([str(a) for a, _ in sends] + [_name(k) for k, _ in slots])
+        names = dict.fromkeys([str(a) for a, _ in sends] + [action_text(*k) for k, _ in slots])
         with self.watchdog.guard(", ".join(names), ops[0].peer):
             works = self._start(ops)
         for (key, element), work in zip(slots, works[len(send_ops) :], strict=True):
@@ -252,7 +250,7 @@ class PipeComm:
             specs = self._specs[key[:2]]
             posted = self._posted[key] = _Posted(peer, [], [])
             for element, spec in enumerate(specs):
-                what = _element_name(_name(key), element, len(specs))
+                what = _element_name(action_text(*key), element, len(specs))
                 shape = torch.empty(len(spec.shape), dtype=torch.int64, device=spec.device)
                 (work,) = self._start([self._op(False, key, element, peer, shape, shape=True)])
                 self.watchdog.wait(work, f"the shape of {what}", peer)
@@ -277,7 +275,7 @@ class PipeComm:
             key = message_key(action, self.placement)
             posted = self._posted.pop(key)
             for element, work in enumerate(posted.works):
-                what = _element_name(_name(key), element, len(posted.works))
+                what = _element_name(action_text(*key), element, len(posted.works))
                 self.watchdog.wait(work, what, posted.peer)
             payloads.append(tuple(posted.buffers))
         return payloads
@@ -295,9 +293,8 @@ class PipeComm:
     def finish(self) -> None:
         """Wait until every send has completed; every posted receive must be consumed."""
         if self._posted:
-            raise RuntimeError(
-                f"receives posted but never consumed: {sorted(map(_name, self._posted))}"
-            )
+            names = sorted(action_text(*key) for key in self._posted)
+            raise RuntimeError(f"receives posted but never consumed: {names}")
         reaper, self._reaper = self._reaper, None
         if reaper is not None:
             reaper.close()
@@ -319,11 +316,6 @@ class _Op:
     def p2p(self) -> dist.P2POp:
         op = dist.isend if self.send else dist.irecv
         return dist.P2POp(op, self.tensor, group=self.group, tag=self.tag, group_peer=self.peer)
-
-
-def _name(key: MessageKey) -> str:
-    kind, stage, mb = key
-    return f"{stage}{kind.value}{mb}"
 
 
 def _element_name(message: str, element: int, elements: int) -> str:

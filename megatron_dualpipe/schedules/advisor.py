@@ -22,8 +22,8 @@ import yaml
 from .config_values import check_positive, read_fields
 from .cost import CostModel
 from .ir import Kind, Schedule, ScheduleError
-from .layer_split import LayerSplit, stage_layer_counts
-from .layout import DECODER, EMBEDDING, LOSS, MTP, check_layout, format_layout, parse_layout
+from .layer_split import LayerSplit, stage_layer_counts, stage_layouts, stages_from_counts
+from .layout import DECODER, EMBEDDING, LOSS, MTP, format_layout
 from .model_cost import ModelShape, StageCost, Work, stage_costs
 from .registry import ScheduleSpec, spec
 from .retime import Retimer
@@ -339,21 +339,6 @@ def stages_for(shape: ModelShape, setup: PipelineSetup, model_stages: int) -> li
     place them; first/last counts and accounting through
     :func:`.layer_split.stage_layer_counts`); :class:`ScheduleError` with the fix where it
     does not split."""
-    mtp = shape.mtp_layers
-    if setup.pipeline_model_parallel_layout is not None:
-        if _has_split(replace(setup, pipeline_model_parallel_layout=None)):
-            raise ScheduleError(
-                "pipeline_model_parallel_layout cannot be combined with first/last stage "
-                "layer counts or embedding/loss accounting (as in Megatron-LM): use one of them"
-            )
-        stages = parse_layout(setup.pipeline_model_parallel_layout)
-        check_layout(stages, shape.num_layers, mtp, model_stages)
-        if mtp and MTP not in stages[-1]:
-            raise ScheduleError(
-                "the pipeline layout must end with the MTP layers (m) and the loss (L) in the "
-                "last stage: under our schedules the MTP block lives with the loss"
-            )
-        return stages
     split = LayerSplit(
         shape.num_layers,
         setup.decoder_first_pipeline_num_layers,
@@ -361,7 +346,8 @@ def stages_for(shape: ModelShape, setup: PipelineSetup, model_stages: int) -> li
         setup.account_for_embedding_in_pipeline_split,
         setup.account_for_loss_in_pipeline_split,
     )
-    return _stages_from_counts(stage_layer_counts(split, model_stages), mtp)
+    layout = setup.pipeline_model_parallel_layout
+    return stage_layouts(split, model_stages, layout, shape.mtp_layers)
 
 
 # --------------------------------------------------------------------------------------
@@ -403,7 +389,7 @@ class _Search:
         return tuple(stages_for(self.shape, self.setup, self.stages))
 
     def stages_from_counts(self, counts: list[int]) -> tuple[str, ...]:
-        return tuple(_stages_from_counts(counts, self.shape.mtp_layers))
+        return tuple(stages_from_counts(counts, self.shape.mtp_layers))
 
     def balanced_counts(self) -> list[int]:
         """Counts that spread the work evenly over ranks (each layer to the rank, then the
@@ -449,7 +435,7 @@ class _Search:
                 counts = stage_layer_counts(split, self.stages)
             except ScheduleError:
                 continue
-            yield option, tuple(_stages_from_counts(counts, mtp))
+            yield option, tuple(stages_from_counts(counts, mtp))
 
     def best_first_last(
         self, cap: float, say: Callable[[str], None]
@@ -668,16 +654,6 @@ class ActivationPeaks:
             for h in halves:
                 live[p.chunk_of(h.stage)] -= h.kind in (Kind.W, Kind.BW)
         return [v for v in seen if not any(o != v and all(map(int.__ge__, o, v)) for o in seen)]
-
-
-def _stages_from_counts(counts: list[int], mtp: int) -> list[str]:
-    """Layout strings for decoder ``counts`` per stage: the embedding first, the MTP layers
-    and the loss last."""
-    last = len(counts) - 1
-    return [
-        (EMBEDDING if i == 0 else "") + DECODER * c + (MTP * mtp + LOSS if i == last else "")
-        for i, c in enumerate(counts)
-    ]
 
 
 def _even_counts(num_layers: int, stages: int) -> list[int]:

@@ -23,6 +23,7 @@ __all__ = [
     "Placement",
     "Schedule",
     "ScheduleError",
+    "action_text",
     "parse_action",
 ]
 
@@ -76,7 +77,7 @@ class Action(NamedTuple):
     def __str__(self) -> str:
         if self.kind is Kind.FB:
             return f"({self.sub[0]};{self.sub[1]})FB"
-        return f"{self.stage}{self.kind.value}{self.microbatch}"
+        return action_text(self.kind, self.stage, self.microbatch)
 
     def to_json(self) -> dict:
         out = {
@@ -93,6 +94,11 @@ class Action(NamedTuple):
     def from_json(data: dict) -> Action:
         sub = tuple(Action.from_json(s) for s in data.get("sub", ()))
         return Action(Kind(data["kind"]), data["stage"], data["microbatch"], data["chunk"], sub)
+
+
+def action_text(kind: Kind, stage: int, microbatch: int) -> str:
+    """How an action or a message key prints: stage, kind, micro-batch (``3F5``, ``1RECV_B0``)."""
+    return f"{stage}{kind.value}{microbatch}"
 
 
 _TOKEN = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|BW|F|B|W)(\d+)$")
@@ -202,6 +208,16 @@ class Placement:
         if stage == self.num_stages - 1 or (self.kind == "mirror" and stage == self.num_ranks - 1):
             return None
         return stage + 1
+
+    def remote_neighbours(self, stage: int) -> tuple[bool, bool]:
+        """Whether the stage feeding ``stage`` and the stage it feeds live on another rank
+        (False where there is no such stage)."""
+        prev, nxt = self.prev_stage(stage), self.next_stage(stage)
+        rank = self.rank_of(stage)
+        return (
+            prev is not None and self.rank_of(prev) != rank,
+            nxt is not None and self.rank_of(nxt) != rank,
+        )
 
     def model_stage(self, stage: int) -> int:
         """Which part of the model a stage runs (mirror copies share one)."""

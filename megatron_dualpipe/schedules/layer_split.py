@@ -17,8 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .ir import ScheduleError
+from .layout import DECODER, EMBEDDING, LOSS, MTP, check_layout, parse_layout
 
-__all__ = ["LayerSplit", "stage_layer_counts"]
+__all__ = ["LayerSplit", "stage_layer_counts", "stage_layouts", "stages_from_counts"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,47 @@ def stage_layer_counts(split: LayerSplit, model_stages: int) -> list[int]:
     if min(counts) < 0:
         raise ScheduleError("a stage would hold a negative number of layers: add layers")
     return counts
+
+
+def stage_layouts(
+    split: LayerSplit, model_stages: int, layout: str | None = None, mtp_num_layers: int = 0
+) -> list[str]:
+    """The split as one layout string per model stage, in pipeline order: ``layout`` as given
+    (checked as Megatron-Core checks it, the MTP layers in the loss's stage where our
+    schedules place them), else :func:`stage_layer_counts` with the embedding first and the
+    MTP layers and the loss last; :class:`ScheduleError` with the fix where it does not split."""
+    if layout is None:
+        return stages_from_counts(stage_layer_counts(split, model_stages), mtp_num_layers)
+    if (
+        split.first is not None
+        or split.last is not None
+        or split.account_for_embedding
+        or split.account_for_loss
+    ):
+        raise ScheduleError(
+            "a layout string cannot be combined with first/last stage layer counts or with "
+            "accounting for the embedding or loss (as in Megatron-Core): use one of them"
+        )
+    stages = parse_layout(layout)
+    check_layout(stages, split.num_layers, mtp_num_layers, model_stages)
+    if mtp_num_layers and MTP not in stages[-1]:
+        raise ScheduleError(
+            "the pipeline layout must end with the MTP layers (m) and the loss (L) in the "
+            "last stage: the MTP block lives with the loss"
+        )
+    return stages
+
+
+def stages_from_counts(counts: list[int], mtp_num_layers: int) -> list[str]:
+    """Layout strings for decoder ``counts`` per stage: the embedding first, the MTP layers
+    and the loss last."""
+    last = len(counts) - 1
+    return [
+        (EMBEDDING if i == 0 else "")
+        + DECODER * c
+        + (MTP * mtp_num_layers + LOSS if i == last else "")
+        for i, c in enumerate(counts)
+    ]
 
 
 def _uneven(split: LayerSplit, model_stages: int) -> list[int]:

@@ -47,24 +47,15 @@ def channel_of(action: Action, rank: int, placement: Placement) -> Channel:
     return (peer, rank, direction)
 
 
-def _remote_neighbours(placement: Placement) -> tuple[list[bool], list[bool]]:
-    """Per stage: is its previous stage on another rank, is its next stage on another rank."""
-    prev_remote, next_remote = [], []
-    for s in range(placement.num_stages):
-        rank = placement.rank_of(s)
-        prev, nxt = placement.prev_stage(s), placement.next_stage(s)
-        prev_remote.append(prev is not None and placement.rank_of(prev) != rank)
-        next_remote.append(nxt is not None and placement.rank_of(nxt) != rank)
-    return prev_remote, next_remote
-
-
 # Actions built without NamedTuple's Python-level __new__: lowering makes ~10^5 of them.
 _new_action = partial(tuple.__new__, Action)
 
 
 def lower(schedule: Schedule) -> Schedule:
     """Return ``schedule`` with its communication inserted (compute order unchanged)."""
-    prev_remote, next_remote = _remote_neighbours(schedule.placement)
+    p = schedule.placement
+    remote = [p.remote_neighbours(s) for s in range(p.num_stages)]
+    prev_remote, next_remote = [r[0] for r in remote], [r[1] for r in remote]
     ranks = []
     for actions in schedule.ranks:
         lowered: list[Action] = []

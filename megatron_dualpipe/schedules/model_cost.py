@@ -21,7 +21,7 @@ from .config_values import check_positive, read_fields
 from .ir import ScheduleError
 from .layout import DECODER, EMBEDDING, LOSS, MTP
 
-__all__ = ["ModelShape", "StageCost", "Work", "stage_costs"]
+__all__ = ["ModelShape", "StageCost", "Work", "parse_moe_layer_freq", "stage_costs"]
 
 
 @dataclass(frozen=True)
@@ -373,8 +373,8 @@ def _pattern_list(freq: object) -> list:
         return freq
     if isinstance(freq, str):
         try:
-            value = _evaluate(ast.parse(freq.strip(), mode="eval").body)
-        except (SyntaxError, ValueError, TypeError):
+            value = parse_moe_layer_freq(freq)
+        except ValueError:
             value = None
         if isinstance(value, list):
             return value
@@ -384,6 +384,15 @@ def _pattern_list(freq: object) -> list:
         f"moe_layer_freq: expected an integer, a list of 0/1 or a string such as "
         f"'[0]*3+[1]*58', got {freq!r}"
     )
+
+
+def parse_moe_layer_freq(text: str) -> int | list:
+    """Megatron-LM's ``--moe-layer-freq`` text: an integer, or list literals joined by + and
+    repeated by * (``([0]*3+[1]*58)``), read without eval; ValueError otherwise."""
+    try:
+        return _evaluate(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, TypeError) as err:
+        raise ValueError(f"not an integer or a list expression: {text!r}") from err
 
 
 def _evaluate(node: ast.AST) -> list | int:

@@ -2,20 +2,48 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .advisor import Advice
 from .layout import format_layout
 from .simulate import SimResult
 
-__all__ = ["advice_report", "comparison_table", "rank_table", "text_table"]
+__all__ = ["advice_report", "comparison_table", "markdown_table", "rank_table", "text_table"]
 
 
-def text_table(header: list[str], rows: list[list[str]]) -> str:
+def text_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """Right-aligned columns under a header and a rule."""
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(str(c).rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    cells, widths = _cells(header, rows)
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub-flavoured markdown table with padded columns (readable as plain text too);
+    the first column is left-aligned, the others right-aligned."""
+    cells, widths = _cells(header, rows)
+
+    def line(row: list[str]) -> str:
+        padded = [
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        return "| " + " | ".join(padded) + " |"
+
+    rule = "|".join(
+        ":" + "-" * (w + 1) if i == 0 else "-" * (w + 1) + ":" for i, w in enumerate(widths)
+    )
+    return "\n".join([line(cells[0]), f"|{rule}|", *map(line, cells[1:])])
+
+
+def _cells(
+    header: Sequence[str], rows: Sequence[Sequence[object]]
+) -> tuple[list[list[str]], list[int]]:
+    """The header and rows as text, and each column's width."""
+    cells = [list(map(str, header))] + [list(map(str, r)) for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return cells, widths
 
 
 def rank_table(result: SimResult) -> str:

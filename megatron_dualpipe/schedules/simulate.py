@@ -14,7 +14,7 @@ from functools import partial
 from typing import NamedTuple
 
 from .cost import CostModel
-from .ir import Action, Kind, Schedule, ScheduleError
+from .ir import Action, Kind, Schedule, ScheduleError, action_text
 
 __all__ = ["DeadlockError", "Message", "RankStats", "SimResult", "TimedAction", "simulate"]
 
@@ -190,10 +190,9 @@ class _Engine:
         same rank, absent, or the schedule is lowered (it sends and receives itself)."""
         if not self.implicit or kind is Kind.W:
             return -1, -1
-        S, M, rank_of = self.S, self.M, self.rank_of
+        S, M = self.S, self.M
         prev, nxt = self.prev_stage[s], self.next_stage[s]
-        prev_remote = prev is not None and rank_of[prev] != rank_of[s]
-        next_remote = nxt is not None and rank_of[nxt] != rank_of[s]
+        prev_remote, next_remote = self.schedule.placement.remote_neighbours(s)
         if kind is Kind.F:
             return (s * M if prev_remote else -1), (nxt * M if next_remote else -1)
         return ((S + s) * M if next_remote else -1), ((S + prev) * M if prev_remote else -1)
@@ -367,7 +366,7 @@ class _Engine:
         if stuck:
             details = "; ".join(
                 f"rank {r} waits at {programs[r][self.pc[r]]} for "
-                f"{_key_text(self._decode(self.blocked_on[r]))} from rank "
+                f"{action_text(*self._decode(self.blocked_on[r]))} from rank "
                 f"{self._sender(self.blocked_on[r])}"
                 for r in stuck
             )
@@ -376,7 +375,7 @@ class _Engine:
             key = next(iter(self.arrived))
             _, stage, _ = decoded = self._decode(key)
             raise ScheduleError(
-                f"rank {self._sender(key)} sends {_key_text(decoded)} to rank "
+                f"rank {self._sender(key)} sends {action_text(*decoded)} to rank "
                 f"{p.rank_of(stage)}, which never receives it"
             )
         makespan = max(self.clock, default=0.0)
@@ -397,8 +396,3 @@ class _Engine:
         kind, stage, _ = self._decode(key)
         source = self.prev_stage[stage] if kind is Kind.RECV_F else self.next_stage[stage]
         return self.rank_of[source]
-
-
-def _key_text(key: tuple) -> str:
-    kind, stage, mb = key
-    return f"{stage}{kind.value}{mb}"

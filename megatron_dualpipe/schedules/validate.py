@@ -57,9 +57,9 @@ def _local_neighbours(p: Placement) -> tuple[list[int | None], list[int | None]]
     """Per stage: its previous and next stage where that lives on the same rank, else None."""
     prev, nxt = [], []
     for s in range(p.num_stages):
-        a, b = p.prev_stage(s), p.next_stage(s)
-        prev.append(a if a is not None and p.rank_of(a) == p.rank_of(s) else None)
-        nxt.append(b if b is not None and p.rank_of(b) == p.rank_of(s) else None)
+        prev_remote, next_remote = p.remote_neighbours(s)
+        prev.append(None if prev_remote else p.prev_stage(s))
+        nxt.append(None if next_remote else p.next_stage(s))
     return prev, nxt
 
 
@@ -125,9 +125,8 @@ def _check_complete_and_local_order(schedule: Schedule) -> None:
 
 def _remote_input(p: Placement, half: Action) -> Kind | None:
     """The receive a compute action needs first, if its input comes from another rank."""
-    s = half.stage
-    other = p.prev_stage(s) if half.kind is Kind.F else p.next_stage(s)
-    if half.kind in (Kind.W,) or other is None or p.rank_of(other) == p.rank_of(s):
+    prev_remote, next_remote = p.remote_neighbours(half.stage)
+    if half.kind is Kind.W or not (prev_remote if half.kind is Kind.F else next_remote):
         return None
     return Kind.RECV_F if half.kind is Kind.F else Kind.RECV_B
 

@@ -26,6 +26,7 @@ import yaml
 from ...errors import DualPipeError
 from ...schedules.config_values import override_origins
 from ...schedules.ir import Schedule, ScheduleError
+from ...schedules.model_cost import parse_moe_layer_freq
 from ...schedules.registry import OUR_SCHEDULES, SCHEDULES
 from ...schedules.validate import validate
 from ..checks import DualPipeConfigError, overlap_problem, schedule_spec, stage_layers
@@ -282,7 +283,7 @@ class TrainConfig:
         one 0 (dense) / 1 (MoE) per layer; 1 (every layer MoE) when unset."""
         if self.moe_layer_freq is None:
             return 1
-        return _moe_layer_pattern(self.moe_layer_freq)
+        return parse_moe_layer_freq(self.moe_layer_freq)
 
     def stage_layers(self) -> tuple[int, ...]:
         """Decoder layers of each of the schedule's model stages, in pipeline order
@@ -344,7 +345,6 @@ _FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 #: String keys whose Megatron-LM flag also takes an integer.
 _INT_OR_STRING = ("moe_layer_freq",)
-_MOE_TERM = re.compile(r"^\[([01](?:,[01])*)\](?:\*(\d+))?$")
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _TYPES = typing.get_type_hints(TrainConfig)
 
@@ -573,21 +573,6 @@ def _check_values(cfg: TrainConfig) -> Problem:
     return None
 
 
-def _moe_layer_pattern(text: str) -> int | list[int]:
-    """Megatron-LM's ``--moe-layer-freq``: an integer, or a sum of lists of 0/1, each
-    optionally repeated (``[0]*3+[1]*58``); ValueError otherwise."""
-    text = "".join(text.split())
-    if text.isdigit():
-        return int(text)
-    pattern: list[int] = []
-    for term in text.split("+"):
-        match = _MOE_TERM.match(term)
-        if match is None:
-            raise ValueError(text)
-        pattern += [int(v) for v in match.group(1).split(",")] * int(match.group(2) or 1)
-    return pattern
-
-
 def _minimum(name: str) -> int:
     """Smallest legal value of an integer key."""
     return 0 if name in ("seed", "eval_iters", "lr_warmup_iters") else 1
@@ -661,6 +646,8 @@ def _check_model_features(cfg: TrainConfig) -> Problem:
             return "moe_layer_freq", "needs num_experts (a MoE model)"
         try:
             pattern = cfg.moe_layer_pattern
+            if isinstance(pattern, list) and any(x not in (0, 1) for x in pattern):
+                raise ValueError(cfg.moe_layer_freq)
         except ValueError:
             return "moe_layer_freq", (
                 f"{cfg.moe_layer_freq!r} is neither an integer nor a sum of 0/1 lists such as "

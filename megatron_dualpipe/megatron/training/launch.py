@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ...runtime.launch import LaunchFailure, run_ranks
+from ...runtime.launch import LaunchFailure, pick_port, run_ranks
 from ...runtime.watchdog import PipelineCommError
 from ..cpu_compat import apply_cpu_compat
 from .checkpoint import check_loadable
@@ -145,7 +144,7 @@ def train(cfg: TrainConfig, *, source: str = "config") -> TrainResult:
     if env is None and not on_gpu:
         return _run_forked(cfg)
     if env is None:
-        env = RankEnv(0, 1, 0, _HOST, _free_port(), "single")
+        env = RankEnv(0, 1, 0, _HOST, pick_port(), "single")
     return _run_here(cfg, env, on_gpu)
 
 
@@ -190,28 +189,20 @@ def _first_line(err: BaseException) -> str:
 # The embedded launcher.
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((_HOST, 0))
-        return sock.getsockname()[1]
-
-
 def _run_forked(cfg: TrainConfig) -> TrainResult:
     """Fork the configured world size here (the runtime's launcher) and return rank 0's
     result with the lines every rank printed."""
     world = cfg.launch_world_size
-    try:
-        results = run_ranks(
-            _train_rank,
-            world,
-            args=(cfg,),
-            timeout_s=None,
-            pg_timeout_s=60.0 * cfg.distributed_timeout_minutes,
-            threads_per_rank=max(1, (os.cpu_count() or 1) // world),
-            plain_errors=(ConfigError, TrainError),
-        )
-    except LaunchFailure as failure:
-        raise LaunchError(_failure_text(failure)) from None
+    results = run_ranks(
+        _train_rank,
+        world,
+        args=(cfg,),
+        timeout_s=None,
+        pg_timeout_s=60.0 * cfg.distributed_timeout_minutes,
+        threads_per_rank=max(1, (os.cpu_count() or 1) // world),
+        plain_errors=(ConfigError, TrainError),
+        failure_as=lambda failure: LaunchError(_failure_text(failure)),
+    )
     merged = results[0]
     merged.lines = [line for result in results for line in result.lines]
     return merged

@@ -1,0 +1,40 @@
+"""Session fixtures in place of import-time side effects, switched on by the markers
+registered in pyproject.toml (``slow``, ``multiproc``, ``megatron``; the fast loop is
+``python -m pytest -m "not slow"``):
+
+- a session that runs a test marked ``megatron`` first applies Megatron-Core's CPU
+  compatibility layer (:func:`~megatron_dualpipe.megatron.cpu_compat.apply_cpu_compat`,
+  a no-op with CUDA), once and before any worker forks, so every worker inherits it;
+- a session that runs a test marked ``multiproc`` first pays torch's lazy imports, once in
+  the parent rather than once per forked worker.
+
+Both are session-scoped and autouse, so they run before any module-scoped fixture forks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def _runs_marked(session: pytest.Session, marker: str) -> bool:
+    return any(item.get_closest_marker(marker) is not None for item in session.items)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_compat(request: pytest.FixtureRequest) -> None:
+    """Megatron-Core's CPU compatibility layer, where the session runs Megatron tests."""
+    if _runs_marked(request.session, "megatron"):
+        from megatron_dualpipe.megatron.cpu_compat import apply_cpu_compat
+
+        apply_cpu_compat()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def torch_warm_up(request: pytest.FixtureRequest) -> None:
+    """Where the session forks workers: the first backward from a non-scalar output imports
+    torch.fx (~1 s), the first optimizer step torch._dynamo (~2 s); pay both here."""
+    if _runs_marked(request.session, "multiproc"):
+        param = torch.nn.Parameter(torch.ones(2))
+        torch.autograd.backward(param * 2, torch.ones(2))
+        torch.optim.SGD([param], lr=0.1).step()
