@@ -232,8 +232,8 @@ def _figure_pair(ctx: BenchContext, run: Any) -> str:
     name = run.config.timeline
     measured = ctx.out_dir / f"bench_measured_{name}.png"
     simulated = ctx.out_dir / f"bench_measured_{name}_sim.png"
-    to_png(run.timeline, str(measured), title=f"{name}, measured (ms)")
-    to_png(run.timeline_simulated, str(simulated), title=f"{name}, simulated (ms)")
+    to_png(run.timeline, str(measured), title=f"{name}, measured", unit="ms")
+    to_png(run.timeline_simulated, str(simulated), title=f"{name}, simulated", unit="ms")
     ctx.progress(f"  wrote {measured}\n  wrote {simulated}")
     replay = replayed_ms(run.timeline)
     fitted = run.timeline.cost

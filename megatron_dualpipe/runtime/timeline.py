@@ -123,5 +123,5 @@ def gather_timeline(
     if trace_path is not None:
         write_chrome_trace(result, trace_path)
     if png_path is not None:
-        to_png(result, png_path, title=f"{schedule.name} (measured, ms)")
+        to_png(result, png_path, title=f"{schedule.name}, measured", unit="ms")
     return result
