@@ -368,7 +368,8 @@ def _write_advice(advice, args: argparse.Namespace) -> None:
     if args.png:
         for label, candidate in (("before", advice.before), ("after", advice.after)):
             path = _suffixed(args.png, label, True)
-            to_png(advice.simulate(candidate), str(path), title=f"{advice.schedule.name}, {label}")
+            title = f"{advice.schedule.name}, {label}"
+            to_png(advice.simulate(candidate), str(path), title=title, unit="FLOP")
             print(f"wrote {path}")
     if args.json:
         args.json.write_text(json.dumps(advice.to_json()), encoding="utf-8")
