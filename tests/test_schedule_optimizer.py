@@ -254,7 +254,6 @@ def test_a_tiny_time_limit_still_answers_and_falls_back_honestly() -> None:
 NOT_AHEAD = {
     ("w-half", 16, 32): "torch's interleaved zero-bubble (91.25) against our loop's 93.25",
     ("latency", 8, 32): "torch's ZBV (101.15) against our V's 101.20 under ZBV's memory",
-    ("latency", 16, 64): "torch's ZBV (203.15) against our V's 203.20 under ZBV's memory",
 }
 
 
@@ -327,11 +326,14 @@ def test_optimised_rows_match_or_beat_their_placement_sampled(key: str) -> None:
     assert _peers_unbeaten(_profile(key), 4, 8) == []
 
 
+#: The bench grid but PP=16 with 64 micro-batches (30 s a cell on 2 cores; those rows are
+#: in docs/BENCHMARKS.md, which `python bench/run_all.py` regenerates and checks the same way).
 GRID = [
     (key, pp, k * pp)
     for key in ("equal", "w-half", "moe-overlap", "uneven", "latency")
     for pp in (4, 8, 16)
     for k in (2, 4)
+    if (pp, k) != (16, 4)
 ]
 
 
