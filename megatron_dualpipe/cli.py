@@ -393,11 +393,8 @@ def _run_optimize(args: argparse.Namespace) -> None:
     elif args.schedule == "all":
         raise ScheduleError("--optimize takes one schedule: name it with --schedule, not all")
     else:
-        name = args.schedule or "dualpipev"
-        mbs = args.microbatches if args.microbatches is not None else 2 * args.pp + 2
-        options = {"chunks": args.chunks} if spec(name).chunks is None else {}
         try:
-            base = generate(name, args.pp, mbs, **options)
+            base = _generate(args.schedule or "dualpipev", args, _microbatches(args))
         except ScheduleError as err:
             raise ScheduleError(f"{err}: change --microbatches or --pp") from None
     p = base.placement
@@ -450,20 +447,31 @@ def _run_simulate(args: argparse.Namespace) -> None:
     _report(results, skipped, schedules, args)
 
 
+def _microbatches(args: argparse.Namespace) -> int:
+    """``--microbatches``, by default 2 PP + 2."""
+    return args.microbatches if args.microbatches is not None else 2 * args.pp + 2
+
+
+def _generate(name: str, args: argparse.Namespace, mbs: int) -> Schedule:
+    """Schedule ``name`` at ``--pp`` and ``mbs`` micro-batches (``--chunks`` where the
+    schedule's chunk count is not fixed)."""
+    options = {"chunks": args.chunks} if spec(name).chunks is None else {}
+    return generate(name, args.pp, mbs, **options)
+
+
 def _schedules(args: argparse.Namespace, bar: Progress) -> tuple[list[Schedule], dict[str, str]]:
     """The schedules to simulate, and why any of ``--schedule all`` do not apply."""
     if args.load:
         bar.phase(f"reading {args.load}")
         return [_load(args.load)], {}
-    mbs = args.microbatches if args.microbatches is not None else 2 * args.pp + 2
+    mbs = _microbatches(args)
     _check_size(args, mbs)
     names = list(SCHEDULES) if args.schedule == "all" else [args.schedule]
     schedules, skipped = [], {}
     for name in names:
-        options = {"chunks": args.chunks} if spec(name).chunks is None else {}
         bar.phase(f"generating {name} for PP={args.pp} x {mbs} micro-batches")
         try:
-            schedules.append(generate(name, args.pp, mbs, **options))
+            schedules.append(_generate(name, args, mbs))
         except ScheduleError as err:
             if len(names) == 1:
                 raise ScheduleError(f"{err}: change --microbatches or --pp") from None
