@@ -466,8 +466,13 @@ def _pipelined_worker(
 # Running and checking.
 
 
-@functools.cache
 def _reference(model: Model, dp: int, microbatches: int = NUM_MICROBATCHES) -> dict[str, Any]:
+    """The single-process run of ``model`` (one per model, DP and micro-batch count)."""
+    return _reference_run(model, dp, microbatches)
+
+
+@functools.cache
+def _reference_run(model: Model, dp: int, microbatches: int) -> dict[str, Any]:
     (result,) = run_workers(
         _reference_worker,
         1,

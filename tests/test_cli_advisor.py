@@ -125,6 +125,7 @@ def test_megatron_core_accepts_the_proposed_layout(tmp_path: Path) -> None:
     assert len(layout.flatten_layout) == 61 + 1 + 2  # layers, MTP, embedding and loss
 
 
+@pytest.mark.slow
 def test_memory_cap_in_gib_and_pictures(tmp_path: Path) -> None:
     loose, _ = _advise(TINY, tmp_path)
     cap_gib = max(loose["before"]["memory_per_rank"]) / 2**30

@@ -176,7 +176,9 @@ def test_trace_accepts_a_measured_timeline() -> None:
 
 
 # -- PNG ----------------------------------------------------------------------------------
-@pytest.mark.parametrize(("ranks", "microbatches"), [(4, 10), (16, 64)])
+@pytest.mark.parametrize(
+    ("ranks", "microbatches"), [(4, 10), pytest.param(16, 64, marks=pytest.mark.slow)]
+)
 def test_png_is_written(tmp_path, ranks: int, microbatches: int) -> None:
     from matplotlib.image import imread
 

@@ -65,6 +65,7 @@ def test_with_the_check_off_training_carries_on_as_megatron_does() -> None:
     assert last_log.endswith(" number of nan iterations:   1 |")
 
 
+@pytest.mark.slow
 def test_a_validation_nan_stops_before_anything_is_saved(tmp_path: Path) -> None:
     cfg = load_config(
         TINY, [*DIVERGING, "train_iters=6", "eval_interval=3", "eval_iters=1", f"save={tmp_path}"]

@@ -12,6 +12,7 @@ loads when torch and megatron cannot be imported at all.
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -22,12 +23,19 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megatron_dualpipe"
 
 
-def _imports(path: Path) -> set[str]:
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """The parsed source of ``path``, read once per session."""
+    return ast.parse(path.read_text(encoding="utf-8"))
+
+
+@functools.cache
+def _imports(path: Path) -> frozenset[str]:
     """Absolute names of every module ``path`` imports, at any depth (lazy ones too)."""
     module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
     package = module.rsplit(".", 1)[0] if path.name != "__init__.py" else module
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -39,7 +47,7 @@ def _imports(path: Path) -> set[str]:
                 name = node.module or ""
             found.add(name)
             found.update(f"{name}.{alias.name}" for alias in node.names)
-    return found
+    return frozenset(found)
 
 
 def _modules(folder: str) -> list[Path]:
@@ -88,7 +96,7 @@ def test_runtime_logs_and_never_prints() -> None:
     printing = [
         f"{path.relative_to(ROOT)}:{node.lineno}"
         for path in _modules("runtime")
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        for node in ast.walk(_tree(path))
         if _prints(node)
     ]
     assert printing == []

@@ -39,6 +39,7 @@ ONE_F_ONE_B = "forward_backward_pipelining_without_interleaving"
 INTERLEAVED = "forward_backward_pipelining_with_interleaving"
 
 
+@pytest.mark.slow
 def test_1f1b_pp2_matches_reference() -> None:
     _check(Model(), Layout(pp=2), ONE_F_ONE_B)
 
@@ -50,11 +51,13 @@ def test_1f1b_pp4_tied_rope_ddp_matches_reference() -> None:
     _check(Model(tied=True, rope=True), Layout(pp=4, ddp=True), ONE_F_ONE_B)
 
 
+@pytest.mark.slow
 def test_interleaved_pp2_vp2_matches_reference() -> None:
     # batch_p2p_comm=False: see the next test.
     _check(Model(), Layout(pp=2, vp=2), INTERLEAVED)
 
 
+@pytest.mark.slow
 def test_interleaved_pp2_with_batched_p2p_gives_wrong_gradients() -> None:
     # The upstream trap (Megatron-LM #750, #1450) that the other tests avoid with
     # batch_p2p_comm=False: at PP=2 both directions go to the same peer and batched
@@ -78,6 +81,7 @@ def test_moe_pp2_ep2_dp2_matches_reference_through_optimizer_step(dispatcher: st
     _check(Model(moe=True), layout, ONE_F_ONE_B)
 
 
+@pytest.mark.slow
 def test_no_pipelining_schedule_matches_plain_loop() -> None:
     reference = _reference(Model(), 1)
     assert reference["no_pipelining_losses"] == pytest.approx(reference["losses"], rel=REL_TOL)
@@ -146,5 +150,6 @@ def test_apply_cpu_compat_is_idempotent() -> None:
     assert view.cuda.is_available is torch.cuda.is_available  # the rest is real torch
 
 
+@pytest.mark.slow
 def test_1f1b_tp2_pp2_matches_reference() -> None:
     _check(Model(), Layout(pp=2, tp=2), ONE_F_ONE_B)

@@ -423,8 +423,8 @@ def _equivalence(world_size: int, moe: bool) -> dict[str, Any]:
 
 
 CASES = [
-    pytest.param(1, False, id="dense-tp1"),
-    pytest.param(1, True, id="moe-tp1"),
+    pytest.param(1, False, id="dense-tp1", marks=pytest.mark.slow),
+    pytest.param(1, True, id="moe-tp1", marks=pytest.mark.slow),
     pytest.param(2, False, id="dense-tp2"),
     pytest.param(2, True, id="moe-tp2", marks=pytest.mark.slow),
 ]
@@ -491,7 +491,13 @@ def test_sequence_parallel_tp2_mlp_matches_plain_backward() -> None:
     print(f"\nTP=2 sequence parallel MLP: max relative error {max(r['err'] for r in results):.2e}")
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync-reduce", "overlap-grad-reduce"])
+@pytest.mark.parametrize(
+    "overlap",
+    [
+        pytest.param(False, id="sync-reduce", marks=pytest.mark.slow),
+        pytest.param(True, id="overlap-grad-reduce"),
+    ],
+)
 def test_megatron_ddp_reduces_deferred_gradients(overlap: bool) -> None:
     results = run_workers(
         _ddp_worker, 2, args=(overlap,), timeout_s=RUN_TIMEOUT_S, pg_timeout_s=PG_TIMEOUT_S

@@ -24,7 +24,7 @@ from megatron_dualpipe import megatron_lm
 from megatron_dualpipe.megatron.checks import DualPipeConfigError
 from megatron_dualpipe.megatron.forward_backward import DualPipeForwardBackward
 from megatron_dualpipe.megatron.placement import StagePlacementLayout
-from tests.multiproc import run_workers
+from tests.multiproc import one_fast, run_workers
 
 pytestmark = pytest.mark.megatron
 
@@ -340,7 +340,7 @@ def _gather_losses(rank: int, world_size: int, schedule: str) -> tuple[list[dict
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("schedule", ["dualpipev", "dualpipe"])
+@pytest.mark.parametrize("schedule", one_fast(["dualpipev", "dualpipe"], "dualpipe"))
 def test_losses_reach_the_last_stage(schedule: str) -> None:
     per_rank = run_workers(_gather_losses, 4, args=(schedule,), timeout_s=60)
     first = [{"lm loss": [0.0, 4.0]}, {"lm loss": [1.0, 4.0]}]

@@ -321,7 +321,10 @@ def _profile(key: str):
     return profile_by_key(key)
 
 
-@pytest.mark.parametrize("key", ["equal", "moe-overlap", "latency"])
+@pytest.mark.parametrize(
+    "key",
+    ["equal", *(pytest.param(k, marks=pytest.mark.slow) for k in ("moe-overlap", "latency"))],
+)
 def test_optimised_rows_match_or_beat_their_placement_sampled(key: str) -> None:
     assert _peers_unbeaten(_profile(key), 4, 8) == []
 

@@ -22,8 +22,10 @@ def _microbatch_counts(name: str, ranks: int, sampled: bool) -> list[int]:
 
 
 def _check_every_configuration(name: str, sampled: bool) -> None:
+    """Every PP from 2 to 16 (``sampled``: the small ones, odd and even, and a few large)."""
     checked = 0
-    for ranks in range(2, 17):
+    all_ranks = (2, 3, 4, 5, 6, 8, 12, 16) if sampled else range(2, 17)
+    for ranks in all_ranks:
         for microbatches in _microbatch_counts(name, ranks, sampled):
             if not spec(name).is_legal(ranks, microbatches):
                 with pytest.raises(ScheduleError, match=name):
@@ -32,7 +34,7 @@ def _check_every_configuration(name: str, sampled: bool) -> None:
             lowered = validate(generate(name, ranks, microbatches))
             assert lowered.is_lowered
             checked += 1
-    assert checked >= 15  # at least one legal count per PP
+    assert checked >= len(all_ranks)  # legal configurations were run, not only refusals
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))

@@ -11,11 +11,13 @@
 
 Until ``megatron-dualpipe train`` exists the end-to-end run uses a stand-in trainer
 (tests/data/slurm_probe.py: the same arguments, a gloo all_reduce over all ranks).
-The real-Slurm tests are skipped, with the reason, where sbatch or the controller is missing.
+The real-Slurm tests are marked slow (each submits real jobs) and skipped, with the reason,
+where sbatch or the controller is missing; the controller is asked only when one of them runs.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -25,6 +27,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,8 +43,9 @@ JOB_TIME_LIMIT_MIN = 2
 WAIT_TIMEOUT_S = 60 * JOB_TIME_LIMIT_MIN + 30
 
 
+@functools.cache
 def _slurm_missing() -> str | None:
-    """Why the real-Slurm tests cannot run here, or None."""
+    """Why the real-Slurm tests cannot run here, or None (asked once per session)."""
     if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
         return "sbatch/sinfo not on PATH (run `bash .ci/slurm_up.sh` to test the launchers)"
     try:
@@ -61,8 +65,17 @@ def _slurm_missing() -> str | None:
     return None
 
 
-_MISSING = _slurm_missing()
-needs_slurm = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
+@pytest.fixture
+def slurm() -> None:
+    """Skips the test, saying why, where no Slurm controller with two nodes answers."""
+    missing = _slurm_missing()
+    if missing is not None:
+        pytest.skip(missing)
+
+
+def needs_slurm(test: Callable[..., None]) -> Callable[..., None]:
+    """A real-Slurm test: slow, and run only where the controller answers."""
+    return pytest.mark.slow(pytest.mark.usefixtures("slurm")(test))
 
 
 @dataclass
@@ -147,7 +160,6 @@ def test_cpu_launcher_ranks_rendezvous_across_nodes(tmp_path: Path) -> None:
     assert job.output.count("train_iters=3") == 4, job.output
 
 
-@pytest.mark.slow
 @needs_slurm
 def test_cpu_launcher_trains_end_to_end(tmp_path: Path) -> None:
     """2 nodes x 1 task, 3 iterations of the tiny CPU config: exit code 0, one loss line per
@@ -207,7 +219,6 @@ def _task_pid(job_id: str, task: int) -> int | None:
 
 
 @needs_slurm
-@pytest.mark.slow
 def test_a_rank_killed_mid_step_ends_the_job_within_a_minute(tmp_path: Path) -> None:
     """kill -9 of rank 1's process in the middle of training: srun's --kill-on-bad-exit
     ends the other ranks, the job ends non-zero within 60 s, and its output names the dead

@@ -26,7 +26,7 @@ def _counts(pp: int) -> list[int]:
 
 
 @pytest.mark.parametrize("name", list(PLACEMENTS))
-@pytest.mark.parametrize("pp", [2, 4, 8])
+@pytest.mark.parametrize("pp", [2, *(pytest.param(pp, marks=pytest.mark.slow) for pp in (4, 8))])
 def test_imported_schedules_validate(name: str, pp: int) -> None:
     kind, chunks = PLACEMENTS[name]
     for microbatches in _counts(pp):

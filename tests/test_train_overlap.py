@@ -31,12 +31,11 @@ def test_overlap_keeps_every_loss_of_the_run_without_it() -> None:
     assert " overlapped FB pairs per step: 0 (of 6 FB actions)" in off.lines
 
 
+@pytest.mark.slow
 @pytest.mark.megatron
 @pytest.mark.multiproc
 def test_the_overlapped_demo_runs_and_says_so() -> None:
-    result = _train(
-        "overlap_moe_expert_parallel_comm=true", "train_iters=3", "lr_warmup_iters=1"
-    )
+    result = _train("overlap_moe_expert_parallel_comm=true", "train_iters=3", "lr_warmup_iters=1")
     assert " overlapped FB pairs per step: 6 (of 6 FB actions)" in result.lines
     assert len(result.losses) == 3 and all(0 < v < 10 for v in result.losses.values())
 
