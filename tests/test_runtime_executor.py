@@ -32,7 +32,14 @@ from megatron_dualpipe.runtime import (
     make_deferrable,
     sync_mirror_grads,
 )
-from megatron_dualpipe.schedules.ir import COMM_KINDS, Kind, Placement, Schedule, ScheduleError
+from megatron_dualpipe.schedules.ir import (
+    COMM_KINDS,
+    Action,
+    Kind,
+    Placement,
+    Schedule,
+    ScheduleError,
+)
 from megatron_dualpipe.schedules.lowering import lower
 from megatron_dualpipe.schedules.registry import generate, spec
 from megatron_dualpipe.schedules.simulate import SimResult, simulate
@@ -677,3 +684,15 @@ def test_wrong_module_count_or_missing_spec_is_rejected_at_construction() -> Non
         PipelineExecutor(
             schedule, 0, [nn.Linear(2, 2), nn.Linear(2, 2)], specs={1: TensorSpec((2,))}
         )
+
+
+def test_w_out_of_b_order_is_refused_before_any_communication() -> None:
+    """Deferred weight gradients run first-in first-out per stage: a schedule whose W do not
+    follow their stage's B order is refused when the executor is made (no process group
+    exists here), not mid-step."""
+    ordered = generate("zb1p", 2, 4)
+    late = [a for a in ordered.ranks[0] if str(a) != "0W2"] + [Action(Kind.W, 0, 2)]
+    swapped = Schedule("swapped", ordered.placement, [late, ordered.ranks[1]])
+    specs = {s: TensorSpec((1, 2)) for s in range(2)}
+    with pytest.raises(ScheduleError, match=r"^rank 0: 0W3 runs where .* first-in first-out"):
+        PipelineExecutor(swapped, 0, [nn.Linear(2, 2)], specs=specs)

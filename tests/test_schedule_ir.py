@@ -71,3 +71,21 @@ def test_mirror_directions_enter_at_opposite_ends() -> None:
     assert [p.rank_of(s) for s in p.path(7)] == [3, 2, 1, 0]
     assert [p.model_stage(s) for s in p.path(7)] == [0, 1, 2, 3]
     assert p.param_factor == 2.0
+
+
+def test_weight_grads_relabelled_into_b_order_and_out_of_order_ones_refused() -> None:
+    from megatron_dualpipe.schedules import CostModel, simulate
+    from megatron_dualpipe.schedules.validate import check_weight_grads_in_b_order, validate
+
+    ordered = generate("zb1p", 2, 4)  # rank 0: ... 0B2 0W2 0B3 0W3
+    late = [a for a in ordered.ranks[0] if str(a) != "0W2"] + [Action(Kind.W, 0, 2)]
+    swapped = Schedule("swapped", ordered.placement, [late, ordered.ranks[1]])
+    assert " ".join(map(str, late[-4:])) == "0B2 0B3 0W3 0W2"
+    validate(swapped)  # dependencies alone allow it ...
+    with pytest.raises(ScheduleError, match=r"^rank 0: 0W3 runs where the weight gradient of 0W2"):
+        check_weight_grads_in_b_order(swapped)  # ... a first-in first-out store does not
+    relabelled = swapped.with_weight_grads_in_b_order()
+    assert " ".join(map(str, relabelled.ranks[0][-4:])) == "0B2 0B3 0W2 0W3"
+    check_weight_grads_in_b_order(relabelled)
+    cost = CostModel(1.0, 1.0, 0.5)
+    assert simulate(swapped, cost).makespan == simulate(relabelled, cost).makespan

@@ -73,6 +73,13 @@ def test_a_saved_schedule_of_another_run_is_refused_before_work(tmp_path: Path) 
     broken.write_text("\n".join(text[:-1]) + "\n", encoding="utf-8")  # rank 1 missing
     assert "is not a valid schedule" in _error(f"schedule_file={broken}")
 
+    # Dependencies met, but a stage's W out of its B order (deferred dW run first-in first-out).
+    swapped = tmp_path / "swapped.txt"
+    text = generate("dualpipev", 2, 8).to_text()
+    assert text.count("0B6 0W6 0B7 0W7") == 1
+    swapped.write_text(text.replace("0B6 0W6 0B7 0W7", "0B6 0B7 0W7 0W6"), encoding="utf-8")
+    assert "must follow its B order" in _error(f"schedule_file={swapped}")
+
 
 @pytest.mark.parametrize(
     ("overrides", "expected"),

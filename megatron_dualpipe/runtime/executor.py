@@ -51,7 +51,7 @@ from torch import nn
 
 from ..schedules.ir import COMM_KINDS, Action, Kind, Schedule
 from ..schedules.lowering import message_key, peer_of
-from ..schedules.validate import validate
+from ..schedules.validate import check_weight_grads_in_b_order, validate
 from .p2p import MessageKey, Payload, PipeComm, TensorSpec
 from .planned import PlannedStage
 from .timeline import RankTimeline
@@ -255,6 +255,8 @@ class PipelineExecutor:
                 f"got {len(modules)}"
             )
         self.schedule = validate(schedule)
+        if defer_weight_grads:
+            check_weight_grads_in_b_order(self.schedule)
         self.placement = placement
         self.rank = rank
         self.modules = list(modules)

@@ -9,6 +9,7 @@ SEND_F / RECV_F / SEND_B / RECV_B.
 from __future__ import annotations
 
 import re
+from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
@@ -275,6 +276,27 @@ class Schedule:
             [[a for a in acts if a.kind in COMPUTE_KINDS] for acts in self.ranks],
             self.activation_bound,
         )
+
+    def with_weight_grads_in_b_order(self) -> Schedule:
+        """The same schedule with each stage's W actions relabelled so that its k-th W is
+        the weight gradient of its k-th B: the order a first-in first-out store of deferred
+        weight gradients (ours, Transformer Engine's) runs them in. Each W still follows
+        its B; under per-stage costs the times and the peaks are the same."""
+        ranks = []
+        for rank, actions in enumerate(self.ranks):
+            pending: dict[int, deque[int]] = {}
+            relabelled = []
+            for action in actions:
+                for half in action.computes:
+                    if half.kind is Kind.B:
+                        pending.setdefault(half.stage, deque()).append(half.microbatch)
+                if action.kind is Kind.W:
+                    if not pending.get(action.stage):
+                        raise ScheduleError(f"rank {rank}: {action} has no B before it")
+                    action = action._replace(microbatch=pending[action.stage].popleft())
+                relabelled.append(action)
+            ranks.append(relabelled)
+        return Schedule(self.name, self.placement, ranks, self.activation_bound)
 
     # -- text form --------------------------------------------------------------------
     def to_text(self) -> str:

@@ -15,7 +15,7 @@ from .ir import COMM_KINDS, COMPUTE_KINDS, Action, Kind, Placement, Schedule, Sc
 from .lowering import channel_of, lower, message_key
 from .simulate import simulate
 
-__all__ = ["check", "validate"]
+__all__ = ["check", "check_weight_grads_in_b_order", "validate"]
 
 
 def _check_placement(schedule: Schedule) -> None:
@@ -351,6 +351,21 @@ def check(
         _check_compute_only(schedule, progress)
     if dry_run:
         simulate(schedule, CostModel(), timeline=False)  # raises DeadlockError, naming ranks
+
+
+def check_weight_grads_in_b_order(schedule: Schedule) -> None:
+    """Raise :class:`ScheduleError` where a stage's W actions do not run in the order of its
+    B actions, as a first-in first-out store of deferred weight gradients needs."""
+    ordered = schedule.with_weight_grads_in_b_order()
+    for rank, (actions, wanted) in enumerate(zip(schedule.ranks, ordered.ranks, strict=True)):
+        for action, expected in zip(actions, wanted, strict=True):
+            if action != expected:
+                raise ScheduleError(
+                    f"rank {rank}: {action} runs where the weight gradient of {expected} is "
+                    "due: each stage's W must follow its B order (deferred weight gradients "
+                    "run first-in first-out); reorder them, e.g. with "
+                    "Schedule.with_weight_grads_in_b_order()"
+                )
 
 
 def validate(schedule: Schedule, *, dry_run: bool = True) -> Schedule:

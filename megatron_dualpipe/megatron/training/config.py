@@ -28,7 +28,7 @@ from ...schedules.config_values import override_origins
 from ...schedules.ir import Schedule, ScheduleError
 from ...schedules.model_cost import parse_moe_layer_freq
 from ...schedules.registry import OUR_SCHEDULES, SCHEDULES
-from ...schedules.validate import validate
+from ...schedules.validate import check_weight_grads_in_b_order, validate
 from ..checks import DualPipeConfigError, overlap_problem, schedule_spec, stage_layers
 
 __all__ = [
@@ -759,6 +759,7 @@ def schedule_file_problem(cfg: TrainConfig) -> str | None:
     try:
         schedule = Schedule.from_text(text)
         validate(schedule, dry_run=False)
+        check_weight_grads_in_b_order(schedule)
     except ScheduleError as err:
         return f"{path} is not a valid schedule ({err}): write it with simulate --save"
     pp, m = cfg.pipeline_model_parallel_size, cfg.num_microbatches

@@ -377,13 +377,15 @@ class _Search:
         keeps the cap where they are not faster."""
         caps = list(self.inst.caps)
         label = name or (f"{self.starts[0][0].name}-opt" if self.starts else "optimised")
-        schedule = Schedule(label, self.placement, to_actions(self.inst, self.orders), caps)
+        orders = to_actions(self.inst, self.orders)
+        schedule = Schedule(label, self.placement, orders, caps).with_weight_grads_in_b_order()
         validate(schedule, dry_run=False)
         result = simulate(schedule, self.cost)
         fallback = next((s for s in self.starts if self._fits(s[2].peaks)), None)
         fell_back = fallback is not None and result.makespan >= fallback[2].makespan - 1e-12
         if fell_back:
             schedule = Schedule(label, self.placement, fallback[0].ranks, caps)
+            schedule = schedule.with_weight_grads_in_b_order()
             result = simulate(schedule, self.cost)
             self.note(f"nothing better than {fallback[0].name} found: returning it")
         baseline = self.starts[0][0] if self.starts else schedule
