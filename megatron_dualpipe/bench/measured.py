@@ -42,6 +42,7 @@ from .torch_schedules import as_torch_runs, import_torch_schedule
 __all__ = [
     "BASELINE",
     "OPTIMISED",
+    "OPTIMISED_PEERS",
     "Calibration",
     "MEASURED_SCHEDULES",
     "MeasuredConfig",
@@ -51,20 +52,36 @@ __all__ = [
     "measure",
 ]
 
-#: The optimised DualPipeV: measured only when asked for (it needs SciPy).
+#: The optimised DualPipeV.
 OPTIMISED = "dualpipev-opt"
+#: The optimiser's orders (run by our executor, measured only when asked for: they need
+#: SciPy): name -> the measured schedules whose placements it is optimised on and whose
+#: orders it starts from; it stays within the first one's peak of live activations.
+OPTIMISED_PEERS: dict[str, tuple[str, ...]] = {
+    OPTIMISED: ("dualpipev", "torch-zbv", "torch-dualpipev"),
+    "zb1p-opt": ("zb1p", "megatron-interleaved", "torch-interleaved-zb"),
+}
 #: Name -> (who runs it, what it is). Table order; the first is the baseline.
 MEASURED_SCHEDULES: dict[str, tuple[str, str]] = {
     "megatron-1f1b": ("megatron", "forward_backward_pipelining_without_interleaving"),
     "megatron-interleaved": ("megatron", "forward_backward_pipelining_with_interleaving"),
     "torch-1f1b": ("torch", "Schedule1F1B"),
+    "torch-interleaved-zb": ("torch", "ScheduleInterleavedZeroBubble"),
     "torch-zbv": ("torch", "ScheduleZBVZeroBubble"),
     "torch-dualpipev": ("torch", "ScheduleDualPipeV"),
     **{name: ("ours", name) for name in OUR_SCHEDULES},
-    # DualPipeV's work in the order the optimiser finds for the calibrated costs.
-    OPTIMISED: ("ours", "dualpipev, optimised"),
+    # The work of the peers' placement in the order the optimiser finds for the
+    # calibrated costs.
+    **{
+        name: ("ours", f"{peers[0]}'s placement, optimised")
+        for name, peers in OPTIMISED_PEERS.items()
+    },
 }
 BASELINE = "megatron-1f1b"
+#: What the measured bench runs unless told otherwise.
+DEFAULT_SCHEDULES = tuple(
+    n for n in MEASURED_SCHEDULES if n not in OPTIMISED_PEERS and n != "torch-interleaved-zb"
+)
 #: Megatron's interleaved schedule: model chunks per rank.
 INTERLEAVED_CHUNKS = 2
 
@@ -86,7 +103,7 @@ class MeasuredConfig:
     width: int = 16
     rows_per_microbatch: int = 2
     latency_ms: float = 0.2
-    schedules: tuple[str, ...] = tuple(n for n in MEASURED_SCHEDULES if n != OPTIMISED)
+    schedules: tuple[str, ...] = DEFAULT_SCHEDULES
     timeline: str | None = "dualpipev"
     #: The first and the last model stage's costs x this (the bench's "uneven" profile:
     #: embedding, output layer and loss; 1.0: every stage even).
@@ -219,38 +236,68 @@ class MeasuredRun:
 
 
 # -- schedules in our IR (simulation, placement) ----------------------------------------
-def ir_schedule(name: str, pp: int, microbatches: int) -> Schedule:
-    """The lowered IR schedule that runs (ours), or models (Megatron's, torch's), ``name``
-    (not the optimised one, which depends on the costs: :func:`optimised_schedule`)."""
+def compute_order(name: str, pp: int, microbatches: int) -> Schedule:
+    """The compute order of measured schedule ``name`` in our IR (torch's as torch
+    describes it), not lowered."""
     source, _ = MEASURED_SCHEDULES[name]
-    if name == OPTIMISED:
-        raise ValueError(f"{OPTIMISED} depends on the costs: use optimised_schedule()")
+    if name in OPTIMISED_PEERS:
+        raise ValueError(f"{name} depends on the costs: use optimised_schedule()")
     if source == "ours":
-        schedule = generate(name, pp, microbatches)
-    elif name == "megatron-1f1b":
-        schedule = generate("1f1b", pp, microbatches)
-    elif name == "megatron-interleaved":
-        schedule = generate("interleaved-1f1b", pp, microbatches, chunks=INTERLEAVED_CHUNKS)
-    else:
-        schedule = as_torch_runs(import_torch_schedule(name, pp, microbatches))
+        return generate(name, pp, microbatches)
+    if name == "megatron-1f1b":
+        return generate("1f1b", pp, microbatches)
+    if name == "megatron-interleaved":
+        return generate("interleaved-1f1b", pp, microbatches, chunks=INTERLEAVED_CHUNKS)
+    return import_torch_schedule(name, pp, microbatches)
+
+
+def ir_schedule(name: str, pp: int, microbatches: int) -> Schedule:
+    """The lowered IR schedule that runs (ours), or models (Megatron's, torch's: as torch
+    runs it), ``name`` (not an optimised one: :func:`optimised_schedule`)."""
+    schedule = compute_order(name, pp, microbatches)
+    if MEASURED_SCHEDULES[name][0] == "torch":
+        schedule = as_torch_runs(schedule)
     return lower(schedule)
 
 
-def optimised_schedule(config: MeasuredConfig, calibration: Calibration | None) -> Schedule:
-    """DualPipeV's work reordered by the optimiser for the config's costs (calibrated where
-    given), within DualPipeV's own peak of live activations; lowered."""
+def optimised_schedule(
+    name: str, config: MeasuredConfig, calibration: Calibration | None
+) -> Schedule:
+    """The work of ``name``'s peers (:data:`OPTIMISED_PEERS`) reordered by the optimiser
+    for the config's costs (calibrated where given): on each of the peers' placements,
+    starting from the peers' orders, within the first peer's peak of live activations
+    (our hand-made schedule's); the faster placement's result, lowered."""
     from ..schedules.optimize import Effort, optimize  # imports SciPy
 
-    hand = generate("dualpipev", config.pp, config.microbatches)
-    cost = config.cost_for(hand.placement, calibration)
-    result = optimize(hand.placement, cost, time_limit=60.0, effort=Effort(), name=OPTIMISED)
-    return lower(result.schedule)
+    peers = [compute_order(n, config.pp, config.microbatches) for n in OPTIMISED_PEERS[name]]
+    level = _peak_in_1f1b_stages(peers[0], config.cost_for(peers[0].placement, calibration))
+    best = None
+    for placement in dict.fromkeys(s.placement for s in peers):
+        result = optimize(
+            placement,
+            config.cost_for(placement, calibration),
+            memory_cap=int(level * placement.num_model_stages / placement.num_ranks + 1e-9),
+            time_limit=60.0,
+            effort=Effort(),
+            warm_starts=[s for s in peers if s.placement == placement],
+            name=name,
+        )
+        if best is None or result.makespan < best.makespan - 1e-12:
+            best = result
+    return lower(best.schedule)
+
+
+def _peak_in_1f1b_stages(schedule: Schedule, cost: CostModel) -> float:
+    """The most live activations any rank holds, in 1F1B stages' worth."""
+    p = schedule.placement
+    peak = max(r.peak_activations for r in simulate(schedule, cost).ranks)
+    return peak * p.num_ranks / p.num_model_stages
 
 
 def _schedules(config: MeasuredConfig, calibration: Calibration | None) -> dict[str, Schedule]:
     return {
-        n: optimised_schedule(config, calibration)
-        if n == OPTIMISED
+        n: optimised_schedule(n, config, calibration)
+        if n in OPTIMISED_PEERS
         else ir_schedule(n, config.pp, config.microbatches)
         for n in config.schedules
     }
@@ -583,7 +630,7 @@ def measure(config: MeasuredConfig | None = None, verbose: bool = False) -> Meas
     if config.schedules[0] != BASELINE:
         raise ValueError(f"the first schedule must be the baseline {BASELINE!r}")
     for name in config.schedules:
-        if name != OPTIMISED:
+        if name not in OPTIMISED_PEERS:
             _stage_layers(config, ir_schedule(name, config.pp, config.microbatches))  # fail here
     load_before = os.getloadavg()
     start = time.perf_counter()

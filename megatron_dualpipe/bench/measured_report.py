@@ -9,7 +9,7 @@ import statistics
 from ..schedules import SimResult, simulate
 from ..schedules.registry import OUR_SCHEDULES
 from ..schedules.report import markdown_table
-from .measured import BASELINE, OPTIMISED, MeasuredRun
+from .measured import BASELINE, OPTIMISED_PEERS, MeasuredRun
 
 __all__ = [
     "NOISE",
@@ -108,7 +108,7 @@ def memory_table(run: MeasuredRun) -> str:
     return markdown_table(header, rows)
 
 
-OURS = (*OUR_SCHEDULES, OPTIMISED)
+OURS = (*OUR_SCHEDULES, *OPTIMISED_PEERS)
 #: Paired ratios within this of 1 are read as "no clear difference": the launch-to-launch
 #: spread of a zero-bubble schedule's step on this machine is 3-6%
 #: (docs/benchmark-method.md).

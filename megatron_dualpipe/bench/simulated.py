@@ -231,6 +231,7 @@ def _optimised_rows(
                     memory_cap=cap,
                     time_limit=time_limit,
                     effort=effort,
+                    warm_starts=[built[n] for n in peers if built[n].placement == placement],
                 )
                 if best is None or result.makespan < best.makespan - 1e-12:
                     best = result
