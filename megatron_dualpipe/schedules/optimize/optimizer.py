@@ -216,7 +216,11 @@ def optimize(
                 f"warm start {schedule.name} runs on {schedule.placement}, not {placement}"
             )
     search = _Search(placement, cost, time_limit, progress, effort)
-    search.warm_start([*hand_schedules(placement), *(s.compute_only() for s in warm_starts)])
+    starts = hand_schedules(placement)
+    for schedule in (s.compute_only() for s in warm_starts):
+        if all(schedule.ranks != start.ranks for start in starts):  # each order timed once
+            starts.append(schedule)
+    search.warm_start(starts)
     search.set_caps(_caps(search.inst, memory_cap, search.baseline_peak))
     search.prove_bound()
     search.construct()
