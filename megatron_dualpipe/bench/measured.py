@@ -267,23 +267,18 @@ def optimised_schedule(
     for the config's costs (calibrated where given): on each of the peers' placements,
     starting from the peers' orders, within the first peer's peak of live activations
     (our hand-made schedule's); the faster placement's result, lowered."""
-    from ..schedules.optimize import Effort, optimize  # imports SciPy
+    from ..schedules.optimize import Effort, optimize_on_placements  # imports SciPy
 
     peers = [compute_order(n, config.pp, config.microbatches) for n in OPTIMISED_PEERS[name]]
     level = _peak_in_1f1b_stages(peers[0], config.cost_for(peers[0].placement, calibration))
-    best = None
-    for placement in dict.fromkeys(s.placement for s in peers):
-        result = optimize(
-            placement,
-            config.cost_for(placement, calibration),
-            memory_cap=int(level * placement.num_model_stages / placement.num_ranks + 1e-9),
-            time_limit=60.0,
-            effort=Effort(),
-            warm_starts=[s for s in peers if s.placement == placement],
-            name=name,
-        )
-        if best is None or result.makespan < best.makespan - 1e-12:
-            best = result
+    best = optimize_on_placements(
+        peers,
+        lambda placement: config.cost_for(placement, calibration),
+        level,
+        time_limit=60.0,
+        effort=Effort(),
+        name=name,
+    )
     return lower(best.schedule)
 
 

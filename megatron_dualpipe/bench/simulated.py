@@ -195,7 +195,7 @@ def _optimised_rows(
     more than any of them), then, only where a schedule of that kind holding more is
     still faster, under that schedule's peak (a row named after the schedule whose memory
     it is given)."""
-    from ..schedules.optimize import optimize  # imports SciPy
+    from ..schedules.optimize import optimize_on_placements  # imports SciPy
 
     rows = []
     for name, hand in OPTIMISED:
@@ -206,7 +206,6 @@ def _optimised_rows(
             continue
         kind = built[hand].placement.kind
         peers = [n for n, s in built.items() if s.placement.kind == kind]
-        placements = list(dict.fromkeys(built[n].placement for n in peers))
         levels = sorted({figures[n]["peak_activations"] for n in peers})
         done: list[tuple[float, float]] = []
         for i, level in enumerate(levels):
@@ -222,19 +221,13 @@ def _optimised_rows(
             ]
             if i and not unbeaten:
                 continue
-            best = None
-            for placement in placements:
-                cap = int(level * placement.num_model_stages / placement.num_ranks + 1e-9)
-                result = optimize(
-                    placement,
-                    profile.cost_for(placement),
-                    memory_cap=cap,
-                    time_limit=time_limit,
-                    effort=effort,
-                    warm_starts=[built[n] for n in peers if built[n].placement == placement],
-                )
-                if best is None or result.makespan < best.makespan - 1e-12:
-                    best = result
+            best = optimize_on_placements(
+                [built[n] for n in peers],
+                profile.cost_for,
+                level,
+                time_limit=time_limit,
+                effort=effort,
+            )
             row = SimRow(
                 profile.key,
                 pp,

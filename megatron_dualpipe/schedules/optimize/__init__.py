@@ -5,7 +5,7 @@ imported by :mod:`megatron_dualpipe.schedules`. See docs/optimizer.md."""
 from .bound import Bound, lower_bound
 from .instance import Instance
 from .measured import measured_costs
-from .optimizer import Effort, OptimizeResult, hand_schedules, optimize
+from .optimizer import Effort, OptimizeResult, hand_schedules, optimize, optimize_on_placements
 from .report import bubble_removed, summary, summary_json
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "lower_bound",
     "measured_costs",
     "optimize",
+    "optimize_on_placements",
     "summary",
     "summary_json",
 ]

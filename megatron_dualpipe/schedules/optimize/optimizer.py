@@ -228,6 +228,29 @@ def optimize(
     return search.result(name)
 
 
+def optimize_on_placements(
+    orders: Sequence[Schedule],
+    cost_for: Callable[[Placement], CostModel],
+    peak: float,
+    **options,
+) -> OptimizeResult:
+    """:func:`optimize` on each placement of ``orders``, starting from the orders of that
+    placement, within ``peak`` live activations in 1F1B stages' worth (the same memory on
+    every placement); the fastest result. ``options`` go to :func:`optimize`."""
+    best = None
+    for placement in dict.fromkeys(s.placement for s in orders):
+        result = optimize(
+            placement,
+            cost_for(placement),
+            memory_cap=int(peak * placement.num_model_stages / placement.num_ranks + 1e-9),
+            warm_starts=[s for s in orders if s.placement == placement],
+            **options,
+        )
+        if best is None or result.makespan < best.makespan - 1e-12:
+            best = result
+    return best
+
+
 class _Search:
     """One optimisation's state: the instance, the candidates and the clock."""
 
