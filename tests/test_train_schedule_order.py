@@ -23,7 +23,7 @@ import pytest
 from megatron_dualpipe.megatron.training import ConfigError, load_config
 from megatron_dualpipe.runtime import WeightGradStore
 from megatron_dualpipe.schedules.cost import CostModel
-from megatron_dualpipe.schedules.ir import Schedule
+from megatron_dualpipe.schedules.ir import Kind, Schedule
 from megatron_dualpipe.schedules.optimize import Effort, measured_costs, optimize
 from megatron_dualpipe.schedules.registry import generate
 from megatron_dualpipe.schedules.simulate import simulate
@@ -193,6 +193,24 @@ def test_a_checkpoint_before_the_switch_resumes_after_it(
     assert sorted(resumed.losses) == list(range(2, ITERATIONS + 1))
     assert not _different(resumed.losses, optimised.losses)
     assert not _different(resumed.losses, one_f_one_b)
+
+
+@pytest.mark.slow
+def test_a_schedule_with_fb_pairs_on_one_rank_only_finishes_and_reports_them(
+    one_f_one_b: dict[int, float], tmp_path: Path
+) -> None:
+    """The end-of-run overlap report is a collective: a rank without FB pairs must join it
+    (it used to return early, and its peer's all_reduce failed on the closed connection)."""
+    hand = generate("dualpipev", 2, 8)
+    unpaired = [h for a in hand.ranks[1] for h in a.computes]  # rank 1: each FB as F then B
+    split = Schedule(hand.name, hand.placement, [hand.ranks[0], unpaired])
+    pairs_on_rank_0 = sum(a.kind is Kind.FB for a in hand.ranks[0])
+    assert pairs_on_rank_0 and not any(a.kind is Kind.FB for a in split.ranks[1])
+    path = tmp_path / "split.txt"
+    path.write_text(split.to_text(), encoding="utf-8")
+    result = _train(f"schedule_file={path}")
+    assert f" overlapped FB pairs per step: 0 (of {pairs_on_rank_0} FB actions)" in result.lines
+    assert not _different(result.losses, one_f_one_b)
 
 
 @pytest.mark.slow

@@ -391,14 +391,17 @@ class _Run:
 
     def report_overlap(self) -> None:
         """Under a schedule with FB pairs: how many of one step's FB actions (over the
-        pipeline of data-parallel rank 0) ran overlapped; collective."""
+        pipeline of data-parallel rank 0) ran overlapped; collective, so every rank joins it
+        even where its own part of the schedule has no FB pair (an optimised order may pair
+        on one rank only)."""
         report = getattr(self.forward_backward, "last_overlap", None)
-        if report is None or not report.fb_actions:
+        if report is None:
             return
         counts = torch.tensor([report.overlapped, report.fb_actions], device=self.device)
         dist.all_reduce(counts, group=parallel_state.get_pipeline_model_parallel_group())
         pairs, actions = (int(c) for c in counts)
-        self.say([f" overlapped FB pairs per step: {pairs} (of {actions} FB actions)"])
+        if actions:
+            self.say([f" overlapped FB pairs per step: {pairs} (of {actions} FB actions)"])
 
     def summarise(self, recorder: StepRecorder) -> None:
         """Gather the measured step; rank 0 prints the summary and writes the PNG."""
