@@ -23,8 +23,10 @@ from . import __version__
 from .bench import SECTIONS
 from .errors import DualPipeError
 from .progress import Progress
+from .schedules.comm_plan import LAYOUTS, comm_plan
 from .schedules.cost import CostModel
 from .schedules.ir import Schedule, ScheduleError
+from .schedules.nccl_rules import EAGER_LIMIT, CommDeadlockError, check_nccl
 from .schedules.registry import SCHEDULES, generate, spec
 from .schedules.simulate import SimResult, simulate
 from .schedules.validate import check, validate
@@ -79,6 +81,33 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace JSON")
     p.add_argument("--json", type=Path, help="write the figures and the timeline as JSON")
     p.add_argument("--save", type=Path, help="write the generated schedule in text form")
+    p.add_argument(
+        "--check-nccl",
+        action="store_true",
+        help="also run the schedule's communication plan under NCCL's ordering rules (one "
+        "stream per communicator, receives and large sends hold it) and name any deadlock "
+        "cycle; see docs/runtime.md",
+    )
+    p.add_argument(
+        "--comm-layout",
+        choices=LAYOUTS,
+        default="per-channel",
+        help="with --check-nccl: one two-rank communicator per channel (what the runtime "
+        "runs) or one per message kind (the design that deadlocks) (default: per-channel)",
+    )
+    p.add_argument(
+        "--no-prepost",
+        action="store_true",
+        help="with --check-nccl: receives posted when needed, not one run ahead",
+    )
+    p.add_argument(
+        "--message-mib",
+        type=float,
+        default=None,
+        metavar="MIB",
+        help="with --check-nccl: the size of every message (default: unknown, so every send "
+        f"waits for its receive; at most {EAGER_LIMIT // 2**20} MiB a send completes eagerly)",
+    )
     p.add_argument(
         "--config",
         type=Path,
@@ -445,6 +474,30 @@ def _run_simulate(args: argparse.Namespace) -> None:
         schedules, skipped = _schedules(args, bar)
         results = [_simulate_one(s, args, bar) for s in schedules]
     _report(results, skipped, schedules, args)
+    if args.check_nccl:
+        _check_nccl(schedules, args)
+
+
+def _check_nccl(schedules: list[Schedule], args: argparse.Namespace) -> None:
+    """``--check-nccl``: each schedule's communication plan under NCCL's rules."""
+    from .schedules.report import nccl_line
+
+    size = None if args.message_mib is None else int(args.message_mib * 2**20)
+    failed = []
+    for schedule in schedules:
+        plan = comm_plan(
+            schedule, layout=args.comm_layout, prepost=not args.no_prepost, message_bytes=size
+        )
+        try:
+            print(nccl_line(schedule.name, plan, size, check_nccl(plan)))
+        except CommDeadlockError as err:
+            print(nccl_line(schedule.name, plan, size, err))
+            failed.append(schedule.name)
+    if failed:
+        raise ScheduleError(
+            f"{', '.join(failed)} would deadlock on NCCL with {args.comm_layout} communicators"
+            f"{'' if args.no_prepost else ' and pre-posted receives'}: see the cycle above"
+        )
 
 
 def _microbatches(args: argparse.Namespace) -> int:

@@ -40,6 +40,7 @@ Contracts:
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
@@ -49,12 +50,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..schedules.ir import COMM_KINDS, Action, Kind, Schedule
-from ..schedules.lowering import message_key, peer_of
+from ..schedules.comm_plan import CommPlan, Compute, Init, Issue, Wait, channels, comm_plan
+from ..schedules.ir import Action, Kind, Placement, Schedule
+from ..schedules.nccl_rules import check_nccl
 from ..schedules.validate import check_weight_grads_in_b_order, validate
+from .nccl_emulation import NcclRulesTransport
 from .p2p import MessageKey, Payload, PipeComm, TensorSpec
 from .planned import PlannedStage
 from .timeline import RankTimeline
+from .transport import GroupTransport, Transport, make_channel_groups
 from .watchdog import DEFAULT_TIMEOUT_S, Watchdog
 from .weight_grad_store import WeightGradStore
 
@@ -76,7 +80,8 @@ class StepResult:
     ``peak_activations`` is the measured peak of live (stage, micro-batch) activations.
     ``timeline`` is set when recording was asked for (see
     :func:`~.timeline.gather_timeline`). ``overlapped`` counts the FB actions whose halves
-    ran interleaved (planned stages).
+    ran interleaved (planned stages). ``peak_sends`` is the most sent messages whose
+    tensors the rank held at once, waiting for their sends to complete.
     """
 
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -84,6 +89,7 @@ class StepResult:
     peak_activations: int = 0
     timeline: RankTimeline | None = None
     overlapped: int = 0
+    peak_sends: int = 0
 
 
 class _Counter:
@@ -122,15 +128,6 @@ class _Unit:
     roots: Payload
     token: _Token | None
     handle: Any = None
-
-
-@dataclass
-class _Comm:
-    """A run of adjacent communication actions, and the receives of the next run."""
-
-    sends: list[Action]
-    receives: list[Action]
-    next_receives: list[Action]
 
 
 @dataclass
@@ -218,14 +215,24 @@ class PipelineExecutor:
     activation ``stage`` receives, a :class:`TensorSpec` or a tuple of them for a stage
     taking several tensors (needed where it comes from another rank, and for the gradient
     a stage receives from the next one). ``group`` is the pipeline group: pipeline rank i
-    is its rank i; on backends that ignore tags (NCCL) also pass ``backward_group``, a
-    second group over the same ranks. ``timeout_s`` bounds every wait (see
-    :mod:`.watchdog`). ``variable_shapes`` sends each tensor's shape ahead of it, so
-    micro-batches may differ in shape (specs then give only the number of dimensions and
-    the dtype). ``prepost_receives`` posts the next run of receives before computing, so
-    their data lands during compute (at the price of one receive buffer per channel held
-    early). ``free_outputs`` (Megatron's ``deallocate_pipeline_outputs``) frees each sent
-    output's storage once it is sent, and then refuses outputs that are views.
+    is its rank i. ``timeout_s`` bounds every wait (see :mod:`.watchdog`).
+    ``variable_shapes`` sends each message's shapes ahead of it, so micro-batches may
+    differ in shape (specs then give only the number of dimensions and the dtype).
+    ``prepost_receives`` posts the next run of receives before computing, so their data
+    lands during compute. ``comm_layout`` is the plan's layout of communicators
+    (``per-kind``, one per message kind, deadlocks on NCCL: kept to show it on gloo).
+    ``free_outputs`` (Megatron's ``deallocate_pipeline_outputs``)
+    frees each sent output's storage once it is sent, and then refuses outputs that are
+    views.
+
+    Communication follows the schedule's :func:`~megatron_dualpipe.schedules.comm_plan.
+    comm_plan` and nothing else, through ``transport``: by default, on gloo one group with
+    a tag per message; on backends that ignore tags (NCCL) one two-rank group per channel,
+    made here (collective over the whole world: construct every rank's executor at the
+    same point, or pass a transport); with ``nccl_rules`` (gloo only, for tests) the
+    NCCL-rules emulation. On backends other than gloo the plan is checked under NCCL's
+    rules here (:func:`~megatron_dualpipe.schedules.nccl_rules.check_nccl`), and a plan
+    that would deadlock is refused before any work.
     """
 
     def __init__(
@@ -237,11 +244,13 @@ class PipelineExecutor:
         specs: Mapping[int, StageSpec] | None = None,
         loss_fn: LossFn | None = None,
         group: dist.ProcessGroup | None = None,
-        backward_group: dist.ProcessGroup | None = None,
+        transport: Transport | None = None,
+        nccl_rules: bool = False,
         defer_weight_grads: bool = True,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         variable_shapes: bool = False,
         prepost_receives: bool = True,
+        comm_layout: str = "per-channel",
         free_outputs: bool = True,
     ):
         placement = schedule.placement
@@ -269,18 +278,29 @@ class PipelineExecutor:
         self._watchdog = Watchdog(rank, timeout_s)
         self._group = group
         self._prepost = prepost_receives
+        self._layout = comm_layout
         self._specs = {stage: _stage_specs(stage, spec) for stage, spec in (specs or {}).items()}
         self._variable_shapes = variable_shapes
+        resolved = self._resolve_specs(self._specs)
+        self._message_bytes = {
+            key: sum(math.prod(s.shape) * s.dtype.itemsize for s in elements)
+            for key, elements in resolved.items()
+        }
+        if transport is None:
+            transport = _default_transport(placement, group, nccl_rules)
+        self.transport = transport
+        self._plans: dict[bool, CommPlan] = {}
+        if not nccl_rules and dist.get_backend(group) != "gloo":
+            for forward_only in (False, True):
+                check_nccl(self.plan(forward_only=forward_only))
         self._comm = PipeComm(
             placement,
             rank,
-            self._resolve_specs(self._specs),
+            resolved,
             self._watchdog,
-            group=group,
-            backward_group=backward_group,
+            transport,
             variable_shapes=variable_shapes,
         )
-        self._programs: dict[bool, list[Action | _Comm]] = {}
 
     # -- set-up ------------------------------------------------------------------------
     def _resolve_specs(
@@ -314,48 +334,29 @@ class PipelineExecutor:
             )
         return resolved
 
-    def _program(self, training: bool) -> list[Action | _Comm]:
-        """This rank's actions with each run of communication grouped (forward-only: the
-        forwards and their messages only)."""
-        if training not in self._programs:
-            actions = self._actions(self.schedule.ranks[self.rank], training)
-            program: list[Action | _Comm] = []
-            for is_comm, run in itertools.groupby(actions, key=lambda a: a.kind in COMM_KINDS):
-                if not is_comm:
-                    program += run
-                    continue
-                run = list(run)
-                program.append(
-                    _Comm(
-                        [a for a in run if a.kind in (Kind.SEND_F, Kind.SEND_B)],
-                        [a for a in run if a.kind in (Kind.RECV_F, Kind.RECV_B)],
-                        [],
-                    )
-                )
-            comms = [item for item in program if isinstance(item, _Comm)]
-            if self._prepost:
-                for current, following in itertools.pairwise(comms):
-                    current.next_receives = following.receives
-            self._programs[training] = program
-        return self._programs[training]
-
-    @staticmethod
-    def _actions(actions: list[Action], training: bool) -> list[Action]:
-        if training:
-            return actions
-        forward_kinds = (Kind.F, Kind.SEND_F, Kind.RECV_F)
-        return [
-            half
-            for action in actions
-            for half in (action.sub[:1] if action.kind is Kind.FB else (action,))
-            if half.kind in forward_kinds
-        ]
+    def plan(self, *, forward_only: bool = False) -> CommPlan:
+        """The communication plan this executor runs (a training or a forward-only step)."""
+        if forward_only not in self._plans:
+            sizes = self._message_bytes
+            self._plans[forward_only] = comm_plan(
+                self.schedule,
+                layout=self._layout,
+                prepost=self._prepost,
+                variable_shapes=self._variable_shapes,
+                message_bytes=None if self._variable_shapes else (lambda key: sizes.get(key[:2])),
+                forward_only=forward_only,
+            )
+        return self._plans[forward_only]
 
     @property
     def live_activations(self) -> int:
         """(stage, micro-batch) activations held right now: 0 between steps, unless some
         are leaked (the deferred weight gradients still queued are ``len(self.store)``)."""
         return self._counter.live
+
+    def close(self) -> None:
+        """Stop the executor's helper threads; it is not used again."""
+        self._comm.close()
 
     @property
     def peak_activations(self) -> int:
@@ -383,9 +384,10 @@ class PipelineExecutor:
         W: the Megatron adapter uses it to let DDP see a chunk's final gradients.
         """
         training = not forward_only
-        program = self._program(training)
+        steps = self.plan(forward_only=forward_only).ranks[self.rank]
         comm = self._comm
         comm.reset()
+        comm.setup([s.comm for s in self.plan().ranks[self.rank] if isinstance(s, Init)])
         timeline = None
         if record_timeline:
             dist.barrier(group=self._group)
@@ -393,15 +395,25 @@ class PipelineExecutor:
         step = _Step(inputs, training, return_outputs, timeline, action_context)
         self._counter.peak = self._counter.live
         with torch.set_grad_enabled(training):
-            for item in program:
-                if isinstance(item, _Comm):
-                    self._communicate(item, step, comm)
-                elif timeline is None:
-                    self._compute(item, step)
-                else:
-                    start = timeline.now()
-                    self._compute(item, step)
-                    timeline.add(item, start, timeline.now())
+            for item in steps:
+                if isinstance(item, Compute):
+                    if timeline is None:
+                        self._compute(item.action, step)
+                    else:
+                        start = timeline.now()
+                        self._compute(item.action, step)
+                        timeline.add(item.action, start, timeline.now())
+                elif isinstance(item, Issue):
+                    self._issue(item, step)
+                elif isinstance(item, Wait):
+                    step.inbox.update(comm.wait(item))
+                    if timeline is not None:
+                        now = timeline.now()
+                        timeline.received += [
+                            (k, _sender(self.placement, k), now)
+                            for k in item.keys
+                            if k in step.inbox
+                        ]
             comm.finish()
         leftovers = [*step.units, *step.inbox, *step.outbox]
         if leftovers or len(self.store):
@@ -410,44 +422,38 @@ class PipelineExecutor:
                 f"{len(self.store)} deferred weight gradients"
             )
         step.result.peak_activations = self._counter.peak
+        step.result.peak_sends = comm.peak_sends
         if timeline is not None:
             timeline.peak_activations = self._counter.peak
             step.result.timeline = timeline
         return step.result
 
-    def _communicate(self, item: _Comm, step: _Step, comm: PipeComm) -> None:
-        sends = []
-        for action in item.sends:
-            key = message_key(action, self.placement)
+    def _issue(self, issue: Issue, step: _Step) -> None:
+        """Hand one batch of the plan to the backend: sends take their payloads from the
+        outbox (checked, contiguous) and free what they computed once issued."""
+        payloads: dict[MessageKey, Payload] = {}
+        for op in issue.ops:
+            key = op.key[:3]
+            if op.kind != "send" or key in payloads:
+                continue
             payload = step.outbox.pop(key)
-            if action.kind is Kind.SEND_F:
-                self._check_outgoing(action, key, payload)
-            sends.append((action, tuple(t.detach().contiguous() for t in payload)))
+            if key[0] is Kind.RECV_F:
+                self._check_outgoing(key, payload)
+            payloads[key] = tuple(t.detach().contiguous() for t in payload)
+        if step.timeline is not None:
+            now = step.timeline.now()
+            step.timeline.sent += [(key, issue.ops[0].peer, now) for key in payloads]
+        self._comm.issue(issue, payloads)
+        for key in payloads:
             for tensor in step.freeable.pop(key, ()):
                 tensor.data = _freed(tensor)  # the graph stays; the send holds the data
-        if step.timeline is not None:
-            now = step.timeline.now()
-            step.timeline.sent += [
-                (message_key(a, self.placement), peer_of(a, self.placement), now)
-                for a in item.sends
-            ]
-        received = comm.exchange(sends, item.receives)
-        for action, payload in zip(item.receives, received, strict=True):
-            step.inbox[message_key(action, self.placement)] = payload
-        if step.timeline is not None:
-            now = step.timeline.now()
-            step.timeline.received += [
-                (message_key(a, self.placement), peer_of(a, self.placement), now)
-                for a in item.receives
-            ]
-        if item.next_receives:
-            comm.prepost(item.next_receives)
 
-    def _check_outgoing(self, action: Action, key: MessageKey, payload: Payload) -> None:
+    def _check_outgoing(self, key: MessageKey, payload: Payload) -> None:
         """An output must match its receiver's TensorSpecs, or the receiver fails with an
         obscure size error (different shapes per micro-batch need variable_shapes; then
         the number of dimensions and the dtype must match)."""
         owner = key[1]
+        action = Action(Kind.SEND_F, self.placement.prev_stage(owner), key[2])
         specs = self._specs.get(owner)
         if specs is None:
             return
@@ -664,6 +670,26 @@ class PipelineExecutor:
         step.units[(stage, mb)] = _Unit(grad_inputs, forward_roots, token, handle)
         self._send_input_grads(backward, backward_unit, step)
         step.result.overlapped += 1
+
+
+def _sender(placement: Placement, key: MessageKey) -> int:
+    """The rank that sends message ``key``."""
+    kind, stage, _ = key
+    source = placement.prev_stage(stage) if kind is Kind.RECV_F else placement.next_stage(stage)
+    return placement.rank_of(source)
+
+
+def _default_transport(
+    placement: Placement, group: dist.ProcessGroup | None, nccl_rules: bool
+) -> Transport:
+    """Gloo: one group, a tag per message (or the NCCL-rules emulation over it); other
+    backends: a two-rank group per channel of the placement."""
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    if nccl_rules:
+        return NcclRulesTransport(group or dist.group.WORLD, ranks)
+    if dist.get_backend(group) == "gloo":
+        return GroupTransport(group or dist.group.WORLD, ranks)
+    return GroupTransport(make_channel_groups(channels(placement), group), ranks)
 
 
 def _unpack(packed: tuple[torch.Tensor, _Token]) -> torch.Tensor:

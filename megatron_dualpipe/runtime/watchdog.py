@@ -14,15 +14,25 @@ and raises a :class:`PipelineCommError` that says so.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Protocol
 
 from ..errors import DualPipeError
 
-__all__ = ["DEFAULT_TIMEOUT_S", "PipelineCommError", "PipelineWaitError", "Watchdog"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "HangMonitor",
+    "PipelineCommError",
+    "PipelineWaitError",
+    "Watchdog",
+]
+
+logger = logging.getLogger(__name__)
 
 #: How long any pipeline wait (a message, a mirror exchange) may take by default: the
 #: default of Megatron-LM's ``--distributed-timeout-minutes`` (10 minutes).
@@ -35,6 +45,10 @@ _PEER_LOST = ("connection closed", "connection reset", "broken pipe", "remote pr
 
 class _Waitable(Protocol):
     def wait(self, timeout: timedelta = ...) -> object: ...
+
+
+class _Watchable(Protocol):
+    def is_completed(self) -> bool: ...
 
 
 class PipelineCommError(DualPipeError, RuntimeError):
@@ -108,3 +122,76 @@ class Watchdog:
                 work.wait(timedelta(seconds=self.timeout_s))
             else:
                 work.wait()
+
+
+class HangMonitor:
+    """Turns a hang into an error where the host never waits with a deadline (NCCL:
+    ``work.wait()`` only makes the compute stream wait, so the host runs ahead).
+
+    Every operation the rank issues is :meth:`watch` ed from then on; a side thread polls
+    ``is_completed()``, and one still pending ``watchdog.timeout_s`` after it was issued
+    makes it log a :class:`PipelineWaitError` naming the rank, the message and the peer,
+    keep it as :attr:`error` and call ``abort`` (which makes the pending operations fail,
+    so nothing waits forever). :meth:`check` raises that error on the rank's thread.
+    """
+
+    def __init__(self, watchdog: Watchdog, abort: Callable[[], None], *, poll_s: float = 0.05):
+        self._watchdog = watchdog
+        self._abort = abort
+        self._poll_s = poll_s
+        self._lock = threading.Lock()
+        self._watched: dict[int, tuple[_Watchable, str, int, float]] = {}
+        self.error: PipelineWaitError | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="pipeline-hangs", daemon=True)
+        self._thread.start()
+
+    def watch(self, work: _Watchable, what: str, peer: int) -> None:
+        """Watch ``work`` (``what``, exchanged with rank ``peer``) from now on."""
+        with self._lock:
+            self._watched.setdefault(id(work), (work, what, peer, time.monotonic()))
+
+    def _loop(self) -> None:
+        timeout = self._watchdog.timeout_s
+        while not self._stop.wait(self._poll_s):
+            with self._lock:
+                watched = list(self._watched.items())
+            now = time.monotonic()
+            for key, (work, what, peer, since) in watched:
+                if work.is_completed():
+                    with self._lock:
+                        self._watched.pop(key, None)
+                elif now - since >= timeout:
+                    self._fail(what, peer, now - since)
+                    return
+
+    def _fail(self, what: str, peer: int, elapsed: float) -> None:
+        self.error = PipelineWaitError(
+            self._watchdog.rank,
+            what,
+            peer,
+            elapsed,
+            f"no progress within the {self._watchdog.timeout_s:g} s timeout (seen by the "
+            "rank's hang monitor, which aborted its pipeline communicators)",
+        )
+        logger.error("%s", self.error)
+        try:
+            self._abort()
+        except Exception:  # the error above is what the rank reports
+            logger.exception("aborting the pipeline communicators failed")
+
+    @property
+    def watching(self) -> int:
+        """How many operations are watched and not seen complete yet."""
+        with self._lock:
+            return len(self._watched)
+
+    def check(self) -> None:
+        """Raise the hang this monitor saw, if any."""
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        """Stop watching."""
+        self._stop.set()
+        self._thread.join()
