@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from .ir import COMM_KINDS, Action, Kind, Placement, Schedule, ScheduleError
 from .lowering import MessageKey, lower, message_key, peer_of
@@ -59,10 +59,10 @@ SHAPE_BYTES = 128
 PlanKey = tuple
 
 
-@dataclass(frozen=True, order=True)
-class Comm:
+class Comm(NamedTuple):
     """A communicator: the kind of message it carries (``"F"`` activations, ``"B"``
-    gradients) and its member pipeline ranks; a channel's are (sender, receiver)."""
+    gradients) and its member pipeline ranks; a channel's are (sender, receiver).
+    (Plans hold tens of thousands of operations: the step types are named tuples.)"""
 
     kind: str
     ranks: tuple[int, ...]
@@ -79,8 +79,7 @@ class Comm:
         return (min(self.ranks), max(self.ranks), self.kind, self.ranks)
 
 
-@dataclass(frozen=True, slots=True)
-class CommOp:
+class CommOp(NamedTuple):
     """One send or receive of one message, between this rank and ``peer`` on ``comm``.
     ``nbytes`` is the message's size where known (None: unknown, assumed large)."""
 
@@ -91,15 +90,13 @@ class CommOp:
     nbytes: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Compute:
+class Compute(NamedTuple):
     """Run one compute action of the schedule."""
 
     action: Action
 
 
-@dataclass(frozen=True, slots=True)
-class Issue:
+class Issue(NamedTuple):
     """Hand ``ops`` to the backend as one batch on one communicator; do not wait."""
 
     ops: tuple[CommOp, ...]
@@ -109,15 +106,13 @@ class Issue:
         return self.ops[0].comm
 
 
-@dataclass(frozen=True, slots=True)
-class Wait:
+class Wait(NamedTuple):
     """Block until the messages ``keys`` (sent or received by this rank) completed."""
 
     keys: tuple[PlanKey, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class Init:
+class Init(NamedTuple):
     """Set ``comm`` up (a collective of its members), before the first step."""
 
     comm: Comm
@@ -224,6 +219,7 @@ class _RankPlanner:
         self.variable_shapes = variable_shapes
         self.message_bytes = message_bytes
         self.posted: set[MessageKey] = set()
+        self._routes: dict[tuple[Kind, int], tuple[str, int, Comm]] = {}
 
     def op(self, action: Action, *, shape: bool = False) -> CommOp:
         p = self.placement
@@ -234,13 +230,12 @@ class _RankPlanner:
             size = self.message_bytes(key)
         else:
             size = self.message_bytes
-        return CommOp(
-            "send" if action.kind in (Kind.SEND_F, Kind.SEND_B) else "recv",
-            peer_of(action, p),
-            _comm_of(action, self.rank, p, self.layout),
-            (*key, "shape") if shape else key,
-            size,
-        )
+        route = self._routes.get((action.kind, action.stage))
+        if route is None:
+            kind = "send" if action.kind in (Kind.SEND_F, Kind.SEND_B) else "recv"
+            comm = _comm_of(action, self.rank, p, self.layout)
+            route = self._routes[(action.kind, action.stage)] = (kind, peer_of(action, p), comm)
+        return CommOp(*route, (*key, "shape") if shape else key, size)
 
     def send_ops(self, sends: list[Action]) -> list[CommOp]:
         """Each message's shape (with variable shapes), then its data."""

@@ -29,7 +29,7 @@ have returned, through the messages that have reached the sender since.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .comm_plan import Comm, CommOp, CommPlan, Init, Issue, PlanKey, Wait, key_text
 from .ir import ScheduleError
@@ -60,25 +60,29 @@ class NcclReport:
     inflight_bound: list[int]
 
 
-@dataclass(eq=False)
 class _Op:
     """An issued operation: its plan op, rank, batch, place in its pair's order."""
 
-    op: CommOp
-    rank: int
-    batch: _Batch
-    index: int
-    done: bool = False
-    partner: _Op | None = None
+    __slots__ = ("batch", "done", "index", "op", "partner", "rank")
+
+    def __init__(self, op: CommOp, rank: int, batch: _Batch, index: int):
+        self.op = op
+        self.rank = rank
+        self.batch = batch
+        self.index = index
+        self.done = False
+        self.partner: _Op | None = None
 
     def text(self) -> str:
         verb, way = ("send", "to") if self.op.kind == "send" else ("receive", "from")
         return f"rank {self.rank}'s {verb} of {key_text(self.op.key)} {way} rank {self.op.peer}"
 
 
-@dataclass(eq=False)
 class _Batch:
-    ops: list[_Op] = field(default_factory=list)
+    __slots__ = ("ops",)
+
+    def __init__(self) -> None:
+        self.ops: list[_Op] = []
 
 
 class _Model:
@@ -96,7 +100,8 @@ class _Model:
         self.ready: set[Comm] = set()
         self.arrived: dict[Comm, set[int]] = {}
         self.eager_comms = {s.comm for steps in plan.ranks for s in steps if isinstance(s, Init)}
-        self.touched: deque[tuple[int, Comm]] = deque()
+        self.touched: deque[tuple[int, Comm]] = deque()  # streams that may progress
+        self.woken: deque[int] = deque(range(n))  # hosts that may go on
 
     # -- hosts -----------------------------------------------------------------------
     def _setup(self, rank: int, comm: Comm) -> bool:
@@ -107,6 +112,7 @@ class _Model:
         arrived.add(rank)
         if arrived >= set(comm.ranks):
             self.ready.add(comm)
+            self.woken.extend(comm.ranks)
             return True
         return False
 
@@ -149,6 +155,9 @@ class _Model:
             queue.append(issued)
             batch.ops.append(issued)
             self.by_key[rank][op.key] = issued
+            partner = self._partner(issued)
+            if partner is not None:  # it may be waiting at the head of its stream
+                self.touched.append((partner.rank, op.comm))
         stream = self.streams.setdefault((rank, step.comm), deque())
         stream.append(batch)
         if len(stream) == 1:
@@ -186,6 +195,10 @@ class _Model:
         """Complete ``op`` (at the head of its stream) if the rules allow; whether it did."""
         if op.op.kind == "send" and not self._large(op):
             op.done = True
+            self.woken.append(op.rank)
+            partner = self._partner(op)
+            if partner is not None:
+                self.touched.append((partner.rank, op.op.comm))
             return True
         partner = self._partner(op)
         if partner is None:
@@ -198,6 +211,7 @@ class _Model:
             op.done = partner.done = True
         if op.done:
             self.touched.append((partner.rank, partner.op.comm))
+            self.woken.extend((op.rank, partner.rank))
         return op.done
 
     def progress(self, rank: int, comm: Comm) -> bool:
@@ -216,16 +230,13 @@ class _Model:
         return moved
 
     def run(self) -> None:
-        n = len(self.plan.ranks)
-        changed = True
-        while changed:
-            changed = False
-            for rank in range(n):
-                changed = self.advance(rank) or changed
+        """Advance hosts and streams until nothing can move (each is looked at again only
+        when something it may wait for changed)."""
+        while self.woken or self.touched:
+            while self.woken:
+                self.advance(self.woken.popleft())
             while self.touched:
-                changed = self.progress(*self.touched.popleft()) or changed
-            for rank, comm in list(self.streams):
-                changed = self.progress(rank, comm) or changed
+                self.progress(*self.touched.popleft())
 
     # -- what went wrong -------------------------------------------------------------
     def finished(self) -> bool:
@@ -287,12 +298,14 @@ class _Model:
             words += self._link(a, b) + self._text(b) + (" again" if b is cycle[0] else "")
         ops = [item[1] for item in cycle if item[0] == "op"]
         ranks = sorted({item[1] if item[0] == "host" else item[1].rank for item in cycle})
-        comms = sorted({o.op.comm for o in ops}, key=Comm.setup_order)
+        set_up = [self.plan.ranks[r][self.pc[r]] for kind, r in cycle if kind == "host"]
+        comms = {o.op.comm for o in ops} | {s.comm for s in set_up if not isinstance(s, Wait)}
+        comms = sorted(comms, key=Comm.setup_order)
         keys = sorted({o.op.key for o in ops}, key=key_text)
         return CommDeadlockError(
             f"the plan deadlocks under NCCL's rules: {words} (ranks "
-            f"{', '.join(map(str, ranks))}; communicators {', '.join(map(str, comms))}; "
-            f"messages {', '.join(map(key_text, keys))})",
+            f"{', '.join(map(str, ranks))}; communicators {', '.join(map(str, comms))}"
+            + (f"; messages {', '.join(map(key_text, keys))})" if keys else ")"),
             ranks,
             comms,
             keys,
