@@ -334,6 +334,7 @@ class DualPipeForwardBackward:
             forward_only=forward_only,
             first_val_step=first_val_step,
             cp_group_size=groups.cp_size,
+            device=_device_of(model[0]),
         )
         for stage, data in zip(stages, _chunk_data(data_iterator, schedule, stages), strict=True):
             stage.begin_step(step, data)

@@ -57,7 +57,7 @@ from ..schedules.validate import check_weight_grads_in_b_order, validate
 from .nccl_emulation import NcclRulesTransport
 from .p2p import MessageKey, Payload, PipeComm, TensorSpec
 from .planned import PlannedStage
-from .timeline import RankTimeline
+from .timeline import RankTimeline, clock_for
 from .transport import GroupTransport, Transport, make_channel_groups
 from .watchdog import DEFAULT_TIMEOUT_S, Watchdog
 from .weight_grad_store import WeightGradStore
@@ -391,7 +391,7 @@ class PipelineExecutor:
         timeline = None
         if record_timeline:
             dist.barrier(group=self._group)
-            timeline = RankTimeline(self.rank)
+            timeline = RankTimeline(self.rank, clock=clock_for(_module_device(self.modules[0])))
         step = _Step(inputs, training, return_outputs, timeline, action_context)
         self._counter.peak = self._counter.live
         with torch.set_grad_enabled(training):
@@ -425,7 +425,7 @@ class PipelineExecutor:
         step.result.peak_sends = comm.peak_sends
         if timeline is not None:
             timeline.peak_activations = self._counter.peak
-            step.result.timeline = timeline
+            step.result.timeline = timeline.resolve()
         return step.result
 
     def _issue(self, issue: Issue, step: _Step) -> None:
@@ -539,7 +539,9 @@ class PipelineExecutor:
 
         def pack(tensor: torch.Tensor) -> tuple[torch.Tensor, _Token]:
             saved.add(id(tensor))
-            return tensor, token
+            # Detached: an output its own grad_fn saves would otherwise hold that grad_fn,
+            # a reference cycle through autograd's C++ graph that no collector frees.
+            return tensor.detach(), token
 
         stack = ExitStack()
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _unpack))

@@ -203,7 +203,9 @@ class _Run:
             micro_batch_size=self.cfg.micro_batch_size,
             forward_only=forward_only,
         )
-        local = [float(d[LOSS_KEY]) for d in loss_dicts]
+        # One read of this rank's losses per step (each float() of a GPU tensor would wait).
+        losses = [d[LOSS_KEY].detach().double() for d in loss_dicts]
+        local = torch.stack(losses).tolist() if losses else []
         world = dist.get_world_size()
         flags = torch.zeros(world, len(finite.FINDINGS), dtype=torch.float64)
         if self.cfg.check_for_nan_in_loss_and_grad:

@@ -246,11 +246,14 @@ def build_model(cfg: TrainConfig, config: TransformerConfig) -> list[Distributed
             for chunk, (pre, post, _) in zip(chunks, ends, strict=True)
         ]
     ddp_config = _ddp_config(cfg, deferred)
+    # Megatron-LM buckets the first chunk only; dualpipe's mirror sum needs both copies of a
+    # stage bucketed alike (see prepare_mirrors): one bucket per chunk there.
+    mirror = found.placement == "mirror"
     model = [
-        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
+        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0 or mirror)
         for i, chunk in enumerate(chunks)
     ]
-    if found.placement == "mirror":
+    if mirror:
         prepare_mirrors(model, timeout_s=60.0 * cfg.distributed_timeout_minutes)
     config.finalize_model_grads_func = finalize_model_grads
     if cfg.overlap_grad_reduce:

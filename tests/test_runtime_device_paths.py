@@ -1,0 +1,181 @@
+"""What the runtime does for GPUs, held on CPU with stand-ins.
+
+- Timelines on a GPU measure with CUDA events read after the step (kernel time, not launch
+  time): a stand-in following ``torch.cuda.Event``'s API (``record``, ``synchronize``,
+  ``elapsed_time``) gives known times, and the timeline reports them.
+- The per-token loss count stays on the loss's device (a ``meta`` tensor stands for a GPU
+  one: copying it to the host fails, as a per-micro-batch sync would).
+- The executor's saved-tensor hook makes no reference cycle: after a step that fails
+  half-way, nothing is left holding activations.
+- Mirror exchange memory: summing DualPipe's two copies takes one bucket of extra memory,
+  measured by every allocation made during the exchange.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron_dualpipe.runtime import PipelineExecutor, TensorSpec
+from megatron_dualpipe.runtime.mirror import param_buckets, param_grad, sync_mirror_grads
+from megatron_dualpipe.runtime.timeline import DeviceClock, HostClock, RankTimeline, clock_for
+from megatron_dualpipe.schedules.ir import Action, Kind, Placement
+from megatron_dualpipe.schedules.registry import generate
+from tests.multiproc import run_workers
+
+
+class FakeEvent:
+    """``torch.cuda.Event(enable_timing=True)`` as the timeline uses it: ``record()`` takes
+    the device's time when the stream reaches it, ``synchronize()`` waits for it,
+    ``elapsed_time(end)`` is milliseconds from this event to ``end``."""
+
+    device_ms = [0.0]  # the stand-in device's clock
+    synchronized: list[FakeEvent] = []
+
+    def record(self) -> None:
+        self.at = FakeEvent.device_ms[0]
+
+    def synchronize(self) -> None:
+        FakeEvent.synchronized.append(self)
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return end.at - self.at
+
+
+def test_a_gpu_timeline_reports_event_times_read_after_the_step() -> None:
+    FakeEvent.device_ms[0], FakeEvent.synchronized = 5.0, []
+    clock = clock_for(torch.device("cuda", 0), event=FakeEvent)
+    assert isinstance(clock, DeviceClock)
+    timeline = RankTimeline(0, clock=clock)
+    f = Action(Kind.F, 0, 0)
+    FakeEvent.device_ms[0] = 7.0
+    start = timeline.now()
+    FakeEvent.device_ms[0] = 10.5  # the kernels ran 3.5 ms, however soon the host went on
+    timeline.add(f, start, timeline.now())
+    timeline.sent.append(((Kind.RECV_F, 1, 0), 1, timeline.now()))
+    timeline.resolve()
+    assert timeline.actions[0].start == 2.0 and timeline.actions[0].end == 5.5
+    assert timeline.sent[0][2] == 5.5
+    assert len(FakeEvent.synchronized) == 1  # once, for the last event, at the end
+    assert timeline.clock is None and timeline.resolve() is timeline
+
+
+def test_a_cpu_timeline_uses_the_host_clock() -> None:
+    assert isinstance(clock_for(torch.device("cpu")), HostClock)
+    assert isinstance(clock_for(None), HostClock)
+
+
+def test_the_token_count_stays_on_the_losses_device() -> None:
+    from megatron_dualpipe.megatron.placement import ChunkRole
+    from megatron_dualpipe.megatron.stage import MegatronStage, StepInputs
+
+    meta = torch.device("meta")
+    step = StepInputs(None, None, 1, False, False, None, 1, device=meta)
+    assert step.total_num_tokens.device == meta
+    model = nn.Linear(1, 1)
+    role = ChunkRole(0, 0, 0, 0, 1, pre_process=True, post_process=True)
+    stage = MegatronStage(model, role)
+    stage.begin_step(step, None)
+    stage._count_tokens(torch.ones((), dtype=torch.int, device=meta))
+    assert step.total_num_tokens.device == meta
+
+
+class _Failing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).tanh()  # tanh saves its own output
+
+
+def _fail_half_way(rank: int, world: int) -> tuple[int, int]:
+    executor = PipelineExecutor(
+        generate("1f1b", 1, 4),
+        0,
+        [_Failing()],
+        specs={0: TensorSpec((2, 4))},
+        loss_fn=lambda out, mb: out.sum() if mb < 2 else 1 / 0,
+    )
+    with contextlib.suppress(ZeroDivisionError):
+        executor.run([torch.ones(2, 4)] * 4)
+    live_before_gc = executor.live_activations
+    gc.collect()
+    return live_before_gc, executor.live_activations
+
+
+@pytest.mark.multiproc
+def test_a_failed_step_leaves_no_activations_held() -> None:
+    (live,) = run_workers(_fail_half_way, 1, timeout_s=60)
+    assert live == (0, 0)
+
+
+class _Allocations(TorchDispatchMode):
+    """Bytes of the tensors the ops create while active, the most alive at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+
+    def _gone(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        for tensor in out if isinstance(out, tuple | list) else (out,):
+            if (
+                isinstance(tensor, torch.Tensor)
+                and tensor.untyped_storage().data_ptr() not in inputs
+            ):
+                nbytes = tensor.untyped_storage().nbytes()
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(tensor, self._gone, nbytes)
+        return out
+
+
+BUCKET = 4096  # bytes: a stage of 3 x 1,056 floats spans several buckets
+
+
+def _mirror_memory(rank: int, world: int) -> tuple[int, int, list[float]]:
+    torch.manual_seed(0)
+    modules = [nn.Sequential(*(nn.Linear(32, 32) for _ in range(3))) for _ in range(2)]
+    for chunk, module in enumerate(modules):
+        for p in module.parameters():
+            p.grad = torch.full_like(p, float(10 * rank + chunk))
+    placement = Placement("mirror", world, 2 * world, 2)
+    meter = _Allocations()
+    with meter:
+        sync_mirror_grads(
+            modules,
+            placement,
+            rank,
+            timeout_s=20,
+            buckets=lambda m: param_buckets(m, param_grad, bucket_bytes=BUCKET),
+        )
+    total = sum(p.numel() * 4 for p in modules[0].parameters())
+    return meter.peak, total, [m[0].weight.grad[0, 0].item() for m in modules]
+
+
+@pytest.mark.multiproc
+def test_the_mirror_exchange_takes_one_bucket_of_memory() -> None:
+    results = run_workers(_mirror_memory, 2, timeout_s=60)
+    for rank, (peak, total, sums) in enumerate(results):
+        largest = max(
+            sum(t.numel() * 4 for t in bucket)
+            for bucket in param_buckets(
+                nn.Sequential(*(nn.Linear(32, 32) for _ in range(3))), lambda p: p, BUCKET
+            )
+        )
+        assert peak <= largest + 64, (rank, peak, largest)  # + the layout's few integers
+        assert peak < total / 2, (rank, peak, total)
+        # Chunk 0 of rank r pairs with chunk 1 of rank 1 - r: 10 r + 0 + 10 (1 - r) + 1 = 11.
+        assert sums == [11.0, 11.0]
