@@ -27,6 +27,7 @@ from ..errors import DualPipeError
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "HangMonitor",
+    "peer_lost",
     "PipelineCommError",
     "PipelineWaitError",
     "Watchdog",
@@ -41,6 +42,12 @@ DEFAULT_TIMEOUT_S = 600.0
 #: Lower-case fragments of the errors backends raise when the connection to a peer broke
 #: (gloo: the peer's socket closed or was reset; NCCL: a remote error).
 _PEER_LOST = ("connection closed", "connection reset", "broken pipe", "remote process exited")
+
+
+def peer_lost(text: str) -> bool:
+    """Whether a backend's error message says the connection to a peer broke."""
+    lower = text.lower()
+    return any(fragment in lower for fragment in _PEER_LOST)
 
 
 class _Waitable(Protocol):
@@ -102,7 +109,7 @@ class Watchdog:
             lower = text.lower()
             if (bounded and elapsed >= self.timeout_s * 0.99) or "timed out" in lower:
                 cause = f"no progress within the {self.timeout_s:g} s timeout ({text})"
-            elif any(fragment in lower for fragment in _PEER_LOST):
+            elif peer_lost(lower):
                 cause = f"the connection broke, the peer has probably died ({text})"
             else:
                 cause = f"the communication backend failed on this rank ({text})"

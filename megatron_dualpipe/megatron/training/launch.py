@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ...runtime.launch import LaunchFailure, pick_port, run_ranks
-from ...runtime.watchdog import PipelineCommError
+from ...runtime.watchdog import PipelineCommError, peer_lost
 from ..cpu_compat import apply_cpu_compat
 from .checkpoint import check_loadable
 from .config import ConfigError, TrainConfig
@@ -162,14 +162,19 @@ def _run_here(cfg: TrainConfig, env: RankEnv, on_gpu: bool) -> TrainResult:
     try:
         return run_rank(cfg)
     except PipelineCommError as err:  # names the peer it exchanged with
-        raise LaunchError(f"rank {env.rank} of {env.world_size}: {err}") from None
+        raise LaunchError(f"rank {env.rank} of {env.world_size}: {err}") from err
     except RuntimeError as err:
         if not _is_communication_error(err):
             raise
+        why = (
+            "another rank has probably died (the launcher's log names it)"
+            if peer_lost(str(err))
+            else "the communication backend failed"
+        )
         raise LaunchError(
-            f"rank {env.rank} of {env.world_size}: a collective failed, another rank has "
-            f"probably died (the launcher's log names it): {_first_line(err)}"
-        ) from None
+            f"rank {env.rank} of {env.world_size}: a collective failed, {why}: "
+            f"{_first_line(err)}"
+        ) from err
     finally:
         dist.destroy_process_group()
 
