@@ -312,16 +312,19 @@ class _Model:
         )
 
 
-def check_nccl(plan: CommPlan, *, eager_limit: int = EAGER_LIMIT) -> NcclReport:
+def check_nccl(
+    plan: CommPlan, *, eager_limit: int = EAGER_LIMIT, bound: bool = True
+) -> NcclReport:
     """Run ``plan`` under NCCL's rules (sends above ``eager_limit`` bytes rendezvous);
-    return its report, or raise CommDeadlockError naming the cycle."""
+    return its report (without the in-flight bound unless ``bound``), or raise
+    CommDeadlockError naming the cycle."""
     model = _Model(plan, eager_limit)
     model.run()
     if not model.finished():
         raise model.cycle_error()
     comms = plan.comms
     per_rank = [sum(rank in c.ranks for c in comms) for rank in range(len(plan.ranks))]
-    return NcclReport(comms, per_rank, inflight_bound(plan))
+    return NcclReport(comms, per_rank, inflight_bound(plan) if bound else [])
 
 
 def inflight_bound(plan: CommPlan) -> list[int]:

@@ -397,5 +397,5 @@ def validate(
     check(schedule, dry_run=dry_run)
     lowered = schedule if schedule.is_lowered else lower(schedule)
     if backend == "nccl":
-        check_nccl(comm_plan(lowered, **plan_options), eager_limit=eager_limit)
+        check_nccl(comm_plan(lowered, **plan_options), eager_limit=eager_limit, bound=False)
     return lowered
