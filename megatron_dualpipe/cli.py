@@ -1,7 +1,7 @@
-"""The ``megatron-dualpipe`` command: ``simulate``, ``train`` and ``bench``.
+"""The ``megatron-dualpipe`` command: ``simulate``, ``train``, ``preprocess`` and ``bench``.
 
 Importing this module imports neither torch nor megatron: ``simulate`` is pure Python, and
-``train`` and ``bench`` import what they need when they run.
+``train``, ``preprocess`` and ``bench`` import what they need when they run.
 """
 
 from __future__ import annotations
@@ -157,6 +157,48 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="override a config key (repeatable), e.g. --set pipeline_schedule=1f1b",
+    )
+
+
+def _add_preprocess(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "preprocess",
+        help="tokenize a jsonl corpus into Megatron's indexed dataset (.bin/.idx)",
+        description="Tokenize every line's \"text\" of a jsonl file with a Hugging Face "
+        "tokenizer directory, append the end-of-document token, and write Megatron's indexed "
+        "dataset PREFIX_text_document.bin/.idx (what Megatron-LM's tools/preprocess_data.py "
+        "writes); train on it with data_path: PREFIX_text_document.",
+    )
+    p.add_argument("--input", type=Path, required=True, help="the corpus, one JSON object a line")
+    p.add_argument(
+        "--tokenizer",
+        type=Path,
+        required=True,
+        metavar="DIR",
+        help="a Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json)",
+    )
+    p.add_argument(
+        "--output-prefix",
+        required=True,
+        metavar="PREFIX",
+        help="where to write: PREFIX_text_document.bin and .idx (folders are made)",
+    )
+
+
+def _run_preprocess(args: argparse.Namespace) -> None:
+    from .megatron.training.preprocess import preprocess  # imports torch and megatron
+
+    with Progress(delay_s=0.5) as bar:
+        bar.phase(f"tokenizing {args.input}")
+
+        def progress(done: int, total: int) -> None:
+            bar.total, bar.done = total, done
+
+        result = preprocess(args.input, args.tokenizer, args.output_prefix, progress)
+    print(
+        f"wrote {result.prefix}.bin and {result.prefix}.idx: {result.documents:,} documents, "
+        f"{result.tokens:,} tokens (each document ends in the end-of-document token); train "
+        f"on it with data_path: {result.prefix}"
     )
 
 
@@ -515,6 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_simulate(sub)
     _add_train(sub)
+    _add_preprocess(sub)
     _add_bench(sub)
     args = parser.parse_args(argv)
     try:
@@ -522,6 +565,8 @@ def main(argv: list[str] | None = None) -> int:
             _run_simulate(args)
         elif args.command == "train":
             _run_train(args)
+        elif args.command == "preprocess":
+            _run_preprocess(args)
         elif args.command == "bench":
             _run_bench(args)
     except KeyboardInterrupt:
