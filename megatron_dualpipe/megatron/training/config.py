@@ -939,6 +939,13 @@ def _check_recompute(cfg: TrainConfig) -> Problem:
         return "recompute_modules", "mla_up_proj needs multi_latent_attention: true"
     if any(m in modules for m in ("moe", "shared_experts")) and not cfg.is_moe:
         return "recompute_modules", "moe and shared_experts need a MoE model (num_experts)"
+    if "mlp" in modules and cfg.add_bias_linear:
+        return "recompute_modules", (
+            "mlp with add_bias_linear: true never ends its backward in Megatron-Core (the "
+            "recomputed MLP hands its bias parameter out of tensor_parallel.checkpoint, whose "
+            "backward then calls itself until the stack overflows; measured with 0.16.1): set "
+            "add_bias_linear: false (--disable-bias-linear), or recompute core_attn only"
+        )
     return None
 
 

@@ -88,6 +88,14 @@ def transformer_config(cfg: TrainConfig, *, on_gpu: bool) -> TransformerConfig:
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
     )
+    if cfg.recompute_granularity is not None:
+        kwargs.update(
+            recompute_granularity=cfg.recompute_granularity,
+            recompute_method=cfg.recompute_method,
+            recompute_num_layers=cfg.recompute_num_layers,
+        )
+        if cfg.recompute_modules is not None:
+            kwargs["recompute_modules"] = cfg.recompute_modules.split()
     if cfg.swiglu:
         kwargs.update(gated_linear_unit=True, activation_func=F.silu)
     if cfg.mtp_num_layers:
