@@ -186,8 +186,10 @@ def _add_preprocess(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_preprocess(args: argparse.Namespace) -> None:
+    from .megatron.known_warnings import silence_known_warnings
     from .megatron.training.preprocess import preprocess  # imports torch and megatron
 
+    silence_known_warnings()
     with Progress(delay_s=0.5) as bar:
         bar.phase(f"tokenizing {args.input}")
 
