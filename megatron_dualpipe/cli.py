@@ -586,8 +586,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(
             f"megatron-dualpipe: error: {args.command} needs torch and megatron-core, and "
-            f"{err.name} is not installed: pip install 'megatron-dualpipe[megatron]' (or "
-            "install your own CUDA build of torch first)",
+            f"{err.name} is not installed: from the megatron-dualpipe checkout (it is not on "
+            "PyPI), pip install -e '.[megatron]' (or install your own CUDA build of torch "
+            "first)",
             file=sys.stderr,
         )
         return 2
