@@ -143,11 +143,17 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
+    from .megatron.training.config import config_keys  # pure Python: no torch, no megatron
+
+    keys = ", ".join(key.name for key in config_keys())
     p = sub.add_parser(
         "train",
         help="pretrain a GPT on megatron-core with a pipeline schedule",
         description="Train the model of a YAML config (keys mirror Megatron-LM's flags). "
         "Without torchrun or srun and without a GPU, forks world_size CPU ranks itself.",
+        epilog=f"config keys (YAML or --set; each key's meaning and default: python "
+        f"scripts/pretrain_gpt_dualpipe.py --help, which takes them as Megatron-LM's flags): "
+        f"{keys}",
     )
     p.add_argument("--config", type=Path, required=True, help="e.g. configs/tiny_gpt_cpu.yaml")
     p.add_argument(
@@ -290,6 +296,23 @@ def _no_cyclic_gc() -> Iterator[None]:
 
 def _suffixed(path: Path, name: str, many: bool) -> Path:
     return path.with_name(f"{path.stem}_{name}{path.suffix}") if many else path
+
+
+def _check_distinct_outputs(args: argparse.Namespace) -> None:
+    """Refuse, before any work, two output flags naming one file (one would replace the
+    other without a word)."""
+    given = [(f"--{n}", getattr(args, n)) for n in ("png", "trace", "json", "save")]
+    seen: dict[Path, str] = {}
+    for flag, path in given:
+        if path is None:
+            continue
+        where = Path(path).resolve()
+        if where in seen:
+            raise ScheduleError(
+                f"{seen[where]} and {flag} both name {path}: one would overwrite the other; "
+                "give each its own file"
+            )
+        seen[where] = flag
 
 
 def _write_outputs(
@@ -468,6 +491,7 @@ def _run_optimize(args: argparse.Namespace) -> None:
 
 
 def _run_simulate(args: argparse.Namespace) -> None:
+    _check_distinct_outputs(args)
     if args.config:
         if args.optimize:
             raise ScheduleError(

@@ -614,15 +614,38 @@ def _validated(
         _check_tokenizer,
         _check_io,
     )
+    origins = origins or {}
     for check in checks:
         problem = check(cfg)
         if problem is not None:
             key, message = problem
-            raise ConfigError(f"{(origins or {}).get(key, source)}: {key}: {message}")
+            raise ConfigError(f"{_where(key, source, origins)}: {key}: {message}")
     return cfg
 
 
+def _where(key: str, source: str, origins: Mapping[str, str]) -> str:
+    """Where a problem with ``key`` comes from: the flag or --set that gave ``key``; else,
+    where one gave a key the problem also depends on (:data:`_RELATED`), ``source`` with
+    it; else ``source``."""
+    if key in origins:
+        return origins[key]
+    related = [origins[k] for k in _RELATED.get(key, ()) if k in origins]
+    if related and related[0] not in source:
+        return f"{source} with {related[0]}"
+    return source
+
+
 Problem = tuple[str, str] | None
+#: Keys whose values a problem reported under the key also depends on: where the key
+#: itself was not set by a flag or --set, the error names the first of these that was.
+_RELATED: dict[str, tuple[str, ...]] = {
+    "lr_warmup_iters": ("lr_decay_iters", "train_iters"),
+    "world_size": ("tensor_model_parallel_size", "pipeline_model_parallel_size"),
+    "global_batch_size": ("micro_batch_size", "world_size", "tensor_model_parallel_size"),
+    "num_attention_heads": ("hidden_size", "tensor_model_parallel_size"),
+    "expert_model_parallel_size": ("num_experts", "world_size"),
+    "pipeline_schedule": ("pipeline_model_parallel_size", "global_batch_size", "num_layers"),
+}
 
 
 def _check_values(cfg: TrainConfig) -> Problem:
