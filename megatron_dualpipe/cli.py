@@ -1,7 +1,7 @@
-"""The ``megatron-dualpipe`` command: ``simulate``, ``train`` and ``bench``.
+"""The ``megatron-dualpipe`` command: ``simulate``, ``train``, ``preprocess`` and ``bench``.
 
 Importing this module imports neither torch nor megatron: ``simulate`` is pure Python, and
-``train`` and ``bench`` import what they need when they run.
+``train``, ``preprocess`` and ``bench`` import what they need when they run.
 """
 
 from __future__ import annotations
@@ -172,11 +172,17 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
+    from .megatron.training.config import config_keys  # pure Python: no torch, no megatron
+
+    keys = ", ".join(key.name for key in config_keys())
     p = sub.add_parser(
         "train",
         help="pretrain a GPT on megatron-core with a pipeline schedule",
         description="Train the model of a YAML config (keys mirror Megatron-LM's flags). "
         "Without torchrun or srun and without a GPU, forks world_size CPU ranks itself.",
+        epilog=f"config keys (YAML or --set; each key's meaning and default: python "
+        f"scripts/pretrain_gpt_dualpipe.py --help, which takes them as Megatron-LM's flags): "
+        f"{keys}",
     )
     p.add_argument("--config", type=Path, required=True, help="e.g. configs/tiny_gpt_cpu.yaml")
     p.add_argument(
@@ -186,6 +192,50 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="override a config key (repeatable), e.g. --set pipeline_schedule=1f1b",
+    )
+
+
+def _add_preprocess(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "preprocess",
+        help="tokenize a jsonl corpus into Megatron's indexed dataset (.bin/.idx)",
+        description="Tokenize every line's \"text\" of a jsonl file with a Hugging Face "
+        "tokenizer directory, append the end-of-document token, and write Megatron's indexed "
+        "dataset PREFIX_text_document.bin/.idx (what Megatron-LM's tools/preprocess_data.py "
+        "writes); train on it with data_path: PREFIX_text_document.",
+    )
+    p.add_argument("--input", type=Path, required=True, help="the corpus, one JSON object a line")
+    p.add_argument(
+        "--tokenizer",
+        type=Path,
+        required=True,
+        metavar="DIR",
+        help="a Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json)",
+    )
+    p.add_argument(
+        "--output-prefix",
+        required=True,
+        metavar="PREFIX",
+        help="where to write: PREFIX_text_document.bin and .idx (folders are made)",
+    )
+
+
+def _run_preprocess(args: argparse.Namespace) -> None:
+    from .megatron.known_warnings import silence_known_warnings
+    from .megatron.training.preprocess import preprocess  # imports torch and megatron
+
+    silence_known_warnings()
+    with Progress(delay_s=0.5) as bar:
+        bar.phase(f"tokenizing {args.input}")
+
+        def progress(done: int, total: int) -> None:
+            bar.total, bar.done = total, done
+
+        result = preprocess(args.input, args.tokenizer, args.output_prefix, progress)
+    print(
+        f"wrote {result.prefix}.bin and {result.prefix}.idx: {result.documents:,} documents, "
+        f"{result.tokens:,} tokens (each document ends in the end-of-document token); train "
+        f"on it with data_path: {result.prefix}"
     )
 
 
@@ -275,6 +325,23 @@ def _no_cyclic_gc() -> Iterator[None]:
 
 def _suffixed(path: Path, name: str, many: bool) -> Path:
     return path.with_name(f"{path.stem}_{name}{path.suffix}") if many else path
+
+
+def _check_distinct_outputs(args: argparse.Namespace) -> None:
+    """Refuse, before any work, two output flags naming one file (one would replace the
+    other without a word)."""
+    given = [(f"--{n}", getattr(args, n)) for n in ("png", "trace", "json", "save")]
+    seen: dict[Path, str] = {}
+    for flag, path in given:
+        if path is None:
+            continue
+        where = Path(path).resolve()
+        if where in seen:
+            raise ScheduleError(
+                f"{seen[where]} and {flag} both name {path}: one would overwrite the other; "
+                "give each its own file"
+            )
+        seen[where] = flag
 
 
 def _write_outputs(
@@ -453,6 +520,7 @@ def _run_optimize(args: argparse.Namespace) -> None:
 
 
 def _run_simulate(args: argparse.Namespace) -> None:
+    _check_distinct_outputs(args)
     if args.config:
         if args.optimize:
             raise ScheduleError(
@@ -568,6 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_simulate(sub)
     _add_train(sub)
+    _add_preprocess(sub)
     _add_bench(sub)
     args = parser.parse_args(argv)
     try:
@@ -575,6 +644,8 @@ def main(argv: list[str] | None = None) -> int:
             _run_simulate(args)
         elif args.command == "train":
             _run_train(args)
+        elif args.command == "preprocess":
+            _run_preprocess(args)
         elif args.command == "bench":
             _run_bench(args)
     except KeyboardInterrupt:
@@ -592,8 +663,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(
             f"megatron-dualpipe: error: {args.command} needs torch and megatron-core, and "
-            f"{err.name} is not installed: pip install 'megatron-dualpipe[megatron]' (or "
-            "install your own CUDA build of torch first)",
+            f"{err.name} is not installed: from the megatron-dualpipe checkout (it is not on "
+            "PyPI), pip install -e '.[megatron]' (or install your own CUDA build of torch "
+            "first)",
             file=sys.stderr,
         )
         return 2

@@ -86,9 +86,13 @@ class Model:
     dense_first: int = 0
     mtp: int | None = None
     num_layers: int = 8
+    #: Biased linear layers (dense models; MoE ones never have biases).
+    bias: bool = True
 
     def config(self, **parallel: Any) -> Any:
         features: dict[str, Any] = {"num_layers": self.num_layers, "mtp_num_layers": self.mtp}
+        if not self.bias:
+            features["add_bias_linear"] = False
         if self.moe:
             features.update(num_moe_experts=4, moe_router_topk=2)
             if self.dense_first:
@@ -157,6 +161,8 @@ class Layout:
     #: Wrap chunks as Megatron-LM's ``get_model`` does (bucketing off from the second chunk
     #: on) instead of as megatron-dualpipe's ``train`` (also off for every dualpipe chunk).
     megatron_lm_bucketing: bool = False
+    #: TransformerConfig's activation recomputation keys, as (key, value) pairs.
+    recompute: tuple[tuple[str, Any], ...] = ()
 
     def split(self) -> dict[str, Any]:
         """The split as Megatron's TransformerConfig takes it, for Megatron's placement."""
@@ -329,6 +335,7 @@ def _build_chunks(model: Model, layout: Layout) -> list[torch.nn.Module]:
         expert_model_parallel_size=layout.ep,
         tensor_model_parallel_size=layout.tp,
         batch_p2p_comm=layout.batch_p2p_comm,
+        **dict(layout.recompute),
     )
     if model.moe:
         parallel["moe_token_dispatcher_type"] = layout.dispatcher
@@ -453,6 +460,12 @@ def _loss_microbatches(layout: Layout) -> list[int]:
     ]
 
 
+def _peak_activation_bytes(schedule: Any, chunks: list[torch.nn.Module]) -> int | None:
+    """The runtime's measured peak of saved activation bytes in the step (our schedules)."""
+    executor = getattr(schedule, "executor", None)
+    return None if executor is None else executor(chunks).peak_activation_bytes
+
+
 def _pipelined_worker(
     rank: int, world_size: int, model: Model, layout: Layout, state: dict[str, torch.Tensor]
 ) -> dict[str, Any]:
@@ -488,6 +501,7 @@ def _pipelined_worker(
             "mtp_losses": _take_mtp_losses(),
             "grads": _merge([_gradients(c, layout) for c in chunks]),
             "deferred": deferred[0],
+            "peak_bytes": _peak_activation_bytes(schedule, chunks),
         }
         if optimizer is not None:
             success, grad_norm, _ = optimizer.step()
@@ -532,7 +546,7 @@ def _run(model: Model, layout: Layout) -> tuple[dict[str, Any], list[dict[str, A
     return reference, results
 
 
-def _check(model: Model, layout: Layout, expected_schedule: str) -> dict[str, float]:
+def _check(model: Model, layout: Layout, expected_schedule: str) -> dict[str, Any]:
     """Run ``layout`` and assert it matches the reference; returns the max errors."""
     reference, results = _run(model, layout)
     assert {r["schedule"] for r in results} == {expected_schedule}
@@ -599,6 +613,8 @@ def _check(model: Model, layout: Layout, expected_schedule: str) -> dict[str, fl
                 ),
             )
     print(f"\n{layout}: max relative errors {worst}")
+    worst["deferred"] = [r["deferred"] for r in results]
+    worst["peak_bytes"] = [r["peak_bytes"] for r in results]
     return worst
 
 

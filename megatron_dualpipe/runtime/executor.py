@@ -77,8 +77,10 @@ class StepResult:
 
     ``losses`` and ``outputs`` (the last stage's outputs as it returned them, detached,
     when asked) are keyed by micro-batch and present only on ranks where a path ends.
-    ``peak_activations`` is the measured peak of live (stage, micro-batch) activations.
-    ``timeline`` is set when recording was asked for (see
+    ``peak_activations`` is the measured peak of live (stage, micro-batch) activations,
+    ``peak_activation_bytes`` the peak of the bytes their forwards saved for backward
+    (distinct storages, parameters excluded; what a recomputation holds for the moment of
+    one backward is not counted). ``timeline`` is set when recording was asked for (see
     :func:`~.timeline.gather_timeline`). ``overlapped`` counts the FB actions whose halves
     ran interleaved (planned stages). ``peak_sends`` is the most sent messages whose
     tensors the rank held at once, waiting for their sends to complete.
@@ -87,34 +89,57 @@ class StepResult:
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: dict[int, Activation] = field(default_factory=dict)
     peak_activations: int = 0
+    peak_activation_bytes: int = 0
     timeline: RankTimeline | None = None
     overlapped: int = 0
     peak_sends: int = 0
 
 
 class _Counter:
-    """Live and peak count of activation tokens."""
+    """Live and peak count of activation tokens, and of the bytes saved under them."""
 
     def __init__(self) -> None:
         self.live = 0
         self.peak = 0
+        self.live_bytes = 0
+        self.peak_bytes = 0
 
     def token(self) -> _Token:
         self.live += 1
         self.peak = max(self.peak, self.live)
         return _Token(self)
 
+    def restart(self) -> None:
+        """A new step: the peaks start from what is live now."""
+        self.peak, self.peak_bytes = self.live, self.live_bytes
+
 
 class _Token:
-    """Alive exactly as long as something still holds one micro-batch's activations."""
+    """Alive exactly as long as something still holds one micro-batch's activations; counts
+    the bytes of the distinct storages saved for its backward (parameters excluded)."""
 
-    __slots__ = ("counter",)
+    __slots__ = ("counter", "nbytes", "storages")
 
     def __init__(self, counter: _Counter):
         self.counter = counter
+        self.nbytes = 0
+        self.storages: set[int] = set()
+
+    def saved(self, tensor: torch.Tensor) -> None:
+        if isinstance(tensor, nn.Parameter) or tensor.device.type == "meta":
+            return
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in self.storages:
+            return
+        self.storages.add(storage.data_ptr())
+        self.nbytes += storage.nbytes()
+        counter = self.counter
+        counter.live_bytes += storage.nbytes()
+        counter.peak_bytes = max(counter.peak_bytes, counter.live_bytes)
 
     def __del__(self) -> None:
         self.counter.live -= 1
+        self.counter.live_bytes -= self.nbytes
 
 
 @dataclass
@@ -363,6 +388,12 @@ class PipelineExecutor:
         """The most (stage, micro-batch) activations held at once in the last step."""
         return self._counter.peak
 
+    @property
+    def peak_activation_bytes(self) -> int:
+        """The most bytes saved for backward held at once in the last step (see
+        :class:`StepResult`)."""
+        return self._counter.peak_bytes
+
     # -- the step ----------------------------------------------------------------------
     def run(
         self,
@@ -393,7 +424,7 @@ class PipelineExecutor:
             dist.barrier(group=self._group)
             timeline = RankTimeline(self.rank, clock=clock_for(_module_device(self.modules[0])))
         step = _Step(inputs, training, return_outputs, timeline, action_context)
-        self._counter.peak = self._counter.live
+        self._counter.restart()
         with torch.set_grad_enabled(training):
             for item in steps:
                 if isinstance(item, Compute):
@@ -423,6 +454,7 @@ class PipelineExecutor:
             )
         step.result.peak_activations = self._counter.peak
         step.result.peak_sends = comm.peak_sends
+        step.result.peak_activation_bytes = self._counter.peak_bytes
         if timeline is not None:
             timeline.peak_activations = self._counter.peak
             step.result.timeline = timeline.resolve()
@@ -539,6 +571,7 @@ class PipelineExecutor:
 
         def pack(tensor: torch.Tensor) -> tuple[torch.Tensor, _Token]:
             saved.add(id(tensor))
+            token.saved(tensor)
             # Detached: an output its own grad_fn saves would otherwise hold that grad_fn,
             # a reference cycle through autograd's C++ graph that no collector frees.
             return tensor.detach(), token

@@ -36,9 +36,12 @@ from ...runtime.watchdog import PipelineCommError, peer_lost
 from ..cpu_compat import apply_cpu_compat
 from .checkpoint import check_loadable
 from .config import ConfigError, TrainConfig
+from .datasets import check_data_files
 from .errors import TrainError
 from .loop import TrainResult, run_rank
 from .model import transformer_config
+from .tensorboard import check_tensorboard
+from .tokenizer import build_tokenizer, model_vocab_size
 
 __all__ = ["LaunchError", "RankEnv", "launcher_env", "train"]
 
@@ -119,7 +122,9 @@ def _preflight(cfg: TrainConfig, source: str, on_gpu: bool) -> None:
         raise ConfigError(
             f"{source}: Megatron-Core rejects the model configuration: {err}"
         ) from None
-    check_loadable(cfg)
+    check_data_files(cfg, source)
+    check_tensorboard(cfg, source)
+    check_loadable(cfg, model_vocab_size(cfg, build_tokenizer(cfg, source)))
 
 
 def train(cfg: TrainConfig, *, source: str = "config") -> TrainResult:

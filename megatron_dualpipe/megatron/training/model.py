@@ -88,6 +88,14 @@ def transformer_config(cfg: TrainConfig, *, on_gpu: bool) -> TransformerConfig:
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
     )
+    if cfg.recompute_granularity is not None:
+        kwargs.update(
+            recompute_granularity=cfg.recompute_granularity,
+            recompute_method=cfg.recompute_method,
+            recompute_num_layers=cfg.recompute_num_layers,
+        )
+        if cfg.recompute_modules is not None:
+            kwargs["recompute_modules"] = cfg.recompute_modules.split()
     if cfg.swiglu:
         kwargs.update(gated_linear_unit=True, activation_func=F.silu)
     if cfg.mtp_num_layers:
@@ -199,9 +207,13 @@ def _ddp_config(cfg: TrainConfig, deferred: bool) -> DistributedDataParallelConf
     )
 
 
-def build_model(cfg: TrainConfig, config: TransformerConfig) -> list[DistributedDataParallel]:
+def build_model(
+    cfg: TrainConfig, config: TransformerConfig, vocab_size: int | None = None
+) -> list[DistributedDataParallel]:
     """This rank's chunks, initialised and wrapped in DDP; ``config`` gets the hooks
     (``no_sync_func``, ``finalize_model_grads_func``). Needs ``parallel_state``.
+    ``vocab_size``: the embedding's rows (default ``cfg.vocab_size``; a tokenizer's padded
+    vocabulary, :mod:`.tokenizer`).
 
     Under schedules that split the backward every Megatron linear layer defers its weight
     gradient (dW) to the W actions: built so from the layer spec, the output layer converted
@@ -220,7 +232,7 @@ def build_model(cfg: TrainConfig, config: TransformerConfig) -> list[Distributed
         chunk = GPTModel(
             config=config,
             transformer_layer_spec=block,
-            vocab_size=cfg.vocab_size,
+            vocab_size=vocab_size or cfg.vocab_size,
             max_sequence_length=cfg.max_position_embeddings or cfg.seq_length,
             pre_process=pre_process,
             post_process=post_process,
