@@ -167,6 +167,12 @@ def _check(args: Any) -> None:
             f"{schedule} builds its model config from command-line arguments: "
             "drop --yaml-cfg and pass the model settings as arguments"
         )
+    fsdp = [f for f in ("use_megatron_fsdp", "use_torch_fsdp2") if getattr(args, f, False)]
+    if found.placement == "mirror" and fsdp:
+        raise DualPipeConfigError(
+            f"{schedule} sums its two copies of every stage over Megatron DDP's gradient "
+            f"buffers, which --{fsdp[0].replace('_', '-')} shards: drop it, or choose dualpipev"
+        )
     if found.placement == "mirror" and getattr(args, "overlap_grad_reduce", False):
         _one_bucket_per_chunk(args, schedule)
     if getattr(args, "overlap_moe_expert_parallel_comm", False):

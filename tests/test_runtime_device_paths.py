@@ -6,7 +6,10 @@
 - The per-token loss count stays on the loss's device (a ``meta`` tensor stands for a GPU
   one: copying it to the host fails, as a per-micro-batch sync would).
 - The executor's saved-tensor hook makes no reference cycle: after a step that fails
-  half-way, nothing is left holding activations.
+  half-way, nothing is left holding activations, no helper thread is left, and the executor
+  refuses another step (on NCCL its messages could still be in flight).
+- On a GPU the channel groups are aborted inside one NCCL group; the mirror exchange's
+  layout check travels on the gradients' device (NCCL serves CUDA tensors only).
 - Mirror exchange memory: summing DualPipe's two copies takes one bucket of extra memory,
   measured by every allocation made during the exchange.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 import weakref
 
 import pytest
@@ -25,6 +29,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron_dualpipe.runtime import PipelineExecutor, TensorSpec
 from megatron_dualpipe.runtime.mirror import param_buckets, param_grad, sync_mirror_grads
 from megatron_dualpipe.runtime.timeline import DeviceClock, HostClock, RankTimeline, clock_for
+from megatron_dualpipe.runtime.transport import GroupTransport
+from megatron_dualpipe.runtime.watchdog import HangMonitor, Watchdog
+from megatron_dualpipe.schedules.comm_plan import channels
 from megatron_dualpipe.schedules.ir import Action, Kind, Placement
 from megatron_dualpipe.schedules.registry import generate
 from tests.multiproc import run_workers
@@ -107,13 +114,86 @@ def _fail_half_way(rank: int, world: int) -> tuple[int, int]:
         executor.run([torch.ones(2, 4)] * 4)
     live_before_gc = executor.live_activations
     gc.collect()
-    return live_before_gc, executor.live_activations
+    try:
+        executor.run([torch.ones(2, 4)] * 4)
+    except RuntimeError as error:
+        again = str(error)
+    executor.close()
+    helpers = [t.name for t in threading.enumerate() if t.name.startswith("pipeline-")]
+    return live_before_gc, executor.live_activations, again, helpers
 
 
 @pytest.mark.multiproc
-def test_a_failed_step_leaves_no_activations_held() -> None:
-    (live,) = run_workers(_fail_half_way, 1, timeout_s=60)
-    assert live == (0, 0)
+def test_a_failed_step_leaves_nothing_held_and_the_executor_refuses_another() -> None:
+    """No activations held (before any garbage collection), no helper thread left, and a
+    second run refused: on NCCL its messages could still be in flight."""
+    ((before_gc, after_gc, again, helpers),) = run_workers(_fail_half_way, 1, timeout_s=60)
+    assert (before_gc, after_gc) == (0, 0)
+    assert again.startswith("rank 0's executor failed in an earlier step (ZeroDivisionError: ")
+    assert helpers == []
+
+
+def test_the_hang_monitor_thread_ends_with_its_monitor() -> None:
+    monitor = HangMonitor(Watchdog(0, 60.0), lambda: None, poll_s=0.01)
+    thread = monitor._thread
+    del monitor
+    gc.collect()
+    thread.join(2)
+    assert not thread.is_alive()
+
+
+class _FakeNcclBackend:
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def _group_start(self) -> None:
+        self.calls.append("group start")
+
+    def _group_end(self) -> None:
+        self.calls.append("group end")
+
+
+class _FakeGroup:
+    """A process group as GroupTransport.abort uses one (``_get_backend``, ``abort``)."""
+
+    def __init__(self, name: str, calls: list[str]) -> None:
+        self.name, self.calls = name, calls
+
+    def _get_backend(self, device: torch.device) -> _FakeNcclBackend:
+        assert device.type == "cuda"
+        return _FakeNcclBackend(self.calls)
+
+    def abort(self) -> None:
+        self.calls.append(f"abort {self.name}")
+
+
+def test_channel_groups_on_a_gpu_are_aborted_inside_one_nccl_group() -> None:
+    """As torch's ``_abort_process_group`` aborts every group: communicators aborted one
+    by one can hang on another's stuck kernel (pytorch issue 119797)."""
+    calls: list[str] = []
+    groups = {c: _FakeGroup(str(c), calls) for c in channels(Placement("v", 2, 4, 4))}
+    GroupTransport(groups, [0, 1], device=torch.device("cuda", 0)).abort()
+    assert calls[0] == "group start" and calls[-1] == "group end"
+    assert sorted(calls[1:-1]) == sorted(f"abort {c}" for c in groups)
+
+
+def test_the_mirror_layout_travels_on_the_gradients_device(monkeypatch) -> None:
+    """NCCL serves CUDA tensors only: the layout check must not send CPU tensors (here
+    ``meta`` stands for the GPU; the exchange itself is recorded, not run)."""
+    import megatron_dualpipe.runtime.mirror as mirror
+
+    devices = []
+    monkeypatch.setattr(mirror, "_exchange", lambda sends, receives, *a: None)
+
+    def swap(values, partner, group, watchdog, device):
+        devices.append(device)
+        return mirror._encode(mirror._decode(values)[::-1])
+
+    monkeypatch.setattr(mirror, "_swap_ints", swap)
+    modules = [nn.Linear(2, 2, device="meta") for _ in range(2)]
+    mirror.sync_mirror_grads(modules, Placement("mirror", 2, 4, 2), 0)
+    mirror.copy_mirror_params(modules, Placement("mirror", 2, 4, 2), 0)
+    assert devices == [torch.device("meta")] * 2
 
 
 class _Allocations(TorchDispatchMode):

@@ -7,8 +7,9 @@
   their receive has started) runs the shipped plan; the design before it (one
   communicator per message kind) hangs there, and every rank's hang monitor turns that
   into an error naming the rank within its timeout, while plain gloo runs it.
-- Two-rank process groups per channel (what NCCL gets) give the losses and gradients of
-  the tagged single group, bit for bit.
+- Two-rank process groups per channel (what NCCL gets), issued op by op or as NCCL gets
+  them (one ``batch_isend_irecv`` per batch, peers as group ranks), give the losses and
+  gradients of the tagged single group, bit for bit.
 - The hang monitor: an operation pending past the timeout is named and the transport
   aborted; completed ones are forgotten.
 """
@@ -57,8 +58,9 @@ def _run(rank: int, name: str, microbatches: int, transport_kind: str, **executo
         transport = _Recording(GroupTransport(dist.group.WORLD, ranks))
     elif transport_kind == "recorded-emulation":
         transport = _Recording(NcclRulesTransport(dist.group.WORLD, ranks))
-    elif transport_kind == "channel-groups":
-        transport = GroupTransport(make_channel_groups(channels(p)), ranks)
+    elif transport_kind.startswith("channel-groups"):  # NCCL's path: batch_isend_irecv
+        batched = transport_kind.endswith("batched")
+        transport = GroupTransport(make_channel_groups(channels(p)), ranks, batched=batched)
     executor = PipelineExecutor(
         schedule,
         rank,
@@ -168,7 +170,7 @@ def _compare(rank: int, world: int, name: str, microbatches: int, kind: str) -> 
 
 
 @pytest.mark.parametrize("name", ["dualpipe", "dualpipev"])
-@pytest.mark.parametrize("kind", ["channel-groups", "emulation"])
+@pytest.mark.parametrize("kind", ["channel-groups", "channel-groups-batched", "emulation"])
 def test_channel_groups_and_the_emulation_compute_what_one_tagged_group_does(name, kind) -> None:
     assert all(run_workers(_compare, 2, args=(name, 4, kind), timeout_s=120))
 

@@ -35,6 +35,7 @@ import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -176,6 +177,8 @@ class DualPipeForwardBackward:
         has the generated schedule's placement and refuses it in one sentence otherwise.
         Call it on every pipeline rank between the same two steps."""
         self.schedule = schedule
+        for prepared in list(self._prepared.values()):
+            prepared.executor.close()
         self._prepared.clear()
 
     def executor(self, model: Any) -> PipelineExecutor | None:
@@ -186,17 +189,21 @@ class DualPipeForwardBackward:
         return None if prepared is None else prepared.executor
 
     # -- set-up, once per model -----------------------------------------------------------
-    def _transport(self, pipeline: dist.ProcessGroup, placement: Placement) -> Transport | None:
-        """Where the backend ignores tags (NCCL): one two-rank group per channel of the
-        placement, made at the first step (collective over the world) and kept for every
-        executor after it; gloo: None (the executor's tagged default)."""
-        if dist.get_backend(pipeline) == "gloo":
+    def _transport(
+        self, pipeline: dist.ProcessGroup, placement: Placement, device: torch.device
+    ) -> Transport | None:
+        """For messages on a device (NCCL, which ignores tags): one two-rank group per
+        channel of the placement, made at the first step (collective over the world), with
+        a timeout beyond the executor's, kept for every executor after it; on the CPU
+        (gloo): None, the executor's tagged default."""
+        if device.type == "cpu":
             return None
         ranks = dist.get_process_group_ranks(pipeline)
         key = (tuple(ranks), placement.kind, placement.num_ranks)
         if key not in self._transports:
-            groups = make_channel_groups(channels(placement), pipeline)
-            self._transports[key] = GroupTransport(groups, ranks)
+            timeout = timedelta(seconds=2 * self.timeout_s)
+            groups = make_channel_groups(channels(placement), pipeline, timeout=timeout)
+            self._transports[key] = GroupTransport(groups, ranks, device=device)
         return self._transports[key]
 
     def _prepare(
@@ -220,6 +227,8 @@ class DualPipeForwardBackward:
         prepared = self._prepared.get(model[0])
         if prepared is not None and prepared.key == key:
             return prepared
+        if prepared is not None:
+            prepared.executor.close()  # its helper threads go with it
         check_run(
             self.schedule_name,
             pipeline_size=groups.pp_size,
@@ -242,7 +251,7 @@ class DualPipeForwardBackward:
             specs=dict.fromkeys(range(schedule.placement.num_stages), spec),
             loss_fn=lambda loss, mb: loss,
             group=groups.pipeline,
-            transport=self._transport(groups.pipeline, schedule.placement),
+            transport=self._transport(groups.pipeline, schedule.placement, device),
             defer_weight_grads=True,
             timeout_s=self.timeout_s,
             variable_shapes=bool(config.variable_seq_lengths),

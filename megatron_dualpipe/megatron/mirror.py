@@ -52,23 +52,52 @@ def _ddp_buffers(chunk: nn.Module) -> list | None:
     return buffers + list(getattr(chunk, "expert_parallel_buffers", []))
 
 
+#: The most bytes one exchange of the mirror sum moves (a DDP bucket is cut into slices).
+SLICE_BYTES = 64 * 2**20
+
+
+def _slices(data: torch.Tensor) -> Buckets:
+    """``data`` (contiguous, 1-d) in slices of at most :data:`SLICE_BYTES`, one a bucket."""
+    step = max(1, SLICE_BYTES // data.element_size())
+    return [[data[at : at + step]] for at in range(0, data.numel(), step)]
+
+
 def _grad_buckets(chunk: nn.Module) -> Buckets:
-    """What the mirror exchange sends of a chunk: each DDP bucket's contiguous gradient
-    data (main_grad of its parameters, as laid out), else the chunk's gradients."""
+    """What the mirror exchange sends of a chunk: Megatron DDP's gradient buffers as laid
+    out, in slices; with the distributed optimizer only this data-parallel rank's shard of
+    each bucket (the only part reduced over the data-parallel ranks, and the only part the
+    optimizer reads); unwrapped, the chunk's gradients."""
     buffers = _ddp_buffers(chunk)
     if buffers is None:
         return param_buckets(chunk, _main_grad)
-    return [[bucket.grad_data] for buffer in buffers for bucket in buffer.buckets]
+    pieces: Buckets = []
+    for buffer in buffers:
+        sharded = buffer.ddp_config.use_distributed_optimizer
+        dp, dp_rank = buffer.data_parallel_world_size, buffer.data_parallel_group.rank()
+        for bucket in buffer.buckets:
+            data = bucket.grad_data
+            if sharded:
+                size = data.numel() // dp
+                data = data[dp_rank * size : (dp_rank + 1) * size]
+            pieces += _slices(data)
+    return pieces
 
 
 def _bucket_layout(chunk: nn.Module) -> list[list[int]]:
-    """A chunk's DDP buckets: each bucket's size and its parameters' sizes, in order."""
+    """A chunk's DDP buckets: each bucket's size, its gradients' element size and its
+    parameters' sizes, in order."""
     buffers = _ddp_buffers(chunk) or []
     return [
-        [bucket.grad_data.numel(), *(p.numel() for p in bucket.params_list)]
+        [bucket.grad_data.numel(), bucket.grad_data.element_size()]
+        + [p.numel() for p in bucket.params_list]
         for buffer in buffers
         for bucket in buffer.buckets
     ]
+
+
+def _chunk_device(chunk: nn.Module) -> torch.device:
+    first = next(iter(chunk.parameters()), None)
+    return torch.device("cpu") if first is None else first.device
 
 
 def prepare_mirrors(
@@ -89,7 +118,10 @@ def prepare_mirrors(
     where = _where(group)
     try:
         check_mirror_layouts(
-            [_bucket_layout(chunk) for chunk in model], **where, timeout_s=timeout_s
+            [_bucket_layout(chunk) for chunk in model],
+            **where,
+            timeout_s=timeout_s,
+            device=_chunk_device(model[0]),
         )
     except ValueError as err:
         raise DualPipeConfigError(
@@ -115,8 +147,11 @@ def sync_mirror_gradients(
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> None:
     """Sum the gradients (``main_grad`` under Megatron DDP, else ``.grad``) of the two copies
-    of every stage, one DDP bucket at a time (the only extra memory is one bucket)."""
-    sync_mirror_grads(model, **_where(group), buckets=_grad_buckets, timeout_s=timeout_s)
+    of every stage, one slice of a DDP bucket at a time (the only extra memory is one slice;
+    the layouts were checked by :func:`prepare_mirrors`)."""
+    sync_mirror_grads(
+        model, **_where(group), buckets=_grad_buckets, timeout_s=timeout_s, check_layout=False
+    )
 
 
 class _TokenCounts(nn.Module):

@@ -44,6 +44,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -311,13 +312,15 @@ class PipelineExecutor:
             key: sum(math.prod(s.shape) * s.dtype.itemsize for s in elements)
             for key, elements in resolved.items()
         }
+        device = _module_device(self.modules[0]) or torch.device("cpu")
         if transport is None:
-            transport = _default_transport(placement, group, nccl_rules)
+            transport = _default_transport(placement, group, nccl_rules, device, timeout_s)
         self.transport = transport
         self._plans: dict[bool, CommPlan] = {}
-        if not nccl_rules and dist.get_backend(group) != "gloo":
+        if device.type != "cpu":  # every send taken as large: the stricter case
             for forward_only in (False, True):
-                check_nccl(self.plan(forward_only=forward_only), bound=False)
+                check_nccl(self.plan(forward_only=forward_only), eager_limit=0, bound=False)
+        self._failed: str | None = None
         self._comm = PipeComm(
             placement,
             rank,
@@ -381,6 +384,7 @@ class PipelineExecutor:
 
     def close(self) -> None:
         """Stop the executor's helper threads; it is not used again."""
+        self._comm.abandon()
         self._comm.close()
 
     @property
@@ -414,38 +418,32 @@ class PipelineExecutor:
         given, is entered around every backward (B, BW, an FB's backward half) and every
         W: the Megatron adapter uses it to let DDP see a chunk's final gradients.
         """
+        if self._failed is not None:
+            raise RuntimeError(
+                f"rank {self.rank}'s executor failed in an earlier step ({self._failed}): "
+                "its messages may still be in flight; make a new executor and process groups"
+            )
         training = not forward_only
         steps = self.plan(forward_only=forward_only).ranks[self.rank]
         comm = self._comm
         comm.reset()
-        comm.setup([s.comm for s in self.plan().ranks[self.rank] if isinstance(s, Init)])
         timeline = None
-        if record_timeline:
-            dist.barrier(group=self._group)
-            timeline = RankTimeline(self.rank, clock=clock_for(_module_device(self.modules[0])))
-        step = _Step(inputs, training, return_outputs, timeline, action_context)
-        self._counter.restart()
-        with torch.set_grad_enabled(training):
-            for item in steps:
-                if isinstance(item, Compute):
-                    if timeline is None:
-                        self._compute(item.action, step)
-                    else:
-                        start = timeline.now()
-                        self._compute(item.action, step)
-                        timeline.add(item.action, start, timeline.now())
-                elif isinstance(item, Issue):
-                    self._issue(item, step)
-                elif isinstance(item, Wait):
-                    step.inbox.update(comm.wait(item))
-                    if timeline is not None:
-                        now = timeline.now()
-                        timeline.received += [
-                            (k, _sender(self.placement, k), now)
-                            for k in item.keys
-                            if k in step.inbox
-                        ]
-            comm.finish()
+        step = _Step(inputs, training, return_outputs, None, action_context)
+        try:
+            comm.setup([s.comm for s in self.plan().ranks[self.rank] if isinstance(s, Init)])
+            if record_timeline:
+                dist.barrier(group=self._group)
+                device = _module_device(self.modules[0])
+                step.timeline = timeline = RankTimeline(self.rank, clock=clock_for(device))
+            self._counter.restart()
+            with torch.set_grad_enabled(training):
+                self._run_steps(steps, step)
+                comm.finish()
+        except BaseException as error:
+            comm.abandon()
+            lines = str(error).strip().splitlines()
+            self._failed = f"{type(error).__name__}: {lines[0] if lines else ''}"
+            raise
         leftovers = [*step.units, *step.inbox, *step.outbox]
         if leftovers or len(self.store):
             raise RuntimeError(
@@ -459,6 +457,27 @@ class PipelineExecutor:
             timeline.peak_activations = self._counter.peak
             step.result.timeline = timeline.resolve()
         return step.result
+
+    def _run_steps(self, steps: Sequence[Compute | Issue | Wait | Init], step: _Step) -> None:
+        """This rank's plan for one step: compute, issue, wait (Init ran at set-up)."""
+        timeline = step.timeline
+        for item in steps:
+            if isinstance(item, Compute):
+                if timeline is None:
+                    self._compute(item.action, step)
+                else:
+                    start = timeline.now()
+                    self._compute(item.action, step)
+                    timeline.add(item.action, start, timeline.now())
+            elif isinstance(item, Issue):
+                self._issue(item, step)
+            elif isinstance(item, Wait):
+                step.inbox.update(self._comm.wait(item))
+                if timeline is not None:
+                    now = timeline.now()
+                    timeline.received += [
+                        (k, _sender(self.placement, k), now) for k in item.keys if k in step.inbox
+                    ]
 
     def _issue(self, issue: Issue, step: _Step) -> None:
         """Hand one batch of the plan to the backend: sends take their payloads from the
@@ -715,16 +734,23 @@ def _sender(placement: Placement, key: MessageKey) -> int:
 
 
 def _default_transport(
-    placement: Placement, group: dist.ProcessGroup | None, nccl_rules: bool
+    placement: Placement,
+    group: dist.ProcessGroup | None,
+    nccl_rules: bool,
+    device: torch.device,
+    timeout_s: float,
 ) -> Transport:
-    """Gloo: one group, a tag per message (or the NCCL-rules emulation over it); other
-    backends: a two-rank group per channel of the placement."""
+    """Messages on the CPU (gloo): one group, a tag per message, or the NCCL-rules
+    emulation over it; on a device (NCCL): a two-rank group per channel of the placement,
+    whose own timeout outlasts the executor's (its hang monitor speaks first)."""
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
     if nccl_rules:
         return NcclRulesTransport(group or dist.group.WORLD, ranks)
-    if dist.get_backend(group) == "gloo":
+    if device.type == "cpu":
         return GroupTransport(group or dist.group.WORLD, ranks)
-    return GroupTransport(make_channel_groups(channels(placement), group), ranks)
+    timeout = timedelta(seconds=2 * timeout_s)
+    groups = make_channel_groups(channels(placement), group, timeout=timeout)
+    return GroupTransport(groups, ranks, device=device)
 
 
 def _unpack(packed: tuple[torch.Tensor, _Token]) -> torch.Tensor:

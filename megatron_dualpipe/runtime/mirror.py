@@ -99,14 +99,25 @@ def _exchange(
         watchdog.wait(work, what, partner)
 
 
-def _swap_ints(values: list[int], partner: int, group, watchdog: Watchdog) -> list[int]:
-    """Send ``values`` to ``partner`` and return the partner's list."""
+def _swap_ints(
+    values: list[int], partner: int, group, watchdog: Watchdog, device: torch.device
+) -> list[int]:
+    """Send ``values`` to ``partner`` and return the partner's list (as int64 tensors on
+    ``device``: the backend's, e.g. NCCL's CUDA)."""
     what = "the mirror copy's layout"
-    length, theirs_length = torch.tensor([len(values)]), torch.empty(1, dtype=torch.int64)
+    length = torch.tensor([len(values)], device=device)
+    theirs_length = torch.empty(1, dtype=torch.int64, device=device)
     _exchange([length], [theirs_length], partner, group, watchdog, what)
-    mine, theirs = torch.tensor(values), torch.empty(int(theirs_length), dtype=torch.int64)
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    theirs = torch.empty(int(theirs_length.item()), dtype=torch.int64, device=device)
     _exchange([mine], [theirs], partner, group, watchdog, what)
     return theirs.tolist()
+
+
+def _device(chunks: list[Buckets]) -> torch.device:
+    """Where a rank's exchanged tensors live (the backend's device)."""
+    first = next((t for chunk in chunks for bucket in chunk for t in bucket), None)
+    return torch.device("cpu") if first is None else first.device
 
 
 def _layout(chunk: Buckets) -> list[list[int]]:
@@ -141,17 +152,23 @@ def check_mirror_layouts(
     *,
     group: dist.ProcessGroup | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    device: torch.device | None = None,
 ) -> None:
     """Raise ValueError unless this rank's chunk 0 is laid out as its mirror rank's chunk 1
     and the other way round; ``layouts[c]`` describes chunk c's buckets, each a list of
-    numbers (e.g. element counts). Collective over the pipeline ``group``."""
+    numbers (e.g. element counts). Collective over the pipeline ``group``; the layouts
+    travel on ``device`` (the gradients' device: CPU for gloo, CUDA for NCCL)."""
     partner = placement.num_ranks - 1 - rank
-    _check_layouts([list(c) for c in layouts], partner, rank, group, Watchdog(rank, timeout_s))
+    watchdog = Watchdog(rank, timeout_s)
+    device = device or torch.device("cpu")
+    _check_layouts([list(c) for c in layouts], partner, rank, group, watchdog, device)
 
 
-def _check_layouts(ours: list[list[list[int]]], partner: int, rank: int, group, watchdog) -> None:
+def _check_layouts(
+    ours: list[list[list[int]]], partner: int, rank: int, group, watchdog, device
+) -> None:
     """My chunk 0 must be bucketed as the partner's chunk 1, and the other way round."""
-    theirs = _decode(_swap_ints(_encode(ours), partner, group, watchdog))
+    theirs = _decode(_swap_ints(_encode(ours), partner, group, watchdog, device))
     if theirs != ours[::-1]:
         raise ValueError(
             f"rank {rank}'s two chunks hold buckets of {ours} elements and its mirror rank "
@@ -174,7 +191,7 @@ def copy_mirror_params(
     partner = placement.num_ranks - 1 - rank
     watchdog = Watchdog(rank, timeout_s)
     mine = [param_buckets(m, lambda p: p.data) for m in modules]
-    _check_layouts([_layout(c) for c in mine], partner, rank, group, watchdog)
+    _check_layouts([_layout(c) for c in mine], partner, rank, group, watchdog, _device(mine))
     with torch.no_grad():
         for send, receive in zip(mine[0], mine[1], strict=True):
             _exchange(send, receive, partner, group, watchdog, "the mirror copy's parameters")
@@ -189,21 +206,24 @@ def sync_mirror_grads(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     grad_of: Callable[[nn.Parameter], torch.Tensor] = param_grad,
     buckets: Callable[[nn.Module], Buckets] | None = None,
+    check_layout: bool = True,
 ) -> None:
     """Sum each model stage's gradients over its two copies, in place, on both.
 
     ``modules`` are this rank's two chunk modules (as given to the executor). A chunk's
     gradients are exchanged in ``buckets(chunk)`` (default: ``grad_of`` of its parameters,
     in buckets of :data:`BUCKET_BYTES`); the partner's chunk 1 must be bucketed as this
-    rank's chunk 0, which is checked first. Call it on every rank of the pipeline ``group``
-    after the step and before the optimizer.
+    rank's chunk 0, which is checked first unless ``check_layout`` is off (a caller that
+    checked once, see :func:`check_mirror_layouts`). Call it on every rank of the pipeline
+    ``group`` after the step and before the optimizer.
     """
     _check_pair(modules, placement)
     partner = placement.num_ranks - 1 - rank
     watchdog = Watchdog(rank, timeout_s)
     bucketing = buckets or (lambda m: param_buckets(m, grad_of))
     mine = [bucketing(m) for m in modules]
-    _check_layouts([_layout(c) for c in mine], partner, rank, group, watchdog)
+    if check_layout:
+        _check_layouts([_layout(c) for c in mine], partner, rank, group, watchdog, _device(mine))
     what = "the mirror copy's gradients"
     for send, add_to in zip(mine[0], mine[1], strict=True):  # 1: chunk 1 gets the sum
         _add_from_partner(send, add_to, partner, group, watchdog, what)

@@ -300,6 +300,12 @@ class PipeComm:
         if left:
             raise RuntimeError(f"rank {self.rank} ended the step with messages in flight: {left}")
 
+    def abandon(self) -> None:
+        """After a failed step: stop waiting on its sends in the background."""
+        if self._reaper is not None:
+            self._reaper.close()
+            self._reaper = None
+
     def close(self) -> None:
         """Stop the helper threads (the executor is not used again)."""
         if self._monitor is not None:

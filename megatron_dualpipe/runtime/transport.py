@@ -77,24 +77,31 @@ class Transport(Protocol):
 class GroupTransport:
     """The plan's communicators on process groups: ``groups`` maps each communicator to
     its group, or is one group for all (where the backend matches by tag). ``ranks`` are
-    the pipeline ranks' global ranks (pipeline rank ``i`` is ``ranks[i]``)."""
+    the pipeline ranks' global ranks (pipeline rank ``i`` is ``ranks[i]``). ``device`` is
+    where the messages' tensors live: on the CPU (gloo) each operation is issued alone,
+    with its tag, and waited with a deadline; elsewhere (NCCL) each batch is one
+    ``batch_isend_irecv`` on its communicator's group and waits do not block the host.
+    ``batched`` forces the batch path on the CPU too (to test it over gloo)."""
 
     def __init__(
         self,
         groups: dist.ProcessGroup | Mapping[Comm, dist.ProcessGroup],
         ranks: Sequence[int],
+        *,
+        device: torch.device | None = None,
+        batched: bool | None = None,
     ):
         self._one = groups if isinstance(groups, dist.ProcessGroup) else None
         self._groups = {} if self._one is not None else dict(groups)
-        first = self._one if self._one is not None else next(iter(self._groups.values()), None)
-        backend = dist.get_backend(first) if first is not None else "gloo"
-        if self._one is not None and backend != "gloo":
+        self.device = device or torch.device("cpu")
+        on_cpu = self.device.type == "cpu"
+        if self._one is not None and not on_cpu:
             raise ValueError(
-                f"the {backend} backend ignores message tags: give each communicator of "
-                "the plan its own group (make_channel_groups)"
+                f"NCCL ignores message tags: give each communicator of the plan its own "
+                f"group (make_channel_groups) for messages on {self.device}"
             )
-        self._gloo = backend == "gloo"
-        self.host_waits = "timed" if self._gloo else "stream"
+        self._batched = not on_cpu if batched is None else batched
+        self.host_waits = "timed" if on_cpu else "stream"
         self._ranks = list(ranks)
 
     def group(self, comm: Comm) -> dist.ProcessGroup:
@@ -116,8 +123,7 @@ class GroupTransport:
         if self._one is not None:
             return
         group = self.group(comm)
-        device = torch.device("cuda", torch.cuda.current_device()) if not self._gloo else None
-        probe = torch.zeros(1, device=device)
+        probe = torch.zeros(1, device=self.device)
         send = rank == comm.ranks[0]
         peer = comm.ranks[1] if send else comm.ranks[0]
         op = dist.P2POp(
@@ -131,7 +137,7 @@ class GroupTransport:
 
     def start(self, comm: Comm, ops: Sequence[ElementOp]) -> list[Handle]:
         group = self.group(comm)
-        if self._gloo:
+        if not self._batched:
             return [self._gloo_op(group, comm, op) for op in ops]
         batch = [
             dist.P2POp(
@@ -152,16 +158,34 @@ class GroupTransport:
         return call([op.tensor], peer, op.tag)
 
     def abort(self) -> None:
-        groups = [self._one] if self._one is not None else list(self._groups.values())
-        for group in dict.fromkeys(groups):
+        """Abort every group, on NCCL inside one NCCL group: aborting communicators one by
+        one can hang where another's kernel is stuck (as torch's ``_abort_process_group``
+        does for all groups, pytorch issue 119797)."""
+        every = [self._one] if self._one is not None else list(self._groups.values())
+        groups = list(dict.fromkeys(every))
+        backend = None
+        if groups and self.device.type == "cuda":
+            try:
+                backend = groups[0]._get_backend(self.device)
+            except RuntimeError:
+                backend = None
+        start, end = getattr(backend, "_group_start", None), getattr(backend, "_group_end", None)
+        if start is not None and end is not None:
+            start()
+        for group in groups:
             group.abort()
+        if start is not None and end is not None:
+            end()
 
     def close(self) -> None:
         """Nothing to release: the groups belong to whoever made them."""
 
 
 def make_channel_groups(
-    comms: Sequence[Comm], pipeline_group: dist.ProcessGroup | None = None
+    comms: Sequence[Comm],
+    pipeline_group: dist.ProcessGroup | None = None,
+    *,
+    timeout: timedelta | None = None,
 ) -> dict[Comm, dist.ProcessGroup]:
     """A two-rank process group per communicator in ``comms`` (channels over pipeline
     ranks of ``pipeline_group``), for every pipeline of the world.
@@ -169,6 +193,8 @@ def make_channel_groups(
     Collective over the whole world, as creating groups is: every rank learns every
     pipeline group's ranks and creates every pipeline's channel groups in one shared
     order; a rank keeps those of its own pipeline. Returns this rank's, by communicator.
+    ``timeout`` is the groups' own (give more than the executor's, so that its hang
+    monitor names a hang before the backend's watchdog ends the process).
     """
     mine = tuple(dist.get_process_group_ranks(pipeline_group or dist.group.WORLD))
     every: list[tuple[int, ...] | None] = [None] * dist.get_world_size()
@@ -179,7 +205,7 @@ def make_channel_groups(
     groups = {}
     for pipeline in sorted(set(every)):
         for comm in channels:
-            group = dist.new_group([pipeline[r] for r in comm.ranks])
+            group = dist.new_group([pipeline[r] for r in comm.ranks], timeout=timeout)
             if pipeline == mine:
                 groups[comm] = group
     return groups

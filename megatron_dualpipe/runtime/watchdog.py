@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -145,12 +146,15 @@ class HangMonitor:
     def __init__(self, watchdog: Watchdog, abort: Callable[[], None], *, poll_s: float = 0.05):
         self._watchdog = watchdog
         self._abort = abort
-        self._poll_s = poll_s
         self._lock = threading.Lock()
         self._watched: dict[int, tuple[_Watchable, str, int, float]] = {}
         self.error: PipelineWaitError | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="pipeline-hangs", daemon=True)
+        # The thread holds the monitor weakly: a monitor nobody closed ends with its owner.
+        self._thread = threading.Thread(
+            target=_watch, args=(weakref.ref(self), self._stop, poll_s), name="pipeline-hangs"
+        )
+        self._thread.daemon = True
         self._thread.start()
 
     def watch(self, work: _Watchable, what: str, peer: int) -> None:
@@ -158,19 +162,20 @@ class HangMonitor:
         with self._lock:
             self._watched.setdefault(id(work), (work, what, peer, time.monotonic()))
 
-    def _loop(self) -> None:
-        timeout = self._watchdog.timeout_s
-        while not self._stop.wait(self._poll_s):
-            with self._lock:
-                watched = list(self._watched.items())
-            now = time.monotonic()
-            for key, (work, what, peer, since) in watched:
-                if work.is_completed():
-                    with self._lock:
-                        self._watched.pop(key, None)
-                elif now - since >= timeout:
-                    self._fail(what, peer, now - since)
-                    return
+    def poll(self) -> bool:
+        """Forget what completed; fail on what is pending past the timeout. Whether to go
+        on watching."""
+        with self._lock:
+            watched = list(self._watched.items())
+        now = time.monotonic()
+        for key, (work, what, peer, since) in watched:
+            if work.is_completed():
+                with self._lock:
+                    self._watched.pop(key, None)
+            elif now - since >= self._watchdog.timeout_s:
+                self._fail(what, peer, now - since)
+                return False
+        return True
 
     def _fail(self, what: str, peer: int, elapsed: float) -> None:
         self.error = PipelineWaitError(
@@ -202,3 +207,12 @@ class HangMonitor:
         """Stop watching."""
         self._stop.set()
         self._thread.join()
+
+
+def _watch(monitor: weakref.ref, stop: threading.Event, poll_s: float) -> None:
+    """The hang monitor's thread: poll until stopped, failed, or the monitor is gone."""
+    while not stop.wait(poll_s):
+        alive = monitor()
+        if alive is None or not alive.poll():
+            return
+        del alive
