@@ -24,6 +24,7 @@ from megatron_dualpipe import megatron_lm
 from megatron_dualpipe.megatron.checks import DualPipeConfigError
 from megatron_dualpipe.megatron.forward_backward import DualPipeForwardBackward
 from megatron_dualpipe.megatron.placement import StagePlacementLayout
+from megatron_dualpipe.megatron.version import mtp_tracker_fields, save_mtp_metrics
 from tests.multiproc import one_fast, run_workers
 
 pytestmark = pytest.mark.megatron
@@ -328,12 +329,14 @@ def _gather_losses(rank: int, world_size: int, schedule: str) -> tuple[list[dict
             if has_losses
             else []
         )
+        fields = mtp_tracker_fields()  # ("values",); 0.19: losses, correct and total counts
         if has_losses:  # what GPTModel records for one MTP layer over this rank's batches
-            MTPLossLoggingHelper.save_loss_to_tracker(torch.tensor(3.0 + 5.0 * (rank > 0)), 0, 1)
+            recorded = [3.0 + 5.0 * (rank > 0), 7.0 + rank, 9.0 + rank][: len(fields)]
+            save_mtp_metrics([torch.tensor(v) for v in recorded], 0, 1, avg_group=None)
         args = _args(pipeline_schedule=schedule, mtp_num_layers=1)
         out = megatron_lm.losses_on_last_stage(mine, args)
-        values = MTPLossLoggingHelper.tracker.get("values")
-        tracked = None if values is None else values.tolist()
+        tracked = {f: MTPLossLoggingHelper.tracker.get(f) for f in fields}
+        tracked = {f: v.tolist() for f, v in tracked.items() if v is not None} or None
         return [{k: v.tolist() for k, v in report.items()} for report in out], tracked
     finally:
         parallel_state.destroy_model_parallel()
@@ -346,9 +349,17 @@ def test_losses_reach_the_last_stage(schedule: str) -> None:
     first = [{"lm loss": [0.0, 4.0]}, {"lm loss": [1.0, 4.0]}]
     last = [{"lm loss": [30.0, 4.0]}, {"lm loss": [31.0, 4.0]}] if schedule == "dualpipe" else []
     assert [reports for reports, _ in per_rank] == [[], [], [], first + last]
-    # Megatron's MTP tracker: the pipeline's sum on the last stage, cleared where it was.
-    mtp = 3.0 + (8.0 if schedule == "dualpipe" else 0.0)
-    assert [tracked for _, tracked in per_rank] == [[0.0], None, None, [mtp]]
+    # Megatron's MTP tracker: the pipeline's sums on the last stage, cleared where they were.
+    last_rank = schedule == "dualpipe"
+    sums = [3.0 + 8.0 * last_rank, 7.0 + 10.0 * last_rank, 9.0 + 12.0 * last_rank]
+    fields = mtp_tracker_fields()
+    cleared = {f: [0.0] for f in fields}
+    assert [tracked for _, tracked in per_rank] == [
+        cleared,
+        None,
+        None,
+        {f: [s] for f, s in zip(fields, sums, strict=False)},
+    ]
 
 
 # --------------------------------------------------------------------------------------

@@ -63,8 +63,6 @@ import torch
 from megatron.core.tensor_parallel import random as _mrandom
 from torch.overrides import TorchFunctionMode
 
-from .version import require_pinned_megatron_core
-
 __all__ = [
     "CpuRNGStatesTracker",
     "apply_cpu_compat",
@@ -212,10 +210,6 @@ def apply_cpu_compat() -> None:
     global _applied
     if torch.cuda.is_available():
         return
-    require_pinned_megatron_core(
-        "the CPU compatibility layer (megatron_dualpipe.megatron.cpu_compat)",
-        "run on a GPU, where the layer is not needed",
-    )
     if _applied:
         return
     for module_name, _why in _TORCH_ON_CPU_SITES:

@@ -3,10 +3,12 @@
 Megatron-LM's layout: ``<root>/iter_0000005/`` per saved iteration and
 ``<root>/latest_checkpointed_iteration.txt`` naming the newest complete one (written after
 every rank saved, atomically). An iteration directory of dist_checkpointing's
-``torch_dist`` format is complete when its ``metadata.json`` names that format, its
-``common.pt`` and ``.metadata`` can be read, and every shard file ``.metadata`` indexes is
-there at its full length. Shards with the right length but damaged contents are only found
-when they are read (:func:`load_failure`).
+``torch_dist`` format is complete when its ``metadata.json`` names that format, its common
+state and ``.metadata`` can be read, and every shard file ``.metadata`` indexes is there at
+its full length. The common state is ``common.pt`` where megatron-core writes one (before
+0.19; 0.19 reads it still) and a ShardedObject inside the shards otherwise
+(:func:`~..version.common_state_in_dcp`). Shards with the right length but damaged
+contents are only found when they are read (:func:`load_failure`).
 
 Every problem is one :class:`CheckpointError` sentence naming the directory, the file,
 what is wrong and what to do (load an earlier iteration with ``ckpt_step``, Megatron-LM's
@@ -25,9 +27,11 @@ from pathlib import Path
 from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint import FileSystemReader
 
+from ..version import common_state_in_dcp
 from .errors import TrainError
 
 __all__ = [
+    "COMMON_PT",
     "TRACKER",
     "CheckpointError",
     "complete_iterations",
@@ -42,6 +46,7 @@ __all__ = [
 ]
 
 TRACKER = "latest_checkpointed_iteration.txt"
+COMMON_PT = "common.pt"
 _ITERATION = re.compile(r"^iter_(\d{7,})$")
 
 
@@ -90,8 +95,10 @@ def damage(directory: Path) -> str | None:
     is truncated ...", "<file> cannot be read (...)"), or None if it looks complete."""
     if not directory.is_dir():
         return "the directory does not exist"
-    for name in ("metadata.json", "common.pt", ".metadata"):
-        if not (directory / name).is_file():
+    legacy = (directory / COMMON_PT).is_file() or not common_state_in_dcp()
+    common = COMMON_PT if legacy else "the common state (in .metadata's shards)"
+    for name in ("metadata.json", COMMON_PT, ".metadata"):
+        if not (directory / name).is_file() and (name != COMMON_PT or legacy):
             return f"{name} is missing"
     try:
         backend = json.loads((directory / "metadata.json").read_text(encoding="utf-8"))
@@ -102,7 +109,7 @@ def damage(directory: Path) -> str | None:
     try:
         dist_checkpointing.load_common_state_dict(str(directory))
     except Exception as err:  # torch.load of damaged bytes raises many kinds
-        return f"common.pt cannot be read ({_first_line(err)})"
+        return f"{common} cannot be read ({_first_line(err)})"
     try:
         metadata = FileSystemReader(str(directory)).read_metadata()
         needed: dict[str, int] = defaultdict(int)
