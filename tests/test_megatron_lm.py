@@ -1,12 +1,13 @@
 """The Megatron-LM route: ``--pipeline-schedule`` through ``megatron_dualpipe.megatron_lm``
-and ``patches/megatron-lm-core_v0.16.1.patch``.
+and the patches ``patches/megatron-lm-<tag>.patch``, one per Megatron-LM tag.
 
 - add_arguments adds the flag in its own group; apply checks the combination before any
   process-group work (one sentence saying what to change); forward_backward_func gives
   Megatron-LM's training loop our function for our schedules, one object per run;
 - the model-building, batch and loss-reporting hooks the patch calls behave;
-- the patch is a well-formed git patch that touches exactly the intended files and calls only
-  hooks that exist (CI has no Megatron-LM checkout to apply it to).
+- each patch is a well-formed git patch of its tag that touches exactly the intended files and
+  calls only hooks that exist (CI has no Megatron-LM checkout; the megatron/training hunks
+  are applied to the installed wheel's copy in tests/test_megatron_lm_loop.py).
 """
 
 from __future__ import annotations
@@ -29,11 +30,17 @@ from tests.multiproc import one_fast, run_workers
 
 pytestmark = pytest.mark.megatron
 
-PATCH = Path(__file__).resolve().parents[1] / "patches" / "megatron-lm-core_v0.16.1.patch"
+PATCHES = Path(__file__).resolve().parents[1] / "patches"
+#: The files each Megatron-LM tag's patch changes: from core_v0.18 the arguments are validated
+#: in arguments.py's parse_and_validate_args, before that in initialize.py.
 PATCHED_FILES = {
-    "pretrain_gpt.py",
-    "megatron/training/training.py",
-    "megatron/training/initialize.py",
+    tag: {"pretrain_gpt.py", "megatron/training/training.py", f"megatron/training/{validated}"}
+    for tag, validated in (
+        ("core_v0.16.1", "initialize.py"),
+        ("core_v0.17.1", "initialize.py"),
+        ("core_v0.18.2", "arguments.py"),
+        ("core_v0.19.0", "arguments.py"),
+    )
 }
 
 
@@ -400,9 +407,20 @@ def _parse_patch(text: str) -> dict[str, list[tuple[int, int, int, int, list[str
     return files
 
 
-def test_patch_is_a_well_formed_git_patch_of_the_intended_files() -> None:
-    files = _parse_patch(PATCH.read_text())
-    assert set(files) == PATCHED_FILES
+def test_there_is_one_patch_per_megatron_lm_tag() -> None:
+    assert sorted(p.name for p in PATCHES.glob("*.patch")) == [
+        f"megatron-lm-{tag}.patch" for tag in sorted(PATCHED_FILES)
+    ]
+
+
+@pytest.mark.parametrize("tag", sorted(PATCHED_FILES))
+def test_patch_is_a_well_formed_git_patch_of_the_intended_files(tag: str) -> None:
+    text = (PATCHES / f"megatron-lm-{tag}.patch").read_text()
+    header = text.split("diff --git", 1)[0]
+    assert header.splitlines()[0].endswith(f"(tag {tag}).")
+    assert f"git apply /path/to/megatron-dualpipe/patches/megatron-lm-{tag}.patch" in header
+    files = _parse_patch(text)
+    assert set(files) == PATCHED_FILES[tag]
     for path, hunks in files.items():
         starts = [h[0] for h in hunks]
         assert starts == sorted(starts), f"{path}: hunks out of order"
@@ -410,8 +428,10 @@ def test_patch_is_a_well_formed_git_patch_of_the_intended_files() -> None:
             assert any(line.startswith("+") for line in body), f"{path}: a hunk adds nothing"
 
 
-def test_patch_calls_only_hooks_that_exist() -> None:
-    files = _parse_patch(PATCH.read_text())
+@pytest.mark.parametrize("tag", sorted(PATCHED_FILES))
+def test_patch_calls_only_hooks_that_exist(tag: str) -> None:
+    text = (PATCHES / f"megatron-lm-{tag}.patch").read_text()
+    files = _parse_patch(text)
     added = "\n".join(
         line[1:]
         for hunks in files.values()
@@ -425,11 +445,16 @@ def test_patch_calls_only_hooks_that_exist() -> None:
         "add_arguments",
         "apply",
         "build_model_chunks",
+        "embedding_ranks",
+        "float16_chunks",
         "forward_backward_func",
+        "full_batch_on_this_rank",
         "losses_on_last_stage",
+        "places_model_chunks",
+        "prepare_model",
     }
     assert used <= set(megatron_lm.__all__), used - set(megatron_lm.__all__)
-    assert "--pipeline-schedule" in PATCH.read_text().split("diff --git", 1)[0]  # usage header
+    assert "--pipeline-schedule" in text.split("diff --git", 1)[0]  # usage header
 
 
 def test_float16_chunks_convert_where_our_placement_puts_the_loss() -> None:
