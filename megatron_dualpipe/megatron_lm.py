@@ -293,17 +293,25 @@ def float16_chunks(model: Sequence[Any], config: Any, args: Any, *, pp_rank: int
 
 def prepare_model(model: Sequence[Any], args: Any) -> None:
     """After building and wrapping: make dualpipe's two copies of every stage start equal
-    (a collective over the pipeline group), then each copy of the embedding on a rank equal
-    to the embedding (Megatron zeroes them and, with our embedding group, leaves them so).
-    No-op for other schedules."""
+    (a collective over the pipeline group) and save the mirrored copy as a replica of the
+    other (its chunk's ``sharded_state_dict``, which Megatron-LM's checkpointing calls,
+    marks every item so), then each copy of the embedding on a rank equal to the embedding
+    (Megatron zeroes them and, with our embedding group, leaves them so). No-op for other
+    schedules."""
     if not places_model_chunks(args):
         return
     from .megatron.tied import copy_tied_params
 
     if schedule_spec(_schedule(args)).placement == "mirror":
+        from megatron.core.utils import unwrap_model
+
         from .megatron.mirror import prepare_mirrors
+        from .megatron.training.checkpoint import as_mirror_replicas
 
         prepare_mirrors(model)
+        copy = unwrap_model(model[1])  # checkpointing asks the wrapped or the bare chunk
+        own = copy.sharded_state_dict
+        copy.sharded_state_dict = lambda *a, **k: as_mirror_replicas(own(*a, **k))
     copy_tied_params(model)
 
 

@@ -314,6 +314,9 @@ class _CudaOnCpu(types.ModuleType):
         self.current_stream = _current_stream
         self.default_stream = _current_stream
         self.stream = _stream
+        # The device's generator is the CPU's (rerun state machine, checkpoint RNG state).
+        self.get_rng_state = torch.get_rng_state
+        self.set_rng_state = torch.set_rng_state
         self.nvtx = types.SimpleNamespace(
             range_push=_no_op, range_pop=_no_op, range=lambda *a, **k: contextlib.nullcontext()
         )

@@ -113,6 +113,16 @@ def _as_replica(replica_id: int | tuple[int, ...]) -> tuple[int, ...]:
     return (1, *rest)
 
 
+def as_mirror_replicas(chunk_state: dict[str, Any]) -> dict[str, Any]:
+    """``chunk_state`` (a sharded state dict of dualpipe's mirrored copy, chunk 1) with
+    every item marked a replica, so each stage is saved once and loaded into both copies;
+    changed in place and returned."""
+    for item in nested_values(chunk_state):
+        if hasattr(item, "replica_id"):
+            item.replica_id = _as_replica(item.replica_id)
+    return chunk_state
+
+
 def _model_state(cfg: TrainConfig, model: list[Any]) -> dict[str, Any]:
     """Each chunk's sharded state dict; dualpipe's chunk 1 (the mirrored copy) as replicas."""
     state = {}
@@ -120,9 +130,7 @@ def _model_state(cfg: TrainConfig, model: list[Any]) -> dict[str, Any]:
         # A metadata dict, as Megatron-LM passes: GPTModel's MTP chunks read it (None fails).
         chunk_state = unwrap_model(chunk).sharded_state_dict(metadata={})
         if i == 1 and schedule_spec(cfg.pipeline_schedule).placement == "mirror":
-            for item in nested_values(chunk_state):
-                if hasattr(item, "replica_id"):
-                    item.replica_id = _as_replica(item.replica_id)
+            chunk_state = as_mirror_replicas(chunk_state)
         state[f"model{i}"] = chunk_state
     return state
 

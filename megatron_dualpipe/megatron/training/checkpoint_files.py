@@ -96,7 +96,6 @@ def damage(directory: Path) -> str | None:
     if not directory.is_dir():
         return "the directory does not exist"
     legacy = (directory / COMMON_PT).is_file() or not common_state_in_dcp()
-    common = COMMON_PT if legacy else "the common state (in .metadata's shards)"
     for name in ("metadata.json", COMMON_PT, ".metadata"):
         if not (directory / name).is_file() and (name != COMMON_PT or legacy):
             return f"{name} is missing"
@@ -106,10 +105,6 @@ def damage(directory: Path) -> str | None:
             raise ValueError(f"sharded backend {backend.get('sharded_backend')!r}")
     except (ValueError, AttributeError, UnicodeDecodeError) as err:
         return f"metadata.json cannot be read ({_first_line(err)})"
-    try:
-        dist_checkpointing.load_common_state_dict(str(directory))
-    except Exception as err:  # torch.load of damaged bytes raises many kinds
-        return f"{common} cannot be read ({_first_line(err)})"
     try:
         metadata = FileSystemReader(str(directory)).read_metadata()
         needed: dict[str, int] = defaultdict(int)
@@ -125,6 +120,11 @@ def damage(directory: Path) -> str | None:
         have = path.stat().st_size
         if have < size:
             return f"{name} is truncated ({have} of its {size} bytes)"
+    try:
+        dist_checkpointing.load_common_state_dict(str(directory))
+    except Exception as err:  # torch.load of damaged bytes raises many kinds
+        common = COMMON_PT if legacy else "the common state (in the shards)"
+        return f"{common} cannot be read ({_first_line(err)})"
     return None
 
 
