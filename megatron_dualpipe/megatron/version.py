@@ -14,6 +14,8 @@ what each one broke before it was gated):
 =====================================================  =======  ==============================
 what differs                                           since    gate
 =====================================================  =======  ==============================
+an MTP layer's transformer layer: ``transformer_layer``  0.17     :func:`mtp_inner_layer_name`
+became ``mtp_model_layer`` (its parameters' names too)
 the layer schedule plan's attention node:              0.19     :func:`layer_plan_nodes`,
 ``attn`` became ``pre_dispatch_computation``                    :func:`layer_plan_attention_node`
 Megatron's MTP tracker: ``save_loss_to_tracker`` /     0.19     :func:`mtp_tracker_fields`,
@@ -55,6 +57,7 @@ __all__ = [
     "installed_megatron_core",
     "layer_plan_attention_node",
     "layer_plan_nodes",
+    "mtp_inner_layer_name",
     "mtp_tracker_fields",
     "refuse_unsupported_at_import",
     "require_supported_megatron_core",
@@ -171,6 +174,12 @@ def layer_plan_nodes(layer: Any) -> list[Any]:
     """A ``TransformerLayerSchedulePlan``'s two compute nodes with a ``backward_dw``:
     attention (:func:`layer_plan_attention_node`), then MLP."""
     return [getattr(layer, layer_plan_attention_node()), layer.mlp]
+
+
+def mtp_inner_layer_name() -> str:
+    """The attribute (and parameter-name part) of an MTP layer's transformer layer:
+    ``transformer_layer``; from 0.17 ``mtp_model_layer``."""
+    return "mtp_model_layer" if _since("0.17") else "transformer_layer"
 
 
 def mtp_tracker_fields() -> tuple[str, ...]:
