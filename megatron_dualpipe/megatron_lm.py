@@ -249,6 +249,7 @@ def build_model_chunks(
     """
     from .megatron.placement import StagePlacementLayout, config_chunk_roles
     from .megatron.tied import mark_tied_copies, release_unused_output_weight
+    from .megatron.version import mtp_block_on_any_chunk
 
     schedule = _schedule(args)
     pp = args.pipeline_model_parallel_size
@@ -261,13 +262,14 @@ def build_model_chunks(
         config = config_from_args(with_layout)
     chunks = []
     for role in config_chunk_roles(config, schedule, pp, pp_rank):
-        chunk = model_provider(
-            pre_process=role.pre_process,
-            post_process=role.post_process,
-            vp_stage=role.chunk,
-            config=config,
-            **provider_kwargs,
-        )
+        with mtp_block_on_any_chunk():
+            chunk = model_provider(
+                pre_process=role.pre_process,
+                post_process=role.post_process,
+                vp_stage=role.chunk,
+                config=config,
+                **provider_kwargs,
+            )
         release_unused_output_weight(chunk)
         chunk.vp_stage = role.chunk
         chunks.append(chunk)

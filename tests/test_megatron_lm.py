@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,12 @@ from megatron_dualpipe import megatron_lm
 from megatron_dualpipe.megatron.checks import DualPipeConfigError
 from megatron_dualpipe.megatron.forward_backward import DualPipeForwardBackward
 from megatron_dualpipe.megatron.placement import StagePlacementLayout
-from megatron_dualpipe.megatron.version import mtp_tracker_fields, save_mtp_metrics
+from megatron_dualpipe.megatron.version import (
+    MEGATRON_LM_TAGS,
+    megatron_lm_tag,
+    mtp_tracker_fields,
+    save_mtp_metrics,
+)
 from tests.multiproc import one_fast, run_workers
 
 pytestmark = pytest.mark.megatron
@@ -455,6 +461,27 @@ def test_patch_calls_only_hooks_that_exist(tag: str) -> None:
     }
     assert used <= set(megatron_lm.__all__), used - set(megatron_lm.__all__)
     assert "--pipeline-schedule" in text.split("diff --git", 1)[0]  # usage header
+
+
+def test_every_supported_release_has_its_tags_patch() -> None:
+    assert set(MEGATRON_LM_TAGS.values()) == set(PATCHED_FILES)
+
+
+def test_the_installed_wheels_training_takes_its_tags_patch() -> None:
+    """The wheels of megatron-core 0.17 and newer ship their Megatron-LM tag's
+    megatron/training: the patch's hunks for it apply there (``git apply --check``)."""
+    import megatron.core
+
+    site = Path(megatron.core.__file__).resolve().parents[2]
+    if not (site / "megatron" / "training").is_dir():
+        pytest.skip(f"megatron-core {megatron.core.__version__} ships no megatron/training")
+    patch = PATCHES / f"megatron-lm-{megatron_lm_tag()}.patch"
+    done = subprocess.run(
+        ["git", "apply", "--check", "--include=megatron/training/*", str(patch)],
+        cwd=site, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "megatron/training/training.py" in patch.read_text()
 
 
 def test_float16_chunks_convert_where_our_placement_puts_the_loss() -> None:

@@ -16,6 +16,8 @@ what differs                                           since    gate
 =====================================================  =======  ==============================
 an MTP layer's transformer layer: ``transformer_layer``  0.17     :func:`mtp_inner_layer_name`
 became ``mtp_model_layer`` (its parameters' names too)
+the MTP block asserts it is on the last virtual stage    0.17     :func:`mtp_block_on_any_chunk`
+(dualpipe puts it on chunk 0 of the last rank)
 the layer schedule plan's attention node:              0.19     :func:`layer_plan_nodes`,
 ``attn`` became ``pre_dispatch_computation``                    :func:`layer_plan_attention_node`
 Megatron's MTP tracker: ``save_loss_to_tracker`` /     0.19     :func:`mtp_tracker_fields`,
@@ -39,7 +41,9 @@ listed in :mod:`.cpu_compat` and docs/megatron-on-cpu.md.
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +53,7 @@ if TYPE_CHECKING:
     from packaging.version import Version
 
 __all__ = [
+    "MEGATRON_LM_TAGS",
     "SUPPORTED_MEGATRON_CORE",
     "TESTED_MEGATRON_CORE",
     "MegatronVersionError",
@@ -57,6 +62,8 @@ __all__ = [
     "installed_megatron_core",
     "layer_plan_attention_node",
     "layer_plan_nodes",
+    "megatron_lm_tag",
+    "mtp_block_on_any_chunk",
     "mtp_inner_layer_name",
     "mtp_tracker_fields",
     "refuse_unsupported_at_import",
@@ -69,6 +76,17 @@ __all__ = [
 SUPPORTED_MEGATRON_CORE = ">=0.16.1,<0.20"
 #: One release of each supported minor, the ones CI runs.
 TESTED_MEGATRON_CORE = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
+
+
+#: The Megatron-LM tag of each supported minor release, whose patch
+#: (``patches/megatron-lm-<tag>.patch``) goes with it; the wheels of 0.17 and newer ship
+#: that tag's ``megatron/training`` (0.19.2's is core_v0.19.0's).
+MEGATRON_LM_TAGS = {
+    "0.16": "core_v0.16.1",
+    "0.17": "core_v0.17.1",
+    "0.18": "core_v0.18.2",
+    "0.19": "core_v0.19.0",
+}
 
 
 class MegatronVersionError(DualPipeError, RuntimeError):
@@ -155,6 +173,12 @@ def refuse_unsupported_at_import() -> None:
             raise MegatronVersionError(problem)
 
 
+def megatron_lm_tag() -> str:
+    """The Megatron-LM tag (:data:`MEGATRON_LM_TAGS`) of the imported megatron-core."""
+    major, minor = _release(installed_megatron_core()).release[:2]
+    return MEGATRON_LM_TAGS[f"{major}.{minor}"]
+
+
 def _since(release: str) -> bool:
     """Whether the imported megatron-core is ``release`` or newer."""
     return _release(installed_megatron_core()).release >= _release(release).release
@@ -180,6 +204,26 @@ def mtp_inner_layer_name() -> str:
     """The attribute (and parameter-name part) of an MTP layer's transformer layer:
     ``transformer_layer``; from 0.17 ``mtp_model_layer``."""
     return "mtp_model_layer" if _since("0.17") else "transformer_layer"
+
+
+@contextlib.contextmanager
+def mtp_block_on_any_chunk() -> Iterator[None]:
+    """Build model chunks inside this block. From 0.17 ``MultiTokenPredictionBlock``
+    asserts it is built on the last virtual pipeline stage (``is_vp_last_stage``, whose only
+    use in its module that assertion is); our placements put the MTP block where the loss
+    is, which under dualpipe is chunk 0 of the last rank. Inside the block the assertion
+    holds for any chunk; outside, Megatron's function is back."""
+    if not _since("0.17"):
+        yield
+        return
+    from megatron.core.transformer import multi_token_prediction
+
+    original = multi_token_prediction.is_vp_last_stage
+    multi_token_prediction.is_vp_last_stage = lambda *args, **kwargs: True
+    try:
+        yield
+    finally:
+        multi_token_prediction.is_vp_last_stage = original
 
 
 def mtp_tracker_fields() -> tuple[str, ...]:
