@@ -1,7 +1,7 @@
 """Megatron-LM's own training scripts with our schedules: ``--pipeline-schedule``.
 
-``patches/megatron-lm-core_v0.16.1.patch`` wires these hooks into Megatron-LM's
-``pretrain_gpt.py`` and ``megatron/training``:
+``patches/megatron-lm-<tag>.patch`` (one per Megatron-LM tag, core_v0.16.1 to core_v0.19.0)
+wires these hooks into Megatron-LM's ``pretrain_gpt.py`` and ``megatron/training``:
 
 - :func:`add_arguments`: the ``extra_args_provider`` part that adds ``--pipeline-schedule``;
 - :func:`apply`: right after Megatron validated its arguments, before any process-group

@@ -25,6 +25,8 @@ KNOWN_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
 #: (logger, message start) of each logged warning hidden.
 KNOWN_LOG_RECORDS: tuple[tuple[str, str], ...] = (
     ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),
+    # torch's CUDA build on a machine without a GPU, when megatron-core 0.19 imports it.
+    ("torch.utils.cpp_extension", "No CUDA runtime is found"),
 )
 
 
