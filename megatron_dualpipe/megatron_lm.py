@@ -305,15 +305,11 @@ def prepare_model(model: Sequence[Any], args: Any) -> None:
     from .megatron.tied import copy_tied_params
 
     if schedule_spec(_schedule(args)).placement == "mirror":
-        from megatron.core.utils import unwrap_model
-
         from .megatron.mirror import prepare_mirrors
-        from .megatron.training.checkpoint import as_mirror_replicas
+        from .megatron.training.checkpoint import save_as_mirror_replicas
 
         prepare_mirrors(model)
-        copy = unwrap_model(model[1])  # checkpointing asks the wrapped or the bare chunk
-        own = copy.sharded_state_dict
-        copy.sharded_state_dict = lambda *a, **k: as_mirror_replicas(own(*a, **k))
+        save_as_mirror_replicas(model[1])
     copy_tied_params(model)
 
 

@@ -56,6 +56,7 @@ from .checkpoint_files import (
     iterations,
     read_tracker,
     write_tracker,
+    writer_errors,
 )
 from .config import TrainConfig
 from .optim import scheduler_settings
@@ -63,8 +64,10 @@ from .optim import scheduler_settings
 __all__ = [
     "CheckpointError",
     "TrainState",
+    "as_mirror_replicas",
     "check_loadable",
     "load_checkpoint",
+    "save_as_mirror_replicas",
     "save_checkpoint",
 ]
 
@@ -121,6 +124,16 @@ def as_mirror_replicas(chunk_state: dict[str, Any]) -> dict[str, Any]:
         if hasattr(item, "replica_id"):
             item.replica_id = _as_replica(item.replica_id)
     return chunk_state
+
+
+def save_as_mirror_replicas(chunk: Any) -> None:
+    """Make dualpipe's mirrored copy ``chunk`` (wrappers allowed) give its sharded state
+    dict as replicas (:func:`as_mirror_replicas`) to whoever asks it, wrapped or bare
+    (Megatron-LM's checkpointing asks both): its ``sharded_state_dict`` is replaced on the
+    bare chunk."""
+    bare = unwrap_model(chunk)
+    own = bare.sharded_state_dict
+    bare.sharded_state_dict = lambda *args, **kwargs: as_mirror_replicas(own(*args, **kwargs))
 
 
 def _model_state(cfg: TrainConfig, model: list[Any]) -> dict[str, Any]:
@@ -196,9 +209,10 @@ def save_checkpoint(
         model_config={key: getattr(cfg, key) for key in MODEL_KEYS},
     )
     try:
-        dist_checkpointing.save(sharded, str(directory))
+        with writer_errors() as logged:
+            dist_checkpointing.save(sharded, str(directory))
     except (Exception, CheckpointException) as err:  # every rank's failure, gathered
-        message = [_save_failure(cfg.save, state.iteration, err)]
+        message = [_save_failure(cfg.save, state.iteration, err, logged)]
         if isinstance(err, CheckpointException) and err.args[:1] == ("write",):
             # Raised on every rank, with the causes on the coordinator only: say its words.
             dist.broadcast_object_list(message, src=0)
@@ -210,8 +224,8 @@ def save_checkpoint(
     return directory
 
 
-def _save_failure(root: str, iteration: int, err: BaseException) -> str:
-    ranks, cause = failure_cause(err)
+def _save_failure(root: str, iteration: int, err: BaseException, logged: list[str]) -> str:
+    ranks, cause = failure_cause(err, logged)
     where = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else ""
     last = read_tracker(root)
     kept = (
