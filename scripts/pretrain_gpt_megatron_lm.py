@@ -216,6 +216,15 @@ def get_embedding_ranks(pp_ranks: list[int]) -> list[int]:
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse Megatron-LM's arguments (``argv``, default ``sys.argv[1:]``) with
     ``--pipeline-schedule``, and run ``pretrain``."""
+    from megatron_dualpipe.megatron.version import installed_megatron_core, megatron_lm_tag
+
+    if megatron_lm_tag() != "core_v0.19.0":
+        raise SystemExit(
+            f"error: this script runs megatron-core 0.19's megatron.training (pretrain with a "
+            f"config container), but megatron-core {installed_megatron_core()} is installed: "
+            "pip install 'megatron-core==0.19.2', or apply your tag's patch to Megatron-LM "
+            "and run its pretrain_gpt.py"
+        )
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args

@@ -484,6 +484,28 @@ def test_the_installed_wheels_training_takes_its_tags_patch() -> None:
     assert "megatron/training/training.py" in patch.read_text()
 
 
+def test_the_megatron_lm_script_refuses_a_release_without_its_training(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """scripts/pretrain_gpt_megatron_lm.py drives 0.19's ``pretrain``; before any of
+    megatron.training is imported, another release is one sentence."""
+    import importlib.util
+
+    import megatron.core
+
+    script = PATCHES.parent / "scripts" / "pretrain_gpt_megatron_lm.py"
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_megatron_lm", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(megatron.core, "__version__", "0.18.2")
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--help"])
+    assert str(stop.value).startswith(
+        "error: this script runs megatron-core 0.19's megatron.training (pretrain with a "
+        "config container), but megatron-core 0.18.2 is installed: "
+    )
+
+
 def test_float16_chunks_convert_where_our_placement_puts_the_loss() -> None:
     from megatron_dualpipe.megatron.tiny_models import tiny_gpt_config
 
