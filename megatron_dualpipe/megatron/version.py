@@ -8,34 +8,31 @@ before any of the adapter's code meets megatron-core (:func:`refuse_unsupported_
 
 Every difference between the supported releases that this package's code meets lives
 here, as a gate named by what differs; the module that needs one calls it and contains no
-release check of its own. The differences (docs/megatron-versions.md tells the same, with
-what each one broke before it was gated):
+release check of its own (docs/megatron-versions.md: the same list, with what each
+difference broke before it was gated):
 
-=====================================================  =======  ==============================
-what differs                                           since    gate
-=====================================================  =======  ==============================
-an MTP layer's transformer layer: ``transformer_layer``  0.17     :func:`mtp_inner_layer_name`
-became ``mtp_model_layer`` (its parameters' names too)
-the MTP block asserts it is on the last virtual stage    0.17     :func:`mtp_block_on_any_chunk`
-(dualpipe puts it on chunk 0 of the last rank)
-the layer schedule plan's attention node:              0.19     :func:`layer_plan_nodes`,
-``attn`` became ``pre_dispatch_computation``                    :func:`layer_plan_attention_node`
-Megatron's MTP tracker: ``save_loss_to_tracker`` /     0.19     :func:`mtp_tracker_fields`,
-``clean_loss_in_tracker`` / ``tracker["values"]``               :func:`save_mtp_metrics`,
-became ``save_metrics_to_tracker`` /                            :func:`clean_mtp_tracker`
-``clean_metrics_in_tracker`` / ``tracker["loss_values"]``
-(with acceptance counts beside the loss)
-dist_checkpointing's common state: ``common.pt``       0.19     :func:`common_state_in_dcp`
-became a ShardedObject inside the DCP checkpoint
-=====================================================  =======  ==============================
+- 0.17: an MTP layer's transformer layer became ``mtp_model_layer`` (was
+  ``transformer_layer``), in parameter names too: :func:`mtp_inner_layer_name`;
+- 0.17: ``MultiTokenPredictionBlock`` asserts it is built on the last virtual pipeline
+  stage, and dualpipe puts it on chunk 0 of the last rank: :func:`mtp_block_on_any_chunk`;
+- 0.19: the layer schedule plan's attention node became ``pre_dispatch_computation`` (was
+  ``attn``): :func:`layer_plan_attention_node`, :func:`layer_plan_nodes`;
+- 0.19: Megatron's MTP tracker became ``save_metrics_to_tracker`` /
+  ``clean_metrics_in_tracker`` / ``tracker["loss_values"]`` with acceptance counts:
+  :func:`mtp_tracker_fields`, :func:`save_mtp_metrics`, :func:`clean_mtp_tracker`;
+- 0.19: dist_checkpointing keeps the common state inside the DCP shards, no ``common.pt``:
+  :func:`common_state_in_dcp`;
+- each minor release has its Megatron-LM tag and patch: :func:`megatron_lm_tag`.
 
-Differences that need no gate because the code accepts both forms (listed so the next
-release's reading starts from them): ``LinearWithGradAccumulationAndAsyncCommunication``'s
-``_forward_impl`` passes ``gtp_remat_size=`` (0.19; the deferrable linear takes it and
-refuses a sharded weight), ``get_forward_backward_func`` takes ``schedule_pg_collection=``
-(0.19; ours passes Megatron's keywords through), ``set_streams`` lost ``comp_stream``
-(0.17; we call it without arguments). The CPU compatibility layer's sites per release are
-listed in :mod:`.cpu_compat` and docs/megatron-on-cpu.md.
+Differences the code takes in its stride, without a gate (listed so that reading the next
+release starts from them): ``_forward_impl`` of Megatron's linear layers passes
+``gtp_remat_size=`` (0.19; the deferrable linear takes it and refuses a sharded weight); a
+layer spec's MLP is a ``functools.partial`` (0.18; the deferrable spec looks inside);
+``get_forward_backward_func`` takes ``schedule_pg_collection=`` (0.19; ours passes
+Megatron's keywords through); ``set_streams`` lost ``comp_stream`` (0.17); the checkpoint
+writer raises a failing worker as its exception class and logs the error (0.17;
+``checkpoint_files.writer_errors`` reads the log). The CPU compatibility layer's sites per
+release: docs/megatron-on-cpu.md.
 """
 
 from __future__ import annotations
@@ -67,7 +64,6 @@ __all__ = [
     "mtp_inner_layer_name",
     "mtp_tracker_fields",
     "refuse_unsupported_at_import",
-    "require_supported_megatron_core",
     "save_mtp_metrics",
     "unsupported_megatron_core",
 ]
@@ -122,14 +118,6 @@ def unsupported_megatron_core(version: str) -> str | None:
         f"(the releases tested are {', '.join(TESTED_MEGATRON_CORE[:-1])} and "
         f"{TESTED_MEGATRON_CORE[-1]})"
     )
-
-
-def require_supported_megatron_core(error: type[DualPipeError] = MegatronVersionError) -> None:
-    """Raise ``error`` (:func:`unsupported_megatron_core`'s sentence) unless the imported
-    megatron-core is a supported release."""
-    problem = unsupported_megatron_core(installed_megatron_core())
-    if problem is not None:
-        raise error(problem)
 
 
 def _version_on_disk() -> str | None:
