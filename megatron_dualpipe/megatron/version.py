@@ -122,17 +122,18 @@ def unsupported_megatron_core(version: str) -> str | None:
 
 def _version_on_disk() -> str | None:
     """The ``__version__`` of the megatron-core that ``import megatron.core`` would load, read
-    from its ``package_info.py`` as text (nothing of megatron runs); None when there is
-    none or the file does not say."""
+    from its ``package_info.py`` as text (nothing of megatron is imported or run); None when
+    there is none or the file does not say."""
     try:
-        spec = importlib.util.find_spec("megatron.core")
+        spec = importlib.util.find_spec("megatron")  # a top-level name: nothing is imported
     except (ImportError, ValueError):
         return None
-    if spec is None or not spec.submodule_search_locations:
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    cores = [Path(loc) / "core" for loc in locations if (Path(loc) / "core").is_dir()]
+    if not cores:
         return None
-    info = Path(next(iter(spec.submodule_search_locations))) / "package_info.py"
     try:
-        tree = ast.parse(info.read_text(encoding="utf-8"))
+        tree = ast.parse((cores[0] / "package_info.py").read_text(encoding="utf-8"))
     except (OSError, SyntaxError, UnicodeDecodeError):
         return None
     values: dict[str, Any] = {}
