@@ -12,8 +12,9 @@ stand-ins), and while its block runs, ``Tensor.cuda()`` returns the tensor itsel
 device: it asserts CUDA, seeds Megatron's RNG tracker only when a device is counted, and
 sets the device of each rank; ``set_device`` and ``set_stream`` do nothing there.
 
-Import it after ``megatron.training`` resolves to the copy to run (a patched one on
-``sys.path`` first): it imports those modules. docs/megatron-on-cpu.md lists the sites.
+Enter the block once ``megatron.training`` resolves to the copy to run (a patched one first
+on ``sys.path``): it imports those modules (0.19's layout of megatron/training).
+docs/megatron-on-cpu.md lists the sites.
 """
 
 from __future__ import annotations
