@@ -164,7 +164,7 @@ def test_shards_of_the_right_length_with_random_contents(copy: Path) -> None:
     message = str(info.value)
     if common_state_in_dcp():  # 0.19: reading the common state reads a shard, before work
         start = f"checkpoint {copy / 'iter_0000003'}: the common state (in the shards) cannot "
-        start += "be read (UnpicklingError: invalid load key"
+        start += "be read (UnpicklingError: "  # what random bytes break varies
     else:
         start = f"checkpoint {copy / 'iter_0000003'} cannot be loaded: reading it failed on "
         start += "ranks 0, 1 ("
