@@ -1,7 +1,7 @@
 """Megatron-LM's own training scripts with our schedules: ``--pipeline-schedule``.
 
-``patches/megatron-lm-core_v0.16.1.patch`` wires these hooks into Megatron-LM's
-``pretrain_gpt.py`` and ``megatron/training``:
+``patches/megatron-lm-<tag>.patch`` (one per Megatron-LM tag, core_v0.16.1 to core_v0.19.0)
+wires these hooks into Megatron-LM's ``pretrain_gpt.py`` and ``megatron/training``:
 
 - :func:`add_arguments`: the ``extra_args_provider`` part that adds ``--pipeline-schedule``;
 - :func:`apply`: right after Megatron validated its arguments, before any process-group
@@ -274,6 +274,7 @@ def build_model_chunks(
     """
     from .megatron.placement import StagePlacementLayout, config_chunk_roles
     from .megatron.tied import mark_tied_copies, release_unused_output_weight
+    from .megatron.version import mtp_block_on_any_chunk
 
     schedule = _schedule(args)
     pp = args.pipeline_model_parallel_size
@@ -286,13 +287,14 @@ def build_model_chunks(
         config = config_from_args(with_layout)
     chunks = []
     for role in config_chunk_roles(config, schedule, pp, pp_rank):
-        chunk = model_provider(
-            pre_process=role.pre_process,
-            post_process=role.post_process,
-            vp_stage=role.chunk,
-            config=config,
-            **provider_kwargs,
-        )
+        with mtp_block_on_any_chunk():
+            chunk = model_provider(
+                pre_process=role.pre_process,
+                post_process=role.post_process,
+                vp_stage=role.chunk,
+                config=config,
+                **provider_kwargs,
+            )
         release_unused_output_weight(chunk)
         chunk.vp_stage = role.chunk
         chunks.append(chunk)
@@ -318,17 +320,21 @@ def float16_chunks(model: Sequence[Any], config: Any, args: Any, *, pp_rank: int
 
 def prepare_model(model: Sequence[Any], args: Any) -> None:
     """After building and wrapping: make dualpipe's two copies of every stage start equal
-    (a collective over the pipeline group), then each copy of the embedding on a rank equal
-    to the embedding (Megatron zeroes them and, with our embedding group, leaves them so).
-    No-op for other schedules."""
+    (a collective over the pipeline group) and save the mirrored copy as a replica of the
+    other (its chunk's ``sharded_state_dict``, which Megatron-LM's checkpointing calls,
+    marks every item so), then each copy of the embedding on a rank equal to the embedding
+    (Megatron zeroes them and, with our embedding group, leaves them so). No-op for other
+    schedules."""
     if not places_model_chunks(args):
         return
     from .megatron.tied import copy_tied_params
 
     if schedule_spec(_schedule(args)).placement == "mirror":
         from .megatron.mirror import prepare_mirrors
+        from .megatron.training.checkpoint import save_as_mirror_replicas
 
         prepare_mirrors(model)
+        save_as_mirror_replicas(model[1])
     copy_tied_params(model)
 
 

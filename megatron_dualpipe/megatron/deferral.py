@@ -14,8 +14,10 @@ exact ``ColumnParallelLinear`` / ``RowParallelLinear`` still left, in place: the
 spec does not reach (GPTModel's output layer) and models built elsewhere.
 Their ``_forward_impl`` runs an autograd Function with the forward and backward of
 Megatron's ``linear_with_grad_accumulation_and_async_allreduce`` (tensor_parallel/layers.py,
-0.16.1): input all-gather under sequence parallelism, dgrad all-reduce (``allreduce_dgrad``)
-or reduce-scatter (sequence parallelism), bias gradient with dX, and
+the same in every supported release, 0.16.1 to 0.19.x: 0.18 changed only its Megatron-FSDP
+branch, which is refused here, and 0.19 added GTP-sharded weights, refused too): input
+all-gather under sequence parallelism, dgrad all-reduce (``allreduce_dgrad``) or
+reduce-scatter (sequence parallelism), bias gradient with dX, and
 ``gradient_accumulation_fusion`` (dW added into ``param.main_grad`` by Megatron's fused
 kernel and ``param.grad_added_to_main_grad`` set; on CPU fusion is off and dW goes to
 ``.grad``). The only difference is where dW is computed and by whom:
@@ -31,15 +33,16 @@ gradient from these layers (so ``register_post_accumulate_grad_hook`` hooks and
 ``torch.autograd.grad`` with respect to their weights see none). Bias gradients go through
 autograd as in Megatron.
 
-Megatron DistributedDataParallel (0.16.1, where ``DistributedDataParallel.__init__``
-registers its backward hooks): for a parameter with ``skip_backward_post_hook=True`` and
-``ddp_config.delay_wgrad_compute=True``, DDP registers its grad-ready hook through the
-owning module's ``register_wgrad_accumulation_and_reduce_hooks`` instead of the parameter's
-AccumulateGrad node. Converted layers mark their weight that way and fire those hooks after
-every accumulation, so DDP (``overlap_grad_reduce`` off or on) sees each deferred weight
-ready exactly when its dW is in. Order requirement: call :func:`enable_weight_grad_deferral`
-*before* wrapping the model in DDP, and build DDP with :func:`ddp_config_for_deferral`.
-Both mistakes are refused with a clear error rather than giving unreduced gradients.
+Megatron DistributedDataParallel (``DistributedDataParallel.__init__`` registers its
+backward hooks, the same in every supported release): for a parameter with
+``skip_backward_post_hook=True`` and ``ddp_config.delay_wgrad_compute=True``, DDP registers
+its grad-ready hook through the owning module's
+``register_wgrad_accumulation_and_reduce_hooks`` instead of the parameter's AccumulateGrad
+node. Converted layers mark their weight that way and fire those hooks after every
+accumulation, so DDP (``overlap_grad_reduce`` off or on) sees each deferred weight ready
+exactly when its dW is in. Order requirement: call :func:`enable_weight_grad_deferral`
+*before* wrapping the model in DDP, and build DDP with :func:`ddp_config_for_deferral`. Both
+mistakes are refused with a clear error rather than giving unreduced gradients.
 
 With ``overlap_grad_reduce`` DDP counts grad-ready hooks per parameter in the last
 micro-batch (outside ``no_sync``) and learns the expected counts in the first step: a
@@ -59,16 +62,14 @@ docs/megatron.md), so the same DDP order requirement holds.
 transformer_engine is never imported by this module: TE layers are recognised only when
 Megatron's TE extension module has already been imported (by building a TE model).
 
-Not supported, refused with an error: a megatron-core release other than 0.16.1 (the
-autograd function below reproduces that release's
-``linear_with_grad_accumulation_and_async_allreduce``), Megatron's
-``defer_embedding_wgrad_compute``, Megatron-FSDP parameters, gradient-accumulation fusion
-without ``main_grad`` or without its CUDA kernel, Megatron DDP built without
-``delay_wgrad_compute``, enabling after DDP wrapping, TE < 2.3, TE layers built without
-``delay_wgrad_compute``, TE layers without ``register_wgrad_accumulation_and_reduce_hooks``,
-TE layers whose input does not require grad, and TE's ``.grad``-overwriting
-``backward_dw()`` meeting an earlier micro-batch's ``.grad`` with no hook to consume it
-(use Megatron DDP or gradient-accumulation fusion).
+Not supported, refused with an error: Megatron's ``defer_embedding_wgrad_compute``,
+Megatron-FSDP parameters, GTP-sharded weights (``gtp_remat_size`` > 1, 0.19),
+gradient-accumulation fusion without ``main_grad`` or without its CUDA kernel, Megatron DDP
+built without ``delay_wgrad_compute``, enabling after DDP wrapping, TE < 2.3, TE layers
+built without ``delay_wgrad_compute``, TE layers without
+``register_wgrad_accumulation_and_reduce_hooks``, TE layers whose input does not require
+grad, and TE's ``.grad``-overwriting ``backward_dw()`` meeting an earlier micro-batch's
+``.grad`` with no hook to consume it (use Megatron DDP or gradient-accumulation fusion).
 Left as they are (correct, just not deferred): subclasses of the two layer classes (e.g.
 ``ColumnParallelLinearGathered``), layers without their own weight (an output layer fed
 the tied embedding weight at call time) and frozen weights.
@@ -121,8 +122,6 @@ from ..runtime.weight_grad_store import (
     defer_or_run,
     defers,
 )
-from ..schedules.registry import SCHEDULES
-from .version import require_pinned_megatron_core
 
 __all__ = [
     "DeferrableColumnParallelLinear",
@@ -142,19 +141,6 @@ _TE_HOOK_ATTR = "_dualpipe_backward_dw_hook"
 
 class WeightGradDeferralError(DualPipeError, RuntimeError):
     """A configuration that weight-gradient deferral does not support (one sentence)."""
-
-
-def _require_pinned_megatron() -> None:
-    """Refuse another megatron-core release: the autograd function below reproduces
-    megatron-core 0.16.1's ``linear_with_grad_accumulation_and_async_allreduce`` and the
-    DDP hook protocol of that release."""
-    plain = ", ".join(name for name, s in SCHEDULES.items() if not s.splits_backward)
-    require_pinned_megatron_core(
-        "weight-gradient deferral (megatron_dualpipe.megatron.deferral, which reproduces "
-        "Megatron's linear_with_grad_accumulation_and_async_allreduce)",
-        f"use a schedule that does not split the backward ({plain})",
-        WeightGradDeferralError,
-    )
 
 
 # --------------------------------------------------------------------------------------
@@ -379,7 +365,6 @@ class _DeferrableParallelLinear:
 
     def _init_deferral(self, name: str) -> None:
         """Join the dX/dW split: no wgrad hooks yet, DDP told to wait for them."""
-        _require_pinned_megatron()
         if self.config.defer_embedding_wgrad_compute:
             raise WeightGradDeferralError(
                 f"{name}: defer_embedding_wgrad_compute is not supported with weight-gradient "
@@ -425,10 +410,18 @@ class _DeferrableParallelLinear:
         grad_output_buffer: list[torch.Tensor] | None = None,
         wgrad_deferral_limit: int | None = None,
         tp_group: Any = None,
+        gtp_remat_size: int = 1,
     ) -> torch.Tensor:
-        """``linear_with_grad_accumulation_and_async_allreduce``'s arguments, run through
-        :class:`_DeferrableLinearFunction` with the store active now."""
+        """``linear_with_grad_accumulation_and_async_allreduce``'s arguments (megatron-core
+        0.19 adds ``gtp_remat_size``), run through :class:`_DeferrableLinearFunction` with
+        the store active now."""
         self._check_call(weight, gradient_accumulation_fusion, grad_output_buffer)
+        if gtp_remat_size > 1:
+            raise WeightGradDeferralError(
+                f"{self._deferral_name}: weights sharded over {gtp_remat_size} GTP ranks "
+                "(Megatron-LM's --tensor-parallel-num-weight-shards) are not supported by "
+                "weight-gradient deferral: leave the weights unsharded"
+            )
         if sequence_parallel and allreduce_dgrad:
             raise WeightGradDeferralError(
                 f"{self._deferral_name}: allreduce_dgrad and sequence_parallel cannot both be on"
@@ -505,13 +498,16 @@ def deferrable_layer_spec(spec: ModuleSpec) -> ModuleSpec:
     """``spec`` (a layer spec such as ``get_gpt_layer_local_spec()``) with every
     ``ColumnParallelLinear`` / ``RowParallelLinear`` in it, at any depth (attention, MLP,
     MoE experts and shared experts), replaced by its deferrable class; the rest unchanged."""
-    _require_pinned_megatron()
     return _replace_linears(spec)
 
 
 def _replace_linears(item: Any) -> Any:
     if isinstance(item, type):
         return _CONVERSIONS.get(item, item)
+    if isinstance(item, partial):  # 0.18+: a layer spec's MLP is a partial of its builder
+        args = [_replace_linears(a) for a in item.args]
+        keywords = {k: _replace_linears(v) for k, v in item.keywords.items()}
+        return partial(item.func, *args, **keywords)
     if dataclasses.is_dataclass(item) and not isinstance(item, type):
         changes = {
             f.name: _replace_linears(getattr(item, f.name))
@@ -661,10 +657,8 @@ def enable_weight_grad_deferral(model_chunks: nn.Module | Iterable[nn.Module]) -
     every TE linear layer when the model uses TE (see the module docstring). Must run
     before the chunks are wrapped in Megatron DDP, which must then be built with
     :func:`ddp_config_for_deferral`. Raises :class:`WeightGradDeferralError` for what is
-    not supported (another megatron-core release than 0.16.1 included), before changing
-    anything in the offending layer.
+    not supported, before changing anything in the offending layer.
     """
-    _require_pinned_megatron()
     chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
     te_classes = _te_layer_classes()
     count = 0

@@ -30,6 +30,7 @@ from megatron.core.utils import get_attr_wrapped_model
 
 from ..runtime.weight_grad_store import WeightGradStore, active_store, defers
 from .cpu_compat import schedule_plan_context
+from .version import layer_plan_nodes
 
 __all__ = ["PlanHandle", "plan_supported", "run_plans", "start_forward"]
 
@@ -130,8 +131,7 @@ def _weight_grads_deferred(handle: PlanHandle) -> Iterator[None]:
         return
     nodes = []
     for i in range(handle.plan.num_layers()):
-        layer = handle.plan.get_layer(i)
-        nodes += [layer.attn, layer.mlp]
+        nodes += layer_plan_nodes(handle.plan.get_layer(i))
     for node in nodes:
         node.backward_dw = functools.partial(store.defer, node.backward_dw)
     yield

@@ -58,6 +58,7 @@ from .checkpoint_files import (
     iterations,
     read_tracker,
     write_tracker,
+    writer_errors,
 )
 from .config import TrainConfig
 from .optim import scheduler_settings
@@ -65,8 +66,10 @@ from .optim import scheduler_settings
 __all__ = [
     "CheckpointError",
     "TrainState",
+    "as_mirror_replicas",
     "check_loadable",
     "load_checkpoint",
+    "save_as_mirror_replicas",
     "save_checkpoint",
 ]
 
@@ -116,6 +119,26 @@ def _as_replica(replica_id: int | tuple[int, ...]) -> tuple[int, ...]:
     return (1, *rest)
 
 
+def as_mirror_replicas(chunk_state: dict[str, Any]) -> dict[str, Any]:
+    """``chunk_state`` (a sharded state dict of dualpipe's mirrored copy, chunk 1) with
+    every item marked a replica, so each stage is saved once and loaded into both copies;
+    changed in place and returned."""
+    for item in nested_values(chunk_state):
+        if hasattr(item, "replica_id"):
+            item.replica_id = _as_replica(item.replica_id)
+    return chunk_state
+
+
+def save_as_mirror_replicas(chunk: Any) -> None:
+    """Make dualpipe's mirrored copy ``chunk`` (wrappers allowed) give its sharded state
+    dict as replicas (:func:`as_mirror_replicas`) to whoever asks it, wrapped or bare
+    (Megatron-LM's checkpointing asks both): its ``sharded_state_dict`` is replaced on the
+    bare chunk."""
+    bare = unwrap_model(chunk)
+    own = bare.sharded_state_dict
+    bare.sharded_state_dict = lambda *args, **kwargs: as_mirror_replicas(own(*args, **kwargs))
+
+
 def _model_state(cfg: TrainConfig, model: list[Any]) -> dict[str, Any]:
     """Each chunk's sharded state dict; dualpipe's chunk 1 (the mirrored copy) as replicas."""
     state = {}
@@ -123,9 +146,7 @@ def _model_state(cfg: TrainConfig, model: list[Any]) -> dict[str, Any]:
         # A metadata dict, as Megatron-LM passes: GPTModel's MTP chunks read it (None fails).
         chunk_state = unwrap_model(chunk).sharded_state_dict(metadata={})
         if i == 1 and schedule_spec(cfg.pipeline_schedule).placement == "mirror":
-            for item in nested_values(chunk_state):
-                if hasattr(item, "replica_id"):
-                    item.replica_id = _as_replica(item.replica_id)
+            chunk_state = as_mirror_replicas(chunk_state)
         state[f"model{i}"] = chunk_state
     return state
 
@@ -202,9 +223,10 @@ def save_checkpoint(
         model_config=model_settings(cfg, vocab_size),
     )
     try:
-        dist_checkpointing.save(sharded, str(directory))
+        with writer_errors() as logged:
+            dist_checkpointing.save(sharded, str(directory))
     except (Exception, CheckpointException) as err:  # every rank's failure, gathered
-        message = [_save_failure(cfg.save, state.iteration, err)]
+        message = [_save_failure(cfg.save, state.iteration, err, logged)]
         if isinstance(err, CheckpointException) and err.args[:1] == ("write",):
             # Raised on every rank, with the causes on the coordinator only: say its words.
             dist.broadcast_object_list(message, src=0)
@@ -216,8 +238,8 @@ def save_checkpoint(
     return directory
 
 
-def _save_failure(root: str, iteration: int, err: BaseException) -> str:
-    ranks, cause = failure_cause(err)
+def _save_failure(root: str, iteration: int, err: BaseException, logged: list[str]) -> str:
+    ranks, cause = failure_cause(err, logged)
     where = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else ""
     last = read_tracker(root)
     kept = (

@@ -3,10 +3,12 @@
 Megatron-LM's layout: ``<root>/iter_0000005/`` per saved iteration and
 ``<root>/latest_checkpointed_iteration.txt`` naming the newest complete one (written after
 every rank saved, atomically). An iteration directory of dist_checkpointing's
-``torch_dist`` format is complete when its ``metadata.json`` names that format, its
-``common.pt`` and ``.metadata`` can be read, and every shard file ``.metadata`` indexes is
-there at its full length. Shards with the right length but damaged contents are only found
-when they are read (:func:`load_failure`).
+``torch_dist`` format is complete when its ``metadata.json`` names that format, its common
+state and ``.metadata`` can be read, and every shard file ``.metadata`` indexes is there at
+its full length. The common state is ``common.pt`` where megatron-core writes one (before
+0.19; 0.19 reads it still) and a ShardedObject inside the shards otherwise
+(:func:`~..version.common_state_in_dcp`). Shards with the right length but damaged
+contents are only found when they are read (:func:`load_failure`).
 
 Every problem is one :class:`CheckpointError` sentence naming the directory, the file,
 what is wrong and what to do (load an earlier iteration with ``ckpt_step``, Megatron-LM's
@@ -15,19 +17,25 @@ key, naming the complete ones).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
+import logging
 import os
 import re
 from collections import defaultdict
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
+from ..version import common_state_in_dcp
 from .errors import TrainError
 
 __all__ = [
+    "COMMON_PT",
     "TRACKER",
     "CheckpointError",
     "complete_iterations",
@@ -39,9 +47,11 @@ __all__ = [
     "read_tracker",
     "unwritable",
     "write_tracker",
+    "writer_errors",
 ]
 
 TRACKER = "latest_checkpointed_iteration.txt"
+COMMON_PT = "common.pt"
 _ITERATION = re.compile(r"^iter_(\d{7,})$")
 
 
@@ -90,8 +100,9 @@ def damage(directory: Path) -> str | None:
     is truncated ...", "<file> cannot be read (...)"), or None if it looks complete."""
     if not directory.is_dir():
         return "the directory does not exist"
-    for name in ("metadata.json", "common.pt", ".metadata"):
-        if not (directory / name).is_file():
+    legacy = (directory / COMMON_PT).is_file() or not common_state_in_dcp()
+    for name in ("metadata.json", COMMON_PT, ".metadata"):
+        if not (directory / name).is_file() and (name != COMMON_PT or legacy):
             return f"{name} is missing"
     try:
         backend = json.loads((directory / "metadata.json").read_text(encoding="utf-8"))
@@ -99,10 +110,6 @@ def damage(directory: Path) -> str | None:
             raise ValueError(f"sharded backend {backend.get('sharded_backend')!r}")
     except (ValueError, AttributeError, UnicodeDecodeError) as err:
         return f"metadata.json cannot be read ({_first_line(err)})"
-    try:
-        dist_checkpointing.load_common_state_dict(str(directory))
-    except Exception as err:  # torch.load of damaged bytes raises many kinds
-        return f"common.pt cannot be read ({_first_line(err)})"
     try:
         metadata = FileSystemReader(str(directory)).read_metadata()
         needed: dict[str, int] = defaultdict(int)
@@ -118,6 +125,11 @@ def damage(directory: Path) -> str | None:
         have = path.stat().st_size
         if have < size:
             return f"{name} is truncated ({have} of its {size} bytes)"
+    try:
+        dist_checkpointing.load_common_state_dict(str(directory))
+    except (Exception, CheckpointException) as err:  # damaged bytes raise many kinds
+        common = COMMON_PT if legacy else "the common state (in the shards)"
+        return f"{common} cannot be read ({_first_line(_cause(err))})"
     return None
 
 
@@ -151,16 +163,53 @@ def unwritable(path: str | Path) -> str | None:
     return None
 
 
-def failure_cause(err: BaseException) -> tuple[list[int], str]:
+#: The logger of megatron-core's checkpoint writer: from 0.17 a failing writer worker is
+#: raised as ``AssertionError(<class 'OSError'>)``, its error only logged here.
+_WRITER_LOGGER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+
+
+class _Collect(logging.Handler):
+    def __init__(self, into: list[str]) -> None:
+        super().__init__(logging.ERROR)
+        self.into = into
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.into.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def writer_errors() -> Iterator[list[str]]:
+    """The errors megatron-core's checkpoint writer logs while the block runs (a list that
+    fills as they come), for :func:`failure_cause`."""
+    logged: list[str] = []
+    handler = _Collect(logged)
+    logger = logging.getLogger(_WRITER_LOGGER)
+    logger.addHandler(handler)
+    try:
+        yield logged
+    finally:
+        logger.removeHandler(handler)
+
+
+def failure_cause(err: BaseException, logged: Sequence[str] = ()) -> tuple[list[int], str]:
     """The ranks and the one-line cause behind a dist_checkpointing failure (torch's
     CheckpointException gathers each failing rank's exception); ENOSPC reads as "no space
-    left on device"."""
+    left on device", also when only the writer's ``logged`` errors name it."""
     failures = getattr(err, "failures", None)
     if isinstance(failures, dict) and failures:
         causes = {rank: _unwrap(failure) for rank, failure in failures.items()}
         ranks = sorted(causes)
-        return ranks, _cause_text(causes[ranks[0]])
-    return [], _cause_text(err)
+        return ranks, _cause_text(causes[ranks[0]], logged)
+    return [], _cause_text(err, logged)
+
+
+def _cause(err: BaseException) -> BaseException | object:
+    """The first failing rank's exception inside torch's CheckpointException (which is not an
+    ``Exception``: it derives from ``BaseException``), else ``err``."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return _unwrap(failures[min(failures)])
+    return err
 
 
 def _unwrap(failure: object) -> BaseException | object:
@@ -170,7 +219,7 @@ def _unwrap(failure: object) -> BaseException | object:
     return failure
 
 
-def _cause_text(err: BaseException | object) -> str:
+def _cause_text(err: BaseException | object, logged: Sequence[str] = ()) -> str:
     seen: set[int] = set()
     current: BaseException | None = err if isinstance(err, BaseException) else None
     while current is not None and id(current) not in seen:
@@ -178,7 +227,7 @@ def _cause_text(err: BaseException | object) -> str:
         if isinstance(current, OSError) and current.errno == errno.ENOSPC:
             return "no space left on device"
         current = current.__cause__ or current.__context__
-    if "No space left on device" in str(err):
+    if any("No space left on device" in text for text in (str(err), *logged)):
         return "no space left on device"
     return _first_line(err)
 

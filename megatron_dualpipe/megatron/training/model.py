@@ -45,6 +45,7 @@ from ..names import global_named_parameters
 from ..placement import StagePlacementLayout
 from ..precision import StageFloat16Module
 from ..tied import mark_tied_copies, release_unused_output_weight
+from ..version import mtp_block_on_any_chunk
 from .config import TrainConfig
 
 __all__ = ["build_model", "transformer_config"]
@@ -229,18 +230,19 @@ def build_model(
             vp_stage=vp_stage,
             deferrable=found.splits_backward,
         )
-        chunk = GPTModel(
-            config=config,
-            transformer_layer_spec=block,
-            vocab_size=vocab_size or cfg.vocab_size,
-            max_sequence_length=cfg.max_position_embeddings or cfg.seq_length,
-            pre_process=pre_process,
-            post_process=post_process,
-            share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
-            position_embedding_type=cfg.position_embedding_type,
-            mtp_block_spec=mtp,
-            vp_stage=vp_stage,
-        )
+        with mtp_block_on_any_chunk():
+            chunk = GPTModel(
+                config=config,
+                transformer_layer_spec=block,
+                vocab_size=vocab_size or cfg.vocab_size,
+                max_sequence_length=cfg.max_position_embeddings or cfg.seq_length,
+                pre_process=pre_process,
+                post_process=post_process,
+                share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
+                position_embedding_type=cfg.position_embedding_type,
+                mtp_block_spec=mtp,
+                vp_stage=vp_stage,
+            )
         release_unused_output_weight(chunk)
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
