@@ -12,9 +12,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { echo "py312.sh: $*"; }
-py312=${PY312:-$(command -v python3.12 || true)}
+# A Python 3.12 that runs: PY312, python3.12 on PATH, or pyenv's (whose python3.12 shim
+# answers only where 3.12 is the selected version).
+find_py312() {
+  local candidate
+  for candidate in "${PY312:-}" "$(command -v python3.12 || true)" \
+      "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do
+    if [[ -n $candidate && -x $candidate ]] &&
+        "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+      echo "$candidate"
+      return
+    fi
+  done
+}
+py312=$(find_py312)
 if [[ -z $py312 ]]; then
-  echo "py312.sh: error: no python3.12 on PATH: install Python 3.12 or set PY312" >&2
+  echo "py312.sh: error: no Python 3.12 found: install it (or pyenv's 3.12) or set PY312" >&2
   exit 2
 fi
 venv=.ci/venv312
