@@ -172,9 +172,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    from .megatron.training.config import config_keys  # pure Python: no torch, no megatron
-
-    keys = ", ".join(key.name for key in config_keys())
+    try:
+        from .megatron.training.config import config_keys  # pure Python: no torch, no megatron
+    except DualPipeError as err:  # an unsupported megatron-core: train says so when run
+        keys = f"(not listed here: {err})"
+    else:
+        keys = ", ".join(key.name for key in config_keys())
     p = sub.add_parser(
         "train",
         help="pretrain a GPT on megatron-core with a pipeline schedule",
