@@ -56,3 +56,30 @@ def test_train_help_lists_every_config_key(capsys: pytest.CaptureFixture[str]) -
     assert "scripts/pretrain_gpt_dualpipe.py --help" in text
     for key in config_keys():
         assert key.name in text, key.name
+
+
+@pytest.mark.megatron
+def test_train_ranks_on_cpu_run_torch_compile_functions_eagerly() -> None:
+    """Megatron-Core's jit_fuser is torch.compile; on CPU its first call compiled C++ in
+    iteration 1 (11-19 s of tiny_deepseek_cpu.yaml's first iteration). Inside the ranks'
+    context nothing compiles, and outside it the same function still does."""
+    import torch
+
+    from megatron_dualpipe.megatron.training.loop import eager_on_cpu
+
+    compiled: list[int] = []
+
+    def backend(graph: torch.fx.GraphModule, example_inputs: list) -> object:
+        compiled.append(len(example_inputs))
+        return graph.forward
+
+    @torch.compile(backend=backend)
+    def fused(x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(x) * x + 1
+
+    x = torch.arange(4.0)
+    with eager_on_cpu():
+        assert torch.equal(fused(x), torch.sigmoid(x) * x + 1)
+    assert compiled == []
+    fused(x)
+    assert compiled == [1]

@@ -19,6 +19,7 @@ The process group must be initialised; this module initialises and destroys Mega
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import sys
@@ -60,7 +61,7 @@ from .schedule_order import optimise_from_measured, saved_schedule
 from .tensorboard import open_log
 from .tokenizer import build_tokenizer, model_vocab_size
 
-__all__ = ["TrainResult", "forward_step", "run_rank"]
+__all__ = ["TrainResult", "eager_on_cpu", "forward_step", "run_rank"]
 
 LOSS_KEY = "lm loss"
 
@@ -538,8 +539,27 @@ def _done_line(run: _Run, seconds: float) -> str:
     return f" training done: iteration {run.state.iteration} after {seconds:.1f} s{where}"
 
 
+def eager_on_cpu() -> contextlib.AbstractContextManager[None]:
+    """Without a GPU, a context in which ``torch.compile`` compiles nothing, so that
+    Megatron-Core's fused functions (``megatron.core.jit.jit_fuser`` is ``torch.compile``;
+    e.g. the MoE router's ``_apply_expert_bias`` under ``moe_router_enable_expert_bias``)
+    run eagerly. Compiling one on a CPU builds C++ kernels with inductor in its first call,
+    on every rank at once, to fuse a few element-wise operations (docs/training.md has the
+    measured cost). With a GPU a null context: they compile, as under Megatron-LM."""
+    if torch.cuda.is_available():
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")
+
+
 def run_rank(cfg: TrainConfig) -> TrainResult:
-    """Train on this rank (the default process group must exist); collective."""
+    """Train on this rank (the default process group must exist), with
+    :func:`eager_on_cpu`; collective."""
+    with eager_on_cpu():
+        return _train_here(cfg)
+
+
+def _train_here(cfg: TrainConfig) -> TrainResult:
+    """:func:`run_rank`'s work: Megatron's parallel state around one :class:`_Run`."""
     ranks = embedding_ranks(cfg.pipeline_schedule)  # where our placements keep them
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
