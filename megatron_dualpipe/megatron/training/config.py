@@ -269,7 +269,12 @@ class TrainConfig:
     eval_iters: int = _key(0, doc="batches per evaluation")
     log_interval: int = _key(100, doc="steps between iteration lines")
     tensorboard_dir: str | None = _key(
-        None, doc="write TensorBoard scalars here every log_interval (needs tensorboard)"
+        None, doc="write TensorBoard scalars to this directory (needs tensorboard)"
+    )
+    tensorboard_log_interval: int = _key(
+        1,
+        doc="steps between TensorBoard's scalars of one step (loss, learning rate, grad "
+        "norm, ...); the timings go every log_interval",
     )
     save: str | None = _key(None, doc="checkpoint directory to save to")
     save_interval: int | None = _key(

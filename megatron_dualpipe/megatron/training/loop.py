@@ -58,7 +58,7 @@ from .report import (
     validation_lines,
 )
 from .schedule_order import optimise_from_measured, saved_schedule
-from .tensorboard import open_log
+from .tensorboard import StepScalars, open_log
 from .tokenizer import build_tokenizer, model_vocab_size
 
 __all__ = ["TrainResult", "eager_on_cpu", "forward_step", "run_rank"]
@@ -363,7 +363,7 @@ class _Run:
             self.result.losses[self.state.iteration] = loss
             if self.mtp:
                 self.result.mtp_losses[self.state.iteration] = self.mtp
-            if self._after_step(window, grad_norm, last):
+            if self._after_step(window, loss, grad_norm, last):
                 saved_at = self.state.iteration
             if self._board_measures(upcoming, last):
                 self._board_step(recorder, boarded)
@@ -399,22 +399,40 @@ class _Run:
             bubbles = [r.bubble_ratio for r in measured.ranks]
             self.board.measured(self.state.iteration, bubbles, None if pairs is None else pairs[0])
 
-    def _after_step(self, window: LogWindow, grad_norm: float | None, last: int) -> bool:
-        """Log, evaluate and save as their intervals say; True when a checkpoint was saved."""
+    def _after_step(
+        self, window: LogWindow, loss: float, grad_norm: float | None, last: int
+    ) -> bool:
+        """Log (the line every ``log_interval``, TensorBoard's step scalars every
+        ``tensorboard_log_interval``), evaluate and save as their intervals say; True when a
+        checkpoint was saved."""
         cfg, iteration = self.cfg, self.state.iteration
+        learning_rate = self.optimizer.param_groups[0]["lr"]
+        loss_scale = float(self.optimizer.get_loss_scale())
+        if self.board is not None and iteration % cfg.tensorboard_log_interval == 0:
+            step = StepScalars(
+                iteration=iteration,
+                consumed_samples=self.state.consumed_train_samples,
+                lm_loss=loss,
+                learning_rate=learning_rate,
+                global_batch_size=cfg.global_batch_size,
+                loss_scale=loss_scale,
+                grad_norm=grad_norm,
+                mtp_losses=self.mtp,
+            )
+            self.board.step(step)
         if self._logs(iteration, last):
             log = window.flush(
                 iteration=iteration,
                 train_iters=cfg.train_iters,
                 consumed_samples=self.state.consumed_train_samples,
-                learning_rate=self.optimizer.param_groups[0]["lr"],
+                learning_rate=learning_rate,
                 global_batch_size=cfg.global_batch_size,
-                loss_scale=float(self.optimizer.get_loss_scale()),
+                loss_scale=loss_scale,
                 grad_norm=grad_norm,
             )
             self.say([iteration_line(log)])
             if self.board is not None:
-                self.board.iteration(log)
+                self.board.iteration_time(iteration, log.elapsed_ms / 1e3)
         if cfg.eval_interval and iteration % cfg.eval_interval == 0:
             value = self.evaluate()
             self.result.validation[iteration] = value
