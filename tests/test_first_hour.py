@@ -83,3 +83,28 @@ def test_train_ranks_on_cpu_run_torch_compile_functions_eagerly() -> None:
     assert compiled == []
     fused(x)
     assert compiled == [1]
+
+
+@pytest.mark.megatron
+@pytest.mark.multiproc
+def test_two_runs_into_one_output_dir_keep_both_timelines(tmp_path: Path) -> None:
+    """Each run draws into its own folder under output_dir, named by the config, the
+    schedule and the settings given, and its last line names it; the first run's picture
+    outlives the second run."""
+    from megatron_dualpipe.megatron.training import load_config, train
+
+    tiny = ROOT / "configs" / "tiny_gpt_cpu.yaml"
+    common = ["train_iters=3", "eval_interval=null", f"output_dir={tmp_path}"]
+    pictures = []
+    for settings in ([], ["pipeline_schedule=1f1b", "seed=7"]):
+        result = train(load_config(tiny, [*common, *settings]), source=str(tiny))
+        pictures.append(Path(result.summary.png))
+        assert result.lines[-1].endswith(f"; outputs: timeline {pictures[-1]}")
+        if len(pictures) == 1:
+            first = pictures[0].read_bytes()
+    assert pictures == [
+        tmp_path / "tiny_gpt_cpu-dualpipev-train_iters=3" / "timeline.png",
+        tmp_path / "tiny_gpt_cpu-1f1b-seed=7-train_iters=3" / "timeline.png",
+    ]
+    assert pictures[0].read_bytes() == first
+    assert pictures[1].read_bytes()[:4] == b"\x89PNG"

@@ -490,8 +490,8 @@ class _Run:
             return
         predicted = predict(measured)
         png = None
-        if self.cfg.output_dir is not None:
-            out = Path(self.cfg.output_dir)
+        if self.cfg.run_dir is not None:
+            out = Path(self.cfg.run_dir)
             out.mkdir(parents=True, exist_ok=True)
             png = out / "timeline.png"
             write_side_by_side_png(measured, predicted, png)
