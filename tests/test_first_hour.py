@@ -108,3 +108,36 @@ def test_two_runs_into_one_output_dir_keep_both_timelines(tmp_path: Path) -> Non
     ]
     assert pictures[0].read_bytes() == first
     assert pictures[1].read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.megatron
+def test_the_timelines_prediction_runs_the_order_the_ranks_ran() -> None:
+    """An FB that ran as its forward half and then its backward half is two actions in the
+    measured step, and the simulated step beside it runs those two, not an FB pair."""
+    from megatron_dualpipe.megatron.training.measure import predict
+    from megatron_dualpipe.schedules.cost import CostModel
+    from megatron_dualpipe.schedules.ir import Kind
+    from megatron_dualpipe.schedules.registry import generate
+    from megatron_dualpipe.schedules.simulate import RankStats, SimResult, TimedAction, simulate
+
+    schedule, cost = generate("dualpipev", 2, 4), CostModel(f=1.0, b=1.0, w=0.5)
+    ranks = []
+    for stats in simulate(schedule, cost).ranks:
+        ran = []
+        for timed in stats.actions:
+            if timed.action.kind is Kind.FB:
+                forward, backward = timed.action.sub
+                mid = timed.start + cost.f
+                ran += [
+                    TimedAction(forward, timed.start, mid),
+                    TimedAction(backward, mid, timed.end),
+                ]
+            else:
+                ran.append(timed)
+        ranks.append(RankStats(stats.rank, ran, stats.busy, stats.peak_activations))
+    assert any(t.action.kind is Kind.FB for t in simulate(schedule, cost).ranks[0].actions)
+    measured = SimResult(schedule, cost, max(t.end for r in ranks for t in r.actions), ranks, [])
+    predicted = predict(measured)
+    assert [[t.action for t in r.actions] for r in predicted.ranks] == [
+        [t.action for t in r.actions] for r in ranks
+    ]
