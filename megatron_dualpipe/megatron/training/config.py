@@ -30,6 +30,7 @@ from ...schedules.model_cost import parse_moe_layer_freq
 from ...schedules.registry import OUR_SCHEDULES, SCHEDULES
 from ...schedules.validate import check_weight_grads_in_b_order, validate
 from ..checks import DualPipeConfigError, overlap_problem, schedule_spec, stage_layers
+from .run_name import run_name, run_name_problem
 
 __all__ = [
     "OPTIMIZE_AFTER",
@@ -269,7 +270,12 @@ class TrainConfig:
     eval_iters: int = _key(0, doc="batches per evaluation")
     log_interval: int = _key(100, doc="steps between iteration lines")
     tensorboard_dir: str | None = _key(
-        None, doc="write TensorBoard scalars here every log_interval (needs tensorboard)"
+        None, doc="write TensorBoard scalars to this directory (needs tensorboard)"
+    )
+    tensorboard_log_interval: int = _key(
+        1,
+        doc="steps between TensorBoard's scalars of one step (loss, learning rate, grad "
+        "norm, ...); the timings go every log_interval",
     )
     save: str | None = _key(None, doc="checkpoint directory to save to")
     save_interval: int | None = _key(
@@ -280,7 +286,17 @@ class TrainConfig:
     )
     load: str | None = _key(None, doc="checkpoint directory to resume from")
     output_dir: str | None = _key(
-        None, doc="folder for the timeline picture and measurements", megatron_lm=False
+        "runs",
+        doc="folder the runs' outputs (the timeline picture) go under, each run in its own "
+        "folder, run_name (null: none)",
+        megatron_lm=False,
+    )
+    run_name: str | None = _key(
+        None,
+        doc="this run's folder under output_dir (default: the config's name, the schedule and "
+        "the settings given on the command line that change what is trained; null: "
+        "output_dir itself)",
+        megatron_lm=False,
     )
     distributed_timeout_minutes: float = _key(
         10.0, doc="minutes a collective may wait before the run fails"
@@ -309,6 +325,13 @@ class TrainConfig:
         return self.launch_world_size // (
             self.tensor_model_parallel_size * self.pipeline_model_parallel_size
         )
+
+    @property
+    def run_dir(self) -> str | None:
+        """Where this run's outputs go: ``output_dir/run_name`` (None without output_dir)."""
+        if self.output_dir is None or self.run_name is None:
+            return self.output_dir
+        return str(Path(self.output_dir) / self.run_name)
 
     @property
     def launch_world_size(self) -> int:
@@ -456,15 +479,15 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> TrainConfig:
     """Read, override and validate a YAML config; raises :class:`ConfigError`.
 
     ``overrides`` are ``key=value`` strings (the CLI's ``--set``); their values are
-    converted to the key's type. ``output_dir`` defaults to
-    ``runs/<config file stem>-<pipeline_schedule>``.
+    converted to the key's type. ``run_name`` defaults to the file's stem, the schedule and
+    the overrides (:func:`~.run_name.run_name`).
     """
     values = read_yaml_values(path)
     overrides = list(overrides)
     overridden = parse_overrides(overrides)
     values.update(overridden)
     source, origins = override_origins(path, overrides)
-    return config_from_values(values, source, str(Path("runs") / Path(path).stem), origins)
+    return config_from_values(values, source, Path(path).stem, origins)
 
 
 def read_yaml_values(path: str | Path) -> dict[str, Any]:
@@ -489,15 +512,18 @@ def read_yaml_values(path: str | Path) -> dict[str, Any]:
 def config_from_values(
     values: dict[str, Any],
     source: str,
-    output_stem: str,
+    stem: str,
     origins: Mapping[str, str] | None = None,
 ) -> TrainConfig:
     """Validate ``values`` (known keys, typed as :func:`parse_overrides` types them) into a
-    config; the default output folder is ``<output_stem>-<pipeline_schedule>``, so runs of
-    two schedules keep their own outputs. Raises :class:`ConfigError` naming ``source``, or
-    for a key in ``origins`` where its value came from (``--set``, a flag)."""
+    config. The default ``run_name`` is :func:`~.run_name.run_name` of ``stem`` (the
+    config's name), the schedule and the keys in ``origins`` (those given on the command
+    line), so that runs which differ keep their own outputs. Raises :class:`ConfigError`
+    naming ``source``, or for a key in ``origins`` where its value came from (``--set``, a
+    flag)."""
     schedule = values.get("pipeline_schedule", _FIELDS["pipeline_schedule"].default)
-    values = {"output_dir": f"{output_stem}-{schedule}", **values}
+    given = {key: values[key] for key in origins or {} if key in values}
+    values = {"run_name": run_name(stem, schedule, given), **values}
     missing = [n for n, f in _FIELDS.items() if _required(f) and n not in values]
     if missing:
         raise ConfigError(f"{source}: {missing[0]}: required key missing")
@@ -906,6 +932,8 @@ def _check_overlap(cfg: TrainConfig) -> Problem:
 
 
 def _check_io(cfg: TrainConfig) -> Problem:
+    if cfg.run_name is not None and (why := run_name_problem(cfg.run_name)) is not None:
+        return "run_name", why
     if cfg.save_interval is not None and cfg.save is None:
         return "save_interval", "needs save (a checkpoint directory)"
     if cfg.eval_interval is not None and cfg.eval_iters == 0:
