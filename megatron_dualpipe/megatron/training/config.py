@@ -122,6 +122,12 @@ class TrainConfig:
         doc="a saved schedule (simulate --save's text form) to run in place of the generated one",
         megatron_lm=False,
     )
+    transformer_impl: str | None = _key(
+        None,
+        doc="transformer_engine (TE layers, flash attention, fused kernels, grouped GEMM "
+        "experts) or local (Megatron-Core's own modules, CPU); default: transformer_engine "
+        "where CUDA and Transformer Engine are present, else local",
+    )
     # Model details.
     num_query_groups: int | None = _key(
         None, doc="key/value head groups for grouped-query attention (default: one per head)"
@@ -330,6 +336,7 @@ class TrainConfig:
 
 _CHOICES: dict[str, tuple[str | None, ...]] = {
     "pipeline_schedule": tuple(SCHEDULES),
+    "transformer_impl": (None, "transformer_engine", "local"),
     "position_embedding_type": ("learned_absolute", "rope"),
     "normalization": ("LayerNorm", "RMSNorm"),
     "moe_token_dispatcher_type": ("alltoall", "allgather"),

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from ...runtime.launch import LaunchFailure, pick_port, run_ranks
 from ...runtime.watchdog import PipelineCommError
 from ..cpu_compat import apply_cpu_compat
+from ..layer_specs import te_missing
 from .checkpoint import check_loadable
 from .config import ConfigError, TrainConfig
 from .errors import TrainError
@@ -112,6 +113,13 @@ def _preflight(cfg: TrainConfig, source: str, on_gpu: bool) -> None:
         raise ConfigError(
             f"{source}: save: megatron-core's checkpoint writer needs psutil (without it a "
             "save hangs in 0.16.1): pip install psutil"
+        )
+    missing = te_missing() if cfg.transformer_impl == "transformer_engine" else None
+    if missing is not None:
+        raise ConfigError(
+            f"{source}: transformer_impl: transformer_engine needs a CUDA device and Transformer "
+            f"Engine, and this machine has {missing}: set transformer_impl: local, or leave it "
+            "unset (then local here, transformer_engine where both are present)"
         )
     try:
         transformer_config(cfg, on_gpu=on_gpu)
