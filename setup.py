@@ -24,7 +24,7 @@ setup(
         "torch": ["torch>=2.6"],
         # psutil: megatron-core's dist_checkpointing writer needs it (checkpoints hang without).
         "megatron": ["torch>=2.6", "megatron-core==0.16.1", "psutil>=5.9"],
-        "te": ["transformer-engine[pytorch]>=2.3"],
+        "te": ["transformer-engine[pytorch]>=2.7"],
         "test": [
             "torch>=2.6",
             "megatron-core==0.16.1",

@@ -24,6 +24,7 @@ model exists. Configuration problems are reported before any process-group work.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -33,6 +34,7 @@ import torch.distributed as dist
 
 from ...runtime.launch import LaunchFailure, pick_port, run_ranks
 from ...runtime.watchdog import PipelineCommError
+from ..checks import cuda_device_max_connections
 from ..cpu_compat import apply_cpu_compat
 from ..layer_specs import te_missing
 from .checkpoint import check_loadable
@@ -44,6 +46,7 @@ from .model import transformer_config
 __all__ = ["LaunchError", "RankEnv", "launcher_env", "train"]
 
 _HOST = "127.0.0.1"
+logger = logging.getLogger(__name__)
 
 
 class LaunchError(TrainError):
@@ -138,7 +141,9 @@ def train(cfg: TrainConfig, *, source: str = "config") -> TrainResult:
     """
     env = launcher_env()
     on_gpu = torch.cuda.is_available()
-    if not on_gpu:
+    if on_gpu:
+        _set_cuda_device_max_connections(cfg)
+    else:
         apply_cpu_compat()
     if env is not None:
         cfg = cfg.with_world_size(env.world_size, source)
@@ -154,6 +159,21 @@ def train(cfg: TrainConfig, *, source: str = "config") -> TrainResult:
     if env is None:
         env = RankEnv(0, 1, 0, _HOST, pick_port(), "single")
     return _run_here(cfg, env, on_gpu)
+
+
+def _set_cuda_device_max_connections(cfg: TrainConfig) -> None:
+    """``CUDA_DEVICE_MAX_CONNECTIONS`` by Megatron-LM's rule, before this process makes its
+    CUDA context (:func:`~..checks.cuda_device_max_connections`); a value the launching
+    shell exported is kept, with Megatron-LM's warning where it works against the rule."""
+    value, warning = cuda_device_max_connections(
+        tensor_parallel=cfg.tensor_model_parallel_size,
+        overlap=cfg.overlap_moe_expert_parallel_comm,
+        current=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+    )
+    if value is not None:
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = value
+    if warning is not None:
+        logger.warning("%s", warning)
 
 
 def _run_here(cfg: TrainConfig, env: RankEnv, on_gpu: bool) -> TrainResult:
