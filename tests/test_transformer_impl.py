@@ -120,3 +120,13 @@ def test_transformer_engine_without_cuda_is_one_sentence_before_any_work() -> No
     assert message.startswith("tiny_gpt_cpu.yaml: transformer_impl: transformer_engine needs")
     assert "no CUDA device" in message and "transformer_impl: local" in message
     assert "\n" not in message
+
+
+def test_fp8_on_local_layers_is_one_sentence_before_any_work() -> None:
+    cfg = load_config(CONFIGS / "tiny_gpt_cpu.yaml", ["fp8=e4m3", "fp8_recipe=blockwise"])
+    assert cfg.fp8 == "e4m3" and cfg.fp8_recipe == "blockwise"
+    with pytest.raises(ConfigError) as err:
+        train(cfg, source="tiny_gpt_cpu.yaml")
+    message = str(err.value)
+    assert message.startswith("tiny_gpt_cpu.yaml: fp8: FP8 training runs through Transformer")
+    assert "\n" not in message

@@ -26,6 +26,7 @@ import yaml
 from ...errors import DualPipeError
 from ...schedules.config_values import override_origins
 from ...schedules.ir import Schedule, ScheduleError
+from ...schedules.memory import RECOMPUTE_MODULES
 from ...schedules.model_cost import parse_moe_layer_freq
 from ...schedules.registry import OUR_SCHEDULES, SCHEDULES
 from ...schedules.validate import check_weight_grads_in_b_order, validate
@@ -215,7 +216,7 @@ class TrainConfig:
     clip_grad: float = _key(1.0, doc="clip the gradients' global norm to this (0: no clipping)")
     bf16: bool = _key(False, doc="bfloat16 compute with fp32 main weights")
     recompute_granularity: str | None = _key(
-        None, doc="activation recomputation (not run by this loop yet)"
+        None, doc="activation recomputation: full layers or selected submodules"
     )
     use_distributed_optimizer: bool = _key(
         False, doc="shard the optimizer state over data-parallel ranks"
@@ -223,6 +224,25 @@ class TrainConfig:
     overlap_grad_reduce: bool = _key(
         False, doc="overlap the data-parallel gradient reduction with the backward"
     )
+    recompute_method: str | None = _key(
+        None, doc="full recomputation: which layers (uniform: every group; block: the first)"
+    )
+    recompute_num_layers: int | None = _key(
+        None, doc="full recomputation: layers per recomputed group (uniform) or recomputed (block)"
+    )
+    recompute_modules: str | None = _key(
+        None,
+        doc="selective recomputation: the submodules recomputed, e.g. core_attn mlp (default "
+        "core_attn)",
+        flags=("--recompute-modules",),
+    )
+    fp8: str | None = _key(
+        None,
+        doc="FP8 training through Transformer Engine: e4m3, or hybrid (e5m2 gradients); "
+        "unset: none",
+        flags=("--fp8-format",),
+    )
+    fp8_recipe: str = _key("delayed", doc="FP8 scaling: delayed, tensorwise, blockwise or mxfp8")
     seed: int = _key(1234, doc="random seed of the weights and the data")
     # Evaluation, logging, checkpoints, outputs.
     eval_interval: int | None = _key(None, doc="steps between evaluations (unset: none)")
@@ -345,6 +365,9 @@ _CHOICES: dict[str, tuple[str | None, ...]] = {
     "moe_router_score_function": ("softmax", "sigmoid"),
     "rope_type": (None, "rope", "yarn"),
     "recompute_granularity": (None, "full", "selective"),
+    "recompute_method": (None, "uniform", "block"),
+    "fp8": (None, "e4m3", "hybrid"),
+    "fp8_recipe": ("delayed", "tensorwise", "blockwise", "mxfp8"),
     "optimizer": ("adam", "sgd"),
     "lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
 }
@@ -815,9 +838,28 @@ def _check_overlap(cfg: TrainConfig) -> Problem:
         )
         if problem is not None:
             return "overlap_moe_expert_parallel_comm", problem
-    if cfg.recompute_granularity is not None:
+    return _check_recompute(cfg)
+
+
+def _check_recompute(cfg: TrainConfig) -> Problem:
+    """Megatron-Core's rules for the recomputation keys (TransformerConfig, 0.16.1)."""
+    granularity = cfg.recompute_granularity
+    for key in ("recompute_method", "recompute_num_layers"):
+        if getattr(cfg, key) is not None and granularity != "full":
+            return key, "applies to recompute_granularity: full: set that, or unset this"
+    if granularity == "full" and (cfg.recompute_method is None or not cfg.recompute_num_layers):
         return "recompute_granularity", (
-            "activation recomputation is not run by megatron-dualpipe train yet: unset it"
+            "full needs recompute_method (uniform or block) and recompute_num_layers (layers per "
+            "recomputed group, or recomputed layers per stage)"
+        )
+    if cfg.recompute_modules is None:
+        return None
+    if granularity != "selective":
+        return "recompute_modules", "applies to recompute_granularity: selective"
+    unknown = [m for m in cfg.recompute_modules.split() if m not in RECOMPUTE_MODULES]
+    if unknown:
+        return "recompute_modules", (
+            f"{unknown[0]!r} is not one of Megatron-Core's {', '.join(RECOMPUTE_MODULES)}"
         )
     return None
 

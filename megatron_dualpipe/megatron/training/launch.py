@@ -41,7 +41,7 @@ from .checkpoint import check_loadable
 from .config import ConfigError, TrainConfig
 from .errors import TrainError
 from .loop import TrainResult, run_rank
-from .model import transformer_config
+from .model import transformer_config, transformer_impl
 
 __all__ = ["LaunchError", "RankEnv", "launcher_env", "train"]
 
@@ -123,6 +123,12 @@ def _preflight(cfg: TrainConfig, source: str, on_gpu: bool) -> None:
             f"{source}: transformer_impl: transformer_engine needs a CUDA device and Transformer "
             f"Engine, and this machine has {missing}: set transformer_impl: local, or leave it "
             "unset (then local here, transformer_engine where both are present)"
+        )
+    if cfg.fp8 is not None and transformer_impl(cfg) == "local":
+        raise ConfigError(
+            f"{source}: fp8: FP8 training runs through Transformer Engine's layers, and this "
+            "run builds Megatron-Core's local ones: set transformer_impl: transformer_engine "
+            "on a machine with CUDA and Transformer Engine, or unset fp8"
         )
     try:
         transformer_config(cfg, on_gpu=on_gpu)

@@ -115,6 +115,16 @@ def transformer_config(cfg: TrainConfig, *, on_gpu: bool) -> TransformerConfig:
         perform_initialization=False,  # see init_weights
         **_fusions(cfg, impl),
     )
+    if cfg.recompute_granularity is not None:
+        kwargs.update(
+            recompute_granularity=cfg.recompute_granularity,
+            recompute_method=cfg.recompute_method,
+            recompute_num_layers=cfg.recompute_num_layers,
+        )
+        if cfg.recompute_modules is not None:
+            kwargs["recompute_modules"] = cfg.recompute_modules.split()
+    if cfg.fp8 is not None:  # Transformer Engine's FP8 layers (launch refuses it on local)
+        kwargs.update(fp8=cfg.fp8, fp8_recipe=cfg.fp8_recipe)
     if cfg.swiglu:
         kwargs.update(gated_linear_unit=True, activation_func=F.silu)
     if cfg.mtp_num_layers:
