@@ -235,8 +235,8 @@ def _activations_bridge(shape, setup, schedule, stages, settings, megatron: floa
         ),
         BridgeStep("multi-latent attention in place of multi-head attention", actual - multi_head),
         BridgeStep(
-            f"recomputation ({dataclasses.replace(settings, fp8=None).describe()[8:]}): what "
-            "it drops, and the largest layer rebuilt inside a B",
+            f"{dataclasses.replace(settings, fp8=None).describe().removeprefix('no FP8, ')}: "
+            "what recomputation drops, and the largest layer rebuilt inside a B",
             recomputed - actual,
         ),
         BridgeStep("FP8 storage of linear layers' inputs", ours - recomputed),
