@@ -42,6 +42,7 @@ def test_dry_run_lists_each_check_and_why_it_cannot_run_here() -> None:
         assert ": CANNOT RUN: no CUDA device; it checks " in line
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer")
 def test_without_a_gpu_a_full_run_says_cannot_run_and_does_not_fail() -> None:
     proc = _run("--only", "layer-costs-moe")

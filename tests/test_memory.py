@@ -29,6 +29,7 @@ from megatron_dualpipe.schedules.memory import (
 from megatron_dualpipe.schedules.model_cost import ModelShape, stage_costs
 from megatron_dualpipe.schedules.registry import generate, spec
 from megatron_dualpipe.schedules.simulate import simulate
+from tests.multiproc import one_fast
 
 ROOT = Path(__file__).resolve().parents[1]
 DEEPSEEK = ROOT / "configs" / "deepseek_v3_pp16.yaml"
@@ -293,7 +294,7 @@ def _built_parameters(rank: int, world_size: int, tied: bool) -> int:
 
 @pytest.mark.megatron
 @pytest.mark.multiproc
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("tied", one_fast([False, True], False))
 def test_parameters_per_rank_are_what_megatron_core_builds(tied: bool) -> None:
     from tests.multiproc import run_workers
 
