@@ -545,6 +545,8 @@ def test_patch_calls_only_hooks_that_exist(tag: str) -> None:
         "add_arguments",
         "apply",
         "build_model_chunks",
+        "builds_model_chunks",
+        "ddp_config",
         "embedding_ranks",
         "float16_chunks",
         "forward_backward_func",
