@@ -91,6 +91,11 @@ def test_selective_recomputation_is_taken_with_overlap_as_megatron_takes_it() ->
             ["recompute_granularity=selective", "recompute_modules=attention"],
             "'attention' is not one of Megatron-Core's",
         ),
+        (
+            ["recompute_granularity=selective", "recompute_modules=moe_act", "fp8=e4m3"],
+            "moe_act and layernorm recomputation with fp8 need a recipe other than "
+            "fp8_recipe: delayed",
+        ),
     ],
 )
 def test_recomputation_keys_follow_megatron_cores_rules(overrides: list, message: str) -> None:

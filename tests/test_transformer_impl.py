@@ -131,3 +131,28 @@ def test_fp8_on_local_layers_is_one_sentence_before_any_work() -> None:
     assert message.startswith("tiny_gpt_cpu.yaml: fp8: FP8 training runs through Transformer")
     assert "\n" not in message
 
+
+MOE_ACT = ["recompute_granularity=selective", "recompute_modules=moe_act"]
+
+
+def test_moe_act_recomputation_builds_with_te_grouped_gemm_experts() -> None:
+    """Megatron-Core takes ``moe_act`` only with grouped-GEMM experts, which the TE path
+    builds (Megatron-Core's own ValueError otherwise, checked on the local config)."""
+    te = load_config(
+        CONFIGS / "tiny_moe_cpu.yaml", ["transformer_impl=transformer_engine", *MOE_ACT]
+    )
+    config = transformer_config(te, on_gpu=False)
+    assert config.moe_grouped_gemm and config.recompute_modules == ["moe_act"]
+    local = load_config(CONFIGS / "tiny_moe_cpu.yaml", ["transformer_impl=local", *MOE_ACT])
+    with pytest.raises(ValueError, match="moe_act in recompute_modules is only supported"):
+        transformer_config(local, on_gpu=False)
+
+
+def test_moe_act_on_local_experts_is_one_sentence_before_any_work() -> None:
+    cfg = load_config(CONFIGS / "tiny_moe_cpu.yaml", MOE_ACT)
+    assert transformer_impl(cfg) == "local"
+    with pytest.raises(ConfigError) as err:
+        train(cfg, source="tiny_moe_cpu.yaml")
+    message = str(err.value)
+    assert message.startswith("tiny_moe_cpu.yaml: recompute_modules: moe_act recomputes the")
+    assert "transformer_impl: transformer_engine" in message and "\n" not in message

@@ -949,15 +949,16 @@ def _check_recompute(cfg: TrainConfig) -> Problem:
     if problem is not None or cfg.recompute_modules is None:
         return problem
     modules = recompute.module_set
-    if "moe_act" in modules:
+    if cfg.fp8 is not None and cfg.fp8_recipe == "delayed" and modules & {"moe_act", "layernorm"}:
         return "recompute_modules", (
-            "moe_act needs Megatron's grouped-GEMM experts, which megatron-dualpipe train does "
-            "not build: recompute moe instead"
+            "moe_act and layernorm recomputation with fp8 need a recipe other than "
+            "fp8_recipe: delayed (Megatron-Core's rule): set fp8_recipe: tensorwise, blockwise "
+            "or mxfp8, or recompute other modules"
         )
     if "mla_up_proj" in modules and not cfg.multi_latent_attention:
         return "recompute_modules", "mla_up_proj needs multi_latent_attention: true"
-    if modules & {"moe", "shared_experts"} and not cfg.is_moe:
-        return "recompute_modules", "moe and shared_experts need a MoE model (num_experts)"
+    if modules & {"moe", "moe_act", "shared_experts"} and not cfg.is_moe:
+        return "recompute_modules", "moe, moe_act and shared_experts need a MoE model (num_experts)"
     if "mlp" in modules and cfg.add_bias_linear:
         return "recompute_modules", (
             "mlp with add_bias_linear: true never ends its backward in Megatron-Core (the "

@@ -133,6 +133,13 @@ def _preflight(cfg: TrainConfig, source: str, on_gpu: bool) -> None:
             "run builds Megatron-Core's local ones: set transformer_impl: transformer_engine "
             "on a machine with CUDA and Transformer Engine, or unset fp8"
         )
+    if "moe_act" in (cfg.recompute_modules or "").split() and transformer_impl(cfg) == "local":
+        raise ConfigError(
+            f"{source}: recompute_modules: moe_act recomputes the grouped-GEMM experts' "
+            "activation, and this run builds Megatron-Core's local experts (grouped GEMM comes "
+            "with transformer_impl: transformer_engine): set that on a machine with CUDA and "
+            "Transformer Engine, or recompute moe instead"
+        )
     try:
         transformer_config(cfg, on_gpu=on_gpu)
     except (AssertionError, ValueError, TypeError) as err:
