@@ -178,6 +178,12 @@ def _check(args: Any) -> None:
             f"{schedule} sums its two copies of every stage over Megatron DDP's gradient "
             f"buffers, which --{fsdp[0].replace('_', '-')} shards: drop it, or choose dualpipev"
         )
+    if fsdp and found.splits_backward:
+        raise DualPipeConfigError(
+            f"{schedule} defers every weight gradient to its W through Megatron DDP's hooks "
+            f"(delay_wgrad_compute), which --{fsdp[0].replace('_', '-')} does not take: drop "
+            "it, or choose 1f1b"
+        )
     if found.placement == "mirror" and getattr(args, "overlap_grad_reduce", False):
         _one_bucket_per_chunk(args, schedule)
     if getattr(args, "overlap_moe_expert_parallel_comm", False):

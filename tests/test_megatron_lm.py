@@ -190,6 +190,15 @@ def test_megatrons_own_1f1b_keeps_megatrons_function() -> None:
             "which --use-megatron-fsdp shards: drop it, or choose dualpipev",
         ),
         (
+            dict(pipeline_schedule="zb1p", use_torch_fsdp2=True),
+            "through Megatron DDP's hooks (delay_wgrad_compute), which --use-torch-fsdp2 does "
+            "not take",
+        ),
+        (
+            dict(pipeline_schedule="zb1p", use_megatron_fsdp=True),
+            "which --use-megatron-fsdp does not take: drop it, or choose 1f1b",
+        ),
+        (
             dict(pipeline_schedule="dualpipe", overlap_grad_reduce=True, ddp_bucket_size=10**6),
             "needs one DDP bucket per model chunk",
         ),
