@@ -3,12 +3,13 @@ same config under 1F1B: Megatron-LM's figure plus the named steps of
 ``schedules/memory_bridge.py`` equals ours within ``TOLERANCE`` (relative), for the
 weights with their gradients and optimizer states and for the activations.
 
-The formula runs from a megatron-core wheel that ships ``megatron/training`` (0.19; in a
-Python 3.12 environment here): ``MEGATRON_TRAINING_PYTHON`` names its interpreter, else
-``/work/venv312/bin/python``; without one these tests skip, saying so. The CPU-only code
-never imports it. A pure-Python test (the fast one) checks the activation bridge against
-the paper's formula by hand; the runs of Megatron-LM's formula are slow (a megatron import
-each, about 40 s on two busy cores).
+The formula runs from a megatron-core wheel that ships ``megatron/training`` (0.19, on
+Python 3.12): ``MEGATRON_TRAINING_PYTHON`` names its interpreter, else this one where it
+has the formula (CI's Python 3.12 leg, which runs these tests: they are marked megatron),
+else CI's ``.ci/venv312`` or ``/work/venv312``; without one these tests skip, saying so.
+The CPU-only code never imports it. A pure-Python test (the fast one) checks the
+activation bridge against the paper's formula by hand; the runs of Megatron-LM's formula
+are slow (a megatron import each, about 40 s on two busy cores).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,15 +35,20 @@ SCRIPT = ROOT / "scripts" / "megatron_memory_formula.py"
 
 def _formula_python() -> str | None:
     """An interpreter whose megatron-core has ``megatron.training``'s memory formula."""
-    candidate = os.environ.get("MEGATRON_TRAINING_PYTHON", "/work/venv312/bin/python")
-    if not Path(candidate).exists():
-        return None
-    probe = subprocess.run(
-        [candidate, "-c", "import megatron.training.theoretical_memory_usage"],
-        capture_output=True,
-        timeout=180,
-    )
-    return candidate if probe.returncode == 0 else None
+    given = os.environ.get("MEGATRON_TRAINING_PYTHON")
+    candidates = [given] if given else []
+    candidates += [sys.executable, str(ROOT / ".ci/venv312/bin/python"), "/work/venv312/bin/python"]
+    for candidate in candidates:
+        if not Path(candidate).exists():
+            continue
+        probe = subprocess.run(
+            [candidate, "-c", "import megatron.training.theoretical_memory_usage"],
+            capture_output=True,
+            timeout=180,
+        )
+        if probe.returncode == 0:
+            return candidate
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +86,7 @@ CASES = {
 
 
 @pytest.mark.slow
+@pytest.mark.megatron
 @pytest.mark.parametrize("case", list(CASES))
 def test_megatron_lms_formula_plus_the_named_steps_is_ours(
     formula_python: str, case: str, tmp_path: Path
