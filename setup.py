@@ -26,7 +26,7 @@ setup(
         # installed one in the range is kept); psutil: megatron-core's dist_checkpointing
         # writer needs it (checkpoints hang without).
         "megatron": ["torch>=2.6", "megatron-core>=0.16.1,<0.20", "psutil>=5.9"],
-        "te": ["transformer-engine[pytorch]>=2.3"],
+        "te": ["transformer-engine[pytorch]>=2.7"],
         # Megatron-Core's HuggingFaceTokenizer / GPT2BPETokenizer (train with tokenizer_type,
         # preprocess) load through transformers; tokenizers is its fast backend.
         "data": ["transformers==4.57.6", "tokenizers==0.22.2"],

@@ -396,8 +396,9 @@ def _run_advisor(args: argparse.Namespace) -> None:
     """``simulate --config``: the balance advisor (pure Python, as the rest of simulate)."""
     from .schedules.advisor import GIB, PipelineSetup, advise
     from .schedules.config_values import override_origins, read_values
+    from .schedules.memory import MemorySettings
     from .schedules.model_cost import ModelShape
-    from .schedules.report import advice_report
+    from .schedules.report import advice_report, memory_report
 
     others = {"--load": args.load, "--grid": args.grid, "--trace": args.trace, "--save": args.save}
     given = [flag for flag, value in others.items() if value]
@@ -411,6 +412,7 @@ def _run_advisor(args: argparse.Namespace) -> None:
     values = {**_train_defaults(), **read_values(args.config, args.overrides)}
     shape = ModelShape.from_values(values, source, origins)
     setup = PipelineSetup.from_values(values, source, origins)
+    settings = MemorySettings.from_values(values, source, origins)
     if args.memory_cap is not None and args.memory_cap <= 0:
         raise ScheduleError(f"--memory-cap must be a positive number of GiB, got {args.memory_cap}")
     status = _StatusLine()
@@ -421,11 +423,13 @@ def _run_advisor(args: argparse.Namespace) -> None:
             schedule=args.schedule,
             microbatches=args.microbatches,
             memory_cap=None if args.memory_cap is None else args.memory_cap * GIB,
+            settings=settings,
             progress=status,
         )
     finally:
         status.clear()
     print(advice_report(advice, shape.summary(), source))
+    print(memory_report(advice, setup, settings))
     problem = _train_refuses(args, advice.changes())
     if problem:
         print(f"note: megatron-dualpipe train does not take the config with these lines: {problem}")

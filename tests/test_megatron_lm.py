@@ -190,6 +190,15 @@ def test_megatrons_own_1f1b_keeps_megatrons_function() -> None:
             "which --use-megatron-fsdp shards: drop it, or choose dualpipev",
         ),
         (
+            dict(pipeline_schedule="zb1p", use_torch_fsdp2=True),
+            "through Megatron DDP's hooks (delay_wgrad_compute), which --use-torch-fsdp2 does "
+            "not take",
+        ),
+        (
+            dict(pipeline_schedule="zb1p", use_megatron_fsdp=True),
+            "which --use-megatron-fsdp does not take: drop it, or choose 1f1b",
+        ),
+        (
             dict(pipeline_schedule="dualpipe", overlap_grad_reduce=True, ddp_bucket_size=10**6),
             "needs one DDP bucket per model chunk",
         ),
@@ -393,6 +402,82 @@ def test_losses_reach_the_last_stage(schedule: str) -> None:
     ]
 
 
+def _route_chunks(rank: int, world_size: int, schedule: str) -> dict[str, Any]:
+    """Megatron-LM's get_model path on CPU: build_model_chunks with a GPT model provider
+    (local spec: no TE here), then the DDP config hook."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from megatron_dualpipe.megatron import tiny_models as tm
+    from megatron_dualpipe.megatron.cpu_compat import apply_cpu_compat
+    from megatron_dualpipe.megatron.deferral import (
+        DeferrableColumnParallelLinear,
+        DeferrableRowParallelLinear,
+    )
+
+    apply_cpu_compat()
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world_size)
+    try:
+        args = _args(
+            pipeline_schedule=schedule,
+            pipeline_model_parallel_size=world_size,
+            num_layers=8,
+            global_batch_size=8,
+            transformer_impl="local",
+        )
+
+        def config_from_args(a: argparse.Namespace) -> Any:
+            config = tm.tiny_gpt_config(num_layers=8, pipeline_model_parallel_size=world_size)
+            config.pipeline_model_parallel_layout = a.pipeline_model_parallel_layout
+            return config
+
+        def provider(*, pre_process: bool, post_process: bool, vp_stage: Any, config: Any):
+            return tm.build_tiny_gpt(
+                config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage
+            )
+
+        chunks = megatron_lm.build_model_chunks(provider, args, config_from_args, pp_rank=rank)
+        linears = [
+            (n, type(m))
+            for c in chunks
+            for n, m in c.named_modules()
+            if isinstance(m, ColumnParallelLinear | RowParallelLinear)
+        ]
+        plain = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=123)
+        ddp = megatron_lm.ddp_config(plain, args)
+        return {
+            "linears": len(linears),
+            "not_deferring": [
+                n
+                for n, t in linears
+                if t not in (DeferrableColumnParallelLinear, DeferrableRowParallelLinear)
+            ],
+            "output_layer": any(n == "output_layer" for n, _ in linears),
+            "ddp": (ddp.delay_wgrad_compute, ddp.overlap_grad_reduce, ddp.bucket_size),
+            "plain_untouched": megatron_lm.ddp_config(plain, _args(pipeline_schedule="1f1b"))
+            is plain,
+        }
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.megatron
+@pytest.mark.multiproc
+@pytest.mark.parametrize("schedule", one_fast(["dualpipev", "zb1p"], "dualpipev"))
+def test_megatron_lm_route_builds_chunks_whose_linear_layers_defer(schedule: str) -> None:
+    """Megatron-LM's get_model (through the patch) builds zb1p, dualpipe and dualpipev
+    chunks as train does: every linear layer defers its dW, the output layer included, and
+    DDP's config keeps its fields and gains delay_wgrad_compute (else B computes dW inline
+    and W is empty, as before)."""
+    per_rank = run_workers(_route_chunks, 2, args=(schedule,), timeout_s=120)
+    for result in per_rank:
+        assert result["linears"] > 0 and result["not_deferring"] == []
+        assert result["ddp"] == (True, True, 123) and result["plain_untouched"]
+    # the output layer: dualpipev's loss is on rank 0, zb1p's on the last rank
+    assert [r["output_layer"] for r in per_rank] == [schedule == "dualpipev", schedule == "zb1p"]
+
+
 # --------------------------------------------------------------------------------------
 # The patch file
 
@@ -469,6 +554,8 @@ def test_patch_calls_only_hooks_that_exist(tag: str) -> None:
         "add_arguments",
         "apply",
         "build_model_chunks",
+        "builds_model_chunks",
+        "ddp_config",
         "embedding_ranks",
         "float16_chunks",
         "forward_backward_func",

@@ -51,25 +51,27 @@ static); a W may run outside the ``no_sync`` of its micro-batch's B.
 
 Transformer Engine layers (``TELinear`` and its column/row subclasses,
 ``TELayerNormColumnParallelLinear``, ``TEGroupedLinear``) built with
-``config.delay_wgrad_compute=True`` (TE >= 2.3; see :func:`with_delay_wgrad_compute`)
+``config.delay_wgrad_compute=True`` (TE >= 2.7; see :func:`with_delay_wgrad_compute`)
 already defer dW inside TE: every backward of a TE module puts one entry into the module's
 FIFO ``wgrad_store`` and ``module.backward_dw()`` pops the oldest. For them the deferred work
 of a B is one ``backward_dw()`` call per TE-module backward that ran in it, in order; in a
 BW (or without a store) ``backward_dw()`` runs at once (it pops the oldest entry, which may
 be an earlier B's: the sum over the step is the same). TE itself marks its parameters with
-``skip_backward_post_hook`` and fires DDP's hooks from ``backward_dw()`` (TE 2.7+; see
-docs/megatron.md), so the same DDP order requirement holds.
+``skip_backward_post_hook`` and fires DDP's hooks from ``backward_dw()``, so the same DDP
+order requirement holds. Each call goes through :func:`.te_wgrad.exact_backward_dw`, which
+gives it autograd's accumulation rule on every TE release and with the two entries
+DualPipe keeps outstanding (TE 2.7 drops, TE 2.8+ overwrites an unconsumed ``.grad``; FP8
+biases; fused accumulation). With ``overlap_moe_expert_parallel_comm`` Megatron's schedule
+plan calls ``backward_dw()`` itself, so TE layers are only marked
+(:func:`te_layers_left_to_plan`), and a run that cannot use the plan is refused.
 transformer_engine is never imported by this module: TE layers are recognised only when
 Megatron's TE extension module has already been imported (by building a TE model).
 
 Not supported, refused with an error: Megatron's ``defer_embedding_wgrad_compute``,
 Megatron-FSDP parameters, GTP-sharded weights (``gtp_remat_size`` > 1, 0.19),
 gradient-accumulation fusion without ``main_grad`` or without its CUDA kernel, Megatron DDP
-built without ``delay_wgrad_compute``, enabling after DDP wrapping, TE < 2.3, TE layers
-built without ``delay_wgrad_compute``, TE layers without
-``register_wgrad_accumulation_and_reduce_hooks``, TE layers whose input does not require
-grad, and TE's ``.grad``-overwriting ``backward_dw()`` meeting an earlier micro-batch's
-``.grad`` with no hook to consume it (use Megatron DDP or gradient-accumulation fusion).
+built without ``delay_wgrad_compute``, enabling after DDP wrapping, TE < 2.7, TE layers
+built without ``delay_wgrad_compute`` and TE layers whose input does not require grad.
 Left as they are (correct, just not deferred): subclasses of the two layer classes (e.g.
 ``ColumnParallelLinearGathered``), layers without their own weight (an output layer fed
 the tied embedding weight at call time) and frozen weights.
@@ -93,7 +95,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -122,6 +123,7 @@ from ..runtime.weight_grad_store import (
     defer_or_run,
     defers,
 )
+from .te_wgrad import TE_MIN_VERSION, exact_backward_dw, te_layer_classes, te_weights
 
 __all__ = [
     "DeferrableColumnParallelLinear",
@@ -130,13 +132,13 @@ __all__ = [
     "ddp_config_for_deferral",
     "deferrable_layer_spec",
     "enable_weight_grad_deferral",
+    "te_layers_left_to_plan",
     "with_delay_wgrad_compute",
 ]
 
-TE_MIN_VERSION = "2.3.0"
-_TE_EXTENSION = "megatron.core.extensions.transformer_engine"
-_TE_CLASS_NAMES = ("TELinear", "TELayerNormColumnParallelLinear", "TEGroupedLinear")
 _TE_HOOK_ATTR = "_dualpipe_backward_dw_hook"
+#: Set on a TE layer whose backward_dw() only Megatron's schedule plan calls.
+_TE_PLAN_ATTR = "_dualpipe_dw_by_plan"
 
 
 class WeightGradDeferralError(DualPipeError, RuntimeError):
@@ -539,13 +541,8 @@ def _convert_local(layer: nn.Module, name: str) -> bool:
 
 
 def _te_layer_classes() -> tuple[type, ...]:
-    """Megatron's TE layer classes that take ``delay_wgrad_compute``, or () when Megatron's
-    TE extension has not been imported (then the model holds no TE layer) or TE is absent."""
-    extension = sys.modules.get(_TE_EXTENSION)
-    if extension is None or not getattr(extension, "HAVE_TE", False):
-        return ()
-    found = (getattr(extension, name, None) for name in _TE_CLASS_NAMES)
-    return tuple(cls for cls in found if isinstance(cls, type))
+    """Megatron's TE layer classes (:func:`.te_wgrad.te_layer_classes`)."""
+    return te_layer_classes()
 
 
 def _check_te_version() -> None:
@@ -553,28 +550,10 @@ def _check_te_version() -> None:
 
     if not is_te_min_version(TE_MIN_VERSION):
         raise WeightGradDeferralError(
-            f"deferring TE layers needs Transformer Engine >= {TE_MIN_VERSION} "
-            f"(delay_wgrad_compute), found {get_te_version()}"
+            f"deferring TE layers needs Transformer Engine >= {TE_MIN_VERSION} (its "
+            "register_wgrad_accumulation_and_reduce_hooks is how Megatron DDP sees a deferred "
+            f"gradient), found {get_te_version()}: upgrade Transformer Engine"
         )
-
-
-def _te_weights(module: nn.Module) -> list[nn.Parameter]:
-    """A TE module's own weight parameters (``weight``, ``weight0``...; not norms)."""
-    return [p for n, p in module.named_parameters(recurse=False) if n.startswith("weight")]
-
-
-def _te_backward_dw(module: nn.Module, name: str) -> None:
-    """One ``backward_dw()`` of a TE module, refusing to let it overwrite a ``.grad`` that
-    no hook consumed (TE assigns, not adds, the weight gradient unless fused)."""
-    consumed = bool(getattr(module, "wgrad_accumulation_and_reduce_hooks", None))
-    fused = bool(getattr(module, "fuse_wgrad_accumulation", False))
-    if not (consumed or fused) and any(w.grad is not None for w in _te_weights(module)):
-        raise WeightGradDeferralError(
-            f"{name}: TE's backward_dw() would overwrite an earlier micro-batch's .grad: wrap "
-            "the model in Megatron DDP (ddp_config_for_deferral) or use "
-            "gradient_accumulation_fusion"
-        )
-    module.backward_dw()
 
 
 class _AfterTEBackward(torch.autograd.Function):
@@ -598,7 +577,7 @@ class _AfterTEBackward(torch.autograd.Function):
 
 def _te_forward_pre_hook(name: str, module: nn.Module, args: tuple[Any, ...]) -> Any:
     """Route the first positional input of a TE module through :class:`_AfterTEBackward`."""
-    weights = _te_weights(module)
+    weights = te_weights(module)
     if not torch.is_grad_enabled() or not any(w.requires_grad for w in weights):
         return None
     hooked = bool(getattr(module, "wgrad_accumulation_and_reduce_hooks", None))
@@ -613,7 +592,7 @@ def _te_forward_pre_hook(name: str, module: nn.Module, args: tuple[Any, ...]) ->
         raise WeightGradDeferralError(
             f"{name}: TE deferral needs this layer's input to require grad"
         )
-    work = partial(_te_backward_dw, module, name)
+    work = partial(exact_backward_dw, module)  # exact on every TE release (.te_wgrad)
     return (_AfterTEBackward.apply(args[0], work, _store_for_forward(module)), *args[1:])
 
 
@@ -621,7 +600,7 @@ def _enable_te(module: nn.Module, name: str) -> bool:
     """Hook one TE layer into the store (idempotent); False for a frozen layer."""
     if getattr(module, _TE_HOOK_ATTR, None) is not None:
         return True
-    if not any(w.requires_grad for w in _te_weights(module)):
+    if not any(w.requires_grad for w in te_weights(module)):
         return False
     _check_te_version()
     if not getattr(module.config, "delay_wgrad_compute", False):
@@ -629,18 +608,21 @@ def _enable_te(module: nn.Module, name: str) -> bool:
             f"{name}: this TE layer was built without delay_wgrad_compute: build the model "
             "from with_delay_wgrad_compute(config)"
         )
-    if not hasattr(module, "register_wgrad_accumulation_and_reduce_hooks"):
-        raise WeightGradDeferralError(
-            f"{name}: this Transformer Engine has no register_wgrad_accumulation_and_reduce_"
-            "hooks, so Megatron DDP could not see its deferred gradients: upgrade TE"
-        )
     if getattr(module.config, "overlap_moe_expert_parallel_comm", False):
         # Megatron's schedule plan calls backward_dw() itself (its layers' W nodes); the
         # planned stage defers those calls in B actions. A hook here would pop twice.
+        setattr(module, _TE_PLAN_ATTR, True)
         return True
     handle = module.register_forward_pre_hook(partial(_te_forward_pre_hook, name))
     setattr(module, _TE_HOOK_ATTR, handle)
     return True
+
+
+def te_layers_left_to_plan(model: nn.Module) -> list[str]:
+    """The names of ``model``'s TE layers whose ``backward_dw()`` only Megatron's schedule
+    plan calls (deferral with ``overlap_moe_expert_parallel_comm``): run without the plan,
+    nobody would pop their wgrad store and their weight gradients would stay zero."""
+    return [n for n, m in model.named_modules() if getattr(m, _TE_PLAN_ATTR, False)]
 
 
 # --------------------------------------------------------------------------------------

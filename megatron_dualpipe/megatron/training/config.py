@@ -26,7 +26,7 @@ import yaml
 from ...errors import DualPipeError
 from ...schedules.config_values import override_origins
 from ...schedules.ir import Schedule, ScheduleError
-from ...schedules.model_cost import parse_moe_layer_freq
+from ...schedules.model_cost import Recompute, parse_moe_layer_freq
 from ...schedules.registry import OUR_SCHEDULES, SCHEDULES
 from ...schedules.validate import check_weight_grads_in_b_order, validate
 from ..checks import DualPipeConfigError, overlap_problem, schedule_spec, stage_layers
@@ -121,6 +121,12 @@ class TrainConfig:
         None,
         doc="a saved schedule (simulate --save's text form) to run in place of the generated one",
         megatron_lm=False,
+    )
+    transformer_impl: str | None = _key(
+        None,
+        doc="transformer_engine (TE layers, flash attention, fused kernels, grouped GEMM "
+        "experts) or local (Megatron-Core's own modules, CPU); default: transformer_engine "
+        "where CUDA and Transformer Engine are present, else local",
     )
     # Model details.
     vocab_size: int | None = _key(
@@ -234,6 +240,13 @@ class TrainConfig:
         "core_attn)",
         flags=("--recompute-modules",),
     )
+    fp8: str | None = _key(
+        None,
+        doc="FP8 training through Transformer Engine: e4m3, or hybrid (e5m2 gradients); "
+        "unset: none",
+        flags=("--fp8-format",),
+    )
+    fp8_recipe: str = _key("delayed", doc="FP8 scaling: delayed, tensorwise, blockwise or mxfp8")
     seed: int = _key(1234, doc="random seed of the weights and the data")
     # Data and tokenizer (Megatron-LM's keys; without a data key: synthetic tokens).
     data_path: str | None = _key(
@@ -410,6 +423,7 @@ class TrainConfig:
 
 _CHOICES: dict[str, tuple[str | None, ...]] = {
     "pipeline_schedule": tuple(SCHEDULES),
+    "transformer_impl": (None, "transformer_engine", "local"),
     "position_embedding_type": ("learned_absolute", "rope"),
     "normalization": ("LayerNorm", "RMSNorm"),
     "moe_token_dispatcher_type": ("alltoall", "allgather"),
@@ -420,6 +434,8 @@ _CHOICES: dict[str, tuple[str | None, ...]] = {
     "recompute_granularity": (None, "full", "selective"),
     "recompute_method": (None, "uniform", "block"),
     "tokenizer_type": (None, "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"),
+    "fp8": (None, "e4m3", "hybrid"),
+    "fp8_recipe": ("delayed", "tensorwise", "blockwise", "mxfp8"),
     "optimizer": ("adam", "sgd"),
     "lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
 }
@@ -948,48 +964,29 @@ def _check_io(cfg: TrainConfig) -> Problem:
     return None
 
 
-#: Megatron-Core's ``recompute_modules`` (TransformerConfig, 0.16.1).
-RECOMPUTE_MODULES = (
-    "core_attn",
-    "moe_act",
-    "layernorm",
-    "mla_up_proj",
-    "mlp",
-    "moe",
-    "shared_experts",
-)
-
-
 def _check_recompute(cfg: TrainConfig) -> Problem:
-    """Megatron-Core's rules for the recomputation keys, named by key."""
-    granularity = cfg.recompute_granularity
-    for key in ("recompute_method", "recompute_num_layers"):
-        if getattr(cfg, key) is not None and granularity != "full":
-            return key, "applies to recompute_granularity: full: set that, or unset this"
-    if granularity == "full" and (cfg.recompute_method is None or not cfg.recompute_num_layers):
-        return "recompute_granularity", (
-            "full needs recompute_method (uniform or block) and recompute_num_layers (layers per "
-            "recomputed group, or recomputed layers per stage)"
-        )
-    if cfg.recompute_modules is None:
-        return None
-    if granularity != "selective":
-        return "recompute_modules", "applies to recompute_granularity: selective"
-    modules = cfg.recompute_modules.split()
-    unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
-    if unknown:
+    """Megatron-Core's rules for the recomputation keys, named by key
+    (:meth:`~...schedules.model_cost.Recompute.problem`), and what this model needs for them."""
+    recompute = Recompute(
+        cfg.recompute_granularity,
+        cfg.recompute_method,
+        cfg.recompute_num_layers,
+        cfg.recompute_modules,
+    )
+    problem = recompute.problem()
+    if problem is not None or cfg.recompute_modules is None:
+        return problem
+    modules = recompute.module_set
+    if cfg.fp8 is not None and cfg.fp8_recipe == "delayed" and modules & {"moe_act", "layernorm"}:
         return "recompute_modules", (
-            f"{unknown[0]!r} is not one of Megatron-Core's {', '.join(RECOMPUTE_MODULES)}"
-        )
-    if "moe_act" in modules:
-        return "recompute_modules", (
-            "moe_act needs Megatron's grouped-GEMM experts, which megatron-dualpipe train does "
-            "not build: recompute moe instead"
+            "moe_act and layernorm recomputation with fp8 need a recipe other than "
+            "fp8_recipe: delayed (Megatron-Core's rule): set fp8_recipe: tensorwise, blockwise "
+            "or mxfp8, or recompute other modules"
         )
     if "mla_up_proj" in modules and not cfg.multi_latent_attention:
         return "recompute_modules", "mla_up_proj needs multi_latent_attention: true"
-    if any(m in modules for m in ("moe", "shared_experts")) and not cfg.is_moe:
-        return "recompute_modules", "moe and shared_experts need a MoE model (num_experts)"
+    if modules & {"moe", "moe_act", "shared_experts"} and not cfg.is_moe:
+        return "recompute_modules", "moe, moe_act and shared_experts need a MoE model (num_experts)"
     if "mlp" in modules and cfg.add_bias_linear:
         return "recompute_modules", (
             "mlp with add_bias_linear: true never ends its backward in Megatron-Core (the "
