@@ -183,13 +183,13 @@ def test_the_mirror_layout_travels_on_the_gradients_device(monkeypatch) -> None:
     import megatron_dualpipe.runtime.mirror as mirror
 
     devices = []
-    monkeypatch.setattr(mirror, "_exchange", lambda sends, receives, *a: None)
+    monkeypatch.setattr(mirror._Partner, "exchange", lambda self, sends, receives, what: None)
 
-    def swap(values, partner, group, watchdog, device):
+    def swap(self, values, device):
         devices.append(device)
         return mirror._encode(mirror._decode(values)[::-1])
 
-    monkeypatch.setattr(mirror, "_swap_ints", swap)
+    monkeypatch.setattr(mirror._Partner, "swap_ints", swap)
     modules = [nn.Linear(2, 2, device="meta") for _ in range(2)]
     mirror.sync_mirror_grads(modules, Placement("mirror", 2, 4, 2), 0)
     mirror.copy_mirror_params(modules, Placement("mirror", 2, 4, 2), 0)

@@ -19,6 +19,7 @@ rank's sends and receives to its partner, the same batches in the same order on 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -84,34 +85,57 @@ def _check_pair(modules: Sequence[nn.Module], placement: Placement) -> None:
         raise ValueError(f"a mirror rank holds 2 chunks, got {len(modules)} modules")
 
 
-def _exchange(
-    sends: list[torch.Tensor],
-    receives: list[torch.Tensor],
-    partner: int,
-    group: dist.ProcessGroup | None,
-    watchdog: Watchdog,
-    what: str,
-) -> None:
-    """Send ``sends`` to ``partner`` and receive its tensors into ``receives``, one batch."""
-    ops = [dist.P2POp(dist.isend, t, group=group, tag=_TAG, group_peer=partner) for t in sends]
-    ops += [dist.P2POp(dist.irecv, t, group=group, tag=_TAG, group_peer=partner) for t in receives]
-    for work in dist.batch_isend_irecv(ops):
-        watchdog.wait(work, what, partner)
+@dataclass(frozen=True)
+class _Partner:
+    """This rank and its mirror rank (R-1-r) in the pipeline ``group``."""
 
+    rank: int
+    partner: int
+    group: dist.ProcessGroup | None
+    watchdog: Watchdog
 
-def _swap_ints(
-    values: list[int], partner: int, group, watchdog: Watchdog, device: torch.device
-) -> list[int]:
-    """Send ``values`` to ``partner`` and return the partner's list (as int64 tensors on
-    ``device``: the backend's, e.g. NCCL's CUDA)."""
-    what = "the mirror copy's layout"
-    length = torch.tensor([len(values)], device=device)
-    theirs_length = torch.empty(1, dtype=torch.int64, device=device)
-    _exchange([length], [theirs_length], partner, group, watchdog, what)
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
-    theirs = torch.empty(int(theirs_length.item()), dtype=torch.int64, device=device)
-    _exchange([mine], [theirs], partner, group, watchdog, what)
-    return theirs.tolist()
+    @staticmethod
+    def of(placement: Placement, rank: int, group, timeout_s: float) -> _Partner:
+        return _Partner(rank, placement.num_ranks - 1 - rank, group, Watchdog(rank, timeout_s))
+
+    def exchange(self, sends: list[torch.Tensor], receives: list[torch.Tensor], what: str):
+        """Send ``sends`` to the partner and receive its tensors into ``receives``, in one
+        batch (the partner issues the same batch)."""
+        peer, group = self.partner, self.group
+        ops = [dist.P2POp(dist.isend, t, group=group, tag=_TAG, group_peer=peer) for t in sends]
+        ops += [dist.P2POp(dist.irecv, t, group=group, tag=_TAG, group_peer=peer) for t in receives]
+        for work in dist.batch_isend_irecv(ops):
+            self.watchdog.wait(work, what, peer)
+
+    def add_from(self, send: list[torch.Tensor], add_to: list[torch.Tensor], what: str) -> None:
+        """Send ``send``, receive the partner's bucket and add it into ``add_to``; the
+        receive buffer (one bucket) is gone on return."""
+        received = [torch.empty_like(t) for t in add_to]
+        self.exchange(send, received, what)
+        for total, other in zip(add_to, received, strict=True):
+            total.add_(other)
+
+    def swap_ints(self, values: list[int], device: torch.device) -> list[int]:
+        """Send ``values`` and return the partner's list (as int64 tensors on ``device``:
+        the backend's, e.g. NCCL's CUDA)."""
+        what = "the mirror copy's layout"
+        length = torch.tensor([len(values)], device=device)
+        theirs_length = torch.empty(1, dtype=torch.int64, device=device)
+        self.exchange([length], [theirs_length], what)
+        mine = torch.tensor(values, dtype=torch.int64, device=device)
+        theirs = torch.empty(int(theirs_length.item()), dtype=torch.int64, device=device)
+        self.exchange([mine], [theirs], what)
+        return theirs.tolist()
+
+    def check_layouts(self, ours: list[list[list[int]]], device: torch.device) -> None:
+        """My chunk 0 must be bucketed as the partner's chunk 1, and the other way round."""
+        theirs = _decode(self.swap_ints(_encode(ours), device))
+        if theirs != ours[::-1]:
+            raise ValueError(
+                f"rank {self.rank}'s two chunks hold buckets of {ours} elements and its mirror "
+                f"rank {self.partner}'s {theirs}: the two copies of a stage must hold the same "
+                "parameters in the same buckets"
+            )
 
 
 def _device(chunks: list[Buckets]) -> torch.device:
@@ -158,23 +182,8 @@ def check_mirror_layouts(
     and the other way round; ``layouts[c]`` describes chunk c's buckets, each a list of
     numbers (e.g. element counts). Collective over the pipeline ``group``; the layouts
     travel on ``device`` (the gradients' device: CPU for gloo, CUDA for NCCL)."""
-    partner = placement.num_ranks - 1 - rank
-    watchdog = Watchdog(rank, timeout_s)
-    device = device or torch.device("cpu")
-    _check_layouts([list(c) for c in layouts], partner, rank, group, watchdog, device)
-
-
-def _check_layouts(
-    ours: list[list[list[int]]], partner: int, rank: int, group, watchdog, device
-) -> None:
-    """My chunk 0 must be bucketed as the partner's chunk 1, and the other way round."""
-    theirs = _decode(_swap_ints(_encode(ours), partner, group, watchdog, device))
-    if theirs != ours[::-1]:
-        raise ValueError(
-            f"rank {rank}'s two chunks hold buckets of {ours} elements and its mirror rank "
-            f"{partner}'s {theirs}: the two copies of a stage must hold the same parameters "
-            "in the same buckets"
-        )
+    pair = _Partner.of(placement, rank, group, timeout_s)
+    pair.check_layouts([list(c) for c in layouts], device or torch.device("cpu"))
 
 
 def copy_mirror_params(
@@ -188,13 +197,12 @@ def copy_mirror_params(
     """Make this rank's chunk 1 a copy of its mirror rank's chunk 0 (direction 0's copy of
     each stage is the original), received in place. Collective over the pipeline ``group``."""
     _check_pair(modules, placement)
-    partner = placement.num_ranks - 1 - rank
-    watchdog = Watchdog(rank, timeout_s)
+    pair = _Partner.of(placement, rank, group, timeout_s)
     mine = [param_buckets(m, lambda p: p.data) for m in modules]
-    _check_layouts([_layout(c) for c in mine], partner, rank, group, watchdog, _device(mine))
+    pair.check_layouts([_layout(c) for c in mine], _device(mine))
     with torch.no_grad():
         for send, receive in zip(mine[0], mine[1], strict=True):
-            _exchange(send, receive, partner, group, watchdog, "the mirror copy's parameters")
+            pair.exchange(send, receive, "the mirror copy's parameters")
 
 
 def sync_mirror_grads(
@@ -218,30 +226,13 @@ def sync_mirror_grads(
     ``group`` after the step and before the optimizer.
     """
     _check_pair(modules, placement)
-    partner = placement.num_ranks - 1 - rank
-    watchdog = Watchdog(rank, timeout_s)
+    pair = _Partner.of(placement, rank, group, timeout_s)
     bucketing = buckets or (lambda m: param_buckets(m, grad_of))
     mine = [bucketing(m) for m in modules]
     if check_layout:
-        _check_layouts([_layout(c) for c in mine], partner, rank, group, watchdog, _device(mine))
+        pair.check_layouts([_layout(c) for c in mine], _device(mine))
     what = "the mirror copy's gradients"
     for send, add_to in zip(mine[0], mine[1], strict=True):  # 1: chunk 1 gets the sum
-        _add_from_partner(send, add_to, partner, group, watchdog, what)
+        pair.add_from(send, add_to, what)
     for send, overwrite in zip(mine[1], mine[0], strict=True):  # 2: chunk 0 gets it too
-        _exchange(send, overwrite, partner, group, watchdog, what)
-
-
-def _add_from_partner(
-    send: list[torch.Tensor],
-    add_to: list[torch.Tensor],
-    partner: int,
-    group: dist.ProcessGroup | None,
-    watchdog: Watchdog,
-    what: str,
-) -> None:
-    """Send ``send``, receive the partner's bucket and add it into ``add_to``; the receive
-    buffer (one bucket) is gone on return."""
-    received = [torch.empty_like(t) for t in add_to]
-    _exchange(send, received, partner, group, watchdog, what)
-    for total, other in zip(add_to, received, strict=True):
-        total.add_(other)
+        pair.exchange(send, overwrite, what)
