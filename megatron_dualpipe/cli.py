@@ -161,21 +161,31 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 
 class _Terminated(BaseException):
-    """SIGTERM arrived: unwind like Ctrl-C, so the embedded launcher kills its ranks."""
+    """SIGTERM or SIGHUP (a closed terminal or ssh session) arrived: unwind like Ctrl-C,
+    so the embedded launcher kills its ranks."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 def _terminate(signum: int, frame: object) -> None:
-    raise _Terminated
+    raise _Terminated(signum)
+
+
+#: Signals ``train`` unwinds on, as on Ctrl-C.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 def _run_train(args: argparse.Namespace) -> None:
     from .megatron.training import load_config, train  # train imports torch and megatron
 
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    previous = {signum: signal.signal(signum, _terminate) for signum in _STOP_SIGNALS}
     try:
         train(load_config(args.config, args.overrides), source=str(args.config))
-    finally:  # a SIGTERM while the error is printed must not interrupt the printing
-        signal.signal(signal.SIGTERM, previous)
+    finally:  # a signal while the error is printed must not interrupt the printing
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _load(path: Path) -> Schedule:
@@ -528,9 +538,11 @@ def main(argv: list[str] | None = None) -> int:
         # The embedded launchers kill every rank they started on the way out.
         print(f"megatron-dualpipe: {args.command} interrupted", file=sys.stderr)
         return 130
-    except _Terminated:
-        print(f"megatron-dualpipe: {args.command} terminated (SIGTERM)", file=sys.stderr)
-        return 143
+    except _Terminated as stop:
+        name = signal.Signals(stop.signum).name
+        with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+            print(f"megatron-dualpipe: {args.command} terminated ({name})", file=sys.stderr)
+        return 128 + stop.signum
     except BrokenPipeError:  # the reader of our output went away (| head)
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the interpreter's final flush
         return 1

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_dualpipe.megatron.training.checkpoint_files import damage, iteration_dir, read_tracker
-from megatron_dualpipe.runtime.launch import LaunchFailure, run_ranks
+from megatron_dualpipe.runtime.launch import GUARD_NAME, LaunchFailure, run_ranks
+from tests.processes import wait_for
 
 pytestmark = pytest.mark.multiproc
 
@@ -91,8 +92,6 @@ def _gone_soon(pids: list[int], within_s: float = 1.0) -> list[int]:
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_gpt_cpu.yaml"
-#: How long the CLI may take to start its ranks and reach the first save on a busy machine.
-START_TIMEOUT_S = 240
 
 
 def _start_train(tmp_path: Path, *sets: str) -> tuple[subprocess.Popen, Path, Path]:
@@ -109,22 +108,17 @@ def _start_train(tmp_path: Path, *sets: str) -> tuple[subprocess.Popen, Path, Pa
     return proc, out, err
 
 
-def _wait_for(what: str, check, proc: subprocess.Popen, timeout_s: float = START_TIMEOUT_S):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        if proc.poll() is not None:
-            pytest.fail(f"train exited with {proc.returncode} before {what}")
-        time.sleep(0.002)
-    proc.kill()
-    pytest.fail(f"no {what} within {timeout_s} s")
-
-
 def _ranks(proc: subprocess.Popen) -> list[psutil.Process]:
-    """The forked ranks (children of the train process), rank order."""
-    return sorted(psutil.Process(proc.pid).children(), key=lambda p: p.create_time())
+    """The forked ranks (children of the train process but its guard), rank order."""
+    children = [p for p in psutil.Process(proc.pid).children() if _name(p) != GUARD_NAME]
+    return sorted(children, key=lambda p: p.create_time())
+
+
+def _name(proc: psutil.Process) -> str | None:
+    try:
+        return proc.name()
+    except psutil.Error:
+        return None
 
 
 def _writer_child(rank: psutil.Process) -> list[psutil.Process]:
@@ -154,7 +148,7 @@ def test_kill_9_of_a_training_rank_while_it_writes_a_checkpoint(tmp_path: Path, 
             return ranks
         return None
 
-    ranks = _wait_for("a checkpoint writer", writing, proc)
+    ranks = wait_for("a checkpoint writer", writing, proc)
     everyone = psutil.Process(proc.pid).children(recursive=True)
     ranks[victim].kill()
     assert _gone_soon([p.pid for p in everyone], within_s=STOP_WITHIN_S) == []
@@ -178,7 +172,7 @@ def test_kill_9_of_a_training_rank_while_it_writes_a_checkpoint(tmp_path: Path, 
 ])  # fmt: skip
 def test_ctrl_c_or_sigterm_stops_every_rank_with_one_line(tmp_path, signum, code, said) -> None:
     proc, out, err = _start_train(tmp_path, "train_iters=300", "log_interval=1")
-    _wait_for("the first iteration", lambda: " iteration        1/" in out.read_text(), proc)
+    wait_for("the first iteration", lambda: " iteration        1/" in out.read_text(), proc)
     everyone = psutil.Process(proc.pid).children(recursive=True)
     # A terminal's Ctrl-C reaches the train process only: the ranks have their own groups.
     proc.send_signal(signum)
@@ -211,7 +205,7 @@ def test_kill_9_of_a_rank_started_by_torchrun_style_variables(tmp_path: Path) ->
         ))  # fmt: skip
     try:
         out = tmp_path / "stdout0"
-        _wait_for("the second iteration", lambda: " iteration        2/" in out.read_text(),
+        wait_for("the second iteration", lambda: " iteration        2/" in out.read_text(),
                   procs[0])  # fmt: skip
         procs[1].kill()
         assert procs[0].wait(timeout=STOP_WITHIN_S + 60) == 2  # + the interpreter's teardown

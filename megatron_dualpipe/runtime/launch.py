@@ -9,12 +9,19 @@ and then. A rare loss of that port between pick and bind shows up as a failure b
 
 A call never hangs and leaves nothing behind: after the first failure the other ranks get
 a short grace to report (usually a broken connection; shorter after a death, whose cause is
-already known), then every rank still running is
-killed with SIGKILL together with its process group (and so with whatever it started,
-such as a checkpoint writer); so it is at ``timeout_s``. A rank that dies without
-reporting (SIGKILL, the OOM killer, a crash) counts as failed the moment it dies: the
-parent watches each rank's process through a pidfd (polling where there is none), not
-only its result pipe, whose write end a child forked by the rank may still hold open.
+already known), then every rank still running is killed with SIGKILL together with its
+process group; so it is at ``timeout_s``. A rank that dies without reporting (SIGKILL, the
+OOM killer, a crash) counts as failed the moment it dies: the parent watches each rank's
+process through a pidfd (polling where there is none), not only its result pipe, whose
+write end a child forked by the rank may still hold open.
+
+Nothing outlives the parent either, whatever ends it (``kill -9``, SIGHUP): every rank and
+everything it starts (dist_checkpointing's forked writers, the result-queue manager and the
+resource tracker multiprocessing spawns) live in one process group of their own, led by a
+small guard process forked first. The guard only waits for the parent to exit; then it
+removes the run's temporary directory (where multiprocessing puts its ``pymp-*``
+directories, which SIGKILLed processes cannot remove) and kills the group, itself included.
+The ranks also die with the parent through the parent-death signal.
 """
 
 from __future__ import annotations
@@ -26,9 +33,12 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import select
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -40,7 +50,7 @@ import torch.distributed as dist
 
 from ..errors import DualPipeError
 
-__all__ = ["LaunchFailure", "pick_port", "run_ranks"]
+__all__ = ["GUARD_NAME", "LaunchFailure", "pick_port", "run_ranks"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +63,8 @@ _POLL_S = 0.2
 #: How long to wait for a rank whose result pipe closed to exit.
 _EXIT_WAIT_S = 1.0
 _LAUNCH_ATTEMPTS = 3
+#: The process name of a launch's guard (see the module docstring), as ``ps`` shows it.
+GUARD_NAME = "dualpipe-guard"
 _ports_handed_out: set[int] = set()
 
 
@@ -149,6 +161,7 @@ def _launch(
     port = pick_port()
     procs: list[multiprocessing.process.BaseProcess] = []
     watches: list[_Watch] = []
+    group = _RunGroup()
     try:
         for rank in range(world_size):
             recv_end, send_end = ctx.Pipe(duplex=False)
@@ -157,6 +170,7 @@ def _launch(
                 args=(
                     send_end,
                     os.getpid(),
+                    group,
                     fn,
                     rank,
                     world_size,
@@ -170,18 +184,83 @@ def _launch(
             )
             proc.start()
             send_end.close()
-            _own_process_group(proc.pid)
+            group.join(proc.pid)
             procs.append(proc)
             watches.append(_Watch(rank, proc, recv_end))
         return _collect(watches, deadline)
     finally:
+        group.kill()
         for proc in procs:
-            _kill_tree(proc.pid)
+            with contextlib.suppress(ProcessLookupError):  # not in the group after all
+                os.kill(proc.pid, signal.SIGKILL)
         for proc in procs:
             proc.join()
             proc.close()
         for watch in watches:
             watch.close()
+        group.close()
+
+
+class _RunGroup:
+    """The process group of one launch: a guard process forked here leads it, every rank
+    joins it, and what the ranks start inherits it. :meth:`kill` ends all of it; if this
+    process dies first, the guard does (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.tmpdir = tempfile.mkdtemp(prefix="megatron-dualpipe-run-")
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            _guard_main(parent, self.tmpdir)  # never returns
+        self.pgid = pid
+        self.join(pid)
+
+    def join(self, pid: int) -> None:
+        """Move ``pid`` (0: this process) into the group; done on both sides of a fork so a
+        kill right after the start still reaches it."""
+        with contextlib.suppress(OSError):  # already exited, or done by the other side
+            os.setpgid(pid, self.pgid)
+
+    def kill(self) -> None:
+        """SIGKILL every process of the group: the ranks, their children, the guard."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pgid, signal.SIGKILL)
+
+    def close(self) -> None:
+        """Reap the guard and remove the run's temporary directory (after :meth:`kill`)."""
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pgid, 0)
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def _guard_main(parent: int, tmpdir: str) -> None:
+    """The guard: lead the run's process group, wait for ``parent`` to exit, then remove
+    ``tmpdir`` and SIGKILL the group (this process too). Signals meant for the parent's
+    terminal are ignored; only the parent's exit ends the wait."""
+    try:
+        os.setpgid(0, 0)
+        _name_process(GUARD_NAME)
+        for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
+        _wait_for_exit(parent)
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    finally:
+        with contextlib.suppress(OSError):
+            os.killpg(0, signal.SIGKILL)
+        os._exit(0)
+
+
+def _wait_for_exit(pid: int) -> None:
+    """Return once ``pid`` (this process's parent) has exited: through a pidfd, or by
+    polling the parent's pid where the kernel has no pidfd."""
+    pidfd = None
+    with contextlib.suppress(AttributeError, OSError):  # gone already, or not Linux >= 5.3
+        pidfd = os.pidfd_open(pid)
+    if pidfd is not None and os.getppid() == pid:
+        select.select([pidfd], [], [])
+        return
+    while os.getppid() == pid:
+        time.sleep(_POLL_S)
 
 
 def pick_port() -> int:
@@ -288,6 +367,7 @@ def _collect(
 def _rank_main(
     conn: multiprocessing.connection.Connection,
     parent_pid: int,
+    group: _RunGroup,
     fn: Callable[..., Any],
     rank: int,
     world_size: int,
@@ -302,10 +382,13 @@ def _rank_main(
     the process group goes down, so the peers it disconnects report later."""
     exit_code = 1
     try:
-        _own_process_group(0)
+        group.join(0)
         _die_with_parent(parent_pid)
+        # What multiprocessing leaves in the temporary directory goes with the run's.
+        tempfile.tempdir = group.tmpdir
         try:
             os.environ.update(
+                TMPDIR=group.tmpdir,
                 MASTER_ADDR=_HOST,
                 MASTER_PORT=str(port),
                 RANK=str(rank),
@@ -348,29 +431,20 @@ def _report(conn: multiprocessing.connection.Connection, status: str, payload: A
     conn.close()
 
 
+def _name_process(name: str) -> None:
+    """Set this process's name as ``ps -o comm`` and psutil's ``name()`` show it (Linux)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            pr_set_name = 15
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_name, name.encode()[:15])
+
+
 def _die_with_parent(parent_pid: int) -> None:
     """On Linux, have the kernel SIGKILL this rank when the parent dies; the rank runs in
-    its own process group, out of reach of a kill aimed at the parent's group."""
+    the run's process group, out of reach of a kill aimed at the parent's group."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             pr_set_pdeathsig = 1
             ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before the request took effect
         os._exit(1)
-
-
-def _own_process_group(pid: int) -> None:
-    """Make ``pid`` (0: this process) lead its own process group; done on both sides of
-    the fork so a kill right after start still reaches the whole group."""
-    with contextlib.suppress(OSError):  # already exited, or done by the other side
-        os.setpgid(pid, 0)
-
-
-def _kill_tree(pid: int | None) -> None:
-    """SIGKILL a rank's process group (the rank and anything it started)."""
-    if pid is None:
-        return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
