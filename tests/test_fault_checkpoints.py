@@ -10,6 +10,7 @@ the rest run the ranks and are bounded by the harness's timeouts.
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import shutil
 import subprocess
@@ -147,18 +148,76 @@ def test_every_file_replaced_by_random_bytes(copy: Path) -> None:
     assert str(info.value).endswith(_advice(copy))
 
 
-@pytest.mark.slow
 def test_shards_of_the_right_length_with_random_contents(copy: Path) -> None:
-    """Only reading them finds this: after the ranks start, one sentence all the same."""
+    """The shards' objects other than tensors are read before any rank starts."""
     for shard in (copy / "iter_0000003").glob("*.distcp"):
         shard.write_bytes(b"\xff" + os.urandom(shard.stat().st_size - 1))
     with pytest.raises(TrainError) as info:
         _run(f"train_iters={SAVED}", f"load={copy}")
     message = str(info.value)
-    assert message.startswith(
-        f"checkpoint {copy / 'iter_0000003'} cannot be loaded: reading it failed on ranks 0, 1 ("
+    assert re.match(
+        rf"checkpoint {re.escape(str(copy / 'iter_0000003'))}: __\d_\d\.distcp \(its object "
+        r"\S+\) cannot be read \(",
+        message,
     ), message
     assert message.endswith(_advice(copy)) and "\n" not in message
+
+
+def _object_ranges(directory: Path) -> dict[str, list[tuple[int, int]]]:
+    """Per shard file, the (offset, end) of each object that is not a tensor."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from megatron_dualpipe.megatron.training.checkpoint_trust import read_metadata
+
+    found = read_metadata(directory / ".metadata")
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for index, info in found.storage_data.items():
+        if isinstance(found.state_dict_metadata[index.fqn], BytesStorageMetadata):
+            span = (info.offset, info.offset + info.length)
+            ranges.setdefault(info.relative_path, []).append(span)
+    return ranges
+
+
+@pytest.mark.slow
+def test_shards_with_random_tensors(copy: Path) -> None:
+    """Only reading the tensors finds this: after the ranks start, one sentence all the same."""
+    directory = copy / "iter_0000003"
+    kept = _object_ranges(directory)
+    for shard in directory.glob("*.distcp"):
+        data = bytearray(shard.read_bytes())
+        noise = bytearray(os.urandom(len(data)))
+        for start, end in kept.get(shard.name, []):
+            noise[start:end] = data[start:end]
+        shard.write_bytes(bytes(noise))
+    with pytest.raises(TrainError) as info:
+        _run(f"train_iters={SAVED}", f"load={copy}")
+    message = str(info.value)
+    assert message.startswith(
+        f"checkpoint {directory} cannot be loaded: reading it failed on ranks 0, 1 ("
+    ), message
+    assert message.endswith(_advice(copy)) and "\n" not in message
+
+
+class _Creates:
+    """Pickles to a call of ``open(path, "w")``: unpickled the plain way, it makes ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return (open, (str(self.path), "w"))
+
+
+def test_a_crafted_metadata_is_refused_before_any_rank_starts(copy: Path, tmp_path: Path) -> None:
+    """torch's reader unpickles ``.metadata`` with ``pickle.load``; the check does not."""
+    marker = tmp_path / "ran"
+    (copy / "iter_0000003" / ".metadata").write_bytes(pickle.dumps(_Creates(marker)))
+    _refused(
+        f"checkpoint {copy / 'iter_0000003'}: .metadata refers to io.open, which is not one of "
+        f"torch.distributed.checkpoint's metadata classes (nothing of it was run): {_advice(copy)}",
+        f"load={copy}",
+    )
+    assert not marker.exists()
 
 
 def test_ckpt_step_loads_an_earlier_iteration(copy: Path) -> None:

@@ -49,7 +49,8 @@ from ..cpu_compat import apply_cpu_compat
 from .checkpoint_files import (
     TRACKER,
     CheckpointError,
-    damage,
+    Damaged,
+    contents,
     earlier_advice,
     failure_cause,
     iteration_dir,
@@ -251,18 +252,19 @@ def check_loadable(cfg: TrainConfig) -> None:
     if iteration is None:
         return
     directory = iteration_dir(cfg.load, iteration)
-    problem = damage(directory)
-    if problem is not None and not directory.is_dir():
+    if not directory.is_dir():
         named = f"{TRACKER} in {cfg.load}" if cfg.ckpt_step is None else "ckpt_step"
         raise CheckpointError(
             f"{named} names iteration {iteration}, but {directory} does not exist: "
             f"{earlier_advice(cfg.load)}"
         )
-    if problem is not None:
+    try:
+        found = contents(directory)
+    except Damaged as problem:
         raise CheckpointError(
             f"checkpoint {directory}: {problem}: {earlier_advice(cfg.load, before=iteration)}"
-        )
-    common = dist_checkpointing.load_common_state_dict(str(directory))
+        ) from None
+    common = found.common
     saved = common["model_config"]
     for key in MODEL_KEYS:
         if saved.get(key) != getattr(cfg, key):
