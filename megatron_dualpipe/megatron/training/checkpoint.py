@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..checks import schedule_spec
 from ..cpu_compat import apply_cpu_compat
+from ..position_copies import mark_position_copy_replica
 from .checkpoint_files import (
     TRACKER,
     CheckpointError,
@@ -120,6 +121,7 @@ def _model_state(cfg: TrainConfig, model: list[Any]) -> dict[str, Any]:
     for i, chunk in enumerate(model):
         # A metadata dict, as Megatron-LM passes: GPTModel's MTP chunks read it (None fails).
         chunk_state = unwrap_model(chunk).sharded_state_dict(metadata={})
+        mark_position_copy_replica(chunk, chunk_state)
         if i == 1 and schedule_spec(cfg.pipeline_schedule).placement == "mirror":
             for item in nested_values(chunk_state):
                 if hasattr(item, "replica_id"):

@@ -6,7 +6,8 @@ multi-latent attention, MTP layers, tied embeddings) from Megatron-Core's local 
 dualpipe, Megatron's own split otherwise; uneven as the split keys say), initialised
 layout-independently, wrapped in Megatron's DistributedDataParallel, with the config hooks
 Megatron's training loop sets. Copies of the embedding that a rank holds in two chunks (the
-output layer of tied embeddings, the MTP block's embedding) are one parameter (:mod:`..tied`).
+output layer of tied embeddings, the MTP block's embedding) are one parameter (:mod:`..tied`),
+as is the MTP block's position table on another rank (:mod:`..position_copies`).
 
 With ``bf16`` every chunk is wrapped in Megatron's ``Float16Module`` (our placements: in
 :class:`~..precision.StageFloat16Module`, which knows where the loss is), as Megatron-LM does.
@@ -28,11 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.distributed import (
-    DistributedDataParallel,
-    DistributedDataParallelConfig,
-    finalize_model_grads,
-)
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
@@ -43,6 +40,7 @@ from ..layer_specs import local_gpt_specs
 from ..mirror import prepare_mirrors
 from ..names import global_named_parameters
 from ..placement import StagePlacementLayout
+from ..position_copies import finalize_model_grads, mark_position_copies
 from ..precision import StageFloat16Module
 from ..tied import mark_tied_copies, release_unused_output_weight
 from .config import TrainConfig
@@ -235,6 +233,7 @@ def build_model(cfg: TrainConfig, config: TransformerConfig) -> list[Distributed
         init_weights(chunk, cfg)  # copies of one parameter get its values: same name
         chunks.append(chunk)
     mark_tied_copies(chunks)
+    mark_position_copies(chunks)  # the MTP block's position table on the last rank
     deferred = found.splits_backward
     if deferred:
         enable_weight_grad_deferral(chunks)  # what the layer spec does not build: output layer
