@@ -25,6 +25,7 @@ from .errors import DualPipeError
 from .progress import Progress
 from .schedules.cost import CostModel
 from .schedules.ir import Schedule, ScheduleError
+from .schedules.limits import MAX_TIMELINE_SIZE, schedule_size, size_problem
 from .schedules.registry import SCHEDULES, generate, spec
 from .schedules.simulate import SimResult, simulate
 from .schedules.validate import check, validate
@@ -195,27 +196,13 @@ def _load(path: Path) -> Schedule:
     return Schedule.from_text(text)
 
 
-#: The largest PP x micro-batches (x chunks / 2) simulated: about a minute and 1.5 GB at
-#: PP=1000 x 2000 (docs/schedules.md); beyond, the actions alone outgrow 2 GB.
-MAX_SIZE = 2_000_000
-#: The largest size whose every action's times are kept for --json, --png, --trace, --grid,
-#: and whose generated schedule is checked before it is simulated (beyond, the check would
-#: add a quarter to the time; the generators are checked for every legal size up to PP=16
-#: by the tests, and the simulation itself still finds deadlocks and lost messages).
-MAX_TIMELINE_SIZE = 250_000
-
-
 def _check_size(args: argparse.Namespace, mbs: int) -> None:
     """Refuse, before any work, what this command cannot simulate in a minute and 2 GB."""
-    size = args.pp * mbs * max(1, args.chunks // 2)
-    if size > MAX_SIZE:
-        raise ScheduleError(
-            f"PP={args.pp} x {mbs} micro-batches is too large to simulate here: PP x "
-            f"micro-batches must be at most {MAX_SIZE:,} (PP=1000 x 2000 takes about a minute "
-            "and 1.5 GB): lower --pp or --microbatches"
-        )
+    problem = size_problem(args.pp, mbs, args.chunks, doing="to simulate here")
+    if problem is not None:
+        raise ScheduleError(f"{problem}: lower --pp or --microbatches")
     wanted = [f"--{name}" for name in ("json", "png", "trace", "grid") if getattr(args, name)]
-    if wanted and size > MAX_TIMELINE_SIZE:
+    if wanted and schedule_size(args.pp, mbs, args.chunks) > MAX_TIMELINE_SIZE:
         raise ScheduleError(
             f"{', '.join(wanted)} keep every action's times, several GB at PP={args.pp} x {mbs} "
             f"micro-batches: drop {'them' if len(wanted) > 1 else 'it'} for the figures alone, "

@@ -101,8 +101,43 @@ def _whole_number(name: str, value: str, launcher: str) -> int:
     return int(value)
 
 
-def _preflight(cfg: TrainConfig, source: str, on_gpu: bool) -> None:
+#: Bytes one token of a micro-batch takes while a step holds it: tokens, labels and position
+#: ids (int64) and the loss mask (float32); and what each micro-batch adds beside them.
+_BYTES_PER_TOKEN = 28
+_BYTES_PER_MICROBATCH = 2048
+
+
+def _check_step_input(cfg: TrainConfig, source: str, ranks_here: int) -> None:
+    """Refuse a step whose micro-batches (every rank builds the step's list of them) do not
+    fit in half of this machine's memory over the ranks it runs."""
+    m, mbs = cfg.num_microbatches, cfg.micro_batch_size
+    need = m * (mbs * cfg.seq_length * _BYTES_PER_TOKEN + _BYTES_PER_MICROBATCH)
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: nothing to compare
+        return
+    if need * ranks_here > total // 2:
+        gib = 2.0**30
+        raise ConfigError(
+            f"{source}: global_batch_size: a step's {m} micro-batches of {mbs} x "
+            f"{cfg.seq_length} tokens take {need / gib:.1f} GiB of input on each of the "
+            f"{ranks_here} ranks here, beyond half of this machine's {total / gib:.0f} GiB: "
+            "lower global_batch_size (or seq_length)"
+        )
+
+
+def _ranks_here(cfg: TrainConfig, env: RankEnv | None) -> int:
+    """How many ranks of the run this machine holds: the embedded launcher's world size, a
+    launcher's ``LOCAL_WORLD_SIZE`` (torchrun), else one."""
+    if env is None:
+        return cfg.launch_world_size
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(local) if local.isdigit() and int(local) > 0 else 1
+
+
+def _preflight(cfg: TrainConfig, source: str, on_gpu: bool, ranks_here: int) -> None:
     """Refuse what cannot run here, before any process group exists."""
+    _check_step_input(cfg, source, ranks_here)
     if not on_gpu and cfg.use_distributed_optimizer:
         raise ConfigError(
             f"{source}: use_distributed_optimizer: needs GPUs (Megatron's distributed "
@@ -140,7 +175,7 @@ def train(cfg: TrainConfig, *, source: str = "config") -> TrainResult:
             f"the ranks with torchrun --nproc-per-node ... or srun (the embedded launcher "
             "forks CPU ranks only)"
         )
-    _preflight(cfg, source, on_gpu)
+    _preflight(cfg, source, on_gpu, _ranks_here(cfg, env))
     if env is None and not on_gpu:
         return _run_forked(cfg)
     if env is None:
