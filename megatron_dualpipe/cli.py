@@ -25,7 +25,12 @@ from .errors import DualPipeError
 from .progress import Progress
 from .schedules.cost import CostModel
 from .schedules.ir import Schedule, ScheduleError
-from .schedules.limits import MAX_TIMELINE_SIZE, schedule_size, size_problem
+from .schedules.limits import (
+    MAX_TIMELINE_SIZE,
+    optimize_size_problem,
+    schedule_size,
+    size_problem,
+)
 from .schedules.registry import SCHEDULES, generate, spec
 from .schedules.simulate import SimResult, simulate
 from .schedules.validate import check, validate
@@ -390,6 +395,9 @@ def _run_optimize(args: argparse.Namespace) -> None:
     elif args.schedule == "all":
         raise ScheduleError("--optimize takes one schedule: name it with --schedule, not all")
     else:
+        too_large = optimize_size_problem(args.pp, _microbatches(args), args.chunks)
+        if too_large is not None:
+            raise ScheduleError(f"{too_large}: lower --pp or --microbatches")
         try:
             base = _generate(args.schedule or "dualpipev", args, _microbatches(args))
         except ScheduleError as err:

@@ -26,7 +26,7 @@ import yaml
 from ...errors import DualPipeError
 from ...schedules.config_values import override_origins
 from ...schedules.ir import Schedule, ScheduleError
-from ...schedules.limits import size_problem
+from ...schedules.limits import optimize_size_problem, size_problem
 from ...schedules.model_cost import parse_moe_layer_freq
 from ...schedules.registry import OUR_SCHEDULES, SCHEDULES
 from ...schedules.validate import check_weight_grads_in_b_order, validate
@@ -767,6 +767,11 @@ def _check_schedule_order(cfg: TrainConfig) -> Problem:
             "the order of gradient hooks in the first step: set overlap_grad_reduce: false, or "
             "save the optimised order (simulate --optimize --save) and run it with schedule_file"
         )
+    too_large = optimize_size_problem(
+        cfg.pipeline_model_parallel_size, cfg.num_microbatches, found.chunks
+    )
+    if too_large is not None:
+        return key, f"{too_large}: lower global_batch_size, or save an order found elsewhere"
     if cfg.train_iters <= OPTIMIZE_AFTER:
         return key, (
             f"measures the first {OPTIMIZE_AFTER} iterations before it switches: raise "
