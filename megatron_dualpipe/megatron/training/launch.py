@@ -12,7 +12,9 @@ Three ways, decided by the environment:
   here (retried on a fresh port if another process takes it first). A failing rank's
   traceback is raised here as :class:`LaunchError` after the others get a short grace
   period; the rest are killed, as are all ranks if this process is interrupted. Hangs end
-  as errors through the process groups' timeout (``distributed_timeout_minutes``).
+  as errors through the process groups' timeout (``distributed_timeout_minutes``). This
+  process holds the save directory's lock (:mod:`.save_lock`); under torchrun and srun,
+  global rank 0 does.
 - with a GPU and no launcher: one rank in this process when ``world_size`` is 1; more
   need torchrun or srun.
 
@@ -23,8 +25,10 @@ model exists. Configuration problems are reported before any process-group work.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -39,6 +43,7 @@ from .config import ConfigError, TrainConfig
 from .errors import TrainError
 from .loop import TrainResult, run_rank
 from .model import transformer_config
+from .save_lock import SaveDirectoryInUse, save_lock
 
 __all__ = ["LaunchError", "RankEnv", "launcher_env", "train"]
 
@@ -177,7 +182,8 @@ def train(cfg: TrainConfig, *, source: str = "config") -> TrainResult:
         )
     _preflight(cfg, source, on_gpu, _ranks_here(cfg, env))
     if env is None and not on_gpu:
-        return _run_forked(cfg)
+        with _save_locked(cfg):  # the forked ranks inherit it
+            return _run_forked(cfg)
     if env is None:
         env = RankEnv(0, 1, 0, _HOST, pick_port(), "single")
     return _run_here(cfg, env, on_gpu)
@@ -195,7 +201,8 @@ def _run_here(cfg: TrainConfig, env: RankEnv, on_gpu: bool) -> TrainResult:
         timeout=timedelta(minutes=cfg.distributed_timeout_minutes),
     )
     try:
-        return run_rank(cfg)
+        with _save_locked(cfg, env.rank, env.world_size):
+            return run_rank(cfg)
     except PipelineCommError as err:  # names the peer it exchanged with
         raise LaunchError(f"rank {env.rank} of {env.world_size}: {err}") from None
     except RuntimeError as err:
@@ -207,6 +214,24 @@ def _run_here(cfg: TrainConfig, env: RankEnv, on_gpu: bool) -> TrainResult:
         ) from None
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _save_locked(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> Iterator[None]:
+    """Hold ``save``'s lock (:mod:`.save_lock`) on global rank 0 for the block; with more
+    than one rank in this process group, collective: every rank raises rank 0's refusal."""
+    with contextlib.ExitStack() as held:
+        refusal: list[str | None] = [None]
+        if cfg.save is not None and rank == 0:
+            try:
+                held.enter_context(save_lock(cfg.save))
+            except SaveDirectoryInUse as err:
+                refusal = [str(err)]
+        if world_size > 1:
+            dist.broadcast_object_list(refusal, src=0)
+        if refusal[0] is not None:
+            raise SaveDirectoryInUse(refusal[0])
+        yield
 
 
 def _is_communication_error(err: RuntimeError) -> bool:
