@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import gc
 import json
+import math
 import os
 import shutil
 import signal
@@ -314,8 +315,6 @@ def _run_advisor(args: argparse.Namespace) -> None:
     values = {**_train_defaults(), **read_values(args.config, args.overrides)}
     shape = ModelShape.from_values(values, source, origins)
     setup = PipelineSetup.from_values(values, source, origins)
-    if args.memory_cap is not None and args.memory_cap <= 0:
-        raise ScheduleError(f"--memory-cap must be a positive number of GiB, got {args.memory_cap}")
     status = _StatusLine()
     try:
         advice = advise(
@@ -387,8 +386,6 @@ def _run_optimize(args: argparse.Namespace) -> None:
         raise ScheduleError(
             f"with --optimize, --memory-cap is a whole number of activations per rank, got {cap}"
         )
-    if args.time_limit <= 0:
-        raise ScheduleError(f"--time-limit must be positive, got {args.time_limit}")
     if args.load:
         base = _load(args.load)
         validate(base, dry_run=False)
@@ -428,7 +425,30 @@ def _run_optimize(args: argparse.Namespace) -> None:
         print(f"wrote {args.save}")
 
 
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Refuse, before any work, a number flag that is not finite or out of its range."""
+    for flag in ("pp", "microbatches", "chunks"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ScheduleError(f"--{flag} must be a whole number >= 1, got {value}")
+    one = args.schedule not in (None, "all") and spec(args.schedule).chunks is None
+    if one and args.chunks < 2:
+        raise ScheduleError(
+            f"{args.schedule} needs --chunks >= 2 (use 1f1b for one chunk), got {args.chunks}"
+        )
+    ranges = {"latency": (0.0, False), "time_limit": (0.0, True), "memory_cap": (0.0, True)}
+    for name, (least, strictly) in ranges.items():
+        value = getattr(args, name)
+        if value is None:
+            continue
+        if not math.isfinite(value) or value < least or (strictly and value == least):
+            bound = f"{'>' if strictly else '>='} {least:g}"
+            flag = "--" + name.replace("_", "-")
+            raise ScheduleError(f"{flag} must be a finite number {bound}, got {value}")
+
+
 def _run_simulate(args: argparse.Namespace) -> None:
+    _check_numbers(args)
     if args.config:
         if args.optimize:
             raise ScheduleError(
