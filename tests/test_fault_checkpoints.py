@@ -347,3 +347,17 @@ def test_a_full_disk_names_the_iteration_and_keeps_the_last_checkpoint(tmp_path:
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "1\n"
     result = _run(f"train_iters={SAVED}", f"load={root}")  # and it loads
     assert result.resumed_from == 1 and sorted(result.losses) == [2, 3]
+
+
+def test_another_seq_length_is_refused_before_any_rank_starts(copy: Path) -> None:
+    """The learned position table follows seq_length where max_position_embeddings is left
+    unset: it was found only after the ranks started, with the advice to load an earlier
+    iteration (all of them have the same table)."""
+    _refused(
+        f"{copy / 'iter_0000003'}: the checkpoint's learned position embeddings cover 16 "
+        "positions but the config's cover 32 (seq_length 32; max_position_embeddings defaults "
+        "to seq_length): a checkpoint only loads into the same model: set "
+        "max_position_embeddings: 16 with seq_length at most 16, or train from scratch",
+        f"load={copy}",
+        "seq_length=32",
+    )

@@ -61,3 +61,17 @@ def test_hanging_worker_is_killed_within_the_timeout(tmp_path) -> None:
     hung_pid = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(hung_pid, 0)  # killed and reaped, not left behind
+
+
+def _listening_addresses(rank: int, world_size: int) -> list[str]:
+    import psutil
+
+    dist.all_reduce(torch.ones(1))  # every rank has joined: the store and gloo are up
+    connections = psutil.Process().net_connections("tcp")
+    return sorted({c.laddr.ip for c in connections if c.status == psutil.CONN_LISTEN})
+
+
+def test_the_ranks_listen_on_the_loopback_address_alone() -> None:
+    """Rank 0 hosts the rendezvous store: torch's own binds every interface of the machine
+    (it accepted connections on its external addresses)."""
+    assert run_workers(_listening_addresses, 2) == [["127.0.0.1"], ["127.0.0.1"]]

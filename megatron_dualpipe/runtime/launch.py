@@ -21,7 +21,8 @@ resource tracker multiprocessing spawns) live in one process group of their own,
 small guard process forked first. The guard only waits for the parent to exit; then it
 removes the run's temporary directory (where multiprocessing puts its ``pymp-*``
 directories, which SIGKILLed processes cannot remove) and kills the group, itself included.
-The ranks also die with the parent through the parent-death signal.
+The ranks also die with the parent through the parent-death signal. Rank 0's rendezvous
+store listens on the loopback address alone.
 """
 
 from __future__ import annotations
@@ -397,8 +398,10 @@ def _rank_main(
                 LOCAL_WORLD_SIZE=str(world_size),
             )
             torch.set_num_threads(threads)
+            timeout = timedelta(seconds=pg_timeout_s)
+            listener, store = _rendezvous(rank, world_size, port, timeout)  # kept open
             dist.init_process_group(
-                "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
+                "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
             )
         except BaseException:
             _report(conn, "setup", traceback.format_exc())
@@ -418,6 +421,24 @@ def _rank_main(
             with contextlib.suppress(Exception):  # a closed stream must not stop the exit
                 stream.flush()
         os._exit(exit_code)
+
+
+def _rendezvous(
+    rank: int, world_size: int, port: int, timeout: timedelta
+) -> tuple[socket.socket | None, dist.TCPStore]:
+    """The ranks' store, hosted by rank 0 on the loopback address only (torch's own binds
+    every interface): on a socket bound here and handed to it. Returns the socket (keep it
+    open while the store lives) and the store."""
+    if rank != 0:
+        return None, dist.TCPStore(_HOST, port, world_size, False, timeout=timeout)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((_HOST, port))
+    listener.listen(max(128, world_size))
+    store = dist.TCPStore(
+        _HOST, port, world_size, True, timeout=timeout, master_listen_fd=listener.fileno()
+    )
+    return listener, store
 
 
 def _report(conn: multiprocessing.connection.Connection, status: str, payload: Any) -> None:

@@ -43,10 +43,11 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..checks import schedule_spec
 from ..cpu_compat import apply_cpu_compat
-from ..position_copies import mark_position_copy_replica
+from ..position_copies import POSITION_TABLE, mark_position_copy_replica
 from .checkpoint_files import (
     TRACKER,
     CheckpointError,
@@ -274,7 +275,28 @@ def check_loadable(cfg: TrainConfig) -> None:
                 f"{directory}: the checkpoint was saved with {key} {saved.get(key)!r} but the "
                 f"config has {getattr(cfg, key)!r}: a checkpoint only loads into the same model"
             )
+    _check_position_table(cfg, directory, found.metadata)
     _check_scheduler(cfg, directory, common["opt_param_scheduler"])
+
+
+def _check_position_table(cfg: TrainConfig, directory: Path, metadata: Any) -> None:
+    """The learned position table's length, which the saved keys do not pin down where
+    ``max_position_embeddings`` was left to its default (``seq_length``)."""
+    if cfg.position_embedding_type != "learned_absolute":
+        return
+    saved = metadata.state_dict_metadata.get(POSITION_TABLE)
+    if not isinstance(saved, TensorStorageMetadata):
+        return
+    have, want = saved.size[0], cfg.max_position_embeddings or cfg.seq_length
+    if have == want:
+        return
+    key = "max_position_embeddings" if cfg.max_position_embeddings is not None else "seq_length"
+    raise CheckpointError(
+        f"{directory}: the checkpoint's learned position embeddings cover {have} positions but "
+        f"the config's cover {want} ({key} {want}; max_position_embeddings defaults to "
+        f"seq_length): a checkpoint only loads into the same model: set "
+        f"max_position_embeddings: {have} with seq_length at most {have}, or train from scratch"
+    )
 
 
 #: The learning-rate scheduler's saved settings that Megatron compares on load, with the
@@ -332,9 +354,15 @@ def load_checkpoint(
     except (Exception, CheckpointException) as err:  # every rank's failure, gathered
         ranks, cause = failure_cause(err)
         where = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        advice = (
+            "a checkpoint only loads into the same model: give the model keys of the run that "
+            "saved it"
+            if "shape mismatch" in cause
+            else earlier_advice(cfg.load, before=iteration)
+        )
         raise CheckpointError(
             f"checkpoint {directory} cannot be loaded: reading it failed{where if ranks else ''} "
-            f"({cause}): {earlier_advice(cfg.load, before=iteration)}"
+            f"({cause}): {advice}"
         ) from None
     for i, chunk in enumerate(model):
         unwrap_model(chunk).load_state_dict(loaded[f"model{i}"], strict=True)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -193,13 +194,16 @@ def _run_here(cfg: TrainConfig, env: RankEnv, on_gpu: bool) -> TrainResult:
     if on_gpu:
         torch.cuda.set_device(env.local_rank)
     os.environ.update(MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port))
-    dist.init_process_group(
-        "nccl" if on_gpu else "gloo",
-        init_method="env://",
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timedelta(minutes=cfg.distributed_timeout_minutes),
-    )
+    try:
+        dist.init_process_group(
+            "nccl" if on_gpu else "gloo",
+            init_method="env://",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timedelta(minutes=cfg.distributed_timeout_minutes),
+        )
+    except RuntimeError as err:  # torch's DistStoreError and DistNetworkError among them
+        raise LaunchError(_rendezvous_failure(env, err)) from None
     try:
         with _save_locked(cfg, env.rank, env.world_size):
             return run_rank(cfg)
@@ -232,6 +236,34 @@ def _save_locked(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> Iterat
         if refusal[0] is not None:
             raise SaveDirectoryInUse(refusal[0])
         yield
+
+
+_JOINED = re.compile(r"(\d+)/(\d+) clients joined")
+
+
+def _rendezvous_failure(env: RankEnv, err: RuntimeError) -> str:
+    """The sentence for a rendezvous that failed: the port taken, the peers that never
+    came, the rank-0 host out of reach."""
+    text, where = " ".join(str(err).split()), f"{env.master_addr}:{env.master_port}"
+    me = f"rank {env.rank} of {env.world_size}"
+    if "EADDRINUSE" in text or "address already in use" in text:
+        return (
+            f"{me}: MASTER_PORT {env.master_port} is already in use on this machine, so the "
+            f"rendezvous cannot listen on {where}: choose a free port"
+        )
+    joined = _JOINED.search(text)
+    if joined:
+        return (
+            f"{me}: only {joined.group(1)} of the {joined.group(2)} ranks joined the rendezvous "
+            f"at {where} before the timeout: start all {env.world_size} ranks with this "
+            "MASTER_ADDR and MASTER_PORT, or raise distributed_timeout_minutes"
+        )
+    if "trying to connect to" in text or "Connection refused" in text:
+        return (
+            f"{me}: could not reach the rendezvous at {where} (rank 0 hosts it) before the "
+            "timeout: start rank 0, or check MASTER_ADDR and MASTER_PORT"
+        )
+    return f"{me}: the rendezvous at {where} failed: {_first_line(err)}"
 
 
 def _is_communication_error(err: RuntimeError) -> bool:
