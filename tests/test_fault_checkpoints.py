@@ -14,11 +14,13 @@ import pickle
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_dualpipe.megatron.training import ConfigError, TrainError, load_config, train
+from tests.processes import wait_for
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multiproc, pytest.mark.slow]
 
@@ -361,3 +363,43 @@ def test_another_seq_length_is_refused_before_any_rank_starts(copy: Path) -> Non
         f"load={copy}",
         "seq_length=32",
     )
+
+
+@pytest.mark.slow
+def test_a_save_directory_turned_read_only_mid_run_is_one_sentence(tmp_path: Path) -> None:
+    """A tmpfs remounted read-only after the first save (it was a 22-line traceback of
+    rank 0's mkdir while rank 1 waited); skipped where mounting is not allowed."""
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)],
+                          capture_output=True)  # fmt: skip
+    if done.returncode != 0:
+        pytest.skip("mounting a tmpfs needs privileges this machine does not grant")
+    save = mount / "ckpt"
+    sets = [f"save={save}", "save_interval=3", "train_iters=300", "output_dir=null",
+            "eval_interval=null"]  # fmt: skip
+    command = [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(TINY)]
+    err = tmp_path / "stderr"
+    proc = subprocess.Popen(
+        [*command, *[arg for item in sets for arg in ("--set", item)]],
+        stdout=subprocess.DEVNULL,
+        stderr=err.open("w"),
+    )
+    try:
+        wait_for("the first save", lambda: (save / "latest_checkpointed_iteration.txt").exists(),
+                 proc)  # fmt: skip
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        assert proc.wait(timeout=120) == 2
+    finally:
+        proc.kill()
+        proc.wait()
+        subprocess.run(["umount", str(mount)], check=True)
+    lines = err.read_text().splitlines()
+    assert re.fullmatch(
+        rf"megatron-dualpipe: error: saving iteration 6 to {re.escape(str(save))}/iter_0000006 "
+        r"failed on rank 0: Read-only file system \(\S+\); the last complete checkpoint is "
+        r"iteration 3 \(the tracker still names it\): set save to a directory every rank can "
+        r"write to",
+        lines[-1],
+    ), lines[-1]
+    assert not any("Traceback" in line for line in lines), lines

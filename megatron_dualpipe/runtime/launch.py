@@ -44,6 +44,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -75,7 +76,8 @@ class LaunchFailure(DualPipeError, RuntimeError):
     ``errors`` are (rank, kind, text), kind "setup" (before ``fn`` ran), "died" (exited
     without reporting) or "error": ranks that died first (their peers' errors follow from
     the death), then in the order the ranks failed, so the root cause comes first;
-    ``unfinished`` are the ranks killed at the deadline or after the first failure."""
+    ``unfinished`` are the ranks killed at the deadline or after the first failure, and
+    ``stopped`` those of them that were stopped (SIGSTOP, a debugger) when killed."""
 
     def __init__(
         self,
@@ -83,8 +85,10 @@ class LaunchFailure(DualPipeError, RuntimeError):
         errors: list[tuple[int, str, str]],
         unfinished: list[int],
         timeout_s: float | None,
+        stopped: Sequence[int] = (),
     ) -> None:
         self.world_size, self.errors, self.unfinished = world_size, errors, unfinished
+        self.stopped = list(stopped)
         if errors:
             rank, _, text = errors[0]
             parts = [f"--- rank {r} ({kind}) ---\n{t}" for r, kind, t in errors]
@@ -106,9 +110,19 @@ class LaunchFailure(DualPipeError, RuntimeError):
         """One line for the root cause: ``rank R of N failed: <its text>``, or the ranks
         that overran the deadline."""
         if not self.errors:
-            return str(self)
+            return str(self) + self._stopped_note()
         rank, _, text = self.errors[0]
-        return f"rank {rank} of {self.world_size} failed: {text}"
+        return f"rank {rank} of {self.world_size} failed: {text}{self._stopped_note()}"
+
+    def _stopped_note(self) -> str:
+        if not self.stopped:
+            return ""
+        ranks = ", ".join(map(str, self.stopped))
+        were = "were" if len(self.stopped) > 1 else "was"
+        return (
+            f" (rank{'s' if len(self.stopped) > 1 else ''} {ranks} {were} stopped, by SIGSTOP or "
+            "a debugger, and never answered)"
+        )
 
 
 def run_ranks(
@@ -135,7 +149,7 @@ def run_ranks(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     deadline = float("inf") if timeout_s is None else time.monotonic() + timeout_s
     for attempt in range(1, _LAUNCH_ATTEMPTS + 1):
-        results, errors, unfinished = _launch(
+        results, errors, unfinished, stopped = _launch(
             fn, world_size, tuple(args), deadline, pg_timeout_s, threads_per_rank, plain_errors
         )
         setup_failed = errors and all(kind == "setup" for _, kind, _ in errors)
@@ -143,7 +157,7 @@ def run_ranks(
             break
         logger.warning("run_ranks: rendezvous failed (attempt %d), retrying", attempt)
     if errors or unfinished:
-        failure = LaunchFailure(world_size, errors, unfinished, timeout_s)
+        failure = LaunchFailure(world_size, errors, unfinished, timeout_s, stopped)
         raise failure if failure_as is None else failure_as(failure)
     return [results[rank] for rank in range(world_size)]
 
@@ -156,8 +170,9 @@ def _launch(
     pg_timeout_s: float,
     threads: int,
     plain_errors: tuple[type[BaseException], ...],
-) -> tuple[dict[int, Any], list[tuple[int, str, str]], list[int]]:
-    """Fork the ranks once, collect their reports, and leave none running."""
+) -> tuple[dict[int, Any], list[tuple[int, str, str]], list[int], list[int]]:
+    """Fork the ranks once, collect their reports, and leave none running; also the
+    unfinished ranks found stopped before they were killed."""
     ctx = multiprocessing.get_context("fork")
     port = pick_port()
     procs: list[multiprocessing.process.BaseProcess] = []
@@ -188,7 +203,9 @@ def _launch(
             group.join(proc.pid)
             procs.append(proc)
             watches.append(_Watch(rank, proc, recv_end))
-        return _collect(watches, deadline)
+        results, errors, unfinished = _collect(watches, deadline)
+        stopped = [rank for rank in unfinished if _is_stopped(procs[rank].pid)]
+        return results, errors, unfinished, stopped
     finally:
         group.kill()
         for proc in procs:
@@ -306,6 +323,15 @@ class _Watch:
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
+
+
+def _is_stopped(pid: int | None) -> bool:
+    """Whether ``pid`` is stopped (SIGSTOP, a debugger): state T or t in ``/proc``."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] in ("T", "t")
 
 
 def _death_text(exitcode: int | None) -> str:

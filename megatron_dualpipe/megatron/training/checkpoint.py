@@ -30,6 +30,7 @@ tracker's.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,7 @@ from .checkpoint_files import (
 )
 from .config import TrainConfig
 from .optim import scheduler_settings
+from .writer_watch import WriterDied, writers_watched
 
 __all__ = [
     "CheckpointError",
@@ -179,9 +181,7 @@ def save_checkpoint(
     assert cfg.save is not None
     apply_cpu_compat()  # dist_checkpointing's writer assumes CUDA (no-op with CUDA)
     directory = iteration_dir(cfg.save, state.iteration)
-    if dist.get_rank() == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
+    _on_rank_0(lambda: directory.mkdir(parents=True, exist_ok=True), cfg.save, state.iteration)
     sharded = _sharded_state(cfg, model, optimizer, loading=False, with_rng=True)
     sharded.update(
         iteration=state.iteration,
@@ -192,7 +192,8 @@ def save_checkpoint(
         model_config={key: getattr(cfg, key) for key in MODEL_KEYS},
     )
     try:
-        dist_checkpointing.save(sharded, str(directory))
+        with writers_watched():
+            dist_checkpointing.save(sharded, str(directory))
     except (Exception, CheckpointException) as err:  # every rank's failure, gathered
         message = [_save_failure(cfg.save, state.iteration, err)]
         if isinstance(err, CheckpointException) and err.args[:1] == ("write",):
@@ -200,14 +201,36 @@ def save_checkpoint(
             dist.broadcast_object_list(message, src=0)
         raise CheckpointError(message[0]) from None
     dist.barrier()
-    if dist.get_rank() == 0:
-        write_tracker(cfg.save, state.iteration)
-    dist.barrier()
+    _on_rank_0(lambda: write_tracker(cfg.save, state.iteration), cfg.save, state.iteration)
     return directory
 
 
-def _save_failure(root: str, iteration: int, err: BaseException) -> str:
-    ranks, cause = failure_cause(err)
+def _on_rank_0(step: Callable[[], object], root: str, iteration: int) -> None:
+    """Run a file step of the save on global rank 0 (making the directory, writing the
+    tracker); collective: where it fails (the file system turned read-only, say) every rank
+    raises the same :class:`CheckpointError` sentence."""
+    problem: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            step()
+        except OSError as err:
+            cause = f"{err.strerror or err} ({getattr(err, 'filename', None) or root})"
+            problem = [_save_failure(root, iteration, err, cause=cause, ranks=[0])]
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise CheckpointError(problem[0])
+
+
+def _save_failure(
+    root: str,
+    iteration: int,
+    err: BaseException,
+    *,
+    cause: str | None = None,
+    ranks: list[int] | None = None,
+) -> str:
+    found_ranks, found_cause = failure_cause(err)
+    ranks, cause = ranks or found_ranks, cause or found_cause
     where = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else ""
     last = read_tracker(root)
     kept = (
@@ -215,10 +238,39 @@ def _save_failure(root: str, iteration: int, err: BaseException) -> str:
         if last is not None
         else f"there is no complete checkpoint in {root} yet"
     )
+    died = _writer_death(err)
+    if died is not None:
+        cause = f"a checkpoint writer process it started died ({died})"
+        advice = "find what ended it (the out-of-memory killer, a kill) and resume with load"
+    elif cause == "no space left on device":
+        advice = f"free space in {root} or set save to another directory"
+    else:
+        advice = "set save to a directory every rank can write to"
     return (
         f"saving iteration {iteration} to {iteration_dir(root, iteration)} failed{where}: "
-        f"{cause}; {kept}: free space in {root} or set save to another directory"
+        f"{cause}; {kept}: {advice}"
     )
+
+
+def _writer_death(err: BaseException) -> str | None:
+    """How a writer process died, where ``err`` (or what caused it) says one did: the
+    watch's :class:`WriterDied`, or a pipe to the writers that broke."""
+    failures = getattr(err, "failures", None)  # torch's CheckpointException: every rank's
+    pending = [err, *(failures.values() if isinstance(failures, dict) else ())]
+    seen: set[int] = set()
+    while pending:
+        current = pending.pop()
+        if isinstance(current, tuple) and current:  # (exception, traceback) per rank
+            current = current[0]
+        if not isinstance(current, BaseException) or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, WriterDied):
+            return str(current)
+        if isinstance(current, (BrokenPipeError, EOFError, ConnectionResetError)):
+            return f"its pipe broke: {type(current).__name__}"
+        pending.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+    return None
 
 
 def _iteration_to_load(cfg: TrainConfig) -> int | None:

@@ -36,6 +36,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ...errors import DualPipeError
 from ...runtime.launch import LaunchFailure, pick_port, run_ranks
 from ...runtime.watchdog import PipelineCommError
 from ..cpu_compat import apply_cpu_compat
@@ -205,19 +206,31 @@ def _run_here(cfg: TrainConfig, env: RankEnv, on_gpu: bool) -> TrainResult:
     except RuntimeError as err:  # torch's DistStoreError and DistNetworkError among them
         raise LaunchError(_rendezvous_failure(env, err)) from None
     try:
-        with _save_locked(cfg, env.rank, env.world_size):
+        prefix = f"rank {env.rank} of {env.world_size}: "
+        with (
+            _one_line_failures(prefix, "the launcher's log names it"),
+            _save_locked(cfg, env.rank, env.world_size),
+        ):
             return run_rank(cfg)
-    except PipelineCommError as err:  # names the peer it exchanged with
-        raise LaunchError(f"rank {env.rank} of {env.world_size}: {err}") from None
-    except RuntimeError as err:
-        if not _is_communication_error(err):
-            raise
-        raise LaunchError(
-            f"rank {env.rank} of {env.world_size}: a collective failed, another rank has "
-            f"probably died (the launcher's log names it): {_first_line(err)}"
-        ) from None
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _one_line_failures(prefix: str, hint: str) -> Iterator[None]:
+    """A lost peer (dead, stopped or hung) as one :class:`LaunchError` line: the pipeline
+    wait that gave up (it names the peer), or the collective that failed."""
+    try:
+        yield
+    except PipelineCommError as err:
+        raise LaunchError(f"{prefix}{err}") from None
+    except RuntimeError as err:
+        if isinstance(err, DualPipeError) or not _is_communication_error(err):
+            raise  # ours say what happened already
+        raise LaunchError(
+            f"{prefix}a collective failed, another rank has probably died or stopped ({hint}): "
+            f"{_first_line(err)}"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -312,4 +325,5 @@ def _failure_text(failure: LaunchFailure) -> str:
 
 def _train_rank(rank: int, world_size: int, cfg: TrainConfig) -> TrainResult:
     del rank, world_size  # the launcher set RANK / WORLD_SIZE and the process group
-    return run_rank(cfg)
+    with _one_line_failures("", "the launcher names a rank that died or stopped"):
+        return run_rank(cfg)

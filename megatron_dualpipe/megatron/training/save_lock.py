@@ -46,7 +46,9 @@ def save_lock(save: str | Path) -> Iterator[None]:
     directory = Path(save)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        # Read-only: flock needs no write access, and a file system with a file open for
+        # writing cannot be remounted read-only (which must stay possible mid-run).
+        fd = os.open(directory / LOCK_NAME, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError:
         yield
         return
@@ -61,16 +63,16 @@ def save_lock(save: str | Path) -> Iterator[None]:
             logger.warning("save: %s cannot be locked (%s): not checked for other runs",
                            directory, err.strerror)  # fmt: skip
         else:
-            _record_holder(fd)
+            _record_holder(directory / LOCK_NAME)
         yield
     finally:
         os.close(fd)
 
 
-def _record_holder(fd: int) -> None:
+def _record_holder(path: Path) -> None:
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()} {socket.gethostname()} {stamp}\n".encode(), 0)
+    with contextlib.suppress(OSError):  # the lock holds without the note
+        path.write_text(f"{os.getpid()} {socket.gethostname()} {stamp}\n", encoding="utf-8")
 
 
 def _holder(fd: int) -> tuple[int | None, str, str]:
