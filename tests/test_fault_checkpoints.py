@@ -9,6 +9,7 @@ the rest run the ranks and are bounded by the harness's timeouts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import re
@@ -296,19 +297,26 @@ def test_an_unwritable_save_is_refused_before_the_first_iteration(tmp_path: Path
     )
 
 
-@pytest.fixture
-def read_only_dir(tmp_path: Path):
-    """A read-only file system (a tmpfs mounted ro); skipped where mounting is not allowed."""
-    mount = tmp_path / "ro"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)],
+@contextlib.contextmanager
+def _tmpfs(where: Path, options: str):
+    """A tmpfs mounted at ``where`` for the block; the test is skipped where mounting is
+    not allowed."""
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
                           capture_output=True)  # fmt: skip
     if done.returncode != 0:
-        pytest.skip("mounting a read-only tmpfs needs privileges this machine does not grant")
+        pytest.skip("mounting a tmpfs needs privileges this machine does not grant")
     try:
-        yield mount
+        yield where
     finally:
-        subprocess.run(["umount", str(mount)], check=True)
+        subprocess.run(["umount", str(where)], check=True)
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path):
+    """A read-only file system (a tmpfs mounted ro)."""
+    with _tmpfs(tmp_path / "ro", "ro,size=1m") as mount:
+        yield mount
 
 
 @pytest.mark.slow
@@ -369,31 +377,25 @@ def test_another_seq_length_is_refused_before_any_rank_starts(copy: Path) -> Non
 def test_a_save_directory_turned_read_only_mid_run_is_one_sentence(tmp_path: Path) -> None:
     """A tmpfs remounted read-only after the first save (it was a 22-line traceback of
     rank 0's mkdir while rank 1 waited); skipped where mounting is not allowed."""
-    mount = tmp_path / "fs"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)],
-                          capture_output=True)  # fmt: skip
-    if done.returncode != 0:
-        pytest.skip("mounting a tmpfs needs privileges this machine does not grant")
-    save = mount / "ckpt"
-    sets = [f"save={save}", "save_interval=3", "train_iters=300", "output_dir=null",
-            "eval_interval=null"]  # fmt: skip
-    command = [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(TINY)]
-    err = tmp_path / "stderr"
-    proc = subprocess.Popen(
-        [*command, *[arg for item in sets for arg in ("--set", item)]],
-        stdout=subprocess.DEVNULL,
-        stderr=err.open("w"),
-    )
-    try:
-        wait_for("the first save", lambda: (save / "latest_checkpointed_iteration.txt").exists(),
-                 proc)  # fmt: skip
-        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
-        assert proc.wait(timeout=120) == 2
-    finally:
-        proc.kill()
-        proc.wait()
-        subprocess.run(["umount", str(mount)], check=True)
+    with _tmpfs(tmp_path / "fs", "size=64m") as mount:
+        save = mount / "ckpt"
+        sets = [f"save={save}", "save_interval=3", "train_iters=300", "output_dir=null",
+                "eval_interval=null"]  # fmt: skip
+        command = [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(TINY)]
+        err = tmp_path / "stderr"
+        proc = subprocess.Popen(
+            [*command, *[arg for item in sets for arg in ("--set", item)]],
+            stdout=subprocess.DEVNULL,
+            stderr=err.open("w"),
+        )
+        try:
+            tracker = save / "latest_checkpointed_iteration.txt"
+            wait_for("the first save", tracker.exists, proc)
+            subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+            assert proc.wait(timeout=120) == 2
+        finally:
+            proc.kill()
+            proc.wait()
     lines = err.read_text().splitlines()
     assert re.fullmatch(
         rf"megatron-dualpipe: error: saving iteration 6 to {re.escape(str(save))}/iter_0000006 "
