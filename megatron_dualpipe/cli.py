@@ -196,10 +196,48 @@ def _run_train(args: argparse.Namespace) -> None:
 
 
 def _load(path: Path) -> Schedule:
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".json":
+    """The schedule in ``path`` (text form, or JSON for ``.json``); one sentence for a file
+    that cannot be read or holds no schedule."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ScheduleError(f"--load: cannot read {path} ({err.strerror or err})") from None
+    except UnicodeDecodeError:
+        raise ScheduleError(
+            f"--load: {path} is not a schedule (not UTF-8 text): write one with simulate --save"
+        ) from None
+    if path.suffix != ".json":
+        return Schedule.from_text(text)
+    try:
         return Schedule.from_json(json.loads(text))
-    return Schedule.from_text(text)
+    except json.JSONDecodeError as err:
+        raise ScheduleError(
+            f"--load: {path} is not JSON (line {err.lineno}, column {err.colno}: {err.msg})"
+        ) from None
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise ScheduleError(
+            f"--load: {path} holds JSON but not a schedule ({type(err).__name__}: {err}): "
+            "write one with simulate --json"
+        ) from None
+
+
+def _check_outputs(paths: dict[str, Path | None]) -> None:
+    """Refuse, before any work, an output (flag: path) this process cannot create: its
+    folder missing or unwritable, or the path a folder."""
+    for flag, path in paths.items():
+        if path is None:
+            continue
+        if path.is_dir():
+            raise ScheduleError(f"{flag}: {path} is a folder: name a file in it")
+        probe = path.parent / f".{path.name}.{os.getpid()}.probe"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as err:
+            raise ScheduleError(
+                f"{flag}: cannot write {path} ({err.strerror or err}): name a file in a folder "
+                "you can write to"
+            ) from None
 
 
 def _check_size(args: argparse.Namespace, mbs: int) -> None:
@@ -449,6 +487,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 def _run_simulate(args: argparse.Namespace) -> None:
     _check_numbers(args)
+    _check_outputs({f"--{n}": getattr(args, n) for n in ("png", "trace", "json", "save")})
     if args.config:
         if args.optimize:
             raise ScheduleError(
@@ -526,6 +565,13 @@ def _report(
 def _run_bench(args: argparse.Namespace) -> None:
     from .bench import run  # the bench sections import torch only when they run
 
+    _check_outputs({"--json": args.json})
+    if args.out is not None:
+        if args.out.exists() and not args.out.is_dir():
+            raise ScheduleError(
+                f"--out: {args.out} is a file: name a folder for BENCHMARKS.md and the figures"
+            )
+        _check_outputs({"--out": args.out / "BENCHMARKS.md"} if args.out.is_dir() else {})
     sections = tuple(args.only) if args.only else None
     run(quick=args.quick, json_path=args.json, out_dir=args.out, sections=sections)
 
