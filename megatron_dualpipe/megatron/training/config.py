@@ -837,6 +837,7 @@ def _check_overlap(cfg: TrainConfig) -> Problem:
             half_precision=cfg.bf16,
             recompute_granularity=cfg.recompute_granularity,
             mtp_num_layers=cfg.mtp_num_layers,
+            moe=cfg.is_moe,
         )
         if problem is not None:
             return "overlap_moe_expert_parallel_comm", problem
