@@ -4,9 +4,10 @@ Two runs saving to one directory overwrite each other's iterations and tracker; 
 would still report "checkpoints in ...". The lock is ``flock`` on ``<save>/.megatron-
 dualpipe.lock``, which the kernel releases when the last process holding it ends, however
 it ends (``kill -9`` included): a lock file left by a dead run locks nothing and the next
-run takes it over, whatever pid it names. The file names the holder (pid, host, start
-time) for the refusal; the embedded launcher's ranks inherit the lock, so it lasts while
-any process of the run does. Under torchrun or srun, global rank 0 holds it.
+run takes it over, whatever pid it names; a run that ends removes it. The file names the
+holder (pid, host, start time) for the refusal; the embedded launcher's ranks inherit the
+lock, so it lasts while any process of the run does. Under torchrun or srun, global rank 0
+holds it.
 
 Where the file system has no ``flock`` (some network file systems), the run goes on
 without the lock and says so in one line.
@@ -41,31 +42,55 @@ class SaveDirectoryInUse(TrainError):
 @contextlib.contextmanager
 def save_lock(save: str | Path) -> Iterator[None]:
     """Hold ``save``'s lock for the ``with`` block; :class:`SaveDirectoryInUse` naming the
-    other run when one holds it. A directory that cannot be made is left to the writable
-    check, which names the reason on every rank."""
+    other run when one holds it. The lock file is removed at the end. A directory that cannot
+    be made is left to the writable check, which names the reason on every rank."""
     directory = Path(save)
+    path = directory / LOCK_NAME
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        # Read-only: flock needs no write access, and a file system with a file open for
-        # writing cannot be remounted read-only (which must stay possible mid-run).
-        fd = os.open(directory / LOCK_NAME, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError:
+        fd = _locked(path)
+    except SaveDirectoryInUse:
+        raise
+    except OSError as err:
+        if err.errno not in _NO_FLOCK:
+            yield  # the writable check names it
+            return
+        logger.warning("save: %s cannot be locked (%s): not checked for other runs",
+                       directory, err.strerror)  # fmt: skip
         yield
         return
     try:
+        _record_holder(path)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()  # before the lock goes: a run that takes it sees the file anew
+        os.close(fd)
+
+
+def _locked(path: Path) -> int:
+    """An open descriptor of ``path`` holding its ``flock``; :class:`SaveDirectoryInUse`
+    when another run holds it. Opened read-only: ``flock`` needs no write access, and a file
+    system with a file open for writing cannot be remounted read-only (as must stay
+    possible mid-run). A file removed by its last holder while this process waited for it is
+    not the lock any more: then the one now at ``path`` is taken."""
+    while True:
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise SaveDirectoryInUse(_in_use(directory, _holder(fd))) from None
-        except OSError as err:
-            if err.errno not in _NO_FLOCK:
-                raise
-            logger.warning("save: %s cannot be locked (%s): not checked for other runs",
-                           directory, err.strerror)  # fmt: skip
-        else:
-            _record_holder(directory / LOCK_NAME)
-        yield
-    finally:
+            holder = _holder(fd)
+            os.close(fd)
+            raise SaveDirectoryInUse(_in_use(path.parent, holder)) from None
+        except OSError:
+            os.close(fd)
+            raise
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
         os.close(fd)
 
 
