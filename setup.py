@@ -25,10 +25,18 @@ setup(
         # psutil: megatron-core's dist_checkpointing writer needs it (checkpoints hang without).
         "megatron": ["torch>=2.6", "megatron-core==0.16.1", "psutil>=5.9"],
         "te": ["transformer-engine[pytorch]>=2.3"],
+        # Megatron-Core's HuggingFaceTokenizer / GPT2BPETokenizer (train with tokenizer_type,
+        # preprocess) load through transformers; tokenizers is its fast backend.
+        "data": ["transformers==4.57.6", "tokenizers==0.22.2"],
+        # tensorboard_dir: torch.utils.tensorboard writes through it.
+        "tensorboard": ["tensorboard==2.21.0"],
         "test": [
             "torch>=2.6",
             "megatron-core==0.16.1",
             "psutil>=5.9",
+            "transformers==4.57.6",
+            "tokenizers==0.22.2",
+            "tensorboard==2.21.0",
             "pytest>=8",
             "pytest-timeout>=2.3",
             "ruff>=0.6",

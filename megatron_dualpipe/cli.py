@@ -1,7 +1,7 @@
-"""The ``megatron-dualpipe`` command: ``simulate``, ``train`` and ``bench``.
+"""The ``megatron-dualpipe`` command: ``simulate``, ``train``, ``preprocess`` and ``bench``.
 
 Importing this module imports neither torch nor megatron: ``simulate`` is pure Python, and
-``train`` and ``bench`` import what they need when they run.
+``train``, ``preprocess`` and ``bench`` import what they need when they run.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from . import __version__
 from .bench import SECTIONS
 from .errors import DualPipeError
 from .progress import Progress
+from .schedules.comm_plan import LAYOUTS, comm_plan
 from .schedules.cost import CostModel
 from .schedules.ir import Schedule, ScheduleError
 from .schedules.limits import (
@@ -32,6 +33,7 @@ from .schedules.limits import (
     schedule_size,
     size_problem,
 )
+from .schedules.nccl_rules import EAGER_LIMIT, CommDeadlockError, check_nccl
 from .schedules.registry import SCHEDULES, generate, spec
 from .schedules.simulate import SimResult, simulate
 from .schedules.validate import check, validate
@@ -86,6 +88,33 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace JSON")
     p.add_argument("--json", type=Path, help="write the figures and the timeline as JSON")
     p.add_argument("--save", type=Path, help="write the generated schedule in text form")
+    p.add_argument(
+        "--check-nccl",
+        action="store_true",
+        help="also run the schedule's communication plan under NCCL's ordering rules (one "
+        "stream per communicator, receives and large sends hold it) and name any deadlock "
+        "cycle; see docs/runtime.md",
+    )
+    p.add_argument(
+        "--comm-layout",
+        choices=LAYOUTS,
+        default="per-channel",
+        help="with --check-nccl: one two-rank communicator per channel (what the runtime "
+        "runs) or one per message kind (the design that deadlocks) (default: per-channel)",
+    )
+    p.add_argument(
+        "--no-prepost",
+        action="store_true",
+        help="with --check-nccl: receives posted when needed, not one run ahead",
+    )
+    p.add_argument(
+        "--message-mib",
+        type=float,
+        default=None,
+        metavar="MIB",
+        help="with --check-nccl: the size of every message (default: unknown, so every send "
+        f"waits for its receive; at most {EAGER_LIMIT // 2**20} MiB a send completes eagerly)",
+    )
     p.add_argument(
         "--config",
         type=Path,
@@ -150,11 +179,17 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
+    from .megatron.training.config import config_keys  # pure Python: no torch, no megatron
+
+    keys = ", ".join(key.name for key in config_keys())
     p = sub.add_parser(
         "train",
         help="pretrain a GPT on megatron-core with a pipeline schedule",
         description="Train the model of a YAML config (keys mirror Megatron-LM's flags). "
         "Without torchrun or srun and without a GPU, forks world_size CPU ranks itself.",
+        epilog=f"config keys (YAML or --set; each key's meaning and default: python "
+        f"scripts/pretrain_gpt_dualpipe.py --help, which takes them as Megatron-LM's flags): "
+        f"{keys}",
     )
     p.add_argument("--config", type=Path, required=True, help="e.g. configs/tiny_gpt_cpu.yaml")
     p.add_argument(
@@ -164,6 +199,50 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="override a config key (repeatable), e.g. --set pipeline_schedule=1f1b",
+    )
+
+
+def _add_preprocess(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "preprocess",
+        help="tokenize a jsonl corpus into Megatron's indexed dataset (.bin/.idx)",
+        description="Tokenize every line's \"text\" of a jsonl file with a Hugging Face "
+        "tokenizer directory, append the end-of-document token, and write Megatron's indexed "
+        "dataset PREFIX_text_document.bin/.idx (what Megatron-LM's tools/preprocess_data.py "
+        "writes); train on it with data_path: PREFIX_text_document.",
+    )
+    p.add_argument("--input", type=Path, required=True, help="the corpus, one JSON object a line")
+    p.add_argument(
+        "--tokenizer",
+        type=Path,
+        required=True,
+        metavar="DIR",
+        help="a Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json)",
+    )
+    p.add_argument(
+        "--output-prefix",
+        required=True,
+        metavar="PREFIX",
+        help="where to write: PREFIX_text_document.bin and .idx (folders are made)",
+    )
+
+
+def _run_preprocess(args: argparse.Namespace) -> None:
+    from .megatron.known_warnings import silence_known_warnings
+    from .megatron.training.preprocess import preprocess  # imports torch and megatron
+
+    silence_known_warnings()
+    with Progress(delay_s=0.5) as bar:
+        bar.phase(f"tokenizing {args.input}")
+
+        def progress(done: int, total: int) -> None:
+            bar.total, bar.done = total, done
+
+        result = preprocess(args.input, args.tokenizer, args.output_prefix, progress)
+    print(
+        f"wrote {result.prefix}.bin and {result.prefix}.idx: {result.documents:,} documents, "
+        f"{result.tokens:,} tokens (each document ends in the end-of-document token); train "
+        f"on it with data_path: {result.prefix}"
     )
 
 
@@ -287,6 +366,23 @@ def _no_cyclic_gc() -> Iterator[None]:
 
 def _suffixed(path: Path, name: str, many: bool) -> Path:
     return path.with_name(f"{path.stem}_{name}{path.suffix}") if many else path
+
+
+def _check_distinct_outputs(args: argparse.Namespace) -> None:
+    """Refuse, before any work, two output flags naming one file (one would replace the
+    other without a word)."""
+    given = [(f"--{n}", getattr(args, n)) for n in ("png", "trace", "json", "save")]
+    seen: dict[Path, str] = {}
+    for flag, path in given:
+        if path is None:
+            continue
+        where = Path(path).resolve()
+        if where in seen:
+            raise ScheduleError(
+                f"{seen[where]} and {flag} both name {path}: one would overwrite the other; "
+                "give each its own file"
+            )
+        seen[where] = flag
 
 
 def _write_outputs(
@@ -474,7 +570,12 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise ScheduleError(
             f"{args.schedule} needs --chunks >= 2 (use 1f1b for one chunk), got {args.chunks}"
         )
-    ranges = {"latency": (0.0, False), "time_limit": (0.0, True), "memory_cap": (0.0, True)}
+    ranges = {
+        "latency": (0.0, False),
+        "time_limit": (0.0, True),
+        "memory_cap": (0.0, True),
+        "message_mib": (0.0, False),
+    }
     for name, (least, strictly) in ranges.items():
         value = getattr(args, name)
         if value is None:
@@ -487,6 +588,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 def _run_simulate(args: argparse.Namespace) -> None:
     _check_numbers(args)
+    _check_distinct_outputs(args)
     _check_outputs({f"--{n}": getattr(args, n) for n in ("png", "trace", "json", "save")})
     if args.config:
         if args.optimize:
@@ -509,6 +611,30 @@ def _run_simulate(args: argparse.Namespace) -> None:
         schedules, skipped = _schedules(args, bar)
         results = [_simulate_one(s, args, bar) for s in schedules]
     _report(results, skipped, schedules, args)
+    if args.check_nccl:
+        _check_nccl(schedules, args)
+
+
+def _check_nccl(schedules: list[Schedule], args: argparse.Namespace) -> None:
+    """``--check-nccl``: each schedule's communication plan under NCCL's rules."""
+    from .schedules.report import nccl_line
+
+    size = None if args.message_mib is None else int(args.message_mib * 2**20)
+    failed = []
+    for schedule in schedules:
+        plan = comm_plan(
+            schedule, layout=args.comm_layout, prepost=not args.no_prepost, message_bytes=size
+        )
+        try:
+            print(nccl_line(schedule.name, plan, size, check_nccl(plan)))
+        except CommDeadlockError as err:
+            print(nccl_line(schedule.name, plan, size, err))
+            failed.append(schedule.name)
+    if failed:
+        raise ScheduleError(
+            f"{', '.join(failed)} would deadlock on NCCL with {args.comm_layout} communicators"
+            f"{'' if args.no_prepost else ' and pre-posted receives'}: see the cycle above"
+        )
 
 
 def _microbatches(args: argparse.Namespace) -> int:
@@ -597,6 +723,7 @@ def _main(argv: list[str] | None) -> int:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_simulate(sub)
     _add_train(sub)
+    _add_preprocess(sub)
     _add_bench(sub)
     args = parser.parse_args(argv)
     try:
@@ -604,6 +731,8 @@ def _main(argv: list[str] | None) -> int:
             _run_simulate(args)
         elif args.command == "train":
             _run_train(args)
+        elif args.command == "preprocess":
+            _run_preprocess(args)
         elif args.command == "bench":
             _run_bench(args)
     except KeyboardInterrupt:
@@ -623,8 +752,9 @@ def _main(argv: list[str] | None) -> int:
             raise
         print(
             f"megatron-dualpipe: error: {args.command} needs torch and megatron-core, and "
-            f"{err.name} is not installed: pip install 'megatron-dualpipe[megatron]' (or "
-            "install your own CUDA build of torch first)",
+            f"{err.name} is not installed: from the megatron-dualpipe checkout (it is not on "
+            "PyPI), pip install -e '.[megatron]' (or install your own CUDA build of torch "
+            "first)",
             file=sys.stderr,
         )
         return 2

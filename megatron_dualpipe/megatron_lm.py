@@ -167,6 +167,14 @@ def _check(args: Any) -> None:
             f"{schedule} builds its model config from command-line arguments: "
             "drop --yaml-cfg and pass the model settings as arguments"
         )
+    fsdp = [f for f in ("use_megatron_fsdp", "use_torch_fsdp2") if getattr(args, f, False)]
+    if found.placement == "mirror" and fsdp:
+        raise DualPipeConfigError(
+            f"{schedule} sums its two copies of every stage over Megatron DDP's gradient "
+            f"buffers, which --{fsdp[0].replace('_', '-')} shards: drop it, or choose dualpipev"
+        )
+    if found.placement == "mirror" and getattr(args, "overlap_grad_reduce", False):
+        _one_bucket_per_chunk(args, schedule)
     if getattr(args, "overlap_moe_expert_parallel_comm", False):
         problem = overlap_problem(
             schedule,
@@ -181,9 +189,26 @@ def _check(args: Any) -> None:
             raise DualPipeConfigError(f"--overlap-moe-expert-parallel-comm {problem}")
 
 
+def _one_bucket_per_chunk(args: Any, schedule: str) -> None:
+    """dualpipe sums its two copies of a stage after Megatron's data-parallel reduction, so
+    both must be bucketed alike, and ``get_model`` buckets the first chunk only: ask it for
+    one bucket per chunk (``--ddp-num-buckets 1`` makes a bucket as large as the rank's
+    parameters); refuse a bucket size the user chose."""
+    if getattr(args, "ddp_bucket_size", None) is not None or (
+        getattr(args, "ddp_num_buckets", None) not in (None, 1)
+    ):
+        raise DualPipeConfigError(
+            f"{schedule} with --overlap-grad-reduce needs one DDP bucket per model chunk (its "
+            "two copies of a stage must be bucketed alike, and Megatron-LM buckets only the "
+            "first chunk): drop --ddp-bucket-size / --ddp-num-buckets"
+        )
+    args.ddp_num_buckets = 1
+
+
 def apply(args: Any, *, exit_on_error: bool = False) -> None:
     """Check ``args.pipeline_schedule`` against the rest of Megatron's (validated) arguments.
-    No-op without the argument.
+    No-op without the argument. Under dualpipe with ``--overlap-grad-reduce`` it also sets
+    ``args.ddp_num_buckets = 1`` (one DDP bucket per model chunk, see prepare_mirrors).
 
     Raises :class:`~megatron_dualpipe.megatron.checks.DualPipeConfigError`, one sentence
     saying what to change; with ``exit_on_error``, prints ``error: <sentence>`` and exits 2

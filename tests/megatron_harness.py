@@ -35,6 +35,7 @@ from megatron_dualpipe.megatron.deferral import (
     enable_weight_grad_deferral,
 )
 from megatron_dualpipe.megatron.mirror import prepare_mirrors
+from megatron_dualpipe.megatron.names import global_named_parameters
 from megatron_dualpipe.megatron.placement import StagePlacementLayout, embedding_ranks
 from megatron_dualpipe.megatron.position_copies import finalize_model_grads, mark_position_copies
 from megatron_dualpipe.megatron.registry import get_forward_backward_func
@@ -82,9 +83,13 @@ class Model:
     dense_first: int = 0
     mtp: int | None = None
     num_layers: int = 8
+    #: Biased linear layers (dense models; MoE ones never have biases).
+    bias: bool = True
 
     def config(self, **parallel: Any) -> Any:
         features: dict[str, Any] = {"num_layers": self.num_layers, "mtp_num_layers": self.mtp}
+        if not self.bias:
+            features["add_bias_linear"] = False
         if self.moe:
             features.update(num_moe_experts=4, moe_router_topk=2)
             if self.dense_first:
@@ -148,6 +153,13 @@ class Layout:
     first: int | None = None
     last: int | None = None
     layout: str | None = None
+    #: Megatron DDP's bucket size (elements); None: Megatron's default.
+    bucket_size: int | None = None
+    #: Wrap chunks as Megatron-LM's ``get_model`` does (bucketing off from the second chunk
+    #: on) instead of as megatron-dualpipe's ``train`` (also off for every dualpipe chunk).
+    megatron_lm_bucketing: bool = False
+    #: TransformerConfig's activation recomputation keys, as (key, value) pairs.
+    recompute: tuple[tuple[str, Any], ...] = ()
 
     def split(self) -> dict[str, Any]:
         """The split as Megatron's TransformerConfig takes it, for Megatron's placement."""
@@ -211,14 +223,38 @@ def _take_mtp_losses() -> list[float]:
 
 def _merge(per_chunk: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """One rank's chunks' tensors by global name; a name in two chunks is one parameter held
-    twice (the embedding and its copy for tied embeddings or MTP), whose values must agree."""
+    twice (the embedding and its copy for tied embeddings or MTP), whose values must agree
+    (NaN: not known here, see :func:`_gradients`)."""
     merged: dict[str, torch.Tensor] = {}
     for part in per_chunk:
         for name, value in part.items():
             if name in merged:
-                assert torch.equal(merged[name], value), f"the two copies of {name} differ"
+                both = ~(merged[name].isnan() | value.isnan())
+                assert torch.equal(merged[name][both], value[both]), f"the copies of {name} differ"
+                value = torch.where(value.isnan(), merged[name], value)
             merged[name] = value
     return merged
+
+
+def _gradients(chunk: torch.nn.Module, layout: Layout) -> dict[str, torch.Tensor]:
+    """A chunk's gradients by global name; with the distributed optimizer only the part of
+    each ``main_grad`` in this rank's shard of its DDP bucket, the only part reduced over
+    the data-parallel ranks (NaN elsewhere)."""
+    grads = tm.global_gradients(chunk)
+    if not layout.distributed_optimizer:
+        return grads
+    names = {id(p): n for n, p in global_named_parameters(chunk).items()}
+    for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+        dp, rank = buffer.data_parallel_world_size, buffer.data_parallel_group.rank()
+        for param, (start, end, bucket_id) in buffer.param_index_map.items():
+            bucket = buffer.buckets[bucket_id]
+            shard = bucket.grad_data.numel() // dp
+            lo, hi = bucket.offset + rank * shard, bucket.offset + (rank + 1) * shard
+            owned = torch.zeros(end - start, dtype=torch.bool)
+            owned[max(lo, start) - start : max(min(hi, end), start) - start] = True
+            grad = grads[names[id(param)]].reshape(-1)
+            grad[~owned] = float("nan")
+    return grads
 
 
 def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -296,6 +332,7 @@ def _build_chunks(model: Model, layout: Layout) -> list[torch.nn.Module]:
         expert_model_parallel_size=layout.ep,
         tensor_model_parallel_size=layout.tp,
         batch_p2p_comm=layout.batch_p2p_comm,
+        **dict(layout.recompute),
     )
     if model.moe:
         parallel["moe_token_dispatcher_type"] = layout.dispatcher
@@ -340,7 +377,13 @@ def _ready_chunks(
     if layout.defers:
         assert enable_weight_grad_deferral(chunks) > 0
     if ddp:
-        chunks = [DistributedDataParallel(config, _ddp_config(layout), c) for c in chunks]
+        mirror = layout.schedule == "dualpipe" and not layout.megatron_lm_bucketing
+        chunks = [
+            DistributedDataParallel(
+                config, _ddp_config(layout), c, disable_bucketing=i > 0 or mirror
+            )
+            for i, c in enumerate(chunks)
+        ]
         config.finalize_model_grads_func = finalize_model_grads
         if layout.overlap_grad_reduce:
             config.no_sync_func = [c.no_sync for c in chunks]
@@ -392,6 +435,7 @@ def _ddp_config(layout: Layout) -> DistributedDataParallelConfig:
     options = dict(
         overlap_grad_reduce=layout.overlap_grad_reduce,
         use_distributed_optimizer=layout.distributed_optimizer,
+        bucket_size=layout.bucket_size,
     )
     if layout.defers:
         return ddp_config_for_deferral(**options)
@@ -412,6 +456,12 @@ def _loss_microbatches(layout: Layout) -> list[int]:
         for half in action.computes
         if half.kind is Kind.F and p.next_stage(half.stage) is None
     ]
+
+
+def _peak_activation_bytes(schedule: Any, chunks: list[torch.nn.Module]) -> int | None:
+    """The runtime's measured peak of saved activation bytes in the step (our schedules)."""
+    executor = getattr(schedule, "executor", None)
+    return None if executor is None else executor(chunks).peak_activation_bytes
 
 
 def _pipelined_worker(
@@ -447,8 +497,9 @@ def _pipelined_worker(
             "loss_microbatches": _loss_microbatches(layout),
             "losses": [d["loss"].item() for d in loss_dicts],
             "mtp_losses": _take_mtp_losses(),
-            "grads": _merge([tm.global_gradients(c) for c in chunks]),
+            "grads": _merge([_gradients(c, layout) for c in chunks]),
             "deferred": deferred[0],
+            "peak_bytes": _peak_activation_bytes(schedule, chunks),
         }
         if optimizer is not None:
             success, grad_norm, _ = optimizer.step()
@@ -493,18 +544,28 @@ def _run(model: Model, layout: Layout) -> tuple[dict[str, Any], list[dict[str, A
     return reference, results
 
 
-def _check(model: Model, layout: Layout, expected_schedule: str) -> dict[str, float]:
+def _check(model: Model, layout: Layout, expected_schedule: str) -> dict[str, Any]:
     """Run ``layout`` and assert it matches the reference; returns the max errors."""
     reference, results = _run(model, layout)
     assert {r["schedule"] for r in results} == {expected_schedule}
 
     worst = {"loss": 0.0, "grad": 0.0}
+    known = {name: torch.zeros_like(g, dtype=torch.bool) for name, g in reference["grads"].items()}
     for rank, result in enumerate(results):
         # With deferral, every rank's B actions leave their dW to the W actions.
         assert (result["deferred"] > 0) == layout.defers, (rank, result["deferred"])
+        grads = result["grads"]
+        for name, grad in grads.items():
+            known[name] |= ~grad.isnan()
+        expected = {  # where a rank knows only part of a gradient (its shard), that part
+            n: torch.where(grads[n].isnan(), grads[n], reference["grads"][n]) for n in grads
+        }
+        actual = {n: g.nan_to_num() for n, g in grads.items()}
         worst["grad"] = max(
             worst["grad"],
-            _assert_close_by_name(f"rank {rank} gradients", result["grads"], reference["grads"]),
+            _assert_close_by_name(
+                f"rank {rank} gradients", actual, {n: e.nan_to_num() for n, e in expected.items()}
+            ),
         )
         m = layout.microbatches
         expected = reference["losses"][result["dp_rank"] * m : (result["dp_rank"] + 1) * m]
@@ -513,6 +574,8 @@ def _check(model: Model, layout: Layout, expected_schedule: str) -> dict[str, fl
             error = abs(loss - expected[mb]) / abs(expected[mb])
             assert error <= REL_TOL, f"rank {rank} micro-batch {mb}: {loss} != {expected[mb]}"
             worst["loss"] = max(worst["loss"], error)
+    unknown = sorted(n for n, k in known.items() if not k.all())
+    assert not unknown, f"no rank holds every element of the reduced gradients of {unknown}"
     for d in range(layout.dp):
         computed = sorted(mb for r in results if r["dp_rank"] == d for mb in r["loss_microbatches"])
         # TP ranks each compute every loss of their stage.
@@ -548,6 +611,8 @@ def _check(model: Model, layout: Layout, expected_schedule: str) -> dict[str, fl
                 ),
             )
     print(f"\n{layout}: max relative errors {worst}")
+    worst["deferred"] = [r["deferred"] for r in results]
+    worst["peak_bytes"] = [r["peak_bytes"] for r in results]
     return worst
 
 

@@ -120,4 +120,4 @@ def test_the_base_package_simulates_without_torch(tmp_path: Path) -> None:
     train = run("train", "--config", config)
     assert train.returncode == 2 and "Traceback" not in train.stderr
     assert "train needs torch and megatron-core" in train.stderr
-    assert "pip install 'megatron-dualpipe[megatron]'" in train.stderr
+    assert "(it is not on PyPI), pip install -e '.[megatron]'" in train.stderr

@@ -178,6 +178,14 @@ def test_megatrons_own_1f1b_keeps_megatrons_function() -> None:
             "--overlap-moe-expert-parallel-comm needs expert parallelism",
         ),
         (
+            dict(pipeline_schedule="dualpipe", use_megatron_fsdp=True),
+            "which --use-megatron-fsdp shards: drop it, or choose dualpipev",
+        ),
+        (
+            dict(pipeline_schedule="dualpipe", overlap_grad_reduce=True, ddp_bucket_size=10**6),
+            "needs one DDP bucket per model chunk",
+        ),
+        (
             dict(
                 overlap_moe_expert_parallel_comm=True,
                 num_experts=4,
@@ -196,6 +204,16 @@ def test_apply_refuses_a_bad_combination_in_one_sentence(
     text = str(err.value)
     assert message in text
     assert "\n" not in text
+
+
+def test_apply_asks_get_model_for_one_bucket_per_chunk_under_dualpipe() -> None:
+    """dualpipe's two copies of a stage must be bucketed alike (see prepare_mirrors)."""
+    args = _args(pipeline_schedule="dualpipe", overlap_grad_reduce=True)
+    megatron_lm.apply(args)
+    assert args.ddp_num_buckets == 1
+    untouched = _args(overlap_grad_reduce=True)  # dualpipev: one copy of each stage
+    megatron_lm.apply(untouched)
+    assert not hasattr(untouched, "ddp_num_buckets")
 
 
 def test_apply_can_exit_with_the_sentence(capsys: pytest.CaptureFixture[str]) -> None:

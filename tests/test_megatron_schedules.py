@@ -95,6 +95,46 @@ def test_without_deferral_matches_reference(schedule: str) -> None:
     _check(Model(), layout, schedule)
 
 
+MANY_BUCKETS = 2_000  # elements: the tiny model's stages span several DDP buckets
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["zb1p", "dualpipe", "dualpipev"])
+def test_distributed_optimizer_with_small_buckets_matches_reference(schedule: str) -> None:
+    """DP=2, distributed optimizer, overlap_grad_reduce, a DDP bucket size that cuts a stage
+    into several buckets: on every rank the shard of every ``main_grad`` that rank owns
+    equals the reference, and every element is owned somewhere. (dualpipe's mirror sum runs
+    after the reduce-scatter; both copies of a stage are bucketed alike, one bucket per
+    chunk, as train wraps them.)"""
+    layout = Layout(
+        pp=2,
+        dp=2,
+        ddp=True,
+        overlap_grad_reduce=True,
+        distributed_optimizer=True,
+        bucket_size=MANY_BUCKETS,
+        schedule=schedule,
+    )
+    _check(Model(), layout, schedule)
+
+
+def test_dualpipe_refuses_copies_of_a_stage_bucketed_differently() -> None:
+    """Wrapped as Megatron-LM's get_model wraps chunks (pipeline rank 0's first chunk
+    bucketed, every other chunk one bucket), the two copies of stage 0 are bucketed
+    differently: prepare_mirrors refuses it before the first step, in one sentence."""
+    layout = Layout(
+        pp=2,
+        ddp=True,
+        overlap_grad_reduce=True,
+        bucket_size=MANY_BUCKETS,
+        schedule="dualpipe",
+        megatron_lm_bucketing=True,
+    )
+    refused = "buckets dualpipe's two copies of a stage differently"
+    with pytest.raises(AssertionError, match=refused):
+        _check(Model(), layout, "dualpipe")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["zb1p", "dualpipe", "dualpipev"])
 def test_distributed_optimizer_follows_1f1b_loss_trajectory(schedule: str) -> None:

@@ -41,6 +41,7 @@ from megatron_dualpipe.schedules.ir import (
     ScheduleError,
 )
 from megatron_dualpipe.schedules.lowering import lower
+from megatron_dualpipe.schedules.nccl_rules import inflight_bound
 from megatron_dualpipe.schedules.registry import generate, spec
 from megatron_dualpipe.schedules.simulate import SimResult, simulate
 from tests.multiproc import run_workers, slow_unless
@@ -61,10 +62,12 @@ class Case:
     variable: bool = False  # micro-batches of different sequence lengths
     hook: bool = False  # stage modules plan their passes and interleave FB pairs
     tuples: bool = False  # stages take and return tuples (see SkipStage)
+    nccl_rules: bool = False  # gloo under NCCL's ordering rules (the emulation)
 
     def __str__(self) -> str:
         flags = ["defer" if self.defer else "no-defer"]
         flags += ["varlen"] * self.variable + ["hook"] * self.hook + ["tuples"] * self.tuples
+        flags += ["nccl-rules"] * self.nccl_rules
         return f"{self.schedule}-pp{self.ranks}-m{self.microbatches}-{'-'.join(flags)}"
 
     def build(self) -> Schedule:
@@ -89,6 +92,14 @@ def _cases() -> list[Case]:
     cases += [
         Case("zb1p", 2, 4, defer=False, tuples=True),
         Case("dualpipev", 2, 4, variable=True, tuples=True),
+    ]
+    for ranks in (2, 4):
+        for name in ("zb1p", "dualpipe", "dualpipev"):
+            least = spec(name).min_microbatches(ranks)
+            cases += [Case(name, ranks, m, nccl_rules=True) for m in (least, least + 2)]
+    cases += [
+        Case("dualpipev", 2, 4, variable=True, tuples=True, nccl_rules=True),
+        Case("dualpipe", 2, 4, hook=True, nccl_rules=True),
     ]
     return cases
 
@@ -267,6 +278,8 @@ class Outcome:
     stepped: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # chunk -> params
     overlapped: int = 0
     fb_order: list[str] = field(default_factory=list)
+    peak_sends: int = 0
+    inflight_bound: int = 0
 
 
 def rank_modules(case: Case, placement: Placement, rank: int) -> list[nn.Module]:
@@ -296,6 +309,7 @@ def run_case(rank: int, case: Case) -> Outcome:
         defer_weight_grads=case.defer,
         timeout_s=TIMEOUT_S,
         variable_shapes=case.variable,
+        nccl_rules=case.nccl_rules,
     )
     PlannedSequential.order = []
     result = executor.run(inputs)
@@ -312,6 +326,8 @@ def run_case(rank: int, case: Case) -> Outcome:
         simulate(schedule).ranks[rank].peak_activations,
         overlapped=result.overlapped,
         fb_order=PlannedSequential.order,
+        peak_sends=result.peak_sends,
+        inflight_bound=inflight_bound(executor.plan())[rank],
     )
     if case.defer and not case.variable:
         outcome.outputs = executor.run(inputs, forward_only=True, return_outputs=True).outputs
@@ -367,6 +383,15 @@ def test_losses_and_gradients_match_the_single_process_reference(case: Case) -> 
                 error = relative_error(grad, expected)
                 assert error <= 1e-5, f"rank {rank} chunk {chunk} parameter {i}: {error:.2e}"
     assert seen == set(ref.grads)
+
+
+@pytest.mark.parametrize("case", _params([c for c in CASES if c.nccl_rules]))
+def test_sends_in_flight_stay_within_the_plans_bound_under_nccl_rules(case: Case) -> None:
+    """Sends complete only once received (rendezvous), and each is released as soon as it
+    is seen complete: the sent messages held at once never exceed the plan's bound."""
+    outcomes = outcomes_of(case)
+    for rank, outcome in enumerate(outcomes):
+        assert 0 < outcome.peak_sends <= outcome.inflight_bound, f"rank {rank}"
 
 
 @pytest.mark.parametrize("case", _params(CASES))

@@ -110,6 +110,7 @@ def test_only_a_broken_connection_is_blamed_on_the_peer(case, error, cause) -> N
     with pytest.raises(PipelineCommError) as raised, Watchdog(0, TIMEOUT_S).guard("0SEND_F0", 1):
         raise RuntimeError(_GLOO_ERRORS[case])
     assert type(raised.value) is error
+    assert str(raised.value.__cause__) == _GLOO_ERRORS[case]  # the backend's error is kept
     message = str(raised.value)
     assert message.startswith("pipeline rank 0 ") and "0SEND_F0 (peer: rank 1)" in message
     assert f"{cause} ({_GLOO_ERRORS[case]})" in message

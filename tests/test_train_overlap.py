@@ -75,9 +75,11 @@ def test_megatrons_preconditions_are_one_sentence(overrides: tuple, message: str
     assert "\n" not in text
 
 
-def test_recomputation_alone_is_refused() -> None:
-    with pytest.raises(ConfigError, match="recompute_granularity: activation recomputation"):
-        load_config(MOE, ["recompute_granularity=selective"])
+def test_selective_recomputation_is_taken_with_overlap_as_megatron_takes_it() -> None:
+    """Megatron-Core refuses full recomputation with the overlap (above), not selective."""
+    values = ["overlap_moe_expert_parallel_comm=true", "bf16=true"]
+    cfg = load_config(MOE, [*values, "recompute_granularity=selective"])
+    assert cfg.recompute_granularity == "selective" and cfg.overlap_moe_expert_parallel_comm
 
 
 def test_the_dense_model_hears_the_whole_condition_at_once() -> None:

@@ -46,8 +46,12 @@ On another megatron-core release ``apply_cpu_compat`` refuses to patch
 (:class:`~.version.MegatronVersionError`). docs/megatron-on-cpu.md explains each patch,
 the traps left (batched P2P at PP=2 with two chunks) and what runs on CPU.
 
-Not covered: activation recomputation (``_get_cuda_rng_state`` in random.py), fp16/bf16
-optimizers, TE layers, CUDA graphs.
+- ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` (tensor_parallel/random.py), which
+  activation recomputation's ``CheckpointFunction`` calls to replay the CUDA generator around
+  a recomputed forward: on CPU there is no CUDA generator (the CPU generator and the
+  tracker's CPU states, saved beside it, are replayed as they are).
+
+Not covered: fp16/bf16 optimizers, TE layers, CUDA graphs.
 """
 
 from __future__ import annotations
@@ -221,6 +225,7 @@ def apply_cpu_compat() -> None:
     for module_name, _why in _TORCH_ON_CPU_SITES:
         importlib.import_module(module_name).torch = _TORCH_ON_CPU
     _install_cpu_rng_tracker()
+    _patch_recompute_rng()
     _make_tensor_cuda_identity_in_embedding_setup()
     _patch_moe()
     _patch_mla_without_te()
@@ -403,6 +408,12 @@ class CpuRNGStatesTracker(_mrandom.CudaRNGStatesTracker):
                 outer_state = self.states_[outer_name]
             torch.set_rng_state(outer_state)
             self._current_state_name = outer_name
+
+
+def _patch_recompute_rng() -> None:
+    """No CUDA generator state to save and restore around a recomputed forward on CPU."""
+    _mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    _mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
 
 
 def _install_cpu_rng_tracker() -> None:

@@ -71,8 +71,17 @@ TE layers whose input does not require grad, and TE's ``.grad``-overwriting
 (use Megatron DDP or gradient-accumulation fusion).
 Left as they are (correct, just not deferred): subclasses of the two layer classes (e.g.
 ``ColumnParallelLinearGathered``), layers without their own weight (an output layer fed
-the tied embedding weight at call time), frozen weights, and layers recomputed inside a
-backward by activation checkpointing (their recomputed forward sees no active store).
+the tied embedding weight at call time) and frozen weights.
+
+Activation recomputation (Megatron's ``recompute_granularity`` full or selective): a
+recomputed layer runs its forward a second time inside the backward of the B that needs it
+(``tensor_parallel.checkpoint``), where no store is active (and, on GPUs, on autograd's own
+thread, which sees no context variable of the caller). Every deferring layer therefore keeps
+a weak reference to the store its last forward saw, and a forward that finds no active
+store while that store captures a backward is such a recomputation: it takes that store, so
+the recomputed layer's dW is deferred to the W like any other, holding only what dW needs
+(the layer's input and output gradient; the rest of the recomputed activations are freed
+when the B ends).
 
 Memory: a deferred local layer keeps its input and output gradient until its W; under
 sequence parallelism it keeps the all-gathered input (the all-gather is done in B so that
@@ -84,6 +93,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import sys
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -199,6 +209,19 @@ class _Plan:
     sequence_parallel: bool
     tp_group: Any
     store: WeightGradStore | None
+
+
+def _store_for_forward(module: nn.Module) -> WeightGradStore | None:
+    """The store a deferring ``module``'s forward runs under: the active one (remembered on
+    the module), else the one its last forward saw while that one captures a backward (a
+    forward recomputed inside a B; see the module docstring), else None."""
+    store = active_store()
+    if store is not None:
+        module._dualpipe_last_store = weakref.ref(store)
+        return store
+    last = getattr(module, "_dualpipe_last_store", None)
+    remembered = last() if last is not None else None
+    return remembered if remembered is not None and remembered.capturing else None
 
 
 def _gather_sequence(inputs: torch.Tensor, group: Any, shared: bool) -> tuple[torch.Tensor, Any]:
@@ -418,7 +441,7 @@ class _DeferrableParallelLinear:
             allreduce_dgrad=allreduce_dgrad,
             sequence_parallel=sequence_parallel,
             tp_group=tp_group,
-            store=active_store(),
+            store=_store_for_forward(self),
         )
         return _DeferrableLinearFunction.apply(inputs, weight, bias, plan)
 
@@ -595,7 +618,7 @@ def _te_forward_pre_hook(name: str, module: nn.Module, args: tuple[Any, ...]) ->
             f"{name}: TE deferral needs this layer's input to require grad"
         )
     work = partial(_te_backward_dw, module, name)
-    return (_AfterTEBackward.apply(args[0], work, active_store()), *args[1:])
+    return (_AfterTEBackward.apply(args[0], work, _store_for_forward(module)), *args[1:])
 
 
 def _enable_te(module: nn.Module, name: str) -> bool:

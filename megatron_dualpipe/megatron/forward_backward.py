@@ -8,10 +8,11 @@ rank's part of the schedule with the runtime executor, each local model chunk wr
 ``timers``, ``variable_seq_lengths``, ``calculate_per_token_loss``.
 
 The object owns everything that lives longer than one step: an executor per model (held
-through weak references, so a dropped model is freed), the extra process groups a
-tag-ignoring backend needs, the timeout of every pipeline wait and an optional timeline
-sink. Keep one object per training run: it checks the configuration once, when it first
-sees a model, and reuses that executor every step.
+through weak references, so a dropped model is freed), the two-rank channel groups a
+tag-ignoring backend needs (made once, at the first step, collectively over the world),
+the timeout of every pipeline wait and an optional timeline sink. Keep one object per
+training run: it checks the configuration once, when it first sees a model, and reuses
+that executor every step.
 
 Process groups: as Megatron's own schedules, either pass neither ``p2p_communicator`` nor
 ``pg_collection`` (the groups come from ``parallel_state``) or both; then the pipeline
@@ -34,6 +35,7 @@ import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -42,7 +44,9 @@ from megatron.core import parallel_state
 from megatron.core.utils import get_model_config
 
 from ..runtime import DEFAULT_TIMEOUT_S, PipelineExecutor, RankTimeline, TensorSpec
-from ..schedules.ir import Action, Kind, Schedule
+from ..runtime.transport import GroupTransport, Transport, make_channel_groups
+from ..schedules.comm_plan import channels
+from ..schedules.ir import Action, Kind, Placement, Schedule
 from .checks import DualPipeConfigError, check_run, schedule_spec
 from .mirror import sync_mirror_expert_loads, sync_mirror_gradients
 from .placement import config_chunk_roles
@@ -147,7 +151,7 @@ class DualPipeForwardBackward:
         self.timeline_sink = timeline_sink
         # Keyed by the first model chunk, held weakly: a dropped model drops its executor.
         self._prepared: weakref.WeakKeyDictionary[Any, _Prepared] = weakref.WeakKeyDictionary()
-        self._backward_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self._transports: dict[tuple, Transport] = {}
         #: The schedule run in place of the generated one (see :meth:`use_schedule`).
         self.schedule: Schedule | None = None
         #: FB overlap in the last training step (None before one).
@@ -173,6 +177,8 @@ class DualPipeForwardBackward:
         has the generated schedule's placement and refuses it in one sentence otherwise.
         Call it on every pipeline rank between the same two steps."""
         self.schedule = schedule
+        for prepared in list(self._prepared.values()):
+            prepared.executor.close()
         self._prepared.clear()
 
     def executor(self, model: Any) -> PipelineExecutor | None:
@@ -183,24 +189,22 @@ class DualPipeForwardBackward:
         return None if prepared is None else prepared.executor
 
     # -- set-up, once per model -----------------------------------------------------------
-    def _backward_group(self, pipeline: dist.ProcessGroup) -> dist.ProcessGroup | None:
-        """A second group over the pipeline ranks, for gradients, where the backend ignores
-        tags (NCCL): it keeps the two directions between a pair of ranks apart.
-
-        Creating groups is collective over the whole world: every rank learns every
-        pipeline group and creates one backward group per pipeline group, in the same order.
-        """
-        if dist.get_backend(pipeline) == "gloo":
+    def _transport(
+        self, pipeline: dist.ProcessGroup, placement: Placement, device: torch.device
+    ) -> Transport | None:
+        """For messages on a device (NCCL, which ignores tags): one two-rank group per
+        channel of the placement, made at the first step (collective over the world), with
+        a timeout beyond the executor's, kept for every executor after it; on the CPU
+        (gloo): None, the executor's tagged default."""
+        if device.type == "cpu":
             return None
-        mine = tuple(dist.get_process_group_ranks(pipeline))
-        if mine not in self._backward_groups:
-            every: list[tuple[int, ...] | None] = [None] * dist.get_world_size()
-            dist.all_gather_object(every, mine)
-            for ranks in sorted(set(every)):
-                group = dist.new_group(list(ranks))
-                if ranks == mine:
-                    self._backward_groups[ranks] = group
-        return self._backward_groups[mine]
+        ranks = dist.get_process_group_ranks(pipeline)
+        key = (tuple(ranks), placement.kind, placement.num_ranks)
+        if key not in self._transports:
+            timeout = timedelta(seconds=2 * self.timeout_s)
+            groups = make_channel_groups(channels(placement), pipeline, timeout=timeout)
+            self._transports[key] = GroupTransport(groups, ranks, device=device)
+        return self._transports[key]
 
     def _prepare(
         self,
@@ -223,6 +227,8 @@ class DualPipeForwardBackward:
         prepared = self._prepared.get(model[0])
         if prepared is not None and prepared.key == key:
             return prepared
+        if prepared is not None:
+            prepared.executor.close()  # its helper threads go with it
         check_run(
             self.schedule_name,
             pipeline_size=groups.pp_size,
@@ -245,7 +251,7 @@ class DualPipeForwardBackward:
             specs=dict.fromkeys(range(schedule.placement.num_stages), spec),
             loss_fn=lambda loss, mb: loss,
             group=groups.pipeline,
-            backward_group=self._backward_group(groups.pipeline),
+            transport=self._transport(groups.pipeline, schedule.placement, device),
             defer_weight_grads=True,
             timeout_s=self.timeout_s,
             variable_shapes=bool(config.variable_seq_lengths),
@@ -337,6 +343,7 @@ class DualPipeForwardBackward:
             forward_only=forward_only,
             first_val_step=first_val_step,
             cp_group_size=groups.cp_size,
+            device=_device_of(model[0]),
         )
         for stage, data in zip(stages, _chunk_data(data_iterator, schedule, stages), strict=True):
             stage.begin_step(step, data)

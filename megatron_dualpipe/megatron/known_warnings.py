@@ -13,6 +13,8 @@ __all__ = ["KNOWN_WARNINGS", "silence_known_warnings"]
 KNOWN_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
     (UserWarning, r"(Transformer Engine and )?Apex (is|are) not installed"),
     (UserWarning, r"full scope is deprecated"),
+    # Selective core_attn recomputation: about Transformer Engine's fused attention.
+    (UserWarning, r"If you are using transformer_engine as the transformer implementation"),
     (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated"),
     (FutureWarning, r"Please use DTensor instead"),
     (FutureWarning, r"`load_state_dict` is deprecated"),

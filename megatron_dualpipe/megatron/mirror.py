@@ -20,7 +20,15 @@ from megatron.core import parallel_state
 from torch import nn
 
 from ..runtime import DEFAULT_TIMEOUT_S
-from ..runtime.mirror import copy_mirror_params, param_grad, sync_mirror_grads
+from ..runtime.mirror import (
+    Buckets,
+    check_mirror_layouts,
+    copy_mirror_params,
+    param_buckets,
+    param_grad,
+    sync_mirror_grads,
+)
+from .checks import DualPipeConfigError
 from .placement import placement_of
 
 __all__ = ["prepare_mirrors", "sync_mirror_expert_loads", "sync_mirror_gradients"]
@@ -36,6 +44,62 @@ def _where(group: dist.ProcessGroup | None) -> dict:
     }
 
 
+def _ddp_buffers(chunk: nn.Module) -> list | None:
+    """Megatron DDP's gradient buffers of a chunk (dense, then expert), or None unwrapped."""
+    buffers = getattr(chunk, "buffers", None)
+    if not isinstance(buffers, list):
+        return None
+    return buffers + list(getattr(chunk, "expert_parallel_buffers", []))
+
+
+#: The most bytes one exchange of the mirror sum moves (a DDP bucket is cut into slices).
+SLICE_BYTES = 64 * 2**20
+
+
+def _slices(data: torch.Tensor) -> Buckets:
+    """``data`` (contiguous, 1-d) in slices of at most :data:`SLICE_BYTES`, one a bucket."""
+    step = max(1, SLICE_BYTES // data.element_size())
+    return [[data[at : at + step]] for at in range(0, data.numel(), step)]
+
+
+def _grad_buckets(chunk: nn.Module) -> Buckets:
+    """What the mirror exchange sends of a chunk: Megatron DDP's gradient buffers as laid
+    out, in slices; with the distributed optimizer only this data-parallel rank's shard of
+    each bucket (the only part reduced over the data-parallel ranks, and the only part the
+    optimizer reads); unwrapped, the chunk's gradients."""
+    buffers = _ddp_buffers(chunk)
+    if buffers is None:
+        return param_buckets(chunk, _main_grad)
+    pieces: Buckets = []
+    for buffer in buffers:
+        sharded = buffer.ddp_config.use_distributed_optimizer
+        dp, dp_rank = buffer.data_parallel_world_size, buffer.data_parallel_group.rank()
+        for bucket in buffer.buckets:
+            data = bucket.grad_data
+            if sharded:
+                size = data.numel() // dp
+                data = data[dp_rank * size : (dp_rank + 1) * size]
+            pieces += _slices(data)
+    return pieces
+
+
+def _bucket_layout(chunk: nn.Module) -> list[list[int]]:
+    """A chunk's DDP buckets: each bucket's size, its gradients' element size and its
+    parameters' sizes, in order."""
+    buffers = _ddp_buffers(chunk) or []
+    return [
+        [bucket.grad_data.numel(), bucket.grad_data.element_size()]
+        + [p.numel() for p in bucket.params_list]
+        for buffer in buffers
+        for bucket in buffer.buckets
+    ]
+
+
+def _chunk_device(chunk: nn.Module) -> torch.device:
+    first = next(iter(chunk.parameters()), None)
+    return torch.device("cpu") if first is None else first.device
+
+
 def prepare_mirrors(
     model: Sequence[nn.Module],
     *,
@@ -44,8 +108,29 @@ def prepare_mirrors(
 ) -> None:
     """Make each chunk 1 a copy of its mirror's chunk 0 and leave chunk 1's parameters out of
     the gradient norm (Megatron skips parameters marked ``shared``). Call once after
-    building (and wrapping) the model."""
-    copy_mirror_params(model, **_where(group), timeout_s=timeout_s)
+    building (and wrapping) the model.
+
+    The copies' gradients are summed after Megatron's data-parallel reduction, which with
+    the distributed optimizer leaves each rank only its shard of each DDP bucket: both
+    copies of a stage must be bucketed alike, or the sum mixes shards. Megatron's DDP
+    buckets only pipeline rank 0's first chunk, so under dualpipe wrap every chunk with
+    ``disable_bucketing=True``; a different layout is refused here in one sentence."""
+    where = _where(group)
+    try:
+        check_mirror_layouts(
+            [_bucket_layout(chunk) for chunk in model],
+            **where,
+            timeout_s=timeout_s,
+            device=_chunk_device(model[0]),
+        )
+    except ValueError as err:
+        raise DualPipeConfigError(
+            f"Megatron's DDP buckets dualpipe's two copies of a stage differently ({err}): "
+            "wrap every model chunk with DistributedDataParallel(..., disable_bucketing=True), "
+            "as megatron-dualpipe's train does (Megatron buckets pipeline rank 0's first "
+            "chunk only), or set overlap_grad_reduce off"
+        ) from err
+    copy_mirror_params(model, **where, timeout_s=timeout_s)
     for param in model[1].parameters():
         param.shared = True
 
@@ -62,8 +147,11 @@ def sync_mirror_gradients(
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> None:
     """Sum the gradients (``main_grad`` under Megatron DDP, else ``.grad``) of the two copies
-    of every stage."""
-    sync_mirror_grads(model, **_where(group), grad_of=_main_grad, timeout_s=timeout_s)
+    of every stage, one slice of a DDP bucket at a time (the only extra memory is one slice;
+    the layouts were checked by :func:`prepare_mirrors`)."""
+    sync_mirror_grads(
+        model, **_where(group), buckets=_grad_buckets, timeout_s=timeout_s, check_layout=False
+    )
 
 
 class _TokenCounts(nn.Module):

@@ -40,8 +40,14 @@ class StepInputs:
     forward_only: bool
     first_val_step: bool | None
     cp_group_size: int
+    #: Where the step's token count lives: the model's device (NCCL reduces device tensors).
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     forward_data_store: list[Any] = field(default_factory=list)
-    total_num_tokens: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int))
+    total_num_tokens: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.total_num_tokens is None:
+            self.total_num_tokens = torch.zeros((), dtype=torch.int, device=self.device)
 
 
 class MegatronStage(nn.Module):
@@ -88,7 +94,8 @@ class MegatronStage(nn.Module):
 
     def _count_tokens(self, num_tokens: torch.Tensor) -> None:
         if self.role.post_process:
-            self.step.total_num_tokens += num_tokens.to(self.step.total_num_tokens.dtype).cpu()
+            # On the loss's device, as Megatron's schedules count: no host sync per micro-batch.
+            self.step.total_num_tokens += num_tokens.to(self.step.total_num_tokens)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         step, is_first = self._next_forward()

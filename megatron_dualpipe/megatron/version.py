@@ -16,6 +16,7 @@ __all__ = [
     "PINNED_MEGATRON_CORE",
     "MegatronVersionError",
     "installed_megatron_core",
+    "null_tokenizer_library",
     "require_pinned_megatron_core",
 ]
 
@@ -47,3 +48,13 @@ def require_pinned_megatron_core(
             f"{found} is installed: pip install 'megatron-core=={PINNED_MEGATRON_CORE}' "
             f"or {otherwise}"
         )
+
+
+def null_tokenizer_library() -> str:
+    """The metadata ``library`` that selects Megatron-Core's NullTokenizer in
+    ``MegatronTokenizer.from_pretrained``: ``null`` in 0.16.1, ``null-text`` once the text
+    and vision tokenizer libraries were split (0.19.x, whose ``megatron_tokenizer`` module
+    lists ``TEXT_LIBRARIES``)."""
+    from megatron.core.tokenizers import megatron_tokenizer
+
+    return "null-text" if hasattr(megatron_tokenizer, "TEXT_LIBRARIES") else "null"

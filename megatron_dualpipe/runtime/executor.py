@@ -40,21 +40,26 @@ Contracts:
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..schedules.ir import COMM_KINDS, Action, Kind, Schedule
-from ..schedules.lowering import message_key, peer_of
+from ..schedules.comm_plan import CommPlan, Compute, Init, Issue, Wait, channels, comm_plan
+from ..schedules.ir import Action, Kind, Placement, Schedule
+from ..schedules.nccl_rules import check_nccl
 from ..schedules.validate import check_weight_grads_in_b_order, validate
+from .nccl_emulation import NcclRulesTransport
 from .p2p import MessageKey, Payload, PipeComm, TensorSpec
 from .planned import PlannedStage
-from .timeline import RankTimeline
+from .timeline import RankTimeline, clock_for
+from .transport import GroupTransport, Transport, make_channel_groups
 from .watchdog import DEFAULT_TIMEOUT_S, Watchdog
 from .weight_grad_store import WeightGradStore
 
@@ -73,42 +78,69 @@ class StepResult:
 
     ``losses`` and ``outputs`` (the last stage's outputs as it returned them, detached,
     when asked) are keyed by micro-batch and present only on ranks where a path ends.
-    ``peak_activations`` is the measured peak of live (stage, micro-batch) activations.
-    ``timeline`` is set when recording was asked for (see
+    ``peak_activations`` is the measured peak of live (stage, micro-batch) activations,
+    ``peak_activation_bytes`` the peak of the bytes their forwards saved for backward
+    (distinct storages, parameters excluded; what a recomputation holds for the moment of
+    one backward is not counted). ``timeline`` is set when recording was asked for (see
     :func:`~.timeline.gather_timeline`). ``overlapped`` counts the FB actions whose halves
-    ran interleaved (planned stages).
+    ran interleaved (planned stages). ``peak_sends`` is the most sent messages whose
+    tensors the rank held at once, waiting for their sends to complete.
     """
 
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: dict[int, Activation] = field(default_factory=dict)
     peak_activations: int = 0
+    peak_activation_bytes: int = 0
     timeline: RankTimeline | None = None
     overlapped: int = 0
+    peak_sends: int = 0
 
 
 class _Counter:
-    """Live and peak count of activation tokens."""
+    """Live and peak count of activation tokens, and of the bytes saved under them."""
 
     def __init__(self) -> None:
         self.live = 0
         self.peak = 0
+        self.live_bytes = 0
+        self.peak_bytes = 0
 
     def token(self) -> _Token:
         self.live += 1
         self.peak = max(self.peak, self.live)
         return _Token(self)
 
+    def restart(self) -> None:
+        """A new step: the peaks start from what is live now."""
+        self.peak, self.peak_bytes = self.live, self.live_bytes
+
 
 class _Token:
-    """Alive exactly as long as something still holds one micro-batch's activations."""
+    """Alive exactly as long as something still holds one micro-batch's activations; counts
+    the bytes of the distinct storages saved for its backward (parameters excluded)."""
 
-    __slots__ = ("counter",)
+    __slots__ = ("counter", "nbytes", "storages")
 
     def __init__(self, counter: _Counter):
         self.counter = counter
+        self.nbytes = 0
+        self.storages: set[int] = set()
+
+    def saved(self, tensor: torch.Tensor) -> None:
+        if isinstance(tensor, nn.Parameter) or tensor.device.type == "meta":
+            return
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in self.storages:
+            return
+        self.storages.add(storage.data_ptr())
+        self.nbytes += storage.nbytes()
+        counter = self.counter
+        counter.live_bytes += storage.nbytes()
+        counter.peak_bytes = max(counter.peak_bytes, counter.live_bytes)
 
     def __del__(self) -> None:
         self.counter.live -= 1
+        self.counter.live_bytes -= self.nbytes
 
 
 @dataclass
@@ -122,15 +154,6 @@ class _Unit:
     roots: Payload
     token: _Token | None
     handle: Any = None
-
-
-@dataclass
-class _Comm:
-    """A run of adjacent communication actions, and the receives of the next run."""
-
-    sends: list[Action]
-    receives: list[Action]
-    next_receives: list[Action]
 
 
 @dataclass
@@ -218,14 +241,24 @@ class PipelineExecutor:
     activation ``stage`` receives, a :class:`TensorSpec` or a tuple of them for a stage
     taking several tensors (needed where it comes from another rank, and for the gradient
     a stage receives from the next one). ``group`` is the pipeline group: pipeline rank i
-    is its rank i; on backends that ignore tags (NCCL) also pass ``backward_group``, a
-    second group over the same ranks. ``timeout_s`` bounds every wait (see
-    :mod:`.watchdog`). ``variable_shapes`` sends each tensor's shape ahead of it, so
-    micro-batches may differ in shape (specs then give only the number of dimensions and
-    the dtype). ``prepost_receives`` posts the next run of receives before computing, so
-    their data lands during compute (at the price of one receive buffer per channel held
-    early). ``free_outputs`` (Megatron's ``deallocate_pipeline_outputs``) frees each sent
-    output's storage once it is sent, and then refuses outputs that are views.
+    is its rank i. ``timeout_s`` bounds every wait (see :mod:`.watchdog`).
+    ``variable_shapes`` sends each message's shapes ahead of it, so micro-batches may
+    differ in shape (specs then give only the number of dimensions and the dtype).
+    ``prepost_receives`` posts the next run of receives before computing, so their data
+    lands during compute. ``comm_layout`` is the plan's layout of communicators
+    (``per-kind``, one per message kind, deadlocks on NCCL: kept to show it on gloo).
+    ``free_outputs`` (Megatron's ``deallocate_pipeline_outputs``)
+    frees each sent output's storage once it is sent, and then refuses outputs that are
+    views.
+
+    Communication follows the schedule's :func:`~megatron_dualpipe.schedules.comm_plan.
+    comm_plan` and nothing else, through ``transport``: by default, on gloo one group with
+    a tag per message; on backends that ignore tags (NCCL) one two-rank group per channel,
+    made here (collective over the whole world: construct every rank's executor at the
+    same point, or pass a transport); with ``nccl_rules`` (gloo only, for tests) the
+    NCCL-rules emulation. On backends other than gloo the plan is checked under NCCL's
+    rules here (:func:`~megatron_dualpipe.schedules.nccl_rules.check_nccl`), and a plan
+    that would deadlock is refused before any work.
     """
 
     def __init__(
@@ -237,11 +270,13 @@ class PipelineExecutor:
         specs: Mapping[int, StageSpec] | None = None,
         loss_fn: LossFn | None = None,
         group: dist.ProcessGroup | None = None,
-        backward_group: dist.ProcessGroup | None = None,
+        transport: Transport | None = None,
+        nccl_rules: bool = False,
         defer_weight_grads: bool = True,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         variable_shapes: bool = False,
         prepost_receives: bool = True,
+        comm_layout: str = "per-channel",
         free_outputs: bool = True,
     ):
         placement = schedule.placement
@@ -269,18 +304,31 @@ class PipelineExecutor:
         self._watchdog = Watchdog(rank, timeout_s)
         self._group = group
         self._prepost = prepost_receives
+        self._layout = comm_layout
         self._specs = {stage: _stage_specs(stage, spec) for stage, spec in (specs or {}).items()}
         self._variable_shapes = variable_shapes
+        resolved = self._resolve_specs(self._specs)
+        self._message_bytes = {
+            key: sum(math.prod(s.shape) * s.dtype.itemsize for s in elements)
+            for key, elements in resolved.items()
+        }
+        device = _module_device(self.modules[0]) or torch.device("cpu")
+        if transport is None:
+            transport = _default_transport(placement, group, nccl_rules, device, timeout_s)
+        self.transport = transport
+        self._plans: dict[bool, CommPlan] = {}
+        if device.type != "cpu":  # every send taken as large: the stricter case
+            for forward_only in (False, True):
+                check_nccl(self.plan(forward_only=forward_only), eager_limit=0, bound=False)
+        self._failed: str | None = None
         self._comm = PipeComm(
             placement,
             rank,
-            self._resolve_specs(self._specs),
+            resolved,
             self._watchdog,
-            group=group,
-            backward_group=backward_group,
+            transport,
             variable_shapes=variable_shapes,
         )
-        self._programs: dict[bool, list[Action | _Comm]] = {}
 
     # -- set-up ------------------------------------------------------------------------
     def _resolve_specs(
@@ -314,42 +362,19 @@ class PipelineExecutor:
             )
         return resolved
 
-    def _program(self, training: bool) -> list[Action | _Comm]:
-        """This rank's actions with each run of communication grouped (forward-only: the
-        forwards and their messages only)."""
-        if training not in self._programs:
-            actions = self._actions(self.schedule.ranks[self.rank], training)
-            program: list[Action | _Comm] = []
-            for is_comm, run in itertools.groupby(actions, key=lambda a: a.kind in COMM_KINDS):
-                if not is_comm:
-                    program += run
-                    continue
-                run = list(run)
-                program.append(
-                    _Comm(
-                        [a for a in run if a.kind in (Kind.SEND_F, Kind.SEND_B)],
-                        [a for a in run if a.kind in (Kind.RECV_F, Kind.RECV_B)],
-                        [],
-                    )
-                )
-            comms = [item for item in program if isinstance(item, _Comm)]
-            if self._prepost:
-                for current, following in itertools.pairwise(comms):
-                    current.next_receives = following.receives
-            self._programs[training] = program
-        return self._programs[training]
-
-    @staticmethod
-    def _actions(actions: list[Action], training: bool) -> list[Action]:
-        if training:
-            return actions
-        forward_kinds = (Kind.F, Kind.SEND_F, Kind.RECV_F)
-        return [
-            half
-            for action in actions
-            for half in (action.sub[:1] if action.kind is Kind.FB else (action,))
-            if half.kind in forward_kinds
-        ]
+    def plan(self, *, forward_only: bool = False) -> CommPlan:
+        """The communication plan this executor runs (a training or a forward-only step)."""
+        if forward_only not in self._plans:
+            sizes = self._message_bytes
+            self._plans[forward_only] = comm_plan(
+                self.schedule,
+                layout=self._layout,
+                prepost=self._prepost,
+                variable_shapes=self._variable_shapes,
+                message_bytes=None if self._variable_shapes else (lambda key: sizes.get(key[:2])),
+                forward_only=forward_only,
+            )
+        return self._plans[forward_only]
 
     @property
     def live_activations(self) -> int:
@@ -357,10 +382,21 @@ class PipelineExecutor:
         are leaked (the deferred weight gradients still queued are ``len(self.store)``)."""
         return self._counter.live
 
+    def close(self) -> None:
+        """Stop the executor's helper threads; it is not used again."""
+        self._comm.abandon()
+        self._comm.close()
+
     @property
     def peak_activations(self) -> int:
         """The most (stage, micro-batch) activations held at once in the last step."""
         return self._counter.peak
+
+    @property
+    def peak_activation_bytes(self) -> int:
+        """The most bytes saved for backward held at once in the last step (see
+        :class:`StepResult`)."""
+        return self._counter.peak_bytes
 
     # -- the step ----------------------------------------------------------------------
     def run(
@@ -382,27 +418,32 @@ class PipelineExecutor:
         given, is entered around every backward (B, BW, an FB's backward half) and every
         W: the Megatron adapter uses it to let DDP see a chunk's final gradients.
         """
+        if self._failed is not None:
+            raise RuntimeError(
+                f"rank {self.rank}'s executor failed in an earlier step ({self._failed}): "
+                "its messages may still be in flight; make a new executor and process groups"
+            )
         training = not forward_only
-        program = self._program(training)
+        steps = self.plan(forward_only=forward_only).ranks[self.rank]
         comm = self._comm
         comm.reset()
         timeline = None
-        if record_timeline:
-            dist.barrier(group=self._group)
-            timeline = RankTimeline(self.rank)
-        step = _Step(inputs, training, return_outputs, timeline, action_context)
-        self._counter.peak = self._counter.live
-        with torch.set_grad_enabled(training):
-            for item in program:
-                if isinstance(item, _Comm):
-                    self._communicate(item, step, comm)
-                elif timeline is None:
-                    self._compute(item, step)
-                else:
-                    start = timeline.now()
-                    self._compute(item, step)
-                    timeline.add(item, start, timeline.now())
-            comm.finish()
+        step = _Step(inputs, training, return_outputs, None, action_context)
+        try:
+            comm.setup([s.comm for s in self.plan().ranks[self.rank] if isinstance(s, Init)])
+            if record_timeline:
+                dist.barrier(group=self._group)
+                device = _module_device(self.modules[0])
+                step.timeline = timeline = RankTimeline(self.rank, clock=clock_for(device))
+            self._counter.restart()
+            with torch.set_grad_enabled(training):
+                self._run_steps(steps, step)
+                comm.finish()
+        except BaseException as error:
+            comm.abandon()
+            lines = str(error).strip().splitlines()
+            self._failed = f"{type(error).__name__}: {lines[0] if lines else ''}"
+            raise
         leftovers = [*step.units, *step.inbox, *step.outbox]
         if leftovers or len(self.store):
             raise RuntimeError(
@@ -410,44 +451,60 @@ class PipelineExecutor:
                 f"{len(self.store)} deferred weight gradients"
             )
         step.result.peak_activations = self._counter.peak
+        step.result.peak_sends = comm.peak_sends
+        step.result.peak_activation_bytes = self._counter.peak_bytes
         if timeline is not None:
             timeline.peak_activations = self._counter.peak
-            step.result.timeline = timeline
+            step.result.timeline = timeline.resolve()
         return step.result
 
-    def _communicate(self, item: _Comm, step: _Step, comm: PipeComm) -> None:
-        sends = []
-        for action in item.sends:
-            key = message_key(action, self.placement)
+    def _run_steps(self, steps: Sequence[Compute | Issue | Wait | Init], step: _Step) -> None:
+        """This rank's plan for one step: compute, issue, wait (Init ran at set-up)."""
+        timeline = step.timeline
+        for item in steps:
+            if isinstance(item, Compute):
+                if timeline is None:
+                    self._compute(item.action, step)
+                else:
+                    start = timeline.now()
+                    self._compute(item.action, step)
+                    timeline.add(item.action, start, timeline.now())
+            elif isinstance(item, Issue):
+                self._issue(item, step)
+            elif isinstance(item, Wait):
+                step.inbox.update(self._comm.wait(item))
+                if timeline is not None:
+                    now = timeline.now()
+                    timeline.received += [
+                        (k, _sender(self.placement, k), now) for k in item.keys if k in step.inbox
+                    ]
+
+    def _issue(self, issue: Issue, step: _Step) -> None:
+        """Hand one batch of the plan to the backend: sends take their payloads from the
+        outbox (checked, contiguous) and free what they computed once issued."""
+        payloads: dict[MessageKey, Payload] = {}
+        for op in issue.ops:
+            key = op.key[:3]
+            if op.kind != "send" or key in payloads:
+                continue
             payload = step.outbox.pop(key)
-            if action.kind is Kind.SEND_F:
-                self._check_outgoing(action, key, payload)
-            sends.append((action, tuple(t.detach().contiguous() for t in payload)))
+            if key[0] is Kind.RECV_F:
+                self._check_outgoing(key, payload)
+            payloads[key] = tuple(t.detach().contiguous() for t in payload)
+        if step.timeline is not None:
+            now = step.timeline.now()
+            step.timeline.sent += [(key, issue.ops[0].peer, now) for key in payloads]
+        self._comm.issue(issue, payloads)
+        for key in payloads:
             for tensor in step.freeable.pop(key, ()):
                 tensor.data = _freed(tensor)  # the graph stays; the send holds the data
-        if step.timeline is not None:
-            now = step.timeline.now()
-            step.timeline.sent += [
-                (message_key(a, self.placement), peer_of(a, self.placement), now)
-                for a in item.sends
-            ]
-        received = comm.exchange(sends, item.receives)
-        for action, payload in zip(item.receives, received, strict=True):
-            step.inbox[message_key(action, self.placement)] = payload
-        if step.timeline is not None:
-            now = step.timeline.now()
-            step.timeline.received += [
-                (message_key(a, self.placement), peer_of(a, self.placement), now)
-                for a in item.receives
-            ]
-        if item.next_receives:
-            comm.prepost(item.next_receives)
 
-    def _check_outgoing(self, action: Action, key: MessageKey, payload: Payload) -> None:
+    def _check_outgoing(self, key: MessageKey, payload: Payload) -> None:
         """An output must match its receiver's TensorSpecs, or the receiver fails with an
         obscure size error (different shapes per micro-batch need variable_shapes; then
         the number of dimensions and the dtype must match)."""
         owner = key[1]
+        action = Action(Kind.SEND_F, self.placement.prev_stage(owner), key[2])
         specs = self._specs.get(owner)
         if specs is None:
             return
@@ -533,7 +590,10 @@ class PipelineExecutor:
 
         def pack(tensor: torch.Tensor) -> tuple[torch.Tensor, _Token]:
             saved.add(id(tensor))
-            return tensor, token
+            token.saved(tensor)
+            # Detached: an output its own grad_fn saves would otherwise hold that grad_fn,
+            # a reference cycle through autograd's C++ graph that no collector frees.
+            return tensor.detach(), token
 
         stack = ExitStack()
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _unpack))
@@ -664,6 +724,33 @@ class PipelineExecutor:
         step.units[(stage, mb)] = _Unit(grad_inputs, forward_roots, token, handle)
         self._send_input_grads(backward, backward_unit, step)
         step.result.overlapped += 1
+
+
+def _sender(placement: Placement, key: MessageKey) -> int:
+    """The rank that sends message ``key``."""
+    kind, stage, _ = key
+    source = placement.prev_stage(stage) if kind is Kind.RECV_F else placement.next_stage(stage)
+    return placement.rank_of(source)
+
+
+def _default_transport(
+    placement: Placement,
+    group: dist.ProcessGroup | None,
+    nccl_rules: bool,
+    device: torch.device,
+    timeout_s: float,
+) -> Transport:
+    """Messages on the CPU (gloo): one group, a tag per message, or the NCCL-rules
+    emulation over it; on a device (NCCL): a two-rank group per channel of the placement,
+    whose own timeout outlasts the executor's (its hang monitor speaks first)."""
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    if nccl_rules:
+        return NcclRulesTransport(group or dist.group.WORLD, ranks)
+    if device.type == "cpu":
+        return GroupTransport(group or dist.group.WORLD, ranks)
+    timeout = timedelta(seconds=2 * timeout_s)
+    groups = make_channel_groups(channels(placement), group, timeout=timeout)
+    return GroupTransport(groups, ranks, device=device)
 
 
 def _unpack(packed: tuple[torch.Tensor, _Token]) -> torch.Tensor:

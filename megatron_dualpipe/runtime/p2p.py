@@ -1,52 +1,42 @@
-"""Point-to-point messages of one rank of a lowered schedule.
+"""Point-to-point messages of one rank, as its communication plan says.
 
-Semantics (those of :mod:`megatron_dualpipe.schedules.lowering`): a send never blocks the
-sender; a receive blocks until its message is there. A message is named by its receive
-key ``(RECV_F | RECV_B, stage, micro-batch)`` and travels on a channel
-``(sender, receiver, direction)``. A message is a tuple of tensors (its *elements*, e.g.
-a stage's hidden state and its attention mask), each sent as one backend message of its own.
-
-Keeping the channels apart (at PP=2 the previous and the next rank are the same rank, and
-both directions carry traffic between them):
-
-- every element of every message has its own tag, derived from its key and its index, so
-  gloo matches each receive with exactly its send whatever the order;
-- backends that ignore tags (NCCL) match messages between two ranks in issue order, so
-  forward and backward traffic go through two process groups; within a channel a valid
-  schedule receives messages in the order they are sent (the validator checks it), and
-  both sides issue a message's elements in index order;
-- the sends and receives of a run of adjacent communication actions are issued together:
-  where the backend coalesces (NCCL) as one ``batch_isend_irecv`` per group, so that two
-  ranks sending to each other at once both progress; on gloo one by one, straight on the
-  group. The next run's receives are posted early (``prepost``) so their data can land
-  while the rank computes.
+:class:`PipeComm` carries out a rank's ``Issue`` and ``Wait`` steps of a
+:class:`~megatron_dualpipe.schedules.comm_plan.CommPlan` through a
+:class:`~.transport.Transport`, and nothing else: what is sent and received, on which
+communicator, in which batch and when the rank waits all come from the plan. A message is
+a tuple of tensors (its *elements*), each one backend operation, issued in index order on
+both sides; every element has its own tag (gloo matches by tag; NCCL, which ignores tags,
+gets a communicator per channel from the plan instead).
 
 Receive buffers take shape and dtype from the :class:`TensorSpec` of each element. With
-``variable_shapes`` each element is preceded by its shape (a small int64 message under its
-own tag), and the spec gives only the number of dimensions and dtype. Sent tensors must be
-contiguous (the executor makes them so).
+variable shapes a message is preceded by one small int64 message holding every element's
+shape, and the spec gives only each element's number of dimensions and dtype.
 
-A sent tensor must stay untouched until its send completes. On CPU (gloo) the work only
-knows it is done when waited on, so a helper thread waits on sends in order and drops
-each buffer as soon as its send completes; on a device the process group keeps the
-buffer alive itself, and the works are waited on at :meth:`PipeComm.finish`.
+Sent tensors must be contiguous and stay untouched until their send completes; a send's
+tensors are released as soon as it is known to be complete: at every step the rank polls
+its pending sends (on gloo, whose works learn of their completion only when waited on, a
+helper thread waits on them in order). ``peak_sends`` is the most sends held at once.
+Where the transport's waits do not block the host with a timeout (NCCL), a
+:class:`~.watchdog.HangMonitor` watches every operation from a side thread.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from ..schedules.ir import Action, Kind, Placement, action_text
-from ..schedules.lowering import MessageKey, message_key, peer_of
-from .watchdog import PipelineCommError, PipelineWaitError, Watchdog
+from ..schedules.comm_plan import Comm, Issue, PlanKey, Wait, key_text
+from ..schedules.ir import Kind, Placement
+from ..schedules.lowering import MessageKey
+from .transport import ElementOp, Handle, Transport
+from .watchdog import HangMonitor, PipelineCommError, PipelineWaitError, Watchdog
 
-__all__ = ["MAX_ELEMENTS", "MessageKey", "Payload", "PipeComm", "TensorSpec"]
+__all__ = ["MAX_ELEMENTS", "TAG_LIMIT", "MessageKey", "Payload", "PipeComm", "TensorSpec"]
 
 #: What one message carries: its elements, in order.
 Payload = tuple[torch.Tensor, ...]
@@ -69,25 +59,40 @@ class TensorSpec:
     device: torch.device | None = None
 
 
+def message_tag(placement: Placement, key: PlanKey, element: int) -> int:
+    """The tag of one element of a message (of its shape message where ``key`` ends in
+    ``"shape"``): even, so a transport may use the odd tag above it for its own signal."""
+    kind, stage, mb = key[:3]
+    direction = 0 if kind is Kind.RECV_F else 1
+    message = (direction * placement.num_stages + stage) * placement.num_microbatches + mb
+    return ((message * MAX_ELEMENTS + element) * 2 + (len(key) > 3)) * 2
+
+
 @dataclass
 class _Posted:
-    """A posted receive: the sender, one buffer per element and the works to wait on."""
+    """An issued receive: the sender, one buffer per element, the works to wait on."""
 
     peer: int
+    comm: Comm
     buffers: list[torch.Tensor]
-    works: list[dist.Work | None]
+    works: list[Handle] = field(default_factory=list)
+
+
+@dataclass
+class _Sent:
+    """A send in flight: what it is, to whom, its works and the tensors they read."""
+
+    what: str
+    peer: int
+    works: list[Handle]
+    tensors: list[torch.Tensor]
 
 
 class PipeComm:
-    """Sends and receives of pipeline rank ``rank``.
+    """Sends and receives of pipeline rank ``rank`` through ``transport``.
 
-    The schedule must be valid (:func:`~megatron_dualpipe.schedules.validate.validate`):
-    then every channel's receives come in the order of its sends, which is what
-    backends that match by order need. ``specs`` gives, for each (receive kind, local
-    stage) this rank receives, the :class:`TensorSpec` of each element's receive buffer
-    with its device resolved. ``group`` carries forward messages (and, on gloo, backward
-    ones too); ``backward_group`` (same ranks, same order) carries gradients where the
-    backend ignores tags. Pipeline rank ``i`` is rank ``i`` of ``group``.
+    ``specs`` gives, for each (receive kind, local stage) this rank receives, the
+    :class:`TensorSpec` of each element's receive buffer with its device resolved.
     """
 
     def __init__(
@@ -96,9 +101,8 @@ class PipeComm:
         rank: int,
         specs: Mapping[tuple[Kind, int], tuple[TensorSpec, ...]],
         watchdog: Watchdog,
+        transport: Transport,
         *,
-        group: dist.ProcessGroup | None = None,
-        backward_group: dist.ProcessGroup | None = None,
         variable_shapes: bool = False,
     ):
         for (kind, stage), elements in specs.items():
@@ -107,14 +111,7 @@ class PipeComm:
                     f"stage {stage}'s {kind.value} message has {len(elements)} tensors, more "
                     f"than the {MAX_ELEMENTS} one message may carry: concatenate some of them"
                 )
-        backend = dist.get_backend(group)
-        if backward_group is None and backend != "gloo":
-            raise ValueError(
-                f"the {dist.get_backend(group)} backend ignores message tags: pass "
-                "backward_group (a second process group over the same ranks) so forward "
-                "and backward messages between the same two ranks stay apart"
-            )
-        if 4 * placement.num_stages * placement.num_microbatches * MAX_ELEMENTS > TAG_LIMIT:
+        if 8 * placement.num_stages * placement.num_microbatches * MAX_ELEMENTS > TAG_LIMIT:
             raise ValueError(
                 f"{placement.num_stages} stages x {placement.num_microbatches} micro-batches "
                 "are too many for distinct message tags: run fewer micro-batches per step"
@@ -122,200 +119,202 @@ class PipeComm:
         self.placement = placement
         self.rank = rank
         self.watchdog = watchdog
+        self.transport = transport
         self.variable_shapes = variable_shapes
-        forward = group if group is not None else dist.group.WORLD
-        self._groups = {"F": forward, "B": forward if backward_group is None else backward_group}
-        # gloo runs batched ops one by one anyway: issue them straight on the group.
-        self._coalesce = backend != "gloo"
         self._specs = specs
+        self._monitor = (
+            HangMonitor(watchdog, transport.abort) if transport.host_waits == "stream" else None
+        )
+        self._set_up = False
         self.reset()
 
     def reset(self) -> None:
         """Start a new step (dropping whatever a failed one left)."""
-        self._posted: dict[MessageKey, _Posted] = {}
-        self._device_sends: list[tuple[dist.Work, str, int]] = []
+        self._posted: dict[PlanKey, _Posted] = {}
+        self._shapes: dict[MessageKey, list[list[int]]] = {}
+        self._sent: dict[PlanKey, _Sent] = {}
+        self._released: set[PlanKey] = set()  # sends seen complete, tensors dropped
         self._reaper: _SendReaper | None = None
+        self.peak_sends = 0
 
-    # -- tags, buffers, ops --------------------------------------------------------------
-    def _tag(self, key: MessageKey, element: int, shape: bool = False) -> int:
-        kind, stage, mb = key
-        p = self.placement
-        direction = 0 if kind is Kind.RECV_F else 1
-        message = (direction * p.num_stages + stage) * p.num_microbatches + mb
-        return ((message * MAX_ELEMENTS + element) << 1) | shape
-
-    def _group(self, key: MessageKey) -> dist.ProcessGroup:
-        return self._groups["F" if key[0] is Kind.RECV_F else "B"]
-
-    def _op(
-        self,
-        send: bool,
-        key: MessageKey,
-        element: int,
-        peer: int,
-        tensor: torch.Tensor,
-        shape: bool = False,
-    ) -> _Op:
-        return _Op(send, tensor, self._group(key), peer, self._tag(key, element, shape))
-
-    def _start(self, ops: list[_Op]) -> list[dist.Work]:
-        """Issue ``ops``: on coalescing backends as one ``batch_isend_irecv`` per group
-        (the ops of a batch share its work), else one by one; each op's work in order."""
-        if not self._coalesce:
-            return [
-                (op.group.send if op.send else op.group.recv)([op.tensor], op.peer, op.tag)
-                for op in ops
-            ]
-        works: list[dist.Work | None] = [None] * len(ops)
-        by_group: dict[int, list[int]] = {}
-        for i, op in enumerate(ops):
-            by_group.setdefault(id(op.group), []).append(i)
-        for indices in by_group.values():
-            batch = [ops[i].p2p() for i in indices]
-            done = dist.batch_isend_irecv(batch)
-            for j, i in enumerate(indices):
-                works[i] = done[j] if len(done) == len(indices) else done[-1]
-        return works  # type: ignore[return-value]
-
-    @staticmethod
-    def _buffer(spec: TensorSpec, shape: Sequence[int] | None = None) -> torch.Tensor:
-        size = spec.shape if shape is None else tuple(shape)
-        return torch.empty(size, dtype=spec.dtype, device=spec.device)
+    def setup(self, comms: Sequence[Comm]) -> None:
+        """Set up ``comms`` (this rank's, in the plan's shared order), once."""
+        if not self._set_up:
+            for comm in comms:
+                self.transport.setup(comm, self.rank, self.watchdog)
+            self._set_up = True
 
     # -- issuing ----------------------------------------------------------------------
-    def _send_ops(
-        self, sends: Sequence[tuple[Action, Payload]]
-    ) -> tuple[list[_Op], list[tuple[str, int, torch.Tensor]]]:
-        """The ops of ``sends``, element by element (with variable shapes, each shape
-        first) and, per op, the name, peer and tensor it belongs to."""
-        ops, owners = [], []
-        for action, payload in sends:
-            key = message_key(action, self.placement)
-            peer = peer_of(action, self.placement)
-            for element, tensor in enumerate(payload):
-                what = _element_name(str(action), element, len(payload))
-                if self.variable_shapes:
-                    shape = torch.tensor(tensor.shape, dtype=torch.int64, device=tensor.device)
-                    ops.append(self._op(True, key, element, peer, shape, shape=True))
-                    owners.append((what, peer, shape))
-                ops.append(self._op(True, key, element, peer, tensor))
-                owners.append((what, peer, tensor))
-        return ops, owners
+    def _receive_buffers(self, key: PlanKey) -> list[torch.Tensor]:
+        specs = self._specs[key[:2]]
+        device = specs[0].device
+        if len(key) > 3:  # every element's shape, one int64 message
+            size = sum(len(spec.shape) for spec in specs)
+            return [torch.empty(size, dtype=torch.int64, device=device)]
+        shapes = self._shapes.pop(key) if self.variable_shapes else [s.shape for s in specs]
+        return [
+            torch.empty(tuple(shape), dtype=spec.dtype, device=spec.device)
+            for spec, shape in zip(specs, shapes, strict=True)
+        ]
 
-    def _receive_ops(
-        self, receives: Sequence[Action]
-    ) -> tuple[list[_Op], list[tuple[MessageKey, int]]]:
-        """Buffers and ops for the receives not posted yet (fixed shapes), registered as
-        posted; per op its (key, element), whose work is filled in once started."""
-        ops, slots = [], []
-        for action in receives:
-            key = message_key(action, self.placement)
-            if key in self._posted:
-                continue
-            peer = peer_of(action, self.placement)
-            buffers = [self._buffer(spec) for spec in self._specs[key[:2]]]
-            self._posted[key] = _Posted(peer, buffers, [None] * len(buffers))
-            for element, buffer in enumerate(buffers):
-                ops.append(self._op(False, key, element, peer, buffer))
-                slots.append((key, element))
-        return ops, slots
-
-    def _issue(self, sends: Sequence[tuple[Action, Payload]], receives: Sequence[Action]) -> None:
-        """Start ``sends`` and the fixed-shape ``receives`` together: on coalescing
-        backends one batch, so two ranks sending to each other at once both progress."""
-        send_ops, owners = self._send_ops(sends)
-        receive_ops, slots = ([], []) if self.variable_shapes else self._receive_ops(receives)
-        ops = send_ops + receive_ops
+    def issue(self, step: Issue, payloads: Mapping[MessageKey, Payload]) -> None:
+        """Hand ``step``'s batch to the transport: sends take their (contiguous) tensors
+        from ``payloads``, receives get fresh buffers; nobody waits here."""
+        self.check()
+        self._release()
+        ops: list[ElementOp] = []
+        elements: dict[PlanKey, int] = {}
+        for op in step.ops:
+            if op.kind == "send":
+                payload = payloads[op.key[:3]]
+                if len(op.key) > 3:
+                    dims = [d for t in payload for d in t.shape]
+                    device = payload[0].device
+                    tensors = [torch.tensor(dims, dtype=torch.int64, device=device)]
+                else:
+                    tensors = list(payload)
+            else:
+                tensors = self._receive_buffers(op.key)
+                self._posted[op.key] = _Posted(op.peer, op.comm, tensors)
+            tag = message_tag(self.placement, op.key, 0)
+            ops += [ElementOp(op, i, t, tag + 4 * i) for i, t in enumerate(tensors)]
+            elements[op.key] = len(tensors)
         if not ops:
             return
-        names = dict.fromkeys([str(a) for a, _ in sends] + [action_text(*k) for k, _ in slots])
-        with self.watchdog.guard(", ".join(names), ops[0].peer):
-            works = self._start(ops)
-        for (key, element), work in zip(slots, works[len(send_ops) :], strict=True):
-            self._posted[key].works[element] = work
-        for work, (what, peer, tensor) in zip(works[: len(send_ops)], owners, strict=True):
-            if tensor.device.type == "cpu":
+        with self.watchdog.guard(_names(step.ops), step.ops[0].peer):
+            handles = self.transport.start(step.comm, ops)
+        for element, work in zip(ops, handles, strict=True):
+            op = element.op
+            what = _element_name(key_text(op.key), element.element, elements[op.key])
+            if self._monitor is not None:
+                self._monitor.watch(work, what, op.peer)
+            if op.kind == "recv":
+                self._posted[op.key].works.append(work)
+                continue
+            if self._monitor is None:  # gloo: a helper thread learns when it completed
                 if self._reaper is None:
                     self._reaper = _SendReaper(self.watchdog)
-                self._reaper.add(work, tensor, what, peer)
-            else:
-                self._device_sends.append((work, what, peer))
+                work = self._reaper.add(work, what, op.peer)
+            sent = self._sent.setdefault(op.key, _Sent(key_text(op.key), op.peer, [], []))
+            sent.works.append(work)
+            sent.tensors.append(element.tensor)
+        self.peak_sends = max(self.peak_sends, len(self._sent))
 
-    def _post_variable(self, receives: Sequence[Action]) -> None:
-        """Variable shapes: per element, receive its shape, then post its data; one at a
-        time, so issue order matches the sender's where tags are ignored."""
-        for action in receives:
-            key = message_key(action, self.placement)
-            peer = peer_of(action, self.placement)
-            specs = self._specs[key[:2]]
-            posted = self._posted[key] = _Posted(peer, [], [])
-            for element, spec in enumerate(specs):
-                what = _element_name(action_text(*key), element, len(specs))
-                shape = torch.empty(len(spec.shape), dtype=torch.int64, device=spec.device)
-                (work,) = self._start([self._op(False, key, element, peer, shape, shape=True)])
-                self.watchdog.wait(work, f"the shape of {what}", peer)
-                buffer = self._buffer(spec, shape.tolist())
-                (work,) = self._start([self._op(False, key, element, peer, buffer)])
-                posted.buffers.append(buffer)
-                posted.works.append(work)
+    # -- waiting ----------------------------------------------------------------------
+    def _wait(self, work: Handle, what: str, peer: int) -> None:
+        """Wait for one receive: with the watchdog's deadline on the host (gloo), else
+        without one, the hang monitor watching (NCCL: the host does not block)."""
+        if self._monitor is None:
+            self.watchdog.wait(work, what, peer)
+            return
+        try:
+            with self.watchdog.guard(what, peer):
+                work.wait()
+        except PipelineCommError as error:
+            if self._monitor.error is not None:
+                raise self._monitor.error from error
+            raise
 
-    # -- the public steps ---------------------------------------------------------------
-    def exchange(
-        self, sends: Sequence[tuple[Action, Payload]], receives: Sequence[Action]
-    ) -> list[Payload]:
-        """One run of adjacent communication actions: start ``sends`` (contiguous
-        tensors; they complete in the background) and ``receives`` (unless pre-posted),
-        wait for the receives and return their payloads."""
+    def wait(self, step: Wait) -> dict[MessageKey, Payload]:
+        """Block until ``step``'s messages completed; return the payloads received."""
         self.check()
-        self._issue(sends, receives)
-        if self.variable_shapes:
-            self._post_variable(receives)
-        payloads = []
-        for action in receives:
-            key = message_key(action, self.placement)
-            posted = self._posted.pop(key)
+        received = {}
+        sends = []
+        for key in step.keys:
+            posted = self._posted.pop(key, None)
+            if posted is None:
+                sends.append(key)
+                continue
             for element, work in enumerate(posted.works):
-                what = _element_name(action_text(*key), element, len(posted.works))
-                self.watchdog.wait(work, what, posted.peer)
-            payloads.append(tuple(posted.buffers))
-        return payloads
+                self._wait(
+                    work, _element_name(key_text(key), element, len(posted.works)), posted.peer
+                )
+            if len(key) > 3:
+                self._shapes[key[:3]] = self._split_shapes(key, posted.buffers[0])
+            else:
+                received[key] = tuple(posted.buffers)
+        if sends:
+            self._wait_sends(sends)
+        self._release()
+        return received
 
-    def prepost(self, receives: Sequence[Action]) -> None:
-        """Post ``receives`` ahead of need so their data can land during compute (with
-        variable shapes this does nothing: posting needs the shape)."""
-        self._issue((), receives)
+    def _split_shapes(self, key: PlanKey, dims: torch.Tensor) -> list[list[int]]:
+        values = dims.tolist()
+        shapes, at = [], 0
+        for spec in self._specs[key[:2]]:
+            shapes.append(values[at : at + len(spec.shape)])
+            at += len(spec.shape)
+        return shapes
+
+    def _wait_sends(self, keys: Sequence[PlanKey]) -> None:
+        """Wait until the sends ``keys`` completed, then release their tensors."""
+        for key in keys:
+            sent = self._sent.pop(key, None)
+            if sent is None:
+                if key in self._released:
+                    self._released.discard(key)
+                    continue
+                raise RuntimeError(f"rank {self.rank} waits for {key_text(key)}, never issued")
+            for work in sent.works:
+                if self._monitor is not None:
+                    self._wait(work, sent.what, sent.peer)
+                else:
+                    self._wait_reaped(work, sent)
+
+    def _wait_reaped(self, work: _ReapedSend, sent: _Sent) -> None:
+        """Wait for the helper thread to see a gloo send complete, within the timeout."""
+        start = time.monotonic()
+        while not work.done.wait(0.05):
+            self.check()
+            if time.monotonic() - start >= self.watchdog.timeout_s:
+                raise PipelineWaitError(
+                    self.rank,
+                    f"{sent.what} to be received",
+                    sent.peer,
+                    self.watchdog.timeout_s,
+                    "the peer never received it",
+                )
+
+    def _release(self) -> None:
+        """Drop the tensors of every send known to be complete (a non-blocking poll)."""
+        for key in [k for k, s in self._sent.items() if all(w.is_completed() for w in s.works)]:
+            sent = self._sent.pop(key)
+            self._released.add(key)
+            if self._monitor is not None:
+                for work in sent.works:
+                    work.wait()  # on NCCL: orders the compute stream after it, at no cost
 
     def check(self) -> None:
-        """Raise the error of a send that failed in the background, if any."""
-        if self._reaper is not None:
-            self._reaper.check()
+        """Raise the error of an operation that failed in the background, if any."""
+        if self._reaper is not None and self._reaper.error is not None:
+            raise self._reaper.error
+        if self._monitor is not None:
+            self._monitor.check()
 
     def finish(self) -> None:
-        """Wait until every send has completed; every posted receive must be consumed."""
-        if self._posted:
-            names = sorted(action_text(*key) for key in self._posted)
-            raise RuntimeError(f"receives posted but never consumed: {names}")
-        reaper, self._reaper = self._reaper, None
-        if reaper is not None:
-            reaper.close()
-        sends, self._device_sends = self._device_sends, []
-        for work, what, peer in sends:
-            self.watchdog.wait(work, what, peer)
+        """End the step: every issued message must have been waited on by the plan."""
+        if self._reaper is not None:
+            self._reaper.close()
+            self._reaper = None
+        left = sorted(map(key_text, [*self._posted, *self._sent, *self._released]))
+        if left:
+            raise RuntimeError(f"rank {self.rank} ended the step with messages in flight: {left}")
+
+    def abandon(self) -> None:
+        """After a failed step: stop waiting on its sends in the background."""
+        if self._reaper is not None:
+            self._reaper.close()
+            self._reaper = None
+
+    def close(self) -> None:
+        """Stop the helper threads (the executor is not used again)."""
+        if self._monitor is not None:
+            self._monitor.close()
+        self.transport.close()
 
 
-@dataclass(frozen=True, slots=True)
-class _Op:
-    """One send or receive, before it is issued."""
-
-    send: bool
-    tensor: torch.Tensor
-    group: dist.ProcessGroup
-    peer: int  # rank in ``group``
-    tag: int
-
-    def p2p(self) -> dist.P2POp:
-        op = dist.isend if self.send else dist.irecv
-        return dist.P2POp(op, self.tensor, group=self.group, tag=self.tag, group_peer=self.peer)
+def _names(ops: Sequence) -> str:
+    return ", ".join(dict.fromkeys(key_text(op.key) for op in ops))
 
 
 def _element_name(message: str, element: int, elements: int) -> str:
@@ -323,47 +322,47 @@ def _element_name(message: str, element: int, elements: int) -> str:
     return message if elements == 1 else f"{message}[{element}]"
 
 
+class _ReapedSend:
+    """A gloo send, and whether the helper thread that waits on it saw it complete."""
+
+    __slots__ = ("done", "work")
+
+    def __init__(self, work: Handle):
+        self.work: Handle | None = work
+        self.done = threading.Event()
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+
 class _SendReaper:
-    """Waits on CPU sends in a helper thread and drops each buffer once it is sent."""
+    """Waits on gloo sends in order in a helper thread (gloo's works learn of their
+    completion only when waited on) and marks each complete."""
 
     def __init__(self, watchdog: Watchdog):
         self._watchdog = watchdog
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._error: PipelineCommError | None = None
-        self._waiting_on = ("", -1)
+        self.error: PipelineCommError | None = None
         self._thread = threading.Thread(target=self._loop, name="pipeline-sends", daemon=True)
         self._thread.start()
 
-    def add(self, work: dist.Work, tensor: torch.Tensor, what: str, peer: int) -> None:
-        self._queue.put((work, tensor, what, peer))
+    def add(self, work: Handle, what: str, peer: int) -> _ReapedSend:
+        reaped = _ReapedSend(work)
+        self._queue.put((reaped, what, peer))
+        return reaped
 
     def _loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            work, tensor, what, peer = item
+            reaped, what, peer = item
             del item
-            self._waiting_on = (what, peer)
             try:
-                self._watchdog.wait(work, what, peer, bounded=False)
+                self._watchdog.wait(reaped.work, what, peer, bounded=False)
             except PipelineCommError as error:
-                self._error = error
+                self.error = error
                 return
-            del work, tensor
-
-    def check(self) -> None:
-        if self._error is not None:
-            raise self._error
+            reaped.work = None
+            reaped.done.set()
+            del reaped
 
     def close(self) -> None:
-        """Return once every queued send has completed (within the watchdog's timeout)."""
         self._queue.put(None)
-        self._thread.join(self._watchdog.timeout_s)
-        self.check()
-        if self._thread.is_alive():
-            what, peer = self._waiting_on
-            raise PipelineWaitError(
-                self._watchdog.rank,
-                f"{what} to be received",
-                peer,
-                self._watchdog.timeout_s,
-                "the peer never received it",
-            )

@@ -4,18 +4,25 @@ The gathered result is a :class:`~megatron_dualpipe.schedules.simulate.SimResult
 simulator's exports (text grid, Chrome trace, PNG) draw a measured step exactly as they
 draw a simulated one, and the two can be put side by side. Times are milliseconds since
 the earliest rank started recording (the executor starts right after a barrier). Each
-rank measures with its monotonic clock from an origin it also reads on the wall clock;
-the wall-clock origins align the ranks: exactly on one host, to the hosts' clock sync
-(NTP: about a millisecond) across hosts. The result's cost model is fitted from the
-measurement: the mean duration of each kind of action.
+rank measures from an origin it also reads on the wall clock; the wall-clock origins align
+the ranks: exactly on one host, to the hosts' clock sync (NTP: about a millisecond) across
+hosts. The result's cost model is fitted from the measurement: the mean duration of each
+kind of action.
+
+What a rank measures with (:func:`clock_for`): on CPU the host's monotonic clock; on a GPU
+CUDA events recorded on the current stream and read once the step is over, so a duration
+is the kernels' time, not the time the host took to launch them (the host runs ahead).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 
 from ..schedules.cost import CostModel
@@ -23,28 +30,90 @@ from ..schedules.export import to_png, write_chrome_trace
 from ..schedules.ir import Action, Kind, Schedule
 from ..schedules.simulate import Message, RankStats, SimResult, TimedAction
 
-__all__ = ["RankTimeline", "gather_timeline"]
+__all__ = ["DeviceClock", "HostClock", "RankTimeline", "clock_for", "gather_timeline"]
 
 #: ``(Kind.RECV_F or Kind.RECV_B, receiving stage, micro-batch)``, as in :mod:`.p2p`.
 _Key = tuple[Kind, int, int]
 
 
+class Clock(Protocol):
+    def mark(self) -> Any: ...
+
+    def resolve(self, marks: list[Any]) -> list[float]: ...
+
+
+class HostClock:
+    """Milliseconds of the host's monotonic clock since the clock was made."""
+
+    def __init__(self) -> None:
+        self.origin = time.perf_counter()
+
+    def mark(self) -> float:
+        return (time.perf_counter() - self.origin) * 1e3
+
+    def resolve(self, marks: list[Any]) -> list[float]:
+        return list(marks)
+
+
+class DeviceClock:
+    """CUDA events on the current stream; a mark is an event, read as milliseconds since
+    the clock's first event once the last has completed (``event`` makes one:
+    ``torch.cuda.Event(enable_timing=True)`` by default)."""
+
+    def __init__(self, event: Callable[[], Any] | None = None) -> None:
+        self._event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        self._origin = self._event()
+        self._origin.record()
+
+    def mark(self) -> Any:
+        event = self._event()
+        event.record()
+        return event
+
+    def resolve(self, marks: list[Any]) -> list[float]:
+        if marks:
+            marks[-1].synchronize()
+        return [self._origin.elapsed_time(event) for event in marks]
+
+
+def clock_for(device: torch.device | None, event: Callable[[], Any] | None = None) -> Clock:
+    """The clock a rank whose work runs on ``device`` measures with (see the module)."""
+    if device is not None and device.type == "cuda":
+        return DeviceClock(event)
+    return HostClock()
+
+
 @dataclass
 class RankTimeline:
     """What one rank did in one step: its compute actions with start and end, the
-    messages it sent (key, receiver, time) and received (key, sender, time), in ms."""
+    messages it sent (key, receiver, time) and received (key, sender, time), in ms once
+    :meth:`resolve` d (until then, in ``clock``'s marks)."""
 
     rank: int
     peak_activations: int = 0
     actions: list[TimedAction] = field(default_factory=list)
     sent: list[tuple[_Key, int, float]] = field(default_factory=list)
     received: list[tuple[_Key, int, float]] = field(default_factory=list)
-    origin: float = field(default_factory=time.perf_counter)
+    clock: Clock | None = field(default_factory=HostClock, repr=False)
     wall_origin: float = field(default_factory=time.time)
 
-    def now(self) -> float:
-        """Milliseconds since this timeline's origin."""
-        return (time.perf_counter() - self.origin) * 1e3
+    def now(self) -> Any:
+        """A mark of this moment on the timeline's clock (milliseconds on the host's)."""
+        return self.clock.mark()
+
+    def resolve(self) -> RankTimeline:
+        """Turn every mark into milliseconds since the origin (waiting for the device where
+        it measures with events) and drop the clock; idempotent."""
+        if self.clock is None:
+            return self
+        marks = [m for a in self.actions for m in (a.start, a.end)]
+        marks += [at for *_, at in self.sent] + [at for *_, at in self.received]
+        ms = iter(self.clock.resolve(marks))
+        self.actions = [TimedAction(a.action, next(ms), next(ms)) for a in self.actions]
+        self.sent = [(key, peer, next(ms)) for key, peer, _ in self.sent]
+        self.received = [(key, peer, next(ms)) for key, peer, _ in self.received]
+        self.clock = None
+        return self
 
     def shifted(self, ms: float) -> RankTimeline:
         """The same timeline with every time ``ms`` later."""
@@ -54,7 +123,7 @@ class RankTimeline:
             [TimedAction(t.action, t.start + ms, t.end + ms) for t in self.actions],
             [(key, peer, at + ms) for key, peer, at in self.sent],
             [(key, peer, at + ms) for key, peer, at in self.received],
-            self.origin,
+            None,
             self.wall_origin,
         )
 
@@ -92,6 +161,7 @@ def gather_timeline(
     schedule the ranks executed), and writes it as a Chrome trace and/or PNG when paths
     are given; other ranks get None.
     """
+    timeline.resolve()
     is_root = dist.get_rank(group) == 0
     gathered: list[RankTimeline] | None = [None] * dist.get_world_size(group) if is_root else None
     dist.gather_object(timeline, gathered, group=group, group_dst=0)

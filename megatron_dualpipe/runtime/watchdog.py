@@ -14,15 +14,27 @@ and raises a :class:`PipelineCommError` that says so.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Protocol
 
 from ..errors import DualPipeError
 
-__all__ = ["DEFAULT_TIMEOUT_S", "PipelineCommError", "PipelineWaitError", "Watchdog"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "HangMonitor",
+    "peer_lost",
+    "PipelineCommError",
+    "PipelineWaitError",
+    "Watchdog",
+]
+
+logger = logging.getLogger(__name__)
 
 #: How long any pipeline wait (a message, a mirror exchange) may take by default: the
 #: default of Megatron-LM's ``--distributed-timeout-minutes`` (10 minutes).
@@ -33,8 +45,18 @@ DEFAULT_TIMEOUT_S = 600.0
 _PEER_LOST = ("connection closed", "connection reset", "broken pipe", "remote process exited")
 
 
+def peer_lost(text: str) -> bool:
+    """Whether a backend's error message says the connection to a peer broke."""
+    lower = text.lower()
+    return any(fragment in lower for fragment in _PEER_LOST)
+
+
 class _Waitable(Protocol):
     def wait(self, timeout: timedelta = ...) -> object: ...
+
+
+class _Watchable(Protocol):
+    def is_completed(self) -> bool: ...
 
 
 class PipelineCommError(DualPipeError, RuntimeError):
@@ -88,7 +110,7 @@ class Watchdog:
             lower = text.lower()
             if (bounded and elapsed >= self.timeout_s * 0.99) or "timed out" in lower:
                 cause = f"no progress within the {self.timeout_s:g} s timeout ({text})"
-            elif any(fragment in lower for fragment in _PEER_LOST):
+            elif peer_lost(lower):
                 cause = f"the connection broke, the peer has probably died ({text})"
             else:
                 cause = f"the communication backend failed on this rank ({text})"
@@ -108,3 +130,89 @@ class Watchdog:
                 work.wait(timedelta(seconds=self.timeout_s))
             else:
                 work.wait()
+
+
+class HangMonitor:
+    """Turns a hang into an error where the host never waits with a deadline (NCCL:
+    ``work.wait()`` only makes the compute stream wait, so the host runs ahead).
+
+    Every operation the rank issues is :meth:`watch` ed from then on; a side thread polls
+    ``is_completed()``, and one still pending ``watchdog.timeout_s`` after it was issued
+    makes it log a :class:`PipelineWaitError` naming the rank, the message and the peer,
+    keep it as :attr:`error` and call ``abort`` (which makes the pending operations fail,
+    so nothing waits forever). :meth:`check` raises that error on the rank's thread.
+    """
+
+    def __init__(self, watchdog: Watchdog, abort: Callable[[], None], *, poll_s: float = 0.05):
+        self._watchdog = watchdog
+        self._abort = abort
+        self._lock = threading.Lock()
+        self._watched: dict[int, tuple[_Watchable, str, int, float]] = {}
+        self.error: PipelineWaitError | None = None
+        self._stop = threading.Event()
+        # The thread holds the monitor weakly: a monitor nobody closed ends with its owner.
+        self._thread = threading.Thread(
+            target=_watch, args=(weakref.ref(self), self._stop, poll_s), name="pipeline-hangs"
+        )
+        self._thread.daemon = True
+        self._thread.start()
+
+    def watch(self, work: _Watchable, what: str, peer: int) -> None:
+        """Watch ``work`` (``what``, exchanged with rank ``peer``) from now on."""
+        with self._lock:
+            self._watched.setdefault(id(work), (work, what, peer, time.monotonic()))
+
+    def poll(self) -> bool:
+        """Forget what completed; fail on what is pending past the timeout. Whether to go
+        on watching."""
+        with self._lock:
+            watched = list(self._watched.items())
+        now = time.monotonic()
+        for key, (work, what, peer, since) in watched:
+            if work.is_completed():
+                with self._lock:
+                    self._watched.pop(key, None)
+            elif now - since >= self._watchdog.timeout_s:
+                self._fail(what, peer, now - since)
+                return False
+        return True
+
+    def _fail(self, what: str, peer: int, elapsed: float) -> None:
+        self.error = PipelineWaitError(
+            self._watchdog.rank,
+            what,
+            peer,
+            elapsed,
+            f"no progress within the {self._watchdog.timeout_s:g} s timeout (seen by the "
+            "rank's hang monitor, which aborted its pipeline communicators)",
+        )
+        logger.error("%s", self.error)
+        try:
+            self._abort()
+        except Exception:  # the error above is what the rank reports
+            logger.exception("aborting the pipeline communicators failed")
+
+    @property
+    def watching(self) -> int:
+        """How many operations are watched and not seen complete yet."""
+        with self._lock:
+            return len(self._watched)
+
+    def check(self) -> None:
+        """Raise the hang this monitor saw, if any."""
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        """Stop watching."""
+        self._stop.set()
+        self._thread.join()
+
+
+def _watch(monitor: weakref.ref, stop: threading.Event, poll_s: float) -> None:
+    """The hang monitor's thread: poll until stopped, failed, or the monitor is gone."""
+    while not stop.wait(poll_s):
+        alive = monitor()
+        if alive is None or not alive.poll():
+            return
+        del alive

@@ -1,9 +1,11 @@
 """Layer 1, pure Python (no torch): the schedule IR, generators, lowering, validator,
 simulator and exports. See docs/schedules.md."""
 
+from .comm_plan import CommPlan, comm_plan
 from .cost import CostModel
 from .ir import Action, Kind, Placement, Schedule, ScheduleError
 from .lowering import lower
+from .nccl_rules import CommDeadlockError, check_nccl
 from .registry import SCHEDULES, ScheduleSpec, generate, spec
 from .simulate import DeadlockError, SimResult, simulate
 from .validate import validate
@@ -11,6 +13,8 @@ from .validate import validate
 __all__ = [
     "SCHEDULES",
     "Action",
+    "CommDeadlockError",
+    "CommPlan",
     "CostModel",
     "DeadlockError",
     "Kind",
@@ -19,6 +23,8 @@ __all__ = [
     "ScheduleError",
     "ScheduleSpec",
     "SimResult",
+    "check_nccl",
+    "comm_plan",
     "generate",
     "lower",
     "simulate",

@@ -24,7 +24,7 @@ from .cost import CostModel
 from .ir import Kind, Schedule, ScheduleError
 from .layer_split import LayerSplit, stage_layer_counts, stage_layouts, stages_from_counts
 from .layout import DECODER, EMBEDDING, LOSS, MTP, format_layout
-from .model_cost import ModelShape, StageCost, Work, stage_costs
+from .model_cost import ModelShape, Recompute, StageCost, Work, stage_costs
 from .registry import ScheduleSpec, spec
 from .retime import Retimer
 from .simulate import SimResult, simulate
@@ -77,6 +77,20 @@ class PipelineSetup:
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
     pipeline_model_parallel_layout: str | None = None
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    recompute_modules: str | None = None
+
+    @property
+    def recompute(self) -> Recompute:
+        """The activation recomputation the trainer runs (Megatron-Core's keys)."""
+        return Recompute(
+            self.recompute_granularity,
+            self.recompute_method,
+            self.recompute_num_layers,
+            self.recompute_modules,
+        )
 
     def __post_init__(self) -> None:
         check_positive(
@@ -286,7 +300,7 @@ def advise(
             f"(micro_batch_size x data-parallel size)), or give --microbatches"
         )
     search = _Search(shape, setup, found, found.generate(pp, m))
-    notes: list[str] = []
+    notes: list[str] = [] if setup.recompute_granularity is None else [_recompute_note(search)]
     try:
         before_stages = search.config_stages()
         label = "config's split" if _has_split(setup) else "even split"
@@ -551,6 +565,7 @@ class _Search:
             sequence_parallel=s.sequence_parallel,
             expert_parallel=s.expert_model_parallel_size,
             activation_bytes=2 if s.bf16 else 4,
+            recompute=s.recompute,
         )
         return costs[-1]
 
@@ -661,6 +676,37 @@ def _even_counts(num_layers: int, stages: int) -> list[int]:
     base, extra = divmod(num_layers, stages)
     middle = sorted(range(stages), key=lambda s: (abs(2 * s - (stages - 1)), s))[:extra]
     return [base + (s in middle) for s in range(stages)]
+
+
+def _recompute_note(search: _Search) -> str:
+    """What the config's recomputation costs and saves, per decoder layer and micro-batch on
+    one rank (the simulator charges both)."""
+    setup = search.setup
+    plain = replace(
+        setup,
+        recompute_granularity=None,
+        recompute_method=None,
+        recompute_num_layers=None,
+        recompute_modules=None,
+    )
+    args = dict(
+        tokens=search.tokens,
+        tensor_parallel=setup.tensor_model_parallel_size,
+        sequence_parallel=setup.sequence_parallel,
+        expert_parallel=setup.expert_model_parallel_size,
+        activation_bytes=2 if setup.bf16 else 4,
+    )
+    layers = DECODER * search.shape.num_layers
+    (with_,) = stage_costs(search.shape, [layers], recompute=setup.recompute, **args)
+    (without,) = stage_costs(search.shape, [layers], recompute=plain.recompute, **args)
+    n = search.shape.num_layers
+    return (
+        f"recompute {setup.recompute.describe()}: B also runs the recomputed forward, "
+        f"{(with_.b - without.b) / n:.3g} FLOP more per layer and micro-batch "
+        f"(B {without.b / n:.3g} -> {with_.b / n:.3g}); saved activations "
+        f"{without.activations / n / 2**20:.3g} -> {with_.activations / n / 2**20:.3g} MiB per "
+        "layer and micro-batch; the simulated steps and memory above include both"
+    )
 
 
 def _has_split(setup: PipelineSetup) -> bool:

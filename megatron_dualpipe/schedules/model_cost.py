@@ -9,11 +9,23 @@ Summed over a model these are Megatron-LM's totals plus the router and the loss,
 leaves out. Elementwise work (norms, activations, rotary embedding) is not counted.
 Activations are the tensors each part saves for its backward (flash attention: Q, K, V,
 the output and the softmax statistics, no score matrix), in ``bf16`` or fp32.
+
+Activation recomputation (:class:`Recompute`, Megatron-Core's keys) moves work into B and
+takes saved activations away, per stage as Megatron-Core applies it per transformer block:
+``full`` layers keep only their input (``uniform``: one input per group of
+``recompute_num_layers`` layers, every layer recomputed; ``block``: the first
+``recompute_num_layers`` layers of the stage each keep their input) and their B also runs
+their forward; ``selective`` ``mlp`` / ``moe`` do so for the MLP or MoE block of each layer
+(which keeps the pre-MLP norm's output), ``core_attn`` adds the attention products'
+forward to B and saves nothing here (flash attention saves no scores to begin with);
+``layernorm``, ``shared_experts`` and ``mla_up_proj`` are not modelled (norms are not
+counted, the others are small).
 """
 
 from __future__ import annotations
 
 import ast
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -21,7 +33,46 @@ from .config_values import check_positive, read_fields
 from .ir import ScheduleError
 from .layout import DECODER, EMBEDDING, LOSS, MTP
 
-__all__ = ["ModelShape", "StageCost", "Work", "parse_moe_layer_freq", "stage_costs"]
+__all__ = [
+    "ModelShape",
+    "Recompute",
+    "StageCost",
+    "Work",
+    "parse_moe_layer_freq",
+    "stage_costs",
+]
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Megatron-Core's activation recomputation settings (``recompute_modules`` as words;
+    Megatron-Core's default ``core_attn``)."""
+
+    granularity: str | None = None
+    method: str | None = None
+    num_layers: int | None = None
+    modules: str | None = None
+
+    @property
+    def module_set(self) -> frozenset[str]:
+        if self.granularity != "selective":
+            return frozenset()
+        return frozenset((self.modules or "core_attn").split())
+
+    def full_layers(self, layers: int) -> tuple[int, int]:
+        """Under full recomputation, of a stage's ``layers``: how many are recomputed and
+        how many inputs they keep."""
+        if self.granularity != "full" or not layers:
+            return 0, 0
+        n = max(1, self.num_layers or 1)
+        if self.method == "block":
+            return min(n, layers), min(n, layers)
+        return layers, math.ceil(layers / n)
+
+    def describe(self) -> str:
+        if self.granularity == "full":
+            return f"full, {self.method}, recompute_num_layers {self.num_layers}"
+        return f"selective ({' '.join(sorted(self.module_set))})"
 
 
 @dataclass(frozen=True)
@@ -192,24 +243,30 @@ class ModelShape:
     def _attention(self) -> tuple[Work, int, int, int]:
         """Per token: the attention block's work, its parameters, and its saved activations
         as (replicated elements, tensor-parallel elements, fp32 softmax statistics)."""
-        h, n, s = self.hidden_size, self.num_attention_heads, self.seq_length
+        h, n = self.hidden_size, self.num_attention_heads
         if self.multi_latent_attention:
             dn, r, v = self.qk_head_dim, self.qk_pos_emb_head_dim, self.v_head_dim
             lq, lkv = self.q_lora_rank, self.kv_lora_rank
             q_params = h * n * (dn + r) if lq is None else lq * (h + n * (dn + r))
             weights = q_params + h * (lkv + r) + lkv * n * (dn + v) + n * v * h
-            core = 2 * n * (dn + r) * s / 2 + 2 * n * v * s / 2
             params = weights + self._norm_params() + lkv + (lq or 0)
             replicated = 2 * h + (0 if lq is None else 2 * lq) + (lkv + r) + lkv
             sharded = 2 * n * (dn + r) + 2 * n * v
         else:
             d, g = self.head_dim, self.num_query_groups or n
             weights = h * (n * d + 2 * g * d) + n * d * h
-            core = 2 * n * d * s / 2 * 2
             bias = (n * d + 2 * g * d + h) if self.add_bias_linear else 0
             params = weights + bias + self._norm_params()
             replicated, sharded = 2 * h, 2 * n * d + 2 * g * d
-        return Work.gemm(2 * weights) + Work.core(core), params, replicated, sharded
+        return Work.gemm(2 * weights) + self.core_attention(), params, replicated, sharded
+
+    def core_attention(self) -> Work:
+        """Per token: the attention products (scores and values; causal: half of them)."""
+        n, s = self.num_attention_heads, self.seq_length
+        if self.multi_latent_attention:
+            dn, r, v = self.qk_head_dim, self.qk_pos_emb_head_dim, self.v_head_dim
+            return Work.core(2 * n * (dn + r) * s / 2 + 2 * n * v * s / 2)
+        return Work.core(2 * n * self.head_dim * s / 2 * 2)
 
     def _mlp(self, moe: bool) -> tuple[Work, int, int, int, int, int]:
         """Per token: the MLP block's work, its dense and expert parameters, and its saved
@@ -297,22 +354,34 @@ def stage_costs(
     sequence_parallel: bool = False,
     expert_parallel: int = 1,
     activation_bytes: int = 2,
+    recompute: Recompute | None = None,
 ) -> list[StageCost]:
     """Costs of each stage of a layout (:mod:`.layout`'s strings, in pipeline order) for a
-    micro-batch of ``tokens`` tokens on one rank of a ``tensor_parallel`` group."""
+    micro-batch of ``tokens`` tokens on one rank of a ``tensor_parallel`` group, with
+    ``recompute``'s extra forward in B and its saved activations (module docstring)."""
     tp, h, v = tensor_parallel, shape.hidden_size, shape.vocab_size
     replicated_share = 1 / tp if sequence_parallel else 1.0
+    recompute = recompute or Recompute()
+    modules = recompute.module_set
     out: list[StageCost] = []
     layer = 0
     for stage in stages:
         work, dense, expert, act = Work(), 0.0, 0.0, 0.0
         first = layer
-        for part in stage:
+        recomputed, kept_inputs = recompute.full_layers(stage.count(DECODER))
+        for index, part in enumerate(stage):
             if part in (DECODER, MTP):
                 lw, ld, le, rep, shard, fp32 = shape.decoder_layer(layer)
                 work += lw
                 dense += ld
                 expert += le
+                if part == DECODER and stage[:index].count(DECODER) < recomputed:
+                    work += Work(0.0, lw.f, 0.0)  # B runs the layer's forward again
+                    rep = shard = fp32 = 0  # the group's input is counted below
+                elif part == DECODER and modules:
+                    extra, d_rep, d_shard, d_fp32 = _selective(shape, layer, modules)
+                    work += extra
+                    rep, shard, fp32 = rep + d_rep, shard + d_shard, fp32 + d_fp32
                 act += activation_bytes * (rep * replicated_share + shard / tp) + 4 * fp32 / tp
                 if part == DECODER:
                     layer += 1
@@ -330,6 +399,7 @@ def stage_costs(
                 work += shape.logits() * heads
                 dense += shape._norm_params()
                 act += heads * (activation_bytes * 2 * h * replicated_share + 4 * v / tp)
+        act += kept_inputs * activation_bytes * h * replicated_share
         out.append(
             StageCost(
                 work=work * (tokens / tp),
@@ -343,6 +413,23 @@ def stage_costs(
             )
         )
     return out
+
+
+def _selective(
+    shape: ModelShape, layer: int, modules: frozenset[str]
+) -> tuple[Work, int, int, int]:
+    """Selective recomputation of decoder layer ``layer``: the work it adds to B, and the
+    change of its saved activations per token (replicated, tensor-parallel, fp32 elements)."""
+    extra, rep, shard, fp32 = Work(), 0, 0, 0
+    if "core_attn" in modules:
+        extra += Work(0.0, shape.core_attention().f, 0.0)
+    moe = shape.is_moe(layer)
+    if ("moe" if moe else "mlp") in modules:
+        m_work, _, _, m_rep, m_shard, m_fp32 = shape._mlp(moe)
+        extra += Work(0.0, m_work.f, 0.0)
+        # The block keeps only its input, the pre-MLP norm's output.
+        rep, shard, fp32 = shape.hidden_size - m_rep, -m_shard, -m_fp32
+    return extra, rep, shard, fp32
 
 
 def _moe_pattern(shape: ModelShape) -> tuple[bool, ...]:

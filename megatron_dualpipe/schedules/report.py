@@ -5,10 +5,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .advisor import Advice
+from .comm_plan import CommPlan
 from .layout import format_layout
+from .nccl_rules import NcclReport
 from .simulate import SimResult
 
-__all__ = ["advice_report", "comparison_table", "markdown_table", "rank_table", "text_table"]
+__all__ = [
+    "advice_report",
+    "comparison_table",
+    "markdown_table",
+    "nccl_line",
+    "rank_table",
+    "text_table",
+]
 
 
 def text_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -189,3 +198,21 @@ def advice_report(advice: Advice, model: str, source: str) -> str:
         lines += [f"  {line}" for line in paste]
     lines += [f"note: {note}" for note in advice.notes]
     return "\n".join(lines)
+
+
+def nccl_line(name: str, plan: CommPlan, size: int | None, outcome: NcclReport | Exception) -> str:
+    """One line on a plan run under NCCL's rules: its communicators and sends in flight,
+    or the deadlock cycle."""
+    sizes = "of unknown size (each send waits for its receive)"
+    if size is not None:
+        sizes = f"of {size / 2**20:g} MiB"
+    posting = "posted one run ahead" if plan.prepost else "posted when needed"
+    how = f"{plan.layout} communicators, receives {posting}, messages {sizes}"
+    if isinstance(outcome, Exception):
+        return f"NCCL check of {name} ({how}): DEADLOCK: {outcome}"
+    most = max(outcome.comms_per_rank, default=0)
+    return (
+        f"NCCL check of {name} ({how}): ok; {len(outcome.comms)} communicators, at most "
+        f"{most} per rank; sends in flight per rank at most "
+        f"{', '.join(map(str, outcome.inflight_bound))}"
+    )

@@ -13,8 +13,10 @@ finds damaged checkpoints before any work). It holds
   are keyed by the model parameters' keys (so it is as layout-agnostic as the model) and
   whose step counter and parameter-group hyper-parameters are common to all ranks;
 - common state: iteration, consumed training samples (the data position: the synthetic
-  data is addressed by sample index), the learning-rate scheduler, the world size and the
-  model-defining config keys (checked on load);
+  data and Megatron-Core's datasets are addressed by sample index, so the resumed run reads
+  the samples the uninterrupted run would have read next), the learning-rate scheduler, the
+  world size and the model-defining config keys with the model's vocabulary (checked on
+  load);
 - per-rank RNG states (python, numpy, torch, CUDA, Megatron's tracker), restored only
   when the world size is unchanged (they are per rank; with dropout 0 they do not affect
   the losses).
@@ -81,6 +83,7 @@ MODEL_KEYS = (
     "num_query_groups",
     "ffn_hidden_size",
     "vocab_size",
+    "tokenizer_type",
     "max_position_embeddings",
     "position_embedding_type",
     "normalization",
@@ -169,15 +172,26 @@ def _sharded_state(
     return state
 
 
+def model_settings(cfg: TrainConfig, vocab_size: int | None = None) -> dict[str, Any]:
+    """The :data:`MODEL_KEYS` values of ``cfg``, with the model's vocabulary (the
+    tokenizer's, padded) as ``vocab_size`` where given."""
+    settings = {key: getattr(cfg, key) for key in MODEL_KEYS}
+    if vocab_size is not None:
+        settings["vocab_size"] = vocab_size
+    return settings
+
+
 def save_checkpoint(
     cfg: TrainConfig,
     model: list[Any],
     optimizer: Any,
     scheduler: OptimizerParamScheduler,
     state: TrainState,
+    vocab_size: int | None = None,
 ) -> Path:
     """Save a checkpoint of ``state.iteration`` under ``cfg.save``; collective. Returns its
-    directory. The tracker file is written after every rank has saved."""
+    directory. The tracker file is written after every rank has saved. ``vocab_size``: the
+    model's vocabulary where a tokenizer sets it."""
     assert cfg.save is not None
     apply_cpu_compat()  # dist_checkpointing's writer assumes CUDA (no-op with CUDA)
     directory = iteration_dir(cfg.save, state.iteration)
@@ -189,7 +203,7 @@ def save_checkpoint(
         opt_param_scheduler=scheduler.state_dict(),
         world_size=dist.get_world_size(),
         pipeline_schedule=cfg.pipeline_schedule,
-        model_config={key: getattr(cfg, key) for key in MODEL_KEYS},
+        model_config=model_settings(cfg, vocab_size),
     )
     try:
         with writers_watched():
@@ -296,7 +310,7 @@ def _iteration_to_load(cfg: TrainConfig) -> int | None:
     return iteration
 
 
-def check_loadable(cfg: TrainConfig) -> None:
+def check_loadable(cfg: TrainConfig, vocab_size: int | None = None) -> None:
     """Raise :class:`CheckpointError` when the checkpoint ``cfg.load`` names is missing or
     damaged, was saved for a different model (see :data:`MODEL_KEYS`), or has another
     learning-rate schedule than the config without a key saying which wins. Reads only
@@ -321,11 +335,12 @@ def check_loadable(cfg: TrainConfig) -> None:
         ) from None
     common = found.common
     saved = common["model_config"]
+    ours = model_settings(cfg, vocab_size)
     for key in MODEL_KEYS:
-        if saved.get(key) != getattr(cfg, key):
+        if saved.get(key) != ours[key]:
             raise CheckpointError(
                 f"{directory}: the checkpoint was saved with {key} {saved.get(key)!r} but the "
-                f"config has {getattr(cfg, key)!r}: a checkpoint only loads into the same model"
+                f"config has {ours[key]!r}: a checkpoint only loads into the same model"
             )
     _check_position_table(cfg, directory, found.metadata)
     _check_scheduler(cfg, directory, common["opt_param_scheduler"])
@@ -388,6 +403,7 @@ def load_checkpoint(
     model: list[Any],
     optimizer: Any,
     scheduler: OptimizerParamScheduler,
+    vocab_size: int | None = None,
 ) -> tuple[TrainState, Path] | None:
     """Load the checkpoint ``cfg.load`` names (``ckpt_step``, else the tracker's) into the
     model, optimizer and scheduler (and RNG states, when the world size is unchanged);
@@ -396,7 +412,7 @@ def load_checkpoint(
     iteration = _iteration_to_load(cfg)
     if iteration is None:
         return None
-    check_loadable(cfg)
+    check_loadable(cfg, vocab_size)
     directory = iteration_dir(cfg.load, iteration)
     common = dist_checkpointing.load_common_state_dict(str(directory))
     same_world = common["world_size"] == dist.get_world_size()

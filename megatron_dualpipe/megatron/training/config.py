@@ -84,7 +84,6 @@ class TrainConfig:
     hidden_size: int = _key(doc="width of the hidden states")
     num_attention_heads: int = _key(doc="attention heads per layer")
     seq_length: int = _key(doc="tokens per sample")
-    vocab_size: int = _key(doc="tokens in the (synthetic) vocabulary")
     # Batches and steps.
     micro_batch_size: int = _key(doc="samples per micro-batch")
     global_batch_size: int = _key(doc="samples per step over all data-parallel ranks")
@@ -124,6 +123,11 @@ class TrainConfig:
         megatron_lm=False,
     )
     # Model details.
+    vocab_size: int | None = _key(
+        None,
+        doc="tokens in the vocabulary: required for the synthetic data and NullTokenizer; "
+        "the other tokenizers give their own",
+    )
     num_query_groups: int | None = _key(
         None, doc="key/value head groups for grouped-query attention (default: one per head)"
     )
@@ -210,7 +214,7 @@ class TrainConfig:
     clip_grad: float = _key(1.0, doc="clip the gradients' global norm to this (0: no clipping)")
     bf16: bool = _key(False, doc="bfloat16 compute with fp32 main weights")
     recompute_granularity: str | None = _key(
-        None, doc="activation recomputation (not run by this loop yet)"
+        None, doc="activation recomputation: full layers or selected submodules"
     )
     use_distributed_optimizer: bool = _key(
         False, doc="shard the optimizer state over data-parallel ranks"
@@ -218,11 +222,56 @@ class TrainConfig:
     overlap_grad_reduce: bool = _key(
         False, doc="overlap the data-parallel gradient reduction with the backward"
     )
+    recompute_method: str | None = _key(
+        None, doc="full recomputation: which layers (uniform: every group; block: the first)"
+    )
+    recompute_num_layers: int | None = _key(
+        None, doc="full recomputation: layers per recomputed group (uniform) or recomputed (block)"
+    )
+    recompute_modules: str | None = _key(
+        None,
+        doc="selective recomputation: the submodules recomputed, e.g. core_attn mlp (default "
+        "core_attn)",
+        flags=("--recompute-modules",),
+    )
     seed: int = _key(1234, doc="random seed of the weights and the data")
+    # Data and tokenizer (Megatron-LM's keys; without a data key: synthetic tokens).
+    data_path: str | None = _key(
+        None,
+        doc="indexed datasets (.bin/.idx prefixes), weighted for a blend: [W1] PREFIX1 [W2] "
+        "PREFIX2 ...; split into train/valid/test by split",
+    )
+    split: str = _key("969,30,1", doc="train,valid,test weights of data_path's documents")
+    train_data_path: str | None = _key(None, doc="indexed datasets of the training split alone")
+    valid_data_path: str | None = _key(None, doc="indexed datasets of the validation split alone")
+    test_data_path: str | None = _key(None, doc="indexed datasets of the test split alone")
+    mock_data: bool = _key(False, doc="Megatron-Core's mock GPT dataset instead of data files")
+    data_cache_path: str | None = _key(
+        None, doc="folder for the datasets' index caches (default: beside the data)"
+    )
+    reset_position_ids: bool = _key(False, doc="restart position ids after each end of document")
+    reset_attention_mask: bool = _key(
+        False, doc="attend only within a document (a mask per sample, read on every rank)"
+    )
+    eod_mask_loss: bool = _key(False, doc="no loss on end-of-document tokens")
+    tokenizer_type: str | None = _key(
+        None, doc="Megatron-Core's tokenizer for data_path / mock_data"
+    )
+    tokenizer_model: str | None = _key(
+        None, doc="HuggingFaceTokenizer: a local directory holding tokenizer.json"
+    )
+    vocab_file: str | None = _key(None, doc="GPT2BPETokenizer: the vocabulary (vocab.json)")
+    merge_file: str | None = _key(None, doc="GPT2BPETokenizer: the BPE merges (merges.txt)")
+    make_vocab_size_divisible_by: int = _key(
+        128, doc="pad the tokenizer's vocabulary to a multiple of this x TP"
+    )
     # Evaluation, logging, checkpoints, outputs.
     eval_interval: int | None = _key(None, doc="steps between evaluations (unset: none)")
     eval_iters: int = _key(0, doc="batches per evaluation")
     log_interval: int = _key(100, doc="steps between iteration lines")
+    tensorboard_dir: str | None = _key(
+        None, doc="write TensorBoard scalars here every log_interval (needs tensorboard)"
+    )
     save: str | None = _key(None, doc="checkpoint directory to save to")
     save_interval: int | None = _key(
         None, doc="steps between checkpoints (the last step is saved too)"
@@ -273,6 +322,14 @@ class TrainConfig:
     def num_microbatches(self) -> int:
         """Micro-batches per step on each data-parallel rank."""
         return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
+
+    @property
+    def uses_data_files(self) -> bool:
+        """Whether the tokens come from indexed datasets (data_path or the per-split paths)."""
+        return any(
+            getattr(self, key) is not None
+            for key in ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+        )
 
     @property
     def is_moe(self) -> bool:
@@ -339,6 +396,8 @@ _CHOICES: dict[str, tuple[str | None, ...]] = {
     "moe_router_score_function": ("softmax", "sigmoid"),
     "rope_type": (None, "rope", "yarn"),
     "recompute_granularity": (None, "full", "selective"),
+    "recompute_method": (None, "uniform", "block"),
+    "tokenizer_type": (None, "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"),
     "optimizer": ("adam", "sgd"),
     "lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
 }
@@ -346,6 +405,14 @@ _FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 #: String keys whose Megatron-LM flag also takes an integer.
 _INT_OR_STRING = ("moe_layer_freq",)
+#: String keys whose Megatron-LM flag takes several words (a YAML list, joined by spaces).
+WORD_LISTS = (
+    "data_path",
+    "train_data_path",
+    "valid_data_path",
+    "test_data_path",
+    "recompute_modules",
+)
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _TYPES = typing.get_type_hints(TrainConfig)
 
@@ -495,6 +562,8 @@ def _coerce(source: str, key: str, value: Any) -> Any:
             return float(value)
     if base is str and isinstance(value, str):
         return value
+    if key in WORD_LISTS and isinstance(value, list) and value:
+        return " ".join(str(v) for v in value)
     if key in _INT_OR_STRING and isinstance(value, int) and not isinstance(value, bool):
         return str(value)
     nullable = " or null" if optional else ""
@@ -542,17 +611,43 @@ def _validated(
         _check_schedule,
         _check_schedule_order,
         _check_overlap,
+        _check_recompute,
+        _check_data,
+        _check_tokenizer,
         _check_io,
     )
+    origins = origins or {}
     for check in checks:
         problem = check(cfg)
         if problem is not None:
             key, message = problem
-            raise ConfigError(f"{(origins or {}).get(key, source)}: {key}: {message}")
+            raise ConfigError(f"{_where(key, source, origins)}: {key}: {message}")
     return cfg
 
 
+def _where(key: str, source: str, origins: Mapping[str, str]) -> str:
+    """Where a problem with ``key`` comes from: the flag or --set that gave ``key``; else,
+    where one gave a key the problem also depends on (:data:`_RELATED`), ``source`` with
+    it; else ``source``."""
+    if key in origins:
+        return origins[key]
+    related = [origins[k] for k in _RELATED.get(key, ()) if k in origins]
+    if related and related[0] not in source:
+        return f"{source} with {related[0]}"
+    return source
+
+
 Problem = tuple[str, str] | None
+#: Keys whose values a problem reported under the key also depends on: where the key
+#: itself was not set by a flag or --set, the error names the first of these that was.
+_RELATED: dict[str, tuple[str, ...]] = {
+    "lr_warmup_iters": ("lr_decay_iters", "train_iters"),
+    "world_size": ("tensor_model_parallel_size", "pipeline_model_parallel_size"),
+    "global_batch_size": ("micro_batch_size", "world_size", "tensor_model_parallel_size"),
+    "num_attention_heads": ("hidden_size", "tensor_model_parallel_size"),
+    "expert_model_parallel_size": ("num_experts", "world_size"),
+    "pipeline_schedule": ("pipeline_model_parallel_size", "global_batch_size", "num_layers"),
+}
 
 
 def _check_values(cfg: TrainConfig) -> Problem:
@@ -827,8 +922,7 @@ def _split_key(cfg: TrainConfig) -> str:
 
 def _check_overlap(cfg: TrainConfig) -> Problem:
     """Megatron's preconditions of ``overlap_moe_expert_parallel_comm`` (MoE all-to-all
-    hidden behind another micro-batch's compute in FB pairs), and recomputation, which
-    this loop does not run."""
+    hidden behind another micro-batch's compute in FB pairs)."""
     if cfg.overlap_moe_expert_parallel_comm:
         problem = overlap_problem(
             cfg.pipeline_schedule,
@@ -841,10 +935,6 @@ def _check_overlap(cfg: TrainConfig) -> Problem:
         )
         if problem is not None:
             return "overlap_moe_expert_parallel_comm", problem
-    if cfg.recompute_granularity is not None:
-        return "recompute_granularity", (
-            "activation recomputation is not run by megatron-dualpipe train yet: unset it"
-        )
     return None
 
 
@@ -861,3 +951,172 @@ def _check_io(cfg: TrainConfig) -> Problem:
             "config's learning-rate schedule wins; use_checkpoint: the checkpoint's)"
         )
     return None
+
+
+#: Megatron-Core's ``recompute_modules`` (TransformerConfig, 0.16.1).
+RECOMPUTE_MODULES = (
+    "core_attn",
+    "moe_act",
+    "layernorm",
+    "mla_up_proj",
+    "mlp",
+    "moe",
+    "shared_experts",
+)
+
+
+def _check_recompute(cfg: TrainConfig) -> Problem:
+    """Megatron-Core's rules for the recomputation keys, named by key."""
+    granularity = cfg.recompute_granularity
+    for key in ("recompute_method", "recompute_num_layers"):
+        if getattr(cfg, key) is not None and granularity != "full":
+            return key, "applies to recompute_granularity: full: set that, or unset this"
+    if granularity == "full" and (cfg.recompute_method is None or not cfg.recompute_num_layers):
+        return "recompute_granularity", (
+            "full needs recompute_method (uniform or block) and recompute_num_layers (layers per "
+            "recomputed group, or recomputed layers per stage)"
+        )
+    if cfg.recompute_modules is None:
+        return None
+    if granularity != "selective":
+        return "recompute_modules", "applies to recompute_granularity: selective"
+    modules = cfg.recompute_modules.split()
+    unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
+    if unknown:
+        return "recompute_modules", (
+            f"{unknown[0]!r} is not one of Megatron-Core's {', '.join(RECOMPUTE_MODULES)}"
+        )
+    if "moe_act" in modules:
+        return "recompute_modules", (
+            "moe_act needs Megatron's grouped-GEMM experts, which megatron-dualpipe train does "
+            "not build: recompute moe instead"
+        )
+    if "mla_up_proj" in modules and not cfg.multi_latent_attention:
+        return "recompute_modules", "mla_up_proj needs multi_latent_attention: true"
+    if any(m in modules for m in ("moe", "shared_experts")) and not cfg.is_moe:
+        return "recompute_modules", "moe and shared_experts need a MoE model (num_experts)"
+    if "mlp" in modules and cfg.add_bias_linear:
+        return "recompute_modules", (
+            "mlp with add_bias_linear: true never ends its backward in Megatron-Core (the "
+            "recomputed MLP hands its bias parameter out of tensor_parallel.checkpoint, whose "
+            "backward then calls itself until the stack overflows; measured with 0.16.1): set "
+            "add_bias_linear: false (--disable-bias-linear), or recompute core_attn only"
+        )
+    return None
+
+
+#: The keys that name indexed datasets.
+DATA_PATH_KEYS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+
+
+def split_weights(split: str) -> list[float] | None:
+    """``split`` (``969,30,1``; commas or slashes) as three weights, the missing ones 0, as
+    Megatron-Core reads it; None when it is not 1 to 3 numbers >= 0 with a positive sum."""
+    words = [w for w in re.split(r"[,/ ]+", split.strip()) if w]
+    if not 1 <= len(words) <= 3 or not all(_FLOAT.match(w) for w in words):
+        return None
+    weights = [float(w) for w in words] + [0.0] * (3 - len(words))
+    return weights if sum(weights) > 0 else None
+
+
+def blend_problem(words: str) -> str | None:
+    """What is wrong with a data path's words (Megatron-Core's ``get_blend_from_list``:
+    prefixes, or weight-prefix pairs with weights >= 0), or None."""
+    items = words.split()
+    if len(items) % 2 == 1:
+        return None
+    weights = items[0::2]
+    if not all(_FLOAT.match(w) for w in weights):
+        odd = next(w for w in weights if not _FLOAT.match(w))
+        return (
+            f"{odd!r} stands where a blend weight goes: give dataset prefixes alone, or "
+            "pairs of a weight and a prefix (0.7 data/a_text_document 0.3 data/b_text_document)"
+        )
+    return None
+
+
+def _check_data(cfg: TrainConfig) -> Problem:
+    """Where the tokens come from: data_path (with split), the per-split paths, mock_data,
+    or (none of them) the synthetic data."""
+    per_split = [k for k in DATA_PATH_KEYS[1:] if getattr(cfg, k) is not None]
+    if cfg.data_path is not None and per_split:
+        return per_split[0], (
+            "and data_path are both set: choose data_path (split by split) or the per-split paths"
+        )
+    if cfg.mock_data and (cfg.data_path is not None or per_split):
+        return "mock_data", "replaces data files: unset it, or unset the data paths"
+    if per_split and cfg.train_data_path is None:
+        return "train_data_path", f"required with {per_split[0]}: the training split's datasets"
+    for key in DATA_PATH_KEYS:
+        value = getattr(cfg, key)
+        problem = None if value is None else blend_problem(value)
+        if problem is not None:
+            return key, problem
+    if split_weights(cfg.split) is None:
+        return "split", (
+            f"{cfg.split!r} is not up to three weights such as 969,30,1 (train, valid, test)"
+        )
+    if not cfg.uses_data_files and not cfg.mock_data:
+        for key in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
+            if getattr(cfg, key):
+                return key, (
+                    "applies to documents of data_path or mock_data; the synthetic data has none"
+                )
+    if cfg.eval_interval is not None and cfg.uses_data_files:
+        if cfg.data_path is not None and split_weights(cfg.split)[1] == 0:
+            return "split", (
+                f"{cfg.split!r} gives the validation split no documents but eval_interval is "
+                "set: give it a weight (969,30,1) or unset eval_interval"
+            )
+        if cfg.train_data_path is not None and cfg.valid_data_path is None:
+            return "valid_data_path", (
+                "required with eval_interval and train_data_path: the validation split's datasets"
+            )
+    return None
+
+
+#: The file keys each tokenizer reads.
+_TOKENIZER_FILES = {
+    "HuggingFaceTokenizer": ("tokenizer_model",),
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+    "NullTokenizer": (),
+}
+
+
+def _check_tokenizer(cfg: TrainConfig) -> Problem:
+    """A tokenizer exactly where data files or mock data need one, with its files; the
+    vocabulary size given only where no tokenizer gives it."""
+    kind = cfg.tokenizer_type
+    needs = cfg.uses_data_files or cfg.mock_data
+    if needs and kind is None:
+        return "tokenizer_type", (
+            "is required with data_path or mock_data: HuggingFaceTokenizer (with "
+            "tokenizer_model), GPT2BPETokenizer (with vocab_file and merge_file) or NullTokenizer "
+            "(with vocab_size)"
+        )
+    if kind is not None and not needs:
+        return "tokenizer_type", (
+            "tokenizes data_path or mock_data, and neither is set: set one, or unset "
+            "tokenizer_type to train on the synthetic tokens"
+        )
+    wanted = _TOKENIZER_FILES.get(kind, ())
+    for key in ("tokenizer_model", "vocab_file", "merge_file"):
+        value = getattr(cfg, key)
+        if value is not None and key not in wanted:
+            return key, f"is read by {_reader_of(key)}, not {kind or 'the synthetic data'}"
+        if value is None and key in wanted:
+            return key, f"is required with tokenizer_type {kind}"
+    gives_vocab = kind in ("HuggingFaceTokenizer", "GPT2BPETokenizer")
+    if gives_vocab and cfg.vocab_size is not None:
+        return "vocab_size", (
+            f"comes from the tokenizer ({kind}, padded to a multiple of "
+            "make_vocab_size_divisible_by x TP): unset it"
+        )
+    if not gives_vocab and cfg.vocab_size is None:
+        what = "NullTokenizer" if kind == "NullTokenizer" else "the synthetic data"
+        return "vocab_size", f"is required for {what} (token ids below it)"
+    return None
+
+
+def _reader_of(key: str) -> str:
+    return next(kind for kind, keys in _TOKENIZER_FILES.items() if key in keys)

@@ -38,14 +38,17 @@ import torch.distributed as dist
 
 from ...errors import DualPipeError
 from ...runtime.launch import LaunchFailure, pick_port, run_ranks
-from ...runtime.watchdog import PipelineCommError
+from ...runtime.watchdog import PipelineCommError, peer_lost
 from ..cpu_compat import apply_cpu_compat
 from .checkpoint import check_loadable
 from .config import ConfigError, TrainConfig
+from .datasets import check_data_files
 from .errors import TrainError
 from .loop import TrainResult, run_rank
 from .model import transformer_config
 from .save_lock import SaveDirectoryInUse, save_lock
+from .tensorboard import check_tensorboard
+from .tokenizer import build_tokenizer, model_vocab_size
 
 __all__ = ["LaunchError", "RankEnv", "launcher_env", "train"]
 
@@ -114,23 +117,47 @@ _BYTES_PER_TOKEN = 28
 _BYTES_PER_MICROBATCH = 2048
 
 
+#: Bytes of Megatron-Core's GPT dataset index per sample it is built for (its sample and
+#: shuffle indices, at most 8 bytes an entry, and the document index beside them).
+_INDEX_BYTES_PER_SAMPLE = 24
+
+
 def _check_step_input(cfg: TrainConfig, source: str, ranks_here: int) -> None:
-    """Refuse a step whose micro-batches (every rank builds the step's list of them) do not
-    fit in half of this machine's memory over the ranks it runs."""
+    """Refuse a step whose micro-batches (every rank builds the step's list of them), or a
+    run whose dataset index (``train_iters x global_batch_size`` samples, built where a
+    chunk reads), do not fit in half of this machine's memory over the ranks it runs."""
+    total = _machine_memory()
+    if total is None:  # not a POSIX system: nothing to compare
+        return
     m, mbs = cfg.num_microbatches, cfg.micro_batch_size
     need = m * (mbs * cfg.seq_length * _BYTES_PER_TOKEN + _BYTES_PER_MICROBATCH)
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # not a POSIX system: nothing to compare
-        return
+    gib = 2.0**30
     if need * ranks_here > total // 2:
-        gib = 2.0**30
         raise ConfigError(
             f"{source}: global_batch_size: a step's {m} micro-batches of {mbs} x "
             f"{cfg.seq_length} tokens take {need / gib:.1f} GiB of input on each of the "
             f"{ranks_here} ranks here, beyond half of this machine's {total / gib:.0f} GiB: "
             "lower global_batch_size (or seq_length)"
         )
+    if not (cfg.uses_data_files or cfg.mock_data):
+        return  # the synthetic samples are made from their index: no index is held
+    samples = cfg.train_iters * cfg.global_batch_size
+    index = samples * _INDEX_BYTES_PER_SAMPLE
+    if index * ranks_here > total // 2:
+        raise ConfigError(
+            f"{source}: train_iters: {cfg.train_iters} steps of {cfg.global_batch_size} "
+            f"samples make Megatron-Core's dataset index {samples:,} samples long, about "
+            f"{index / gib:.0f} GiB on each of the {ranks_here} ranks here, beyond half of this "
+            f"machine's {total / gib:.0f} GiB: lower train_iters (or global_batch_size)"
+        )
+
+
+def _machine_memory() -> int | None:
+    """This machine's physical memory in bytes, or None where the system does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _ranks_here(cfg: TrainConfig, env: RankEnv | None) -> int:
@@ -161,7 +188,9 @@ def _preflight(cfg: TrainConfig, source: str, on_gpu: bool, ranks_here: int) -> 
         raise ConfigError(
             f"{source}: Megatron-Core rejects the model configuration: {err}"
         ) from None
-    check_loadable(cfg)
+    check_data_files(cfg, source)
+    check_tensorboard(cfg, source)
+    check_loadable(cfg, model_vocab_size(cfg, build_tokenizer(cfg, source)))
 
 
 def train(cfg: TrainConfig, *, source: str = "config") -> TrainResult:
@@ -223,14 +252,17 @@ def _one_line_failures(prefix: str, hint: str) -> Iterator[None]:
     try:
         yield
     except PipelineCommError as err:
-        raise LaunchError(f"{prefix}{err}") from None
+        raise LaunchError(f"{prefix}{err}") from err
     except RuntimeError as err:
         if isinstance(err, DualPipeError) or not _is_communication_error(err):
             raise  # ours say what happened already
-        raise LaunchError(
-            f"{prefix}a collective failed, another rank has probably died or stopped ({hint}): "
-            f"{_first_line(err)}"
-        ) from None
+        text = str(err)
+        why = (
+            f"another rank has probably died or stopped ({hint})"
+            if peer_lost(text) or "timed out" in text.lower()
+            else "the communication backend failed"
+        )
+        raise LaunchError(f"{prefix}a collective failed, {why}: {_first_line(err)}") from err
 
 
 @contextlib.contextmanager

@@ -42,7 +42,7 @@ from . import finite
 from .checkpoint import TrainState, load_checkpoint, save_checkpoint
 from .checkpoint_files import unwritable
 from .config import OPTIMIZE_AFTER, TrainConfig
-from .data import MicroBatch, SyntheticData
+from .data import MicroBatchReader, PendingMicroBatch, SyntheticSamples
 from .errors import TrainError
 from .measure import StepRecorder, predict, write_side_by_side_png
 from .model import build_model, transformer_config
@@ -57,6 +57,8 @@ from .report import (
     validation_lines,
 )
 from .schedule_order import optimise_from_measured, saved_schedule
+from .tensorboard import open_log
+from .tokenizer import build_tokenizer, model_vocab_size
 
 __all__ = ["TrainResult", "forward_step", "run_rank"]
 
@@ -89,21 +91,22 @@ def _loss_func(
 
 
 def forward_step(
-    data_iterator: Iterator[MicroBatch], model: torch.nn.Module, return_schedule_plan: bool = False
+    data_iterator: Iterator[PendingMicroBatch],
+    model: torch.nn.Module,
+    return_schedule_plan: bool = False,
 ) -> tuple[Any, Callable[..., Any]]:
     """Megatron's ``forward_step_func``: the next micro-batch through ``model`` (causal
-    attention, no explicit mask), with the masked mean token loss as loss function; with
-    ``return_schedule_plan`` (MoE all-to-all overlap) the GPTModel's schedule plan of that
-    forward instead of its output, as Megatron-LM's pretrain_gpt.py does."""
-    batch = next(data_iterator)
+    attention, or the dataset's per-document mask), with the masked mean token loss as loss
+    function; with ``return_schedule_plan`` (MoE all-to-all overlap) the GPTModel's schedule
+    plan of that forward instead of its output, as Megatron-LM's pretrain_gpt.py does. The
+    micro-batch is read only where ``model`` holds the embedding or the loss
+    (:meth:`~.data.PendingMicroBatch.for_chunk`)."""
+    batch = next(data_iterator).for_chunk(model)
     loss_func = partial(_loss_func, batch["loss_mask"])
+    inputs = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
     if return_schedule_plan:
-        plan = model.build_schedule_plan(
-            batch["tokens"], batch["position_ids"], None, labels=batch["labels"]
-        )
-        return plan, loss_func
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, loss_func
+        return model.build_schedule_plan(*inputs, labels=batch["labels"]), loss_func
+    return model(*inputs, labels=batch["labels"]), loss_func
 
 
 class _Run:
@@ -125,24 +128,45 @@ class _Run:
         if cfg.schedule_file is not None:
             self.forward_backward.use_schedule(saved_schedule(cfg.schedule_file))
         self.config = transformer_config(cfg, on_gpu=self.device.type == "cuda")
-        self.model = build_model(cfg, self.config)
+        self.tokenizer = build_tokenizer(cfg)
+        self.vocab_size = model_vocab_size(cfg, self.tokenizer)
+        self.model = build_model(cfg, self.config, self.vocab_size)
         self.optimizer, self.scheduler = build_optimizer(cfg, self.model)
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.loss_scaling = finite.uses_loss_scaling(self.optimizer)
         self.bar: ProgressBar | None = None
-        data = dict(
-            seed=cfg.seed,
-            seq_length=cfg.seq_length,
-            vocab_size=cfg.vocab_size,
+        self.mtp: tuple[float, ...] = ()  # the last step's MTP losses
+        self.train_data, self.valid_data = self._readers()
+        self.state = TrainState()
+        self.board = open_log(cfg, self.rank)
+
+    def _reads_data(self) -> bool:
+        """Whether a local chunk reads samples: it holds the embedding or the loss, or every
+        chunk needs the per-document attention mask (see :mod:`.data`)."""
+        from megatron.core.utils import get_attr_wrapped_model
+
+        ends = [get_attr_wrapped_model(m, "pre_process", return_model_obj=True) for m in self.model]
+        return self.cfg.reset_attention_mask or any(e.pre_process or e.post_process for e in ends)
+
+    def _readers(self) -> tuple[MicroBatchReader, MicroBatchReader]:
+        """The training and validation readers: Megatron-Core's datasets (built collectively,
+        held where a chunk reads), or the synthetic samples."""
+        cfg = self.cfg
+        if self.tokenizer is None:
+            train: Any = SyntheticSamples(cfg.seed, "train", cfg.seq_length, self.vocab_size)
+            valid: Any = SyntheticSamples(cfg.seed, "valid", cfg.seq_length, self.vocab_size)
+        else:
+            from .datasets import build_datasets
+
+            train, valid = build_datasets(cfg, self.tokenizer, self._reads_data())
+        layout = dict(
             micro_batch_size=cfg.micro_batch_size,
             dp_rank=parallel_state.get_data_parallel_rank(),
             dp_size=cfg.data_parallel_size,
             device=self.device,
+            every_chunk_reads=cfg.reset_attention_mask,
         )
-        self.mtp: tuple[float, ...] = ()  # the last step's MTP losses
-        self.train_data = SyntheticData(split="train", **data)
-        self.valid_data = SyntheticData(split="valid", **data)
-        self.state = TrainState()
+        return MicroBatchReader(train, **layout), MicroBatchReader(valid, **layout)
 
     # -- output ------------------------------------------------------------------------
     def say(self, lines: list[str]) -> None:
@@ -179,7 +203,7 @@ class _Run:
         )
 
     # -- one step ----------------------------------------------------------------------
-    def _data_iterator(self, data: SyntheticData, first_sample: int) -> Any:
+    def _data_iterator(self, data: MicroBatchReader, first_sample: int) -> Any:
         batches = data.step(first_sample, self.cfg.num_microbatches)
         if self.cfg.pipeline_schedule == "interleaved-1f1b":
             return [iter(batches) for _ in self.model]
@@ -203,7 +227,9 @@ class _Run:
             micro_batch_size=self.cfg.micro_batch_size,
             forward_only=forward_only,
         )
-        local = [float(d[LOSS_KEY]) for d in loss_dicts]
+        # One read of this rank's losses per step (each float() of a GPU tensor would wait).
+        losses = [d[LOSS_KEY].detach().double() for d in loss_dicts]
+        local = torch.stack(losses).tolist() if losses else []
         world = dist.get_world_size()
         flags = torch.zeros(world, len(finite.FINDINGS), dtype=torch.float64)
         if self.cfg.check_for_nan_in_loss_and_grad:
@@ -283,7 +309,9 @@ class _Run:
         """Load the latest checkpoint under ``load``, if there is one."""
         if self.cfg.load is None:
             return
-        loaded = load_checkpoint(self.cfg, self.model, self.optimizer, self.scheduler)
+        loaded = load_checkpoint(
+            self.cfg, self.model, self.optimizer, self.scheduler, self.vocab_size
+        )
         if loaded is None:
             self.say([f" no checkpoint under {self.cfg.load}: training from scratch"])
             return
@@ -298,7 +326,9 @@ class _Run:
 
     def save(self) -> None:
         """Save a checkpoint of the current iteration under ``save``."""
-        save_checkpoint(self.cfg, self.model, self.optimizer, self.scheduler, self.state)
+        save_checkpoint(
+            self.cfg, self.model, self.optimizer, self.scheduler, self.state, self.vocab_size
+        )
         self.result.saved.append(self.state.iteration)
         self.say(
             [
@@ -325,13 +355,17 @@ class _Run:
             start = time.perf_counter()
             upcoming = self.state.iteration + 1
             switching = upcoming == switch_at and upcoming < last
-            loss, success, grad_norm, recorder = self.train_step(upcoming == last or switching)
+            boarded = self.board is not None and self._logs(upcoming, last)
+            measure = upcoming == last or switching or self._board_measures(upcoming, last)
+            loss, success, grad_norm, recorder = self.train_step(measure)
             window.add(loss, time.perf_counter() - start, success, self.mtp)
             self.result.losses[self.state.iteration] = loss
             if self.mtp:
                 self.result.mtp_losses[self.state.iteration] = self.mtp
             if self._after_step(window, grad_norm, last):
                 saved_at = self.state.iteration
+            if self._board_measures(upcoming, last):
+                self._board_step(recorder, boarded)
             if switching:
                 self.say([optimise_from_measured(self.forward_backward, recorder, upcoming)])
             if self.bar is not None:
@@ -347,10 +381,27 @@ class _Run:
             self.summarise(recorder)
         self.report_overlap()
 
+    def _logs(self, iteration: int, last: int) -> bool:
+        """Whether ``iteration`` prints a log line (every ``log_interval``, and the last)."""
+        return iteration % self.cfg.log_interval == 0 or iteration == last
+
+    def _board_measures(self, iteration: int, last: int) -> bool:
+        """Whether ``iteration`` is measured for TensorBoard (the same on every rank)."""
+        return self.cfg.tensorboard_dir is not None and self._logs(iteration, last)
+
+    def _board_step(self, recorder: StepRecorder, write: bool) -> None:
+        """The measured step's bubbles and overlapped FB pairs into TensorBoard (rank 0
+        writes); collective."""
+        measured = recorder.gather()
+        pairs = self._overlapped_pairs()
+        if write and measured is not None:
+            bubbles = [r.bubble_ratio for r in measured.ranks]
+            self.board.measured(self.state.iteration, bubbles, None if pairs is None else pairs[0])
+
     def _after_step(self, window: LogWindow, grad_norm: float | None, last: int) -> bool:
         """Log, evaluate and save as their intervals say; True when a checkpoint was saved."""
         cfg, iteration = self.cfg, self.state.iteration
-        if iteration % cfg.log_interval == 0 or iteration == last:
+        if self._logs(iteration, last):
             log = window.flush(
                 iteration=iteration,
                 train_iters=cfg.train_iters,
@@ -361,10 +412,14 @@ class _Run:
                 grad_norm=grad_norm,
             )
             self.say([iteration_line(log)])
+            if self.board is not None:
+                self.board.iteration(log)
         if cfg.eval_interval and iteration % cfg.eval_interval == 0:
             value = self.evaluate()
             self.result.validation[iteration] = value
             self.say(validation_lines(iteration, value))
+            if self.board is not None:
+                self.board.validation(iteration, self.state.consumed_train_samples, value)
         if cfg.save and cfg.save_interval and iteration % cfg.save_interval == 0:
             self.save()
             return True
@@ -389,18 +444,24 @@ class _Run:
         following = (self.state.iteration // exit_interval + 1) * exit_interval
         return min(self.cfg.train_iters, following)
 
-    def report_overlap(self) -> None:
-        """Under a schedule with FB pairs: how many of one step's FB actions (over the
-        pipeline of data-parallel rank 0) ran overlapped; collective, so every rank joins it
-        even where its own part of the schedule has no FB pair (an optimised order may pair
-        on one rank only)."""
+    def _overlapped_pairs(self) -> tuple[int, int] | None:
+        """Under a schedule with FB pairs: how many of the last step's FB actions (over this
+        replica's pipeline) ran overlapped, and how many there were; None under the others.
+        Collective, so every rank joins it even where its own part of the schedule has no
+        FB pair (an optimised order may pair on one rank only)."""
         report = getattr(self.forward_backward, "last_overlap", None)
         if report is None:
-            return
+            return None
         counts = torch.tensor([report.overlapped, report.fb_actions], device=self.device)
         dist.all_reduce(counts, group=parallel_state.get_pipeline_model_parallel_group())
         pairs, actions = (int(c) for c in counts)
-        if actions:
+        return (pairs, actions) if actions else None
+
+    def report_overlap(self) -> None:
+        """The line of :meth:`_overlapped_pairs` (data-parallel replica 0's); collective."""
+        found = self._overlapped_pairs()
+        if found is not None:
+            pairs, actions = found
             self.say([f" overlapped FB pairs per step: {pairs} (of {actions} FB actions)"])
 
     def summarise(self, recorder: StepRecorder) -> None:
@@ -471,6 +532,8 @@ def _done_line(run: _Run, seconds: float) -> str:
         outputs.append(f"timeline {run.result.summary.png}")
     if run.result.saved:
         outputs.append(f"checkpoints in {run.cfg.save}")
+    if run.cfg.tensorboard_dir is not None:
+        outputs.append(f"TensorBoard events in {run.cfg.tensorboard_dir}")
     where = f"; outputs: {', '.join(outputs)}" if outputs else ""
     return f" training done: iteration {run.state.iteration} after {seconds:.1f} s{where}"
 
@@ -493,7 +556,11 @@ def run_rank(cfg: TrainConfig) -> TrainResult:
         run.say([_header_line(cfg, dist.get_backend()), *run.parameter_lines()])
         began = time.perf_counter()
         run.resume()
-        run.train()
+        try:
+            run.train()
+        finally:
+            if run.board is not None:
+                run.board.close()
         seconds = time.perf_counter() - began
         run.say([_done_line(run, seconds)])
         return run.result

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from ...runtime import RankTimeline, gather_timeline
+from ...runtime.timeline import clock_for
 from ...schedules.export import figure_width, to_png
 from ...schedules.ir import Action, Kind, Schedule
 from ...schedules.registry import generate
@@ -79,7 +80,8 @@ class StepRecorder:
         options = {"chunks": chunks} if chunks > 1 else {}
         self.schedule = generate(self.schedule_name, self.pp_size, self.num_microbatches, **options)
         dist.barrier(group=self.group)
-        self.timeline = RankTimeline(self.pp_rank)
+        device = next(self.model[0].parameters()).device
+        self.timeline = RankTimeline(self.pp_rank, clock=clock_for(device))
         timers = _RecordingTimers(self, self.config.timers)
         previous, self.config.timers = self.config.timers, timers
         self._exit = functools.partial(setattr, self.config, "timers", previous)

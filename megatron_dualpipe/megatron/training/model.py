@@ -86,6 +86,14 @@ def transformer_config(cfg: TrainConfig, *, on_gpu: bool) -> TransformerConfig:
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
     )
+    if cfg.recompute_granularity is not None:
+        kwargs.update(
+            recompute_granularity=cfg.recompute_granularity,
+            recompute_method=cfg.recompute_method,
+            recompute_num_layers=cfg.recompute_num_layers,
+        )
+        if cfg.recompute_modules is not None:
+            kwargs["recompute_modules"] = cfg.recompute_modules.split()
     if cfg.swiglu:
         kwargs.update(gated_linear_unit=True, activation_func=F.silu)
     if cfg.mtp_num_layers:
@@ -197,9 +205,13 @@ def _ddp_config(cfg: TrainConfig, deferred: bool) -> DistributedDataParallelConf
     )
 
 
-def build_model(cfg: TrainConfig, config: TransformerConfig) -> list[DistributedDataParallel]:
+def build_model(
+    cfg: TrainConfig, config: TransformerConfig, vocab_size: int | None = None
+) -> list[DistributedDataParallel]:
     """This rank's chunks, initialised and wrapped in DDP; ``config`` gets the hooks
     (``no_sync_func``, ``finalize_model_grads_func``). Needs ``parallel_state``.
+    ``vocab_size``: the embedding's rows (default ``cfg.vocab_size``; a tokenizer's padded
+    vocabulary, :mod:`.tokenizer`).
 
     Under schedules that split the backward every Megatron linear layer defers its weight
     gradient (dW) to the W actions: built so from the layer spec, the output layer converted
@@ -218,7 +230,7 @@ def build_model(cfg: TrainConfig, config: TransformerConfig) -> list[Distributed
         chunk = GPTModel(
             config=config,
             transformer_layer_spec=block,
-            vocab_size=cfg.vocab_size,
+            vocab_size=vocab_size or cfg.vocab_size,
             max_sequence_length=cfg.max_position_embeddings or cfg.seq_length,
             pre_process=pre_process,
             post_process=post_process,
@@ -245,11 +257,14 @@ def build_model(cfg: TrainConfig, config: TransformerConfig) -> list[Distributed
             for chunk, (pre, post, _) in zip(chunks, ends, strict=True)
         ]
     ddp_config = _ddp_config(cfg, deferred)
+    # Megatron-LM buckets the first chunk only; dualpipe's mirror sum needs both copies of a
+    # stage bucketed alike (see prepare_mirrors): one bucket per chunk there.
+    mirror = found.placement == "mirror"
     model = [
-        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
+        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0 or mirror)
         for i, chunk in enumerate(chunks)
     ]
-    if found.placement == "mirror":
+    if mirror:
         prepare_mirrors(model, timeout_s=60.0 * cfg.distributed_timeout_minutes)
     config.finalize_model_grads_func = finalize_model_grads
     if cfg.overlap_grad_reduce:

@@ -1,0 +1,91 @@
+"""TensorBoard scalars of a training run, under Megatron-LM's names, on the logging rank.
+
+With ``tensorboard_dir`` set, global rank 0 (the rank that prints the log) writes, at every
+iteration that prints a log line (``log_interval``), what that line says, under the tags
+Megatron-LM's ``training_log`` uses: ``lm loss``, ``learning-rate``, ``batch-size``,
+``loss-scale``, ``grad-norm`` (each also ``... vs samples``, against consumed samples),
+``iteration-time`` (seconds per iteration) and ``mtp_N loss``; after each evaluation
+``lm loss validation`` and ``lm loss validation ppl`` (and their ``vs samples``). Ours, from
+the step measured at each logged iteration: ``pipeline-bubble/rank-R`` (the measured bubble
+ratio of pipeline rank R of data-parallel replica 0) and, under schedules with FB pairs,
+``overlapped-fb-pairs`` (per step, over that replica's pipeline).
+
+The events go through ``torch.utils.tensorboard.SummaryWriter``, which needs the
+``tensorboard`` package: an optional dependency, refused in one sentence before any work
+when it is missing (:func:`check_tensorboard`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from .config import ConfigError, TrainConfig
+from .report import IterationLog
+
+__all__ = ["TENSORBOARD_INSTALL", "TensorBoardLog", "check_tensorboard"]
+
+#: What to install for ``tensorboard_dir`` (setup.py's ``[tensorboard]`` extra).
+TENSORBOARD_INSTALL = "pip install 'tensorboard==2.21.0'"
+
+
+def check_tensorboard(cfg: TrainConfig, source: str) -> None:
+    """Refuse ``tensorboard_dir`` without the tensorboard package, in one sentence."""
+    if cfg.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(
+            f"{source}: tensorboard_dir: writing TensorBoard events needs the tensorboard "
+            f"package, which is not installed: {TENSORBOARD_INSTALL} (or unset tensorboard_dir)"
+        )
+
+
+class TensorBoardLog:
+    """The run's event file in ``directory``; call :meth:`close` at the end."""
+
+    def __init__(self, directory: str):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=directory)
+
+    def _both(self, tag: str, value: float, iteration: int, samples: int) -> None:
+        self.writer.add_scalar(tag, value, iteration)
+        self.writer.add_scalar(f"{tag} vs samples", value, samples)
+
+    def iteration(self, log: IterationLog) -> None:
+        """The figures of one log line."""
+        i, samples = log.iteration, log.consumed_samples
+        self._both("learning-rate", log.learning_rate, i, samples)
+        self._both("batch-size", log.global_batch_size, i, samples)
+        self._both("lm loss", log.lm_loss, i, samples)
+        for k, loss in enumerate(log.mtp_losses):
+            self._both(f"mtp_{k + 1} loss", loss, i, samples)
+        self._both("loss-scale", log.loss_scale, i, samples)
+        if log.grad_norm is not None:
+            self._both("grad-norm", log.grad_norm, i, samples)
+        self.writer.add_scalar("iteration-time", log.elapsed_ms / 1e3, i)
+
+    def validation(self, iteration: int, samples: int, lm_loss: float) -> None:
+        """One evaluation's loss and perplexity, as Megatron-LM's evaluation writes them."""
+        self._both("lm loss validation", lm_loss, iteration, samples)
+        ppl = math.exp(min(20.0, lm_loss)) if math.isfinite(lm_loss) else lm_loss
+        self._both("lm loss validation ppl", ppl, iteration, samples)
+
+    def measured(self, iteration: int, bubbles: Sequence[float], overlapped: int | None) -> None:
+        """The measured step's bubble ratio per pipeline rank and its overlapped FB pairs."""
+        for rank, bubble in enumerate(bubbles):
+            self.writer.add_scalar(f"pipeline-bubble/rank-{rank}", bubble, iteration)
+        if overlapped is not None:
+            self.writer.add_scalar("overlapped-fb-pairs", overlapped, iteration)
+
+    def close(self) -> None:
+        self.writer.flush()
+        self.writer.close()
+
+
+def open_log(cfg: TrainConfig, rank: int) -> Any:
+    """The run's :class:`TensorBoardLog` on global rank 0 when ``tensorboard_dir`` is set,
+    else None."""
+    if cfg.tensorboard_dir is None or rank != 0:
+        return None
+    return TensorBoardLog(cfg.tensorboard_dir)

@@ -1,0 +1,147 @@
+"""A gloo transport that obeys NCCL's ordering rules, so CPU tests see what NCCL would do.
+
+Gloo buffers sends and matches by tag, so a plan that would deadlock on NCCL runs on it.
+:class:`NcclRulesTransport` takes that away (the rules are those modelled in
+:mod:`megatron_dualpipe.schedules.nccl_rules`):
+
+- each (rank, communicator) has one stream: a worker thread that runs the batches of that
+  communicator in issue order, one at a time, each until all its operations completed;
+- a send completes only after the peer's matching receive has started (rendezvous, what
+  NCCL does for messages above its buffer size): the receiving stream, when its receive
+  starts, sends the sender a small ready signal, and the sending stream waits for it
+  before it sends the data;
+- waits do not time out on the host (``host_waits = "stream"``): the executor's hang
+  monitor watches every operation and, past its timeout, aborts the transport, which
+  fails every pending operation.
+
+The data itself still travels over one gloo group with the executor's tags (the ready
+signal uses the odd tag above its message's). For tests and experiments on CPU; on GPUs
+use :class:`~.transport.GroupTransport` over NCCL.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..schedules.comm_plan import Comm
+from .transport import ElementOp, Handle
+from .watchdog import Watchdog
+
+__all__ = ["NcclRulesTransport"]
+
+
+class _Work:
+    """An emulated operation: complete once its batch has completed."""
+
+    def __init__(self, aborted: threading.Event):
+        self._aborted = aborted
+        self._done = threading.Event()
+        self._error: str | None = None
+
+    def finish(self, error: str | None = None) -> None:
+        self._error = error
+        self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block until complete (the host must: on CPU there is no stream to wait)."""
+        while not self._done.wait(0.02):
+            if self._aborted.is_set():
+                raise RuntimeError("the pipeline's communicators were aborted")
+        if self._error is not None:
+            raise RuntimeError(self._error)
+        return True
+
+
+class _Stream(threading.Thread):
+    """One communicator's stream on this rank: its batches, one after the other."""
+
+    def __init__(self, transport: NcclRulesTransport, comm: Comm):
+        super().__init__(name=f"nccl-rules-{comm}", daemon=True)
+        self._transport = transport
+        self.batches: queue.SimpleQueue = queue.SimpleQueue()
+        self.start()
+
+    def run(self) -> None:
+        while (batch := self.batches.get()) is not None:
+            ops, works = batch
+            try:
+                self._run_batch(ops)
+            except RuntimeError as error:
+                for work in works:
+                    work.finish(str(error).strip().splitlines()[0] if str(error) else repr(error))
+                self._transport.fail(str(error))
+                return
+            for work in works:
+                work.finish()
+
+    def _run_batch(self, ops: Sequence[ElementOp]) -> None:
+        group, peer_of = self._transport.group, self._transport.group_rank
+        started = []
+        waiting = []
+        for op in ops:
+            peer = peer_of(op.op.peer)
+            if op.op.kind == "recv":
+                started.append(group.recv([op.tensor], peer, op.tag))
+                started.append(group.send([torch.ones(1)], peer, op.tag + 1))  # ready
+            else:
+                ready = torch.empty(1)
+                waiting.append((op, peer, ready, group.recv([ready], peer, op.tag + 1)))
+        for op, peer, _, ready in waiting:  # each send once its receive has started
+            ready.wait()
+            started.append(group.send([op.tensor], peer, op.tag))
+        for work in started:
+            work.wait()
+
+
+class NcclRulesTransport:
+    """The plan's communicators emulated over ``group`` (gloo) under NCCL's rules;
+    ``ranks`` are the pipeline ranks' global ranks. For CPU tests (see the module)."""
+
+    host_waits = "stream"
+
+    def __init__(self, group: dist.ProcessGroup, ranks: Sequence[int]):
+        if dist.get_backend(group) != "gloo":
+            raise ValueError("the NCCL-rules emulation runs over a gloo group")
+        self.group = group
+        self._ranks = list(ranks)
+        self._streams: dict[Comm, _Stream] = {}
+        self._aborted = threading.Event()
+        self.error: str | None = None
+
+    def group_rank(self, pipeline_rank: int) -> int:
+        return dist.get_group_rank(self.group, self._ranks[pipeline_rank])
+
+    def setup(self, comm: Comm, rank: int, watchdog: Watchdog) -> None:
+        """Nothing to set up: NCCL's set-up rule is checked by the plan's model."""
+
+    def start(self, comm: Comm, ops: Sequence[ElementOp]) -> list[Handle]:
+        if self._aborted.is_set():
+            raise RuntimeError("the pipeline's communicators were aborted")
+        works = [_Work(self._aborted) for _ in ops]
+        stream = self._streams.get(comm)
+        if stream is None:
+            stream = self._streams[comm] = _Stream(self, comm)
+        stream.batches.put((list(ops), works))
+        return works
+
+    def fail(self, error: str) -> None:
+        """A stream's backend operation failed: keep the first error."""
+        if self.error is None:
+            self.error = error
+
+    def abort(self) -> None:
+        self._aborted.set()
+
+    def close(self) -> None:
+        for stream in self._streams.values():
+            stream.batches.put(None)
+        self._streams.clear()

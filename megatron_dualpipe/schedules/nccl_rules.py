@@ -1,0 +1,382 @@
+"""A model of NCCL's ordering rules, run over a communication plan.
+
+The rules (those of PyTorch's ``ProcessGroupNCCL`` over NCCL):
+
+- every operation of one communicator runs on one stream of that communicator, per rank,
+  in the order the host issued it; a batch (one ``batch_isend_irecv``) is one NCCL group:
+  its operations progress together, and the stream moves on once all of them completed;
+- messages between two ranks on one communicator match in issue order (tags are ignored);
+- a receive completes once its matching send has reached the head of the sender's stream
+  of that communicator (for a small send, once that send has completed into the
+  receiver's buffer);
+- a send larger than ``eager_limit`` bytes (NCCL's buffer; of unknown size: assumed
+  large) completes only together with its matching receive, both at the heads of their
+  streams (rendezvous); a smaller one completes once it reaches its stream's head (eager);
+- a ``Wait`` blocks its rank's host until its messages completed (on NCCL the host may
+  run ahead, but everything it issues later is ordered after that point by the compute
+  stream, which is the same for deadlock);
+- setting a communicator up (``Init``, or its first use where there is none) blocks each
+  member's host until every member has reached it.
+
+:func:`check_nccl` runs a plan under these rules and raises :class:`CommDeadlockError`
+naming the cycle (ranks, communicators, messages) where it cannot finish, and
+:class:`ScheduleError` where two ranks would match different messages.
+:func:`inflight_bound` is the most sends a rank can have in flight at any of its steps,
+for any timing: a send is surely complete once its receiver's Wait for it is known to
+have returned, through the messages that have reached the sender since.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .comm_plan import Comm, CommOp, CommPlan, Init, Issue, PlanKey, Wait, key_text
+from .ir import ScheduleError
+
+__all__ = ["EAGER_LIMIT", "CommDeadlockError", "NcclReport", "check_nccl", "inflight_bound"]
+
+#: NCCL's default buffer (``NCCL_BUFFSIZE``, 4 MiB): larger sends wait for their receive.
+EAGER_LIMIT = 4 * 2**20
+
+
+class CommDeadlockError(ScheduleError):
+    """The plan cannot finish under NCCL's rules; the message names the cycle."""
+
+    def __init__(self, message: str, ranks: list[int], comms: list[Comm], keys: list[PlanKey]):
+        super().__init__(message)
+        self.ranks = ranks
+        self.comms = comms
+        self.keys = keys
+
+
+@dataclass(frozen=True)
+class NcclReport:
+    """A plan that finishes under NCCL's rules: its communicators (all, and per rank)
+    and the most sends each rank can have in flight."""
+
+    comms: list[Comm]
+    comms_per_rank: list[int]
+    inflight_bound: list[int]
+
+
+class _Op:
+    """An issued operation: its plan op, rank, batch, place in its pair's order."""
+
+    __slots__ = ("batch", "done", "index", "op", "partner", "rank")
+
+    def __init__(self, op: CommOp, rank: int, batch: _Batch, index: int):
+        self.op = op
+        self.rank = rank
+        self.batch = batch
+        self.index = index
+        self.done = False
+        self.partner: _Op | None = None
+
+    def text(self) -> str:
+        verb, way = ("send", "to") if self.op.kind == "send" else ("receive", "from")
+        return f"rank {self.rank}'s {verb} of {key_text(self.op.key)} {way} rank {self.op.peer}"
+
+
+class _Batch:
+    __slots__ = ("ops",)
+
+    def __init__(self) -> None:
+        self.ops: list[_Op] = []
+
+
+class _Model:
+    """The state of one run of the rules over a plan."""
+
+    def __init__(self, plan: CommPlan, eager_limit: int):
+        self.plan = plan
+        self.eager_limit = eager_limit
+        n = len(plan.ranks)
+        self.pc = [0] * n
+        self.streams: dict[tuple[int, Comm], deque[_Batch]] = {}
+        self.sends: dict[tuple[Comm, int, int], list[_Op]] = {}
+        self.recvs: dict[tuple[Comm, int, int], list[_Op]] = {}
+        self.by_key: list[dict[PlanKey, _Op]] = [{} for _ in range(n)]
+        self.ready: set[Comm] = set()
+        self.arrived: dict[Comm, set[int]] = {}
+        self.eager_comms = {s.comm for steps in plan.ranks for s in steps if isinstance(s, Init)}
+        self.touched: deque[tuple[int, Comm]] = deque()  # streams that may progress
+        self.woken: deque[int] = deque(range(n))  # hosts that may go on
+
+    # -- hosts -----------------------------------------------------------------------
+    def _setup(self, rank: int, comm: Comm) -> bool:
+        """Arrive at ``comm``'s set-up; whether it is done."""
+        if comm in self.ready:
+            return True
+        arrived = self.arrived.setdefault(comm, set())
+        arrived.add(rank)
+        if arrived >= set(comm.ranks):
+            self.ready.add(comm)
+            self.woken.extend(comm.ranks)
+            return True
+        return False
+
+    def advance(self, rank: int) -> bool:
+        """Run rank ``rank``'s host as far as it can go; whether it moved."""
+        steps = self.plan.ranks[rank]
+        moved = False
+        while self.pc[rank] < len(steps):
+            step = steps[self.pc[rank]]
+            if isinstance(step, Init):
+                if not self._setup(rank, step.comm):
+                    break
+            elif isinstance(step, Issue):
+                if step.comm not in self.eager_comms and not self._setup(rank, step.comm):
+                    break
+                self._issue(rank, step)
+            elif isinstance(step, Wait):
+                mine = self.by_key[rank]
+                unknown = [k for k in step.keys if k not in mine]
+                if unknown:
+                    raise ScheduleError(
+                        f"rank {rank} waits for {key_text(unknown[0])}, which it never issued"
+                    )
+                if not all(mine[k].done for k in step.keys):
+                    break
+            self.pc[rank] += 1
+            moved = True
+        return moved
+
+    def _issue(self, rank: int, step: Issue) -> None:
+        batch = _Batch()
+        for op in step.ops:
+            if op.comm != step.comm:
+                raise ScheduleError(
+                    f"rank {rank}: one batch mixes communicators {op.comm} and {step.comm}"
+                )
+            pair = (op.comm, rank, op.peer) if op.kind == "send" else (op.comm, op.peer, rank)
+            queue = (self.sends if op.kind == "send" else self.recvs).setdefault(pair, [])
+            issued = _Op(op, rank, batch, len(queue))
+            queue.append(issued)
+            batch.ops.append(issued)
+            self.by_key[rank][op.key] = issued
+            partner = self._partner(issued)
+            if partner is not None:  # it may be waiting at the head of its stream
+                self.touched.append((partner.rank, op.comm))
+        stream = self.streams.setdefault((rank, step.comm), deque())
+        stream.append(batch)
+        if len(stream) == 1:
+            self.touched.append((rank, step.comm))
+
+    # -- streams ---------------------------------------------------------------------
+    def _at_head(self, op: _Op) -> bool:
+        stream = self.streams[(op.rank, op.op.comm)]
+        return bool(stream) and stream[0] is op.batch
+
+    def _partner(self, op: _Op) -> _Op | None:
+        """The operation ``op`` matches (same place in its pair's order), if issued."""
+        if op.partner is None:
+            c, o = op.op.comm, op.op
+            pair = (c, op.rank, o.peer) if o.kind == "send" else (c, o.peer, op.rank)
+            others = (self.recvs if o.kind == "send" else self.sends).get(pair, [])
+            if op.index < len(others):
+                other = others[op.index]
+                if other.op.key != o.key:
+                    send, recv = (op, other) if o.kind == "send" else (other, op)
+                    raise ScheduleError(
+                        f"on communicator {c}, {recv.text()} would get the data of "
+                        f"{send.text()}: NCCL matches the messages between two ranks in issue "
+                        "order, so both must issue them in the same order"
+                    )
+                op.partner, other.partner = other, op
+        return op.partner
+
+    def _large(self, op: _Op) -> bool:
+        """Whether ``op`` is a send that waits for its receive (rendezvous)."""
+        size = op.op.nbytes
+        return op.op.kind == "send" and (size is None or size > self.eager_limit)
+
+    def _try(self, op: _Op) -> bool:
+        """Complete ``op`` (at the head of its stream) if the rules allow; whether it did."""
+        if op.op.kind == "send" and not self._large(op):
+            op.done = True
+            self.woken.append(op.rank)
+            partner = self._partner(op)
+            if partner is not None:
+                self.touched.append((partner.rank, op.op.comm))
+            return True
+        partner = self._partner(op)
+        if partner is None:
+            return False
+        if op.op.kind == "recv" and not self._large(partner):
+            if not partner.done and self._at_head(partner):
+                partner.done = True
+            op.done = partner.done
+        elif self._at_head(partner):
+            op.done = partner.done = True
+        if op.done:
+            self.touched.append((partner.rank, partner.op.comm))
+            self.woken.extend((op.rank, partner.rank))
+        return op.done
+
+    def progress(self, rank: int, comm: Comm) -> bool:
+        """Complete what the head batches of (``rank``, ``comm``) can; whether any did."""
+        stream = self.streams[(rank, comm)]
+        moved = False
+        while stream:
+            head = stream[0]
+            for op in head.ops:
+                if not op.done:
+                    moved = self._try(op) or moved
+            if not all(op.done for op in head.ops):
+                break
+            stream.popleft()
+            moved = True
+        return moved
+
+    def run(self) -> None:
+        """Advance hosts and streams until nothing can move (each is looked at again only
+        when something it may wait for changed)."""
+        while self.woken or self.touched:
+            while self.woken:
+                self.advance(self.woken.popleft())
+            while self.touched:
+                self.progress(*self.touched.popleft())
+
+    # -- what went wrong -------------------------------------------------------------
+    def finished(self) -> bool:
+        return all(
+            pc == len(steps) for pc, steps in zip(self.pc, self.plan.ranks, strict=True)
+        ) and not any(self.streams.values())
+
+    def _blocked_on(self, node: tuple) -> tuple | None:
+        """What a blocked host (``("host", rank)``) or operation (``("op", _Op)``) waits for."""
+        if node[0] == "host":
+            rank = node[1]
+            step = self.plan.ranks[rank][self.pc[rank]]
+            if isinstance(step, Wait):
+                op = next(self.by_key[rank][k] for k in step.keys if not self.by_key[rank][k].done)
+                return ("op", op)
+            comm = step.comm
+            missing = sorted(set(comm.ranks) - self.arrived.get(comm, set()))
+            return ("host", missing[0]) if missing else None
+        op: _Op = node[1]
+        stream = self.streams[(op.rank, op.op.comm)]
+        if stream[0] is not op.batch:
+            return ("op", next(o for o in stream[0].ops if not o.done))
+        partner = self._partner(op)
+        if partner is None:
+            return ("host", op.op.peer)
+        return ("op", partner)
+
+    def _text(self, node: tuple) -> str:
+        if node[0] == "op":
+            return f"{node[1].text()} on communicator {node[1].op.comm}"
+        rank = node[1]
+        step = self.plan.ranks[rank][self.pc[rank]]
+        if isinstance(step, Wait):
+            return f"rank {rank}'s host"
+        return f"rank {rank}'s host in the set-up of communicator {step.comm}"
+
+    @staticmethod
+    def _link(a: tuple, b: tuple) -> str:
+        if a[0] == "host":
+            return " waits for "
+        if b[0] == "host":
+            return ", which waits for its match from "
+        return ", queued behind " if b[1].rank == a[1].rank else ", which waits for "
+
+    def cycle_error(self) -> CommDeadlockError:
+        n = len(self.plan.ranks)
+        start = next(r for r in range(n) if self.pc[r] < len(self.plan.ranks[r]))
+        path: list[tuple] = []
+        node: tuple | None = ("host", start)
+        while node is not None and node not in path:
+            path.append(node)
+            node = self._blocked_on(node)
+        cycle = path[path.index(node) :] if node is not None else path
+        hosts = [i for i, item in enumerate(cycle) if item[0] == "host"]
+        if hosts:
+            cycle = cycle[hosts[0] :] + cycle[: hosts[0]]
+        words = self._text(cycle[0])
+        for a, b in zip(cycle, cycle[1:] + cycle[:1], strict=True):
+            words += self._link(a, b) + self._text(b) + (" again" if b is cycle[0] else "")
+        ops = [item[1] for item in cycle if item[0] == "op"]
+        ranks = sorted({item[1] if item[0] == "host" else item[1].rank for item in cycle})
+        set_up = [self.plan.ranks[r][self.pc[r]] for kind, r in cycle if kind == "host"]
+        comms = {o.op.comm for o in ops} | {s.comm for s in set_up if not isinstance(s, Wait)}
+        comms = sorted(comms, key=Comm.setup_order)
+        keys = sorted({o.op.key for o in ops}, key=key_text)
+        return CommDeadlockError(
+            f"the plan deadlocks under NCCL's rules: {words} (ranks "
+            f"{', '.join(map(str, ranks))}; communicators {', '.join(map(str, comms))}"
+            + (f"; messages {', '.join(map(key_text, keys))})" if keys else ")"),
+            ranks,
+            comms,
+            keys,
+        )
+
+
+def check_nccl(
+    plan: CommPlan, *, eager_limit: int = EAGER_LIMIT, bound: bool = True
+) -> NcclReport:
+    """Run ``plan`` under NCCL's rules (sends above ``eager_limit`` bytes rendezvous);
+    return its report (without the in-flight bound unless ``bound``), or raise
+    CommDeadlockError naming the cycle."""
+    model = _Model(plan, eager_limit)
+    model.run()
+    if not model.finished():
+        raise model.cycle_error()
+    comms = plan.comms
+    per_rank = [sum(rank in c.ranks for c in comms) for rank in range(len(plan.ranks))]
+    return NcclReport(comms, per_rank, inflight_bound(plan) if bound else [])
+
+
+def inflight_bound(plan: CommPlan) -> list[int]:
+    """Per rank, the most sends it can hold in flight at one of its Issue or Wait steps
+    (after releasing those surely complete, counting those it issues there), whatever
+    the timing: a send is surely complete once its receiver's Wait for it is known, by
+    vector clocks over the plan's messages, to have returned."""
+    n = len(plan.ranks)
+    clock = [[0] * n for _ in range(n)]  # clock[r][q]: steps of rank q known done at r
+    at_send: dict[PlanKey, list[int]] = {}
+    wait_index: dict[PlanKey, int] = {}  # the receiver's step whose return completes it
+    for rank, steps in enumerate(plan.ranks):
+        for i, step in enumerate(steps):
+            if isinstance(step, Wait):
+                for key in step.keys:
+                    wait_index.setdefault(key, i) if _receives(plan, rank, key) else None
+    pc = [0] * n
+    pending: list[list[tuple[PlanKey, int]]] = [[] for _ in range(n)]  # (key, receiver)
+    bound = [0] * n
+    moved = True
+    while moved:
+        moved = False
+        for rank, steps in enumerate(plan.ranks):
+            while pc[rank] < len(steps):
+                step = steps[pc[rank]]
+                if isinstance(step, Wait):
+                    keys = [k for k in step.keys if _receives(plan, rank, k)]
+                    if any(k not in at_send for k in keys):
+                        break
+                if isinstance(step, Issue | Wait):
+                    known = clock[rank]
+                    pending[rank] = [(k, q) for k, q in pending[rank] if known[q] <= wait_index[k]]
+                if isinstance(step, Issue):
+                    for op in step.ops:
+                        if op.kind == "send":
+                            at_send[op.key] = clock[rank][:]
+                            pending[rank].append((op.key, op.peer))
+                    bound[rank] = max(bound[rank], len(pending[rank]))
+                elif isinstance(step, Wait):
+                    bound[rank] = max(bound[rank], len(pending[rank]))
+                    for key in keys:
+                        clock[rank] = [
+                            max(a, b) for a, b in zip(clock[rank], at_send[key], strict=True)
+                        ]
+                pc[rank] += 1
+                clock[rank][rank] = pc[rank]
+                moved = True
+    return bound
+
+
+def _receives(plan: CommPlan, rank: int, key: PlanKey) -> bool:
+    """Whether ``rank`` receives message ``key`` (else it sends it)."""
+    stage = key[1]
+    placement = plan.schedule.placement
+    return placement.rank_of(stage) == rank

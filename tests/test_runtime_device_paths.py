@@ -1,0 +1,261 @@
+"""What the runtime does for GPUs, held on CPU with stand-ins.
+
+- Timelines on a GPU measure with CUDA events read after the step (kernel time, not launch
+  time): a stand-in following ``torch.cuda.Event``'s API (``record``, ``synchronize``,
+  ``elapsed_time``) gives known times, and the timeline reports them.
+- The per-token loss count stays on the loss's device (a ``meta`` tensor stands for a GPU
+  one: copying it to the host fails, as a per-micro-batch sync would).
+- The executor's saved-tensor hook makes no reference cycle: after a step that fails
+  half-way, nothing is left holding activations, no helper thread is left, and the executor
+  refuses another step (on NCCL its messages could still be in flight).
+- On a GPU the channel groups are aborted inside one NCCL group; the mirror exchange's
+  layout check travels on the gradients' device (NCCL serves CUDA tensors only).
+- Mirror exchange memory: summing DualPipe's two copies takes one bucket of extra memory,
+  measured by every allocation made during the exchange.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron_dualpipe.runtime import PipelineExecutor, TensorSpec
+from megatron_dualpipe.runtime.mirror import param_buckets, param_grad, sync_mirror_grads
+from megatron_dualpipe.runtime.timeline import DeviceClock, HostClock, RankTimeline, clock_for
+from megatron_dualpipe.runtime.transport import GroupTransport
+from megatron_dualpipe.runtime.watchdog import HangMonitor, Watchdog
+from megatron_dualpipe.schedules.comm_plan import channels
+from megatron_dualpipe.schedules.ir import Action, Kind, Placement
+from megatron_dualpipe.schedules.registry import generate
+from tests.multiproc import run_workers
+
+
+class FakeEvent:
+    """``torch.cuda.Event(enable_timing=True)`` as the timeline uses it: ``record()`` takes
+    the device's time when the stream reaches it, ``synchronize()`` waits for it,
+    ``elapsed_time(end)`` is milliseconds from this event to ``end``."""
+
+    device_ms = [0.0]  # the stand-in device's clock
+    synchronized: list[FakeEvent] = []
+
+    def record(self) -> None:
+        self.at = FakeEvent.device_ms[0]
+
+    def synchronize(self) -> None:
+        FakeEvent.synchronized.append(self)
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return end.at - self.at
+
+
+def test_a_gpu_timeline_reports_event_times_read_after_the_step() -> None:
+    FakeEvent.device_ms[0], FakeEvent.synchronized = 5.0, []
+    clock = clock_for(torch.device("cuda", 0), event=FakeEvent)
+    assert isinstance(clock, DeviceClock)
+    timeline = RankTimeline(0, clock=clock)
+    f = Action(Kind.F, 0, 0)
+    FakeEvent.device_ms[0] = 7.0
+    start = timeline.now()
+    FakeEvent.device_ms[0] = 10.5  # the kernels ran 3.5 ms, however soon the host went on
+    timeline.add(f, start, timeline.now())
+    timeline.sent.append(((Kind.RECV_F, 1, 0), 1, timeline.now()))
+    timeline.resolve()
+    assert timeline.actions[0].start == 2.0 and timeline.actions[0].end == 5.5
+    assert timeline.sent[0][2] == 5.5
+    assert len(FakeEvent.synchronized) == 1  # once, for the last event, at the end
+    assert timeline.clock is None and timeline.resolve() is timeline
+
+
+def test_a_cpu_timeline_uses_the_host_clock() -> None:
+    assert isinstance(clock_for(torch.device("cpu")), HostClock)
+    assert isinstance(clock_for(None), HostClock)
+
+
+def test_the_token_count_stays_on_the_losses_device() -> None:
+    from megatron_dualpipe.megatron.placement import ChunkRole
+    from megatron_dualpipe.megatron.stage import MegatronStage, StepInputs
+
+    meta = torch.device("meta")
+    step = StepInputs(None, None, 1, False, False, None, 1, device=meta)
+    assert step.total_num_tokens.device == meta
+    model = nn.Linear(1, 1)
+    role = ChunkRole(0, 0, 0, 0, 1, pre_process=True, post_process=True)
+    stage = MegatronStage(model, role)
+    stage.begin_step(step, None)
+    stage._count_tokens(torch.ones((), dtype=torch.int, device=meta))
+    assert step.total_num_tokens.device == meta
+
+
+class _Failing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).tanh()  # tanh saves its own output
+
+
+def _fail_half_way(rank: int, world: int) -> tuple[int, int]:
+    executor = PipelineExecutor(
+        generate("1f1b", 1, 4),
+        0,
+        [_Failing()],
+        specs={0: TensorSpec((2, 4))},
+        loss_fn=lambda out, mb: out.sum() if mb < 2 else 1 / 0,
+    )
+    with contextlib.suppress(ZeroDivisionError):
+        executor.run([torch.ones(2, 4)] * 4)
+    live_before_gc = executor.live_activations
+    gc.collect()
+    try:
+        executor.run([torch.ones(2, 4)] * 4)
+    except RuntimeError as error:
+        again = str(error)
+    executor.close()
+    helpers = [t.name for t in threading.enumerate() if t.name.startswith("pipeline-")]
+    return live_before_gc, executor.live_activations, again, helpers
+
+
+@pytest.mark.multiproc
+def test_a_failed_step_leaves_nothing_held_and_the_executor_refuses_another() -> None:
+    """No activations held (before any garbage collection), no helper thread left, and a
+    second run refused: on NCCL its messages could still be in flight."""
+    ((before_gc, after_gc, again, helpers),) = run_workers(_fail_half_way, 1, timeout_s=60)
+    assert (before_gc, after_gc) == (0, 0)
+    assert again.startswith("rank 0's executor failed in an earlier step (ZeroDivisionError: ")
+    assert helpers == []
+
+
+def test_the_hang_monitor_thread_ends_with_its_monitor() -> None:
+    monitor = HangMonitor(Watchdog(0, 60.0), lambda: None, poll_s=0.01)
+    thread = monitor._thread
+    del monitor
+    gc.collect()
+    thread.join(2)
+    assert not thread.is_alive()
+
+
+class _FakeNcclBackend:
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def _group_start(self) -> None:
+        self.calls.append("group start")
+
+    def _group_end(self) -> None:
+        self.calls.append("group end")
+
+
+class _FakeGroup:
+    """A process group as GroupTransport.abort uses one (``_get_backend``, ``abort``)."""
+
+    def __init__(self, name: str, calls: list[str]) -> None:
+        self.name, self.calls = name, calls
+
+    def _get_backend(self, device: torch.device) -> _FakeNcclBackend:
+        assert device.type == "cuda"
+        return _FakeNcclBackend(self.calls)
+
+    def abort(self) -> None:
+        self.calls.append(f"abort {self.name}")
+
+
+def test_channel_groups_on_a_gpu_are_aborted_inside_one_nccl_group() -> None:
+    """As torch's ``_abort_process_group`` aborts every group: communicators aborted one
+    by one can hang on another's stuck kernel (pytorch issue 119797)."""
+    calls: list[str] = []
+    groups = {c: _FakeGroup(str(c), calls) for c in channels(Placement("v", 2, 4, 4))}
+    GroupTransport(groups, [0, 1], device=torch.device("cuda", 0)).abort()
+    assert calls[0] == "group start" and calls[-1] == "group end"
+    assert sorted(calls[1:-1]) == sorted(f"abort {c}" for c in groups)
+
+
+def test_the_mirror_layout_travels_on_the_gradients_device(monkeypatch) -> None:
+    """NCCL serves CUDA tensors only: the layout check must not send CPU tensors (here
+    ``meta`` stands for the GPU; the exchange itself is recorded, not run)."""
+    import megatron_dualpipe.runtime.mirror as mirror
+
+    devices = []
+    monkeypatch.setattr(mirror, "_exchange", lambda sends, receives, *a: None)
+
+    def swap(values, partner, group, watchdog, device):
+        devices.append(device)
+        return mirror._encode(mirror._decode(values)[::-1])
+
+    monkeypatch.setattr(mirror, "_swap_ints", swap)
+    modules = [nn.Linear(2, 2, device="meta") for _ in range(2)]
+    mirror.sync_mirror_grads(modules, Placement("mirror", 2, 4, 2), 0)
+    mirror.copy_mirror_params(modules, Placement("mirror", 2, 4, 2), 0)
+    assert devices == [torch.device("meta")] * 2
+
+
+class _Allocations(TorchDispatchMode):
+    """Bytes of the tensors the ops create while active, the most alive at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+
+    def _gone(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        for tensor in out if isinstance(out, tuple | list) else (out,):
+            if (
+                isinstance(tensor, torch.Tensor)
+                and tensor.untyped_storage().data_ptr() not in inputs
+            ):
+                nbytes = tensor.untyped_storage().nbytes()
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(tensor, self._gone, nbytes)
+        return out
+
+
+BUCKET = 4096  # bytes: a stage of 3 x 1,056 floats spans several buckets
+
+
+def _mirror_memory(rank: int, world: int) -> tuple[int, int, list[float]]:
+    torch.manual_seed(0)
+    modules = [nn.Sequential(*(nn.Linear(32, 32) for _ in range(3))) for _ in range(2)]
+    for chunk, module in enumerate(modules):
+        for p in module.parameters():
+            p.grad = torch.full_like(p, float(10 * rank + chunk))
+    placement = Placement("mirror", world, 2 * world, 2)
+    meter = _Allocations()
+    with meter:
+        sync_mirror_grads(
+            modules,
+            placement,
+            rank,
+            timeout_s=20,
+            buckets=lambda m: param_buckets(m, param_grad, bucket_bytes=BUCKET),
+        )
+    total = sum(p.numel() * 4 for p in modules[0].parameters())
+    return meter.peak, total, [m[0].weight.grad[0, 0].item() for m in modules]
+
+
+@pytest.mark.multiproc
+def test_the_mirror_exchange_takes_one_bucket_of_memory() -> None:
+    results = run_workers(_mirror_memory, 2, timeout_s=60)
+    for rank, (peak, total, sums) in enumerate(results):
+        largest = max(
+            sum(t.numel() * 4 for t in bucket)
+            for bucket in param_buckets(
+                nn.Sequential(*(nn.Linear(32, 32) for _ in range(3))), lambda p: p, BUCKET
+            )
+        )
+        assert peak <= largest + 64, (rank, peak, largest)  # + the layout's few integers
+        assert peak < total / 2, (rank, peak, total)
+        # Chunk 0 of rank r pairs with chunk 1 of rank 1 - r: 10 r + 0 + 10 (1 - r) + 1 = 11.
+        assert sums == [11.0, 11.0]

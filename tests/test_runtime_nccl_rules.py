@@ -1,0 +1,247 @@
+"""The executor under NCCL's rules, on CPU.
+
+- It issues exactly its communication plan: every call it hands a transport (communicator,
+  operations in order) and every receive it waits on, recorded on gloo for every
+  registered schedule at PP 2 and 4, equal the plan built from the schedule.
+- The NCCL-rules emulation (a stream per communicator, sends that complete only once
+  their receive has started) runs the shipped plan; the design before it (one
+  communicator per message kind) hangs there, and every rank's hang monitor turns that
+  into an error naming the rank within its timeout, while plain gloo runs it.
+- Two-rank process groups per channel (what NCCL gets), issued op by op or as NCCL gets
+  them (one ``batch_isend_irecv`` per batch, peers as group ranks), give the losses and
+  gradients of the tagged single group, bit for bit.
+- The hang monitor: an operation pending past the timeout is named and the transport
+  aborted; completed ones are forgotten.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_dualpipe.runtime import PipelineExecutor, PipelineWaitError, TensorSpec
+from megatron_dualpipe.runtime.nccl_emulation import NcclRulesTransport
+from megatron_dualpipe.runtime.transport import GroupTransport, make_channel_groups
+from megatron_dualpipe.runtime.watchdog import HangMonitor, Watchdog
+from megatron_dualpipe.schedules.comm_plan import Issue, Wait, channels, comm_plan
+from megatron_dualpipe.schedules.registry import SCHEDULES, generate, spec
+from tests.multiproc import run_workers
+
+pytestmark = pytest.mark.multiproc
+
+HIDDEN, BATCH = 4, 2
+TIMEOUT_S = 20.0
+
+
+def _stages(schedule) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Linear(HIDDEN, HIDDEN) for _ in range(schedule.placement.num_model_stages)]
+
+
+def _run(rank: int, name: str, microbatches: int, transport_kind: str, **executor_options):
+    """One training step of a tiny linear model; returns (losses, grads, transport)."""
+    world = dist.get_world_size()
+    options = {"chunks": 2} if spec(name).chunks is None else {}
+    schedule = generate(name, world, microbatches, **options)
+    p = schedule.placement
+    stages = _stages(schedule)
+    # The same seed everywhere: DualPipe's two copies of a stage start equal.
+    modules = [stages[p.model_stage(p.stage_of(rank, c))] for c in range(p.num_chunks)]
+    ranks = list(range(world))
+    transport = None
+    if transport_kind == "recorded-gloo":
+        transport = _Recording(GroupTransport(dist.group.WORLD, ranks))
+    elif transport_kind == "recorded-emulation":
+        transport = _Recording(NcclRulesTransport(dist.group.WORLD, ranks))
+    elif transport_kind.startswith("channel-groups"):  # NCCL's path: batch_isend_irecv
+        batched = transport_kind.endswith("batched")
+        transport = GroupTransport(make_channel_groups(channels(p)), ranks, batched=batched)
+    executor = PipelineExecutor(
+        schedule,
+        rank,
+        modules,
+        specs={s: TensorSpec((BATCH, HIDDEN)) for s in range(p.num_stages)},
+        loss_fn=lambda out, mb: out.square().mean(),
+        transport=transport,
+        nccl_rules=transport_kind == "emulation",
+        timeout_s=executor_options.pop("timeout_s", TIMEOUT_S),
+        **executor_options,
+    )
+    inputs = [torch.full((BATCH, HIDDEN), float(m + 1)) for m in range(microbatches)]
+    try:
+        result = executor.run(inputs)
+    finally:
+        executor.close()
+    grads = [p.grad.clone() for m in modules for p in m.parameters()]
+    return result.losses, grads, transport
+
+
+class _Recording:
+    """A transport that records what the executor hands it and which receives it waits
+    on (in order), passing everything through."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.host_waits = inner.host_waits
+        self.issued: list[tuple] = []
+        self.waited: list[tuple] = []
+
+    def setup(self, comm, rank, watchdog):
+        self.inner.setup(comm, rank, watchdog)
+
+    def start(self, comm, ops):
+        self.issued.append((comm, [(o.op.kind, o.op.peer, o.op.key, o.element) for o in ops]))
+        handles = self.inner.start(comm, ops)
+        return [_RecordedWork(h, o.op, self.waited) for h, o in zip(handles, ops, strict=True)]
+
+    def abort(self):
+        self.inner.abort()
+
+    def close(self):
+        self.inner.close()
+
+    def __getstate__(self):  # what comes back to the test
+        return {"issued": self.issued, "waited": self.waited}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+
+class _RecordedWork:
+    def __init__(self, inner, op, waited):
+        self._inner, self._op, self._waited = inner, op, waited
+
+    def wait(self, *args):
+        if self._op.kind == "recv" and threading.current_thread() is threading.main_thread():
+            self._waited.append(self._op.key)
+        return self._inner.wait(*args)
+
+    def is_completed(self):
+        return self._inner.is_completed()
+
+
+def _record(rank: int, world: int, transport_kind: str) -> list:
+    return [
+        (name, _run(rank, name, 2 * spec(name).min_microbatches(world), transport_kind)[2])
+        for name in SCHEDULES
+    ]
+
+
+@pytest.mark.parametrize(
+    ("world", "transport_kind"),
+    [
+        (2, "recorded-gloo"),
+        (2, "recorded-emulation"),
+        pytest.param(4, "recorded-gloo", marks=pytest.mark.slow),
+        pytest.param(4, "recorded-emulation", marks=pytest.mark.slow),
+    ],
+)
+def test_the_executor_issues_exactly_its_plan(world: int, transport_kind: str) -> None:
+    recorded = run_workers(_record, world, args=(transport_kind,), timeout_s=120)
+    for rank, per_schedule in enumerate(recorded):
+        for name, transport in per_schedule:
+            options = {"chunks": 2} if spec(name).chunks is None else {}
+            schedule = generate(name, world, 2 * spec(name).min_microbatches(world), **options)
+            steps = comm_plan(schedule).comm_steps(rank)
+            issued = [
+                (s.comm, [(o.kind, o.peer, o.key, 0) for o in s.ops])
+                for s in steps
+                if isinstance(s, Issue)
+            ]
+            mine = {o.key for s in steps if isinstance(s, Issue) for o in s.ops if o.kind == "recv"}
+            waited = [k for s in steps if isinstance(s, Wait) for k in s.keys if k in mine]
+            assert transport.issued == issued, f"{name} rank {rank}: issued"
+            assert transport.waited == waited, f"{name} rank {rank}: waited"
+
+
+def _compare(rank: int, world: int, name: str, microbatches: int, kind: str) -> bool:
+    """Whether ``kind``'s losses and gradients equal the tagged single group's, exactly."""
+    ours = _run(rank, name, microbatches, kind)
+    plain = _run(rank, name, microbatches, "gloo")
+    same_losses = ours[0].keys() == plain[0].keys() and all(
+        torch.equal(ours[0][m], plain[0][m]) for m in plain[0]
+    )
+    return same_losses and all(torch.equal(a, b) for a, b in zip(ours[1], plain[1], strict=True))
+
+
+@pytest.mark.parametrize("name", ["dualpipe", "dualpipev"])
+@pytest.mark.parametrize("kind", ["channel-groups", "channel-groups-batched", "emulation"])
+def test_channel_groups_and_the_emulation_compute_what_one_tagged_group_does(name, kind) -> None:
+    assert all(run_workers(_compare, 2, args=(name, 4, kind), timeout_s=120))
+
+
+HANG_TIMEOUT_S = 2.0
+
+
+def _hang(rank: int, world: int, name: str, kind: str) -> tuple[str, str, float]:
+    start = time.monotonic()
+    try:
+        _run(rank, name, 2 * world, kind, comm_layout="per-kind", timeout_s=HANG_TIMEOUT_S)
+    except Exception as error:  # every rank's outcome comes back
+        return type(error).__name__, str(error), time.monotonic() - start
+    return "", "finished", time.monotonic() - start
+
+
+@pytest.mark.parametrize(
+    ("name", "world"),
+    [("dualpipev", 2), ("dualpipe", 2), pytest.param("dualpipe", 4, marks=pytest.mark.slow)],
+)
+def test_the_old_design_hangs_under_nccls_rules_and_every_rank_says_where(name, world) -> None:
+    outcomes = run_workers(_hang, world, args=(name, "emulation"), timeout_s=60)
+    waiting = [o for o in outcomes if o[0]]
+    assert waiting, "the per-kind design finished under NCCL's rules"
+    for rank, (kind, message, seconds) in enumerate(outcomes):
+        if not kind:
+            continue  # a rank may finish its part before the others hang
+        assert kind == PipelineWaitError.__name__, f"rank {rank}: {kind}: {message}"
+        assert message.startswith(f"pipeline rank {rank} gave up on "), message
+        assert "hang monitor" in message, message
+        assert seconds < HANG_TIMEOUT_S + 5, f"rank {rank} took {seconds:.1f} s"
+    # Plain gloo buffers sends and matches tags: the same plan runs there.
+    plain = run_workers(_hang, world, args=(name, "gloo"), timeout_s=60)
+    assert [outcome[:2] for outcome in plain] == [("", "finished")] * world
+
+
+class _Pending:
+    def __init__(self, completed: bool = False):
+        self.completed = completed
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+
+def test_the_hang_monitor_names_an_operation_pending_past_its_timeout() -> None:
+    aborted = threading.Event()
+    monitor = HangMonitor(Watchdog(3, 0.3), aborted.set, poll_s=0.01)
+    try:
+        done, stuck = _Pending(completed=True), _Pending()
+        monitor.watch(done, "2RECV_F0", 2)
+        monitor.watch(stuck, "2RECV_B1", 4)
+        assert aborted.wait(5), "the monitor never aborted"
+        assert monitor.watching == 1  # the completed one was forgotten
+        with pytest.raises(PipelineWaitError) as raised:
+            monitor.check()
+        message = str(raised.value)
+        assert message.startswith("pipeline rank 3 gave up on 2RECV_B1 (peer: rank 4) after ")
+        assert "no progress within the 0.3 s timeout" in message
+    finally:
+        monitor.close()
+
+
+def test_the_hang_monitor_leaves_operations_that_complete_in_time_alone() -> None:
+    aborted = threading.Event()
+    monitor = HangMonitor(Watchdog(0, 0.5), aborted.set, poll_s=0.01)
+    try:
+        work = _Pending()
+        monitor.watch(work, "1RECV_F0", 1)
+        time.sleep(0.2)
+        work.completed = True
+        time.sleep(0.5)
+        assert not aborted.is_set() and monitor.error is None and monitor.watching == 0
+    finally:
+        monitor.close()
