@@ -69,3 +69,16 @@ def test_first_stage_layers_beyond_num_layers_say_so() -> None:
         "dualpipev at PP=2 runs 4 model stages: the first/last stage layer counts (20) exceed "
         "num_layers (8): lower them, or raise num_layers"
     )
+
+
+def test_a_dataset_index_that_does_not_fit_in_memory_is_refused() -> None:
+    """Megatron-Core's GPT dataset indexes train_iters x global_batch_size samples."""
+    sets = ["mock_data=true", "tokenizer_type=NullTokenizer", "train_iters=2000000000"]
+    with pytest.raises(ConfigError) as info:
+        train(load_config(TINY, sets), source="cfg.yaml")
+    assert re.fullmatch(
+        r"cfg\.yaml: train_iters: 2000000000 steps of 16 samples make Megatron-Core's dataset "
+        r"index 32,000,000,000 samples long, about 715 GiB on each of the 2 ranks here, beyond "
+        r"half of this machine's \d+ GiB: lower train_iters \(or global_batch_size\)",
+        str(info.value),
+    ), info.value

@@ -86,6 +86,7 @@ def _stop_on_rank(rank: int, world_size: int, bad_rank: int) -> int:
     return rank
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_is_named_when_its_peers_give_up() -> None:
     from megatron_dualpipe.runtime.launch import LaunchFailure, run_ranks
 
