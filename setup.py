@@ -22,9 +22,11 @@ setup(
     extras_require={
         # Users bring their own (CUDA) torch; megatron-core needs torch >= 2.6.
         "torch": ["torch>=2.6"],
-        # psutil: megatron-core's dist_checkpointing writer needs it (checkpoints hang without).
-        "megatron": ["torch>=2.6", "megatron-core==0.16.1", "psutil>=5.9"],
-        "te": ["transformer-engine[pytorch]>=2.3"],
+        # megatron-core: the releases megatron_dualpipe/megatron/version.py supports (an
+        # installed one in the range is kept); psutil: megatron-core's dist_checkpointing
+        # writer needs it (checkpoints hang without).
+        "megatron": ["torch>=2.6", "megatron-core>=0.16.1,<0.20", "psutil>=5.9"],
+        "te": ["transformer-engine[pytorch]>=2.7"],
         # Megatron-Core's HuggingFaceTokenizer / GPT2BPETokenizer (train with tokenizer_type,
         # preprocess) load through transformers; tokenizers is its fast backend.
         "data": ["transformers==4.57.6", "tokenizers==0.22.2"],
@@ -32,7 +34,7 @@ setup(
         "tensorboard": ["tensorboard==2.21.0"],
         "test": [
             "torch>=2.6",
-            "megatron-core==0.16.1",
+            "megatron-core>=0.16.1,<0.20",
             "psutil>=5.9",
             "transformers==4.57.6",
             "tokenizers==0.22.2",

@@ -179,9 +179,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    from .megatron.training.config import config_keys  # pure Python: no torch, no megatron
-
-    keys = ", ".join(key.name for key in config_keys())
+    try:
+        from .megatron.training.config import config_keys  # pure Python: no torch, no megatron
+    except DualPipeError as err:  # an unsupported megatron-core: train says so when run
+        keys = f"(not listed here: {err})"
+    else:
+        keys = ", ".join(key.name for key in config_keys())
     p = sub.add_parser(
         "train",
         help="pretrain a GPT on megatron-core with a pipeline schedule",
@@ -434,8 +437,9 @@ def _run_advisor(args: argparse.Namespace) -> None:
     """``simulate --config``: the balance advisor (pure Python, as the rest of simulate)."""
     from .schedules.advisor import GIB, PipelineSetup, advise
     from .schedules.config_values import override_origins, read_values
+    from .schedules.memory import MemorySettings
     from .schedules.model_cost import ModelShape
-    from .schedules.report import advice_report
+    from .schedules.report import advice_report, memory_report
 
     others = {"--load": args.load, "--grid": args.grid, "--trace": args.trace, "--save": args.save}
     given = [flag for flag, value in others.items() if value]
@@ -449,6 +453,7 @@ def _run_advisor(args: argparse.Namespace) -> None:
     values = {**_train_defaults(), **read_values(args.config, args.overrides)}
     shape = ModelShape.from_values(values, source, origins)
     setup = PipelineSetup.from_values(values, source, origins)
+    settings = MemorySettings.from_values(values, source, origins)
     status = _StatusLine()
     try:
         advice = advise(
@@ -457,11 +462,13 @@ def _run_advisor(args: argparse.Namespace) -> None:
             schedule=args.schedule,
             microbatches=args.microbatches,
             memory_cap=None if args.memory_cap is None else args.memory_cap * GIB,
+            settings=settings,
             progress=status,
         )
     finally:
         status.clear()
     print(advice_report(advice, shape.summary(), source))
+    print(memory_report(advice, setup, settings))
     problem = _train_refuses(args, advice.changes())
     if problem:
         print(f"note: megatron-dualpipe train does not take the config with these lines: {problem}")

@@ -1,7 +1,7 @@
 """Megatron-LM's own training scripts with our schedules: ``--pipeline-schedule``.
 
-``patches/megatron-lm-core_v0.16.1.patch`` wires these hooks into Megatron-LM's
-``pretrain_gpt.py`` and ``megatron/training``:
+``patches/megatron-lm-<tag>.patch`` (one per Megatron-LM tag, core_v0.16.1 to core_v0.19.0)
+wires these hooks into Megatron-LM's ``pretrain_gpt.py`` and ``megatron/training``:
 
 - :func:`add_arguments`: the ``extra_args_provider`` part that adds ``--pipeline-schedule``;
 - :func:`apply`: right after Megatron validated its arguments, before any process-group
@@ -9,11 +9,14 @@
 - :func:`forward_backward_func`: where Megatron-LM's ``train`` and ``evaluate`` ask for
   their forward-backward function, ours for our schedules (one object per run, kept with
   the run's ``args``; nothing is patched);
-- :func:`build_model_chunks` / :func:`prepare_model`: ``get_model``'s chunk 0 and chunk 1
-  in the schedule's placement (V for dualpipev, mirrored copies for dualpipe), split as
+- :func:`build_model_chunks` / :func:`prepare_model`: ``get_model``'s chunks for zb1p,
+  dualpipe and dualpipev, built as ``train`` builds them (chunk 0 and chunk 1 in the
+  schedule's placement: V for dualpipev, mirrored copies for dualpipe; split as
   ``--decoder-first/last-pipeline-num-layers``, the embedding/loss accounting or (dualpipe)
   ``--pipeline-model-parallel-layout`` say, read over the model stages in pipeline order;
-  copies of the embedding on one rank (tied output layer, MTP block) made one parameter;
+  copies of the embedding on one rank made one parameter; every linear layer deferring its
+  weight gradient, TE's through ``delay_wgrad_compute``), and :func:`ddp_config`, the DDP
+  config those deferred gradients need;
 - :func:`embedding_ranks`: ``pretrain_gpt.get_embedding_ranks`` for our placements (the
   embedding group is the first rank alone: its copies share a rank and are tied locally);
 - :func:`full_batch_on_this_rank`: a rank that holds both an embedding and a loss needs the
@@ -46,6 +49,8 @@ __all__ = [
     "add_arguments",
     "apply",
     "build_model_chunks",
+    "builds_model_chunks",
+    "ddp_config",
     "embedding_ranks",
     "float16_chunks",
     "forward_backward_func",
@@ -173,6 +178,12 @@ def _check(args: Any) -> None:
             f"{schedule} sums its two copies of every stage over Megatron DDP's gradient "
             f"buffers, which --{fsdp[0].replace('_', '-')} shards: drop it, or choose dualpipev"
         )
+    if fsdp and found.splits_backward:
+        raise DualPipeConfigError(
+            f"{schedule} defers every weight gradient to its W through Megatron DDP's hooks "
+            f"(delay_wgrad_compute), which --{fsdp[0].replace('_', '-')} does not take: drop "
+            "it, or choose 1f1b"
+        )
     if found.placement == "mirror" and getattr(args, "overlap_grad_reduce", False):
         _one_bucket_per_chunk(args, schedule)
     if getattr(args, "overlap_moe_expert_parallel_comm", False):
@@ -246,9 +257,17 @@ def forward_backward_func(args: Any, megatrons: Callable[..., Any]) -> Callable[
 
 
 def places_model_chunks(args: Any) -> bool:
-    """Whether :func:`build_model_chunks` builds this run's model (dualpipe, dualpipev)."""
+    """Whether this run's chunks sit in our placement (dualpipe, dualpipev)."""
     schedule = _schedule(args)
     return schedule is not None and schedule_spec(schedule).places_chunks
+
+
+def builds_model_chunks(args: Any) -> bool:
+    """Whether :func:`build_model_chunks` builds this run's model: every schedule our
+    runtime runs (zb1p, dualpipe, dualpipev), so that its chunks defer their weight
+    gradients as ``train``'s do."""
+    schedule = _schedule(args)
+    return schedule is not None and schedule_spec(schedule).runs_ours
 
 
 def build_model_chunks(
@@ -260,45 +279,70 @@ def build_model_chunks(
     config: Any = None,
     **provider_kwargs: Any,
 ) -> list[Any]:
-    """This pipeline rank's model chunks, chunk 0 first, in the schedule's placement.
+    """This pipeline rank's model chunks, chunk 0 first, in the schedule's placement,
+    through the same :func:`~megatron_dualpipe.megatron.chunks.build_chunks` as ``train``.
 
     Calls ``model_provider(pre_process=, post_process=, vp_stage=, config=, **provider_kwargs)``
-    once per chunk with the chunk's own ends, and a TransformerConfig whose
-    ``pipeline_model_parallel_layout`` is our
+    once per chunk with the chunk's own ends. The config is ``config_from_args(args)``
+    (Megatron's ``core_transformer_config_from_args``), or ``config`` when given; under
+    dualpipe and dualpipev its ``pipeline_model_parallel_layout`` is our
     :class:`~megatron_dualpipe.megatron.placement.StagePlacementLayout` (the split arguments
-    read over the model stages; the MTP block where the loss is), so that Megatron's layer
-    builders give each chunk its global layers (and parameter names). The config is
-    ``config_from_args(args)`` (Megatron's ``core_transformer_config_from_args``, with the
-    split arguments folded into the layout), or ``config`` when given, which must already
-    carry such a layout. Copies of the embedding in the rank's two chunks are marked as one
-    parameter (before ``get_model`` wraps them in DDP).
+    read over the model stages; the MTP block where the loss is; a given ``config`` must
+    already carry one), so that Megatron's layer builders give each chunk its global layers
+    (and parameter names). With ``--transformer-impl transformer_engine`` (Megatron-LM's
+    default) under a schedule that splits the backward, the TE layers are built with
+    ``delay_wgrad_compute``. Then, before ``get_model`` wraps them: copies of the embedding
+    in the rank's two chunks are marked as one parameter and every linear layer, the output
+    layer included, defers its dW (DDP must then come from :func:`ddp_config`).
     """
+    from .megatron.chunks import ChunkEnds, build_chunks, model_config
     from .megatron.placement import StagePlacementLayout, config_chunk_roles
-    from .megatron.tied import mark_tied_copies, release_unused_output_weight
+    from .megatron.version import mtp_block_on_any_chunk
 
     schedule = _schedule(args)
     pp = args.pipeline_model_parallel_size
+    places = places_model_chunks(args)
     if config is None:
-        layout = StagePlacementLayout(
-            schedule, pp, _stage_layers(args), getattr(args, "mtp_num_layers", None)
-        )
-        with_layout = argparse.Namespace(**{**vars(args), **_SPLIT_ARGS})
-        with_layout.pipeline_model_parallel_layout = layout
-        config = config_from_args(with_layout)
-    chunks = []
-    for role in config_chunk_roles(config, schedule, pp, pp_rank):
-        chunk = model_provider(
-            pre_process=role.pre_process,
-            post_process=role.post_process,
-            vp_stage=role.chunk,
-            config=config,
-            **provider_kwargs,
-        )
-        release_unused_output_weight(chunk)
-        chunk.vp_stage = role.chunk
-        chunks.append(chunk)
-    mark_tied_copies(chunks)
-    return chunks
+        source = args
+        if places:
+            layout = StagePlacementLayout(
+                schedule, pp, _stage_layers(args), getattr(args, "mtp_num_layers", None)
+            )
+            source = argparse.Namespace(**{**vars(args), **_SPLIT_ARGS})
+            source.pipeline_model_parallel_layout = layout
+        config = config_from_args(source)
+    impl = getattr(args, "transformer_impl", "transformer_engine")
+    config = model_config(config, schedule, impl)
+    ends = [
+        ChunkEnds(r.pre_process, r.post_process, r.chunk if places else None)
+        for r in config_chunk_roles(config, schedule, pp, pp_rank)
+    ]
+
+    def build(chunk_ends: ChunkEnds) -> Any:
+        with mtp_block_on_any_chunk():
+            return model_provider(
+                pre_process=chunk_ends.pre_process,
+                post_process=chunk_ends.post_process,
+                vp_stage=chunk_ends.vp_stage,
+                config=config,
+                **provider_kwargs,
+            )
+
+    return build_chunks(build, ends, schedule)
+
+
+def ddp_config(config: Any, args: Any) -> Any:
+    """``get_model``'s DistributedDataParallelConfig for this run: under a schedule our
+    runtime runs that splits the backward, the same fields with ``delay_wgrad_compute``
+    (Megatron DDP then hooks each deferred weight through its layer); else ``config``."""
+    if not builds_model_chunks(args):
+        return config
+    from .megatron.chunks import ddp_config as for_schedule
+    from .megatron.chunks import ddp_config_fields
+
+    fields = ddp_config_fields(config)
+    del fields["delay_wgrad_compute"]  # Megatron-LM's --delay-wgrad-compute: set here
+    return for_schedule(_schedule(args), **fields)
 
 
 def float16_chunks(model: Sequence[Any], config: Any, args: Any, *, pp_rank: int) -> list[Any]:
@@ -319,17 +363,21 @@ def float16_chunks(model: Sequence[Any], config: Any, args: Any, *, pp_rank: int
 
 def prepare_model(model: Sequence[Any], args: Any) -> None:
     """After building and wrapping: make dualpipe's two copies of every stage start equal
-    (a collective over the pipeline group), then each copy of the embedding on a rank equal
-    to the embedding (Megatron zeroes them and, with our embedding group, leaves them so).
-    No-op for other schedules."""
+    (a collective over the pipeline group) and save the mirrored copy as a replica of the
+    other (its chunk's ``sharded_state_dict``, which Megatron-LM's checkpointing calls,
+    marks every item so), then each copy of the embedding on a rank equal to the embedding
+    (Megatron zeroes them and, with our embedding group, leaves them so). No-op for other
+    schedules."""
     if not places_model_chunks(args):
         return
     from .megatron.tied import copy_tied_params
 
     if schedule_spec(_schedule(args)).placement == "mirror":
         from .megatron.mirror import prepare_mirrors
+        from .megatron.training.checkpoint import save_as_mirror_replicas
 
         prepare_mirrors(model)
+        save_as_mirror_replicas(model[1])
     copy_tied_params(model)
 
 

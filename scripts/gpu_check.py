@@ -1,391 +1,461 @@
 #!/usr/bin/env python
-"""GPU check of weight-gradient deferral on Transformer Engine layers (not part of CI).
+"""GPU checks of what users run on GPUs (not part of CI): Transformer Engine layers under our
+dW deferral, the F&B overlap path's contexts with FP8, and the per-layer costs that
+``megatron-dualpipe simulate --cost`` and the schedule optimiser take. On one GPU:
 
-Needs CUDA, megatron-core and Transformer Engine >= 2.3. Run from the repository root:
+    python scripts/gpu_check.py              # every check (a few minutes on an H100/H200)
+    python scripts/gpu_check.py --dry-run    # the checks, and why any cannot run here
+    python scripts/gpu_check.py --only layer-costs-moe
 
-    torchrun --nproc-per-node=2 scripts/gpu_check.py     # TP=2 (sequence parallel on)
-    python scripts/gpu_check.py                          # one GPU, TP=1
+Each check prints one line, ``CHECK <name>: PASS: ...``, ``CHECK <name>: FAIL: ...`` or
+``CHECK <name>: CANNOT RUN: <reason>``; the exit code is 1 when one failed, else 0 (a check
+that cannot run is not a failure). Needs CUDA, megatron-core and Transformer Engine >= 2.7;
+the FP8 checks need compute capability 9.0 (Hopper) or newer.
 
-For a dense GPT and a MoE GPT (4 experts, top-2, TE grouped GEMM) built with Megatron's
-TE layer spec, with DDP ``overlap_grad_reduce`` off and on (and with
-``gradient_accumulation_fusion`` when APEX's fused kernel is importable), it builds the
-model twice from the same weights:
+- ``te-deferral-bf16``, ``te-deferral-fp8``: a GPT of Megatron's TE spec (a dense model with
+  biases and a MoE model with grouped-GEMM experts) built twice from the same weights,
+  Megatron DDP with ``overlap_grad_reduce`` off and on: plain backwards, and our deferral
+  (``megatron_dualpipe.megatron.chunks``: ``delay_wgrad_compute``, hooked TE layers, DDP
+  for deferral) in DualPipe's order, B0 and B1 (dX only; no deferred ``main_grad`` may
+  move), a full backward BW2 between, then W0 and W1; two steps. Every ``main_grad`` must
+  equal the reference's (max |a - b| / max |b| <= --tol; FP8 with Megatron's tensorwise
+  recipe, whose scaling is the same in both orders).
+- ``overlap-contexts-fp8``: a bf16 MoE GPT with FP8's delayed recipe runs a forward through
+  Megatron's schedule plan as our F&B overlap path runs it (``schedule_plan.run_plans``) and
+  as the plan runs bare: FP8 is really on only when every TE layer's forward amax history
+  moved under ours, and it is off in the bare run (what Megatron's own per-layer contexts
+  leave to the outer FP8 context of the delayed recipe).
+- ``layer-costs-dense``, ``layer-costs-moe``: one transformer layer at hidden 4096 and
+  sequence 4096 (GQA 32/8 heads, SwiGLU 14336; MoE: 8 experts top-2, grouped GEMM, EP=1),
+  bf16, deferral on: median F, B (dX) and W (dW) times of --repeats, and the bytes the layer
+  saves from F to B and holds from B to W beside what ``schedules/memory.py`` predicts;
+  printed as ``simulate --cost F=..,B=..,W=..`` (ms per layer). It fails when W takes no
+  time (dW not deferred).
 
-- reference: ``delay_wgrad_compute`` off, Megatron DDP, a plain backward per micro-batch;
-- deferred: ``with_delay_wgrad_compute(config)``, ``enable_weight_grad_deferral``, DDP from
-  ``ddp_config_for_deferral``; both micro-batches forward under ``store.active()``, each B
-  under ``store.capture(k)`` (the first inside ``no_sync``), then the Ws in order.
-
-Two steps of two micro-batches each. It checks that no deferred weight's ``main_grad``
-moved during B, that the reduced ``main_grad`` of every parameter equals the reference
-(relative error max|a - b| / max|b| <= --tol), and prints one verdict line:
-``GPU CHECK PASS`` or ``GPU CHECK FAIL`` with the max relative error (exit 0 / 1), or
-``GPU CHECK CANNOT RUN`` with the reason (exit 2).
-
-Then, on one GPU (world 1), the F&B overlap factor: a bf16 MoE GPT block (TE spec, EP=1, so
-the all-to-all is local and what overlaps is the two micro-batches' compute on the compute
-and communication streams) runs one micro-batch's forward beside another's full backward
-through Megatron's schedule plan (``combined_forward_backward_step``), and the same two
-halves one after the other. It prints ``OVERLAP FACTOR f`` = time of the overlapped pair /
-(forward + backward in sequence), median of --repeats, the value ``megatron-dualpipe
-simulate --cost overlap=f`` takes, and checks that the gradients of both orders agree
-within --overlap-tol (bf16).
+Not measured: the F&B overlap factor (how much of the MoE all-to-all hides behind the other
+micro-batch's compute, ``simulate --cost overlap=``): it needs expert parallelism over two or
+more GPUs, and an EP=1 pair on one GPU has no all-to-all to hide.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-NUM_LAYERS = 2
-MICRO_BATCH_SIZE = 2
-NUM_MICROBATCHES = 2
-STEPS = 2
-BUCKET_SIZE = 20_000
+TE_MIN = "2.7.0"
 SEED = 1234
+MICRO_BATCH_SIZE = 2
 
 
-def _cannot_run(reason: str) -> int:
-    print(f"GPU CHECK CANNOT RUN: {reason}", flush=True)
-    return 2
+@dataclass(frozen=True)
+class Check:
+    name: str
+    summary: str
+    fp8: bool
+    run: Callable[[argparse.Namespace], tuple[bool, str]]
 
 
-def _init_distributed(tp: int | None) -> tuple[int, int, int]:
-    """Default group (NCCL) and Megatron's parallel state; returns rank, world, TP."""
+def _say(name: str, verdict: str, detail: str) -> None:
+    print(f"CHECK {name}: {verdict}: {detail}", flush=True)
+
+
+def _why_not(fp8: bool) -> str | None:
+    """Why this machine cannot run a check (``fp8``: one that needs FP8), or None."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        from megatron.core.extensions import transformer_engine as te_ext
+        from megatron.core.utils import get_te_version, is_te_min_version
+    except ImportError as err:
+        return f"megatron-core is missing ({err})"
+    if not te_ext.HAVE_TE:
+        return "Transformer Engine is not installed (pip install 'megatron-dualpipe[te]')"
+    if not is_te_min_version(TE_MIN):
+        return (
+            f"Transformer Engine {get_te_version()} is older than {TE_MIN} (no "
+            "register_wgrad_accumulation_and_reduce_hooks)"
+        )
+    major, minor = torch.cuda.get_device_capability()
+    if fp8 and major < 9:
+        return f"FP8 needs compute capability 9.0 (Hopper) or newer, this GPU has {major}.{minor}"
+    return None
+
+
+def _init_distributed() -> None:
+    """A one-rank NCCL group and Megatron's parallel state."""
+    import torch
+    import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as megatron_random
 
-    if "RANK" not in os.environ:  # plain `python`: a one-rank group
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
-        os.environ.setdefault("LOCAL_RANK", "0")
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl", timeout=timedelta(minutes=2))
-    world = dist.get_world_size()
-    tp = world if tp is None else tp
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1, timeout=timedelta(minutes=2))
+    parallel_state.initialize_model_parallel()
     megatron_random.model_parallel_cuda_manual_seed(SEED)
-    return dist.get_rank(), world, tp
 
 
-def _config(moe: bool, tp: int, fusion: bool) -> Any:
+# --------------------------------------------------------------------------------------
+# 1. TE deferral in DualPipe's order.
+
+
+def _tiny_te_config(moe: bool, fp8: bool, **overrides: Any) -> Any:
+    import torch
+
     from megatron_dualpipe.megatron import tiny_models as tm
 
-    experts: dict[str, Any] = {"num_moe_experts": 4, "moe_router_topk": 2} if moe else {}
-    if moe:
-        experts["moe_grouped_gemm"] = True
+    experts = dict(num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=True) if moe else {}
+    precision = dict(fp8="hybrid", fp8_recipe="tensorwise") if fp8 else {}
     return tm.tiny_gpt_config(
-        num_layers=NUM_LAYERS,
-        tensor_model_parallel_size=tp,
-        sequence_parallel=tp > 1,
+        num_layers=2,
+        hidden_size=256,
+        num_attention_heads=4,
         use_cpu_initialization=False,
-        gradient_accumulation_fusion=fusion,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
         **experts,
+        **precision,
+        **overrides,
     )
 
 
-def _build(config: Any) -> torch.nn.Module:
+def _te_gpt(config: Any, *, pre: bool = True, post: bool = True) -> Any:
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
     from megatron_dualpipe.megatron import tiny_models as tm
+    from megatron_dualpipe.megatron.layer_specs import gpt_chunk_specs
 
-    spec = get_gpt_layer_with_transformer_engine_spec(
-        num_experts=config.num_moe_experts, moe_grouped_gemm=bool(config.num_moe_experts)
-    )
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=tm.VOCAB_SIZE,
-        max_sequence_length=tm.SEQ_LENGTH,
-        pre_process=True,
-        post_process=True,
-    )
-    return model.cuda()
+    block, _ = gpt_chunk_specs(config, transformer_impl="transformer_engine")
+    return GPTModel(config, block, tm.VOCAB_SIZE, tm.SEQ_LENGTH, pre_process=pre, post_process=post)
 
 
-def _loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    per_token = model(
-        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
-    )
-    mask = batch["loss_mask"]
-    return (per_token.float() * mask).sum() / mask.sum() / NUM_MICROBATCHES
+def _loss(model: Any, batch: dict) -> Any:
+    from megatron_dualpipe.megatron import tiny_models as tm
+
+    return tm._masked_mean(batch["loss_mask"], tm._forward(model, batch)) / 3
 
 
-def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+def _rel_err(actual: Any, expected: Any) -> float:
     scale = expected.abs().max().item()
     diff = (actual - expected).abs().max().item()
     return diff / scale if scale > 0 else diff
 
 
-def _run_case(moe: bool, overlap: bool, fusion: bool, tp: int) -> tuple[float, list[str]]:
-    """One comparison; returns the max relative error and the problems found."""
-    from megatron.core import parallel_state
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-    )
+def _deferral_case(moe: bool, fp8: bool, overlap: bool) -> tuple[float, list[str]]:
+    """One comparison (module docstring); the max relative error and the problems."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from megatron_dualpipe.megatron import tiny_models as tm
-    from megatron_dualpipe.megatron.deferral import (
-        ddp_config_for_deferral,
-        enable_weight_grad_deferral,
-        with_delay_wgrad_compute,
-    )
+    from megatron_dualpipe.megatron.chunks import ChunkEnds, build_chunks, ddp_config, model_config
     from megatron_dualpipe.runtime import WeightGradStore
 
-    config = _config(moe, tp, fusion)
-    deferred_config = with_delay_wgrad_compute(config)
-    reference, deferred = _build(config), _build(deferred_config)
+    config = _tiny_te_config(moe, fp8)
+    deferred_config = model_config(config, "dualpipev", "transformer_engine")
+    reference = _te_gpt(config).cuda()
+    (deferred,) = build_chunks(
+        lambda _: _te_gpt(deferred_config).cuda(), [ChunkEnds(True, True, None)], "dualpipev"
+    )
     tm.load_global_state(deferred, tm.global_state(reference))
-    converted = enable_weight_grad_deferral(deferred)
-    problems = [] if converted > 0 else ["no layer was converted"]
-    reference_ddp = DistributedDataParallel(
-        config,
-        DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=BUCKET_SIZE),
-        reference,
-    )
-    ddp = DistributedDataParallel(
-        deferred_config,
-        ddp_config_for_deferral(overlap_grad_reduce=overlap, bucket_size=BUCKET_SIZE),
-        deferred,
-    )
+    fields = dict(overlap_grad_reduce=overlap, grad_reduce_in_fp32=True, bucket_size=40_000)
+    ref_ddp = DistributedDataParallel(config, DistributedDataParallelConfig(**fields), reference)
+    ddp = DistributedDataParallel(deferred_config, ddp_config("dualpipev", **fields), deferred)
     skipped = [p for p in deferred.parameters() if getattr(p, "skip_backward_post_hook", False)]
-    seed = 99 + parallel_state.get_data_parallel_rank()
+    problems = [] if skipped else ["no parameter is hooked through its TE layer"]
     batches = [
         {k: v.cuda() for k, v in b.items()}
-        for b in tm.synthetic_microbatches(
-            NUM_MICROBATCHES, micro_batch_size=MICRO_BATCH_SIZE, seed=seed
-        )
+        for b in tm.synthetic_microbatches(3, micro_batch_size=MICRO_BATCH_SIZE, seed=7)
     ]
-    store = WeightGradStore()
-    worst = 0.0
-    for step in range(STEPS):
-        reference_ddp.zero_grad_buffer()
+    store, worst = WeightGradStore(), 0.0
+    for step in range(2):
+        ref_ddp.zero_grad_buffer()
         ddp.zero_grad_buffer()
-        with reference_ddp.no_sync():
-            _loss(reference_ddp, batches[0]).backward()
-        _loss(reference_ddp, batches[1]).backward()
-        reference_ddp.finish_grad_sync()
-
+        with ref_ddp.no_sync():
+            for batch in batches[:2]:
+                _loss(ref_ddp, batch).backward()
+        _loss(ref_ddp, batches[2]).backward()
+        ref_ddp.finish_grad_sync()
         with store.active():
-            loss0 = _loss(ddp, batches[0])
-        with ddp.no_sync(), store.capture(0):
-            loss0.backward()
+            losses = [_loss(ddp, b) for b in batches]
+        with ddp.no_sync():
+            for key in (0, 1):  # B0, B1: dX only
+                with store.capture(key):
+                    losses[key].backward()
         if any(p.main_grad.any() for p in skipped):
-            problems.append(f"step {step}: a deferred weight's main_grad moved during B")
-        with store.active():
-            loss1 = _loss(ddp, batches[1])
-        with store.capture(1):
-            loss1.backward()
-        store.run(0)
-        store.run(1)
+            problems.append(f"step {step}: a deferred main_grad moved during B")
+        losses[2].backward()  # BW2, the chunk's last backward (grad sync on)
+        with ddp.no_sync():
+            store.run(0)
+        store.run(1)  # the chunk's last W (grad sync on)
         ddp.finish_grad_sync()
-        torch.cuda.synchronize()
-
-        expected = tm.global_gradients(reference_ddp)
-        actual = tm.global_gradients(ddp)
+        expected, actual = tm.global_gradients(ref_ddp), tm.global_gradients(ddp)
         if set(actual) != set(expected):
             problems.append(f"step {step}: gradients of {sorted(set(actual) ^ set(expected))}")
         for name in set(actual) & set(expected):
-            worst = max(worst, _rel_err(actual[name], expected[name]))
-    print(
-        f"[rank {dist.get_rank()}] moe={moe} overlap_grad_reduce={overlap} "
-        f"fusion={fusion} TP={tp}: {converted} layers deferred, {len(skipped)} params hooked "
-        f"through their layer, max relative error {worst:.3e}",
-        flush=True,
-    )
+            worst = max(worst, _rel_err(actual[name].float(), expected[name].float()))
     return worst, problems
 
 
-def _overlap_model(hidden: int, seq: int) -> tuple[Any, Any, list[dict[str, torch.Tensor]]]:
-    """A bf16 MoE GPT (2 layers, 8 experts, top-2, TE spec) with overlap on, in
-    Float16Module, and 4 micro-batches of one sequence of ``seq`` tokens."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-    from megatron.core.transformer.module import Float16Module
-    from megatron.core.transformer.transformer_config import TransformerConfig
+def _te_deferral(fp8: bool) -> Callable[[argparse.Namespace], tuple[bool, str]]:
+    def run(args: argparse.Namespace) -> tuple[bool, str]:
+        worst, problems, cases = 0.0, [], 0
+        for moe in (False, True):
+            for overlap in (False, True):
+                error, found = _deferral_case(moe, fp8, overlap)
+                worst, cases = max(worst, error), cases + 1
+                problems += [f"moe={moe} overlap_grad_reduce={overlap}: {p}" for p in found]
+        detail = (
+            f"{cases} cases (dense with biases, MoE grouped GEMM; overlap_grad_reduce off and "
+            f"on), max relative error {worst:.3e} (tolerance {args.tol:g})"
+        )
+        if problems:
+            return False, f"{detail}; {problems[0]}"
+        return worst <= args.tol, detail
 
-    from megatron_dualpipe.megatron import tiny_models as tm
-
-    config = TransformerConfig(
-        num_layers=2,
-        hidden_size=hidden,
-        num_attention_heads=hidden // 128,
-        ffn_hidden_size=4 * hidden,
-        num_moe_experts=8,
-        moe_router_topk=2,
-        moe_ffn_hidden_size=2 * hidden,
-        moe_token_dispatcher_type="alltoall",
-        moe_grouped_gemm=True,
-        add_bias_linear=False,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    # Megatron asks for EP > 1 in __post_init__; one GPU runs the same plan at EP=1.
-    config.overlap_moe_expert_parallel_comm = True
-    spec = get_gpt_layer_with_transformer_engine_spec(num_experts=8, moe_grouped_gemm=True)
-    vocab = 32_000
-    model = GPTModel(config, spec, vocab, seq, pre_process=True, post_process=True).cuda()
-    model = Float16Module(config, model)
-    batches = tm.synthetic_microbatches(4, micro_batch_size=1, seq_length=seq, vocab_size=vocab)
-    batches = [{k: v.cuda() for k, v in b.items()} for b in batches]
-    return config, model, batches
+    return run
 
 
-def _forward_step(data_iterator: Any, model: Any, return_schedule_plan: bool = False) -> Any:
-    from megatron_dualpipe.megatron import tiny_models as tm
-
-    return tm.gpt_forward_step(data_iterator, model, return_schedule_plan)
+# --------------------------------------------------------------------------------------
+# 2. The overlap path's contexts, with FP8's delayed recipe.
 
 
-def _overlap_factor(hidden: int, seq: int, repeats: int, tol: float) -> tuple[float, float, bool]:
-    """(overlap factor, gradient relative error, passed); see the module docstring."""
-    from megatron.core.pipeline_parallel.combined_1f1b import combined_forward_backward_step
+def _amax_moved(model: Any) -> tuple[int, int]:
+    """(TE layers whose forward amax history is non-zero, TE layers with FP8 metadata)."""
+    moved = total = 0
+    for module in model.modules():
+        meta = getattr(module, "fp8_meta", None)
+        if not meta or "scaling_fwd" not in meta:
+            continue
+        total += 1
+        moved += bool(meta["scaling_fwd"].amax_history.abs().sum().item() > 0)
+    return moved, total
+
+
+def _overlap_contexts(args: argparse.Namespace) -> tuple[bool, str]:
+    import torch
     from megatron.core.pipeline_parallel.utils import set_streams
+    from megatron.core.transformer.module import Float16Module
 
-    config, model, batches = _overlap_model(hidden, seq)
-    set_streams()
+    from megatron_dualpipe.megatron import tiny_models as tm
+    from megatron_dualpipe.megatron.schedule_plan import run_plans, start_forward
 
-    def step(forward_mb: int | None, backward: Any) -> Any:
-        out, _, _ = combined_forward_backward_step(
-            _forward_step,
-            iter([batches[forward_mb]]) if forward_mb is not None else None,
-            model if forward_mb is not None else None,
-            len(batches),
+    def fresh() -> tuple[Any, Any]:
+        config = _tiny_te_config(True, False, fp8="hybrid", fp8_recipe="delayed")
+        config.overlap_moe_expert_parallel_comm = True  # Megatron asks EP > 1; one GPU: EP=1
+        return config, Float16Module(config, _te_gpt(config).cuda())
+
+    batch = {k: v.cuda() for k, v in tm.synthetic_microbatches(1, micro_batch_size=2)[0].items()}
+
+    def ours(model: Any, config: Any) -> None:
+        started = start_forward(
+            model,
             None,
-            [],
-            model if backward is not None else None,
-            None,
-            backward,
-            None,
-            config,
+            iter([batch]),
+            forward_step_func=tm.gpt_forward_step,
+            config=config,
+            is_first_microbatch=True,
+            loss_stage=True,
+            num_microbatches=1,
+            forward_data_store=[],
+            collect_non_loss_data=False,
+            cp_group_size=1,
         )
-        return out
+        run_plans(started, None)
 
-    def timed(forward_mb: int | None, backward: Any) -> tuple[float, Any]:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = step(forward_mb, backward)
-        end.record()
+    def bare(model: Any, config: Any) -> None:
+        set_streams()
+        inner = model.module
+        plan, _ = tm.gpt_forward_step(iter([batch]), inner, return_schedule_plan=True)
+        type(plan).run(plan, None)
+
+    counts = {}
+    for label, run in (("ours", ours), ("bare", bare)):
+        config, model = fresh()
+        before = _amax_moved(model)[0]
+        run(model, config)
         torch.cuda.synchronize()
-        return start.elapsed_time(end), out
-
-    def grads() -> dict[str, torch.Tensor]:
-        return {
-            n: p.grad.detach().float().clone()
-            for n, p in model.named_parameters()
-            if p.grad is not None
-        }
-
-    ratios = []
-    for _ in range(repeats):
-        model.zero_grad()
-        first = step(0, None)
-        forward_ms, second = timed(1, None)
-        backward_ms, _ = timed(None, first)
-        step(None, second)
-        reference = grads()
-        model.zero_grad()
-        first = step(0, None)
-        pair_ms, second = timed(1, first)
-        step(None, second)
-        ratios.append(pair_ms / (forward_ms + backward_ms))
-    error = max(_rel_err(g, reference[n]) for n, g in grads().items())
-    factor = sorted(ratios)[len(ratios) // 2]
-    return factor, error, error <= tol
+        counts[label] = (before, *_amax_moved(model))
+    (b0, ours_moved, total), (_, bare_moved, _) = counts["ours"], counts["bare"]
+    detail = (
+        f"delayed FP8: amax history moved in {ours_moved} of {total} TE layers under "
+        f"run_plans, {bare_moved} in the bare plan run"
+    )
+    return total > 0 and b0 == 0 and ours_moved == total and bare_moved == 0, detail
 
 
-def _preflight() -> str | None:
-    """Why this machine cannot run the check, or None."""
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    try:
-        import megatron.core.extensions.transformer_engine as te_ext
-        from megatron.core.utils import get_te_version, is_te_min_version
-    except ImportError as error:
-        return f"megatron-core or Transformer Engine is missing ({error})"
-    if not te_ext.HAVE_TE:
-        return "Transformer Engine is not installed"
-    if not is_te_min_version("2.3.0"):
-        return f"Transformer Engine {get_te_version()} < 2.3 has no delay_wgrad_compute"
-    return None
+# --------------------------------------------------------------------------------------
+# 3. Per-layer costs at a realistic size.
 
 
-def _fusion_available() -> bool:
-    try:
-        import fused_weight_gradient_mlp_cuda  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def _layer_costs(moe: bool) -> Callable[[argparse.Namespace], tuple[bool, str]]:
+    def run(args: argparse.Namespace) -> tuple[bool, str]:
+        import torch
+        import torch.nn.functional as F
+        from megatron.core.transformer.transformer_config import TransformerConfig
 
+        from megatron_dualpipe.megatron.chunks import ChunkEnds, build_chunks, model_config
+        from megatron_dualpipe.runtime import WeightGradStore
+        from megatron_dualpipe.schedules.memory import MemoryModel
+        from megatron_dualpipe.schedules.model_cost import ModelShape
+        from megatron_dualpipe.schedules.registry import generate
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tp", type=int, default=None, help="tensor parallel size (world)")
-    parser.add_argument("--tol", type=float, default=1e-5, help="max relative error")
-    parser.add_argument("--overlap-hidden", type=int, default=2048, help="F&B overlap block width")
-    parser.add_argument("--overlap-seq", type=int, default=4096, help="tokens per micro-batch")
-    parser.add_argument("--repeats", type=int, default=5, help="timed F&B pairs (median)")
-    parser.add_argument("--overlap-tol", type=float, default=1e-2, help="bf16 gradient error")
-    args = parser.parse_args()
-    reason = _preflight()
-    if reason is not None:
-        return _cannot_run(reason)
-    rank, world, tp = _init_distributed(args.tp)
-    fusions = [False, True] if _fusion_available() else [False]
-    worst, problems = 0.0, []
-    for moe in (False, True):
-        for overlap in (False, True):
-            for fusion in fusions:
-                try:
-                    error, found = _run_case(moe, overlap, fusion, tp)
-                except Exception as exc:  # a crash is a failure with its reason
-                    error, found = float("inf"), [f"moe={moe} overlap={overlap}: {exc!r}"]
-                worst = max(worst, error)
-                problems += found
-    verdict = torch.tensor([worst, float(len(problems))], dtype=torch.float64, device="cuda")
-    dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
-    worst, failed = verdict[0].item(), verdict[1].item() > 0
-    for problem in problems:
-        print(f"[rank {rank}] problem: {problem}", flush=True)
-    ok = not failed and worst <= args.tol
-    if rank == 0:
-        word = "PASS" if ok else "FAIL"
-        print(
-            f"GPU CHECK {word}: max relative error {worst:.3e} (tolerance {args.tol:g}), "
-            f"world {world}, TP {tp}, fusion runs: {fusions[-1]}",
-            flush=True,
+        h, s, ffn = args.hidden, args.seq, 14336
+        experts = (
+            dict(
+                num_moe_experts=8,
+                moe_router_topk=2,
+                moe_ffn_hidden_size=ffn,
+                moe_grouped_gemm=True,
+                moe_token_dispatcher_type="alltoall",
+                moe_router_load_balancing_type="none",
+            )
+            if moe
+            else {}
         )
-    if world == 1:
+        config = TransformerConfig(
+            num_layers=1,
+            hidden_size=h,
+            num_attention_heads=32,
+            num_query_groups=8,
+            ffn_hidden_size=ffn,
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            normalization="RMSNorm",
+            add_bias_linear=False,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            bf16=True,
+            params_dtype=torch.bfloat16,
+            pipeline_dtype=torch.bfloat16,
+            **experts,
+        )
+        config = model_config(config, "dualpipev", "transformer_engine")
+        (model,) = build_chunks(
+            lambda _: _te_gpt(config, pre=False, post=False).cuda(),
+            [ChunkEnds(False, False, None)],
+            "dualpipev",
+        )
+        store = WeightGradStore()
+        x = torch.randn(s, 1, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        grad = torch.randn_like(x)
+        times: dict[str, list[float]] = {"F": [], "B": [], "W": []}
+        saved = held = 0
+        for i in range(args.repeats + 2):
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+            torch.cuda.synchronize()
+            start = torch.cuda.memory_allocated()
+            events[0].record()
+            with store.active():
+                model.set_input_tensor(x)
+                out = model(None, None, None)
+            events[1].record()
+            torch.cuda.synchronize()
+            after_f = torch.cuda.memory_allocated()
+            with store.capture(i):
+                out.backward(grad)
+            events[2].record()
+            torch.cuda.synchronize()
+            del out
+            after_b = torch.cuda.memory_allocated()
+            store.run(i)
+            events[3].record()
+            torch.cuda.synchronize()
+            if i >= 2:  # two warm-ups
+                for key, (a, b) in zip("FBW", zip(events, events[1:], strict=False), strict=True):
+                    times[key].append(a.elapsed_time(b))
+                saved, held = after_f - start, after_b - start
+            model.zero_grad(set_to_none=True)
+            x.grad = None
+        f, b, w = (statistics.median(times[k]) for k in "FBW")
+        shape = ModelShape(
+            num_layers=1,
+            hidden_size=h,
+            num_attention_heads=32,
+            num_query_groups=8,
+            seq_length=s,
+            vocab_size=128,
+            ffn_hidden_size=ffn,
+            swiglu=True,
+            normalization="RMSNorm",
+            add_bias_linear=False,
+            position_embedding_type="rope",
+            **({"num_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": ffn} if moe else {}),
+        )
+        predicted = MemoryModel(shape, generate("1f1b", 1, 1), tokens=s).stage("t", 0)
+        mib = 2**20
+        detail = (
+            f"{torch.cuda.get_device_name()}, hidden {h}, seq {s}: F {f:.2f} ms, B {b:.2f} ms, "
+            f"W {w:.2f} ms -> simulate --cost F={f:.3g},B={b:.3g},W={w:.3g}; saved F->B "
+            f"{saved / mib:.0f} MiB (model: {predicted.saved / mib:.0f}), held B->W "
+            f"{held / mib:.0f} MiB (model: {predicted.held_for_w / mib:.0f})"
+        )
+        return w > 0.1 * b, detail
+
+    return run
+
+
+CHECKS = (
+    Check("te-deferral-bf16", "TE deferral in DualPipe's order, bf16", False, _te_deferral(False)),
+    Check("te-deferral-fp8", "TE deferral in DualPipe's order, FP8", True, _te_deferral(True)),
+    Check("overlap-contexts-fp8", "FP8 on in the F&B overlap path", True, _overlap_contexts),
+    Check("layer-costs-dense", "a dense layer's F, B, W and memory", False, _layer_costs(False)),
+    Check("layer-costs-moe", "a MoE layer's F, B, W and memory", False, _layer_costs(True)),
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="list the checks, run none")
+    parser.add_argument("--only", choices=[c.name for c in CHECKS], action="append")
+    parser.add_argument("--tol", type=float, default=1e-5, help="deferral: max relative error")
+    parser.add_argument("--hidden", type=int, default=4096, help="layer costs: hidden size")
+    parser.add_argument("--seq", type=int, default=4096, help="layer costs: tokens per sample")
+    parser.add_argument("--repeats", type=int, default=10, help="layer costs: timed passes")
+    args = parser.parse_args(argv)
+    chosen = [c for c in CHECKS if args.only is None or c.name in args.only]
+    reasons = {c.name: _why_not(c.fp8) for c in chosen}
+    if args.dry_run:
+        for check in chosen:
+            reason = reasons[check.name]
+            verdict = "CANNOT RUN" if reason else "would run"
+            _say(
+                check.name,
+                verdict,
+                f"{reason}; it checks {check.summary}" if reason else check.summary,
+            )
+        return 0
+    if all(reasons.values()):
+        for check in chosen:
+            _say(check.name, "CANNOT RUN", reasons[check.name])
+        return 0
+    _init_distributed()
+    failed = False
+    for check in chosen:
+        if reasons[check.name]:
+            _say(check.name, "CANNOT RUN", reasons[check.name])
+            continue
         try:
-            factor, error, same = _overlap_factor(
-                args.overlap_hidden, args.overlap_seq, args.repeats, args.overlap_tol
-            )
+            ok, detail = check.run(args)
         except Exception as exc:  # a crash is a failure with its reason
-            print(f"OVERLAP CHECK FAIL: {exc!r}", flush=True)
-            ok = False
-        else:
-            print(
-                f"OVERLAP FACTOR {factor:.3f} (hidden {args.overlap_hidden}, seq "
-                f"{args.overlap_seq}, {torch.cuda.get_device_name()}); gradients overlapped vs "
-                f"sequential: max relative error {error:.3e} ({'PASS' if same else 'FAIL'})",
-                flush=True,
-            )
-            ok = ok and same
+            ok, detail = False, f"{type(exc).__name__}: {exc}"
+        _say(check.name, "PASS" if ok else "FAIL", detail)
+        failed |= not ok
+    import torch.distributed as dist
+
     dist.destroy_process_group()
-    return 0 if ok else 1
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

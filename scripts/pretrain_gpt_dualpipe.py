@@ -67,7 +67,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     flagged, origins = flag_values(args)
     values.update(flagged)
     source = str(args.yaml_cfg) if args.yaml_cfg else SCRIPT
-    return config_from_values(values, source, "runs/pretrain_gpt_dualpipe", origins)
+    stem = args.yaml_cfg.stem if args.yaml_cfg else Path(SCRIPT).stem
+    return config_from_values(values, source, stem, origins)
 
 
 def main(argv: list[str] | None = None) -> int:

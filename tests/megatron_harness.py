@@ -40,6 +40,7 @@ from megatron_dualpipe.megatron.placement import StagePlacementLayout, embedding
 from megatron_dualpipe.megatron.position_copies import finalize_model_grads, mark_position_copies
 from megatron_dualpipe.megatron.registry import get_forward_backward_func
 from megatron_dualpipe.megatron.tied import mark_tied_copies
+from megatron_dualpipe.megatron.version import clean_mtp_tracker, mtp_tracker_fields
 from megatron_dualpipe.runtime import WeightGradStore
 from megatron_dualpipe.schedules.ir import Kind
 from megatron_dualpipe.schedules.registry import generate
@@ -213,11 +214,11 @@ def _data(dp_rank: int, microbatches: int = NUM_MICROBATCHES) -> list[dict[str, 
 def _take_mtp_losses() -> list[float]:
     """The MTP losses Megatron's tracker summed over this process's micro-batches since the
     last call ([] without MTP layers here), and a clean tracker."""
-    values = MTPLossLoggingHelper.tracker.get("values")
+    values = MTPLossLoggingHelper.tracker.get(mtp_tracker_fields()[0])
     if values is None:
         return []
     taken = values.tolist()
-    MTPLossLoggingHelper.clean_loss_in_tracker()
+    clean_mtp_tracker()
     return taken
 
 

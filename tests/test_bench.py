@@ -38,6 +38,27 @@ def test_a_cell_has_every_schedule_and_sane_ratios(profile) -> None:
     assert all(bound <= r.makespan + 1e-9 for r in rows)
 
 
+def test_every_line_of_the_bubble_figure_has_a_colour_of_its_own() -> None:
+    """13 lines (the hand schedules, torch's and three optimiser rows) had 10 colours."""
+    from dataclasses import replace
+
+    from matplotlib.colors import to_hex
+
+    from megatron_dualpipe.bench.plots import bubble_figure
+
+    rows = [r for m in (8, 16) for r in simulate_cell(PROFILES[0], 4, m)]
+    optimised = [
+        replace(r, schedule=f"{r.schedule}-opt", source="optimised")
+        for r in rows
+        if r.schedule in ("dualpipev", "zb1p", "dualpipe")
+    ]
+    lines = bubble_figure([*rows, *optimised], "F=B=W").axes[0].get_lines()
+    assert len(lines) == len(SCHEDULES) + 3 == 13
+    assert len({to_hex(line.get_color()) for line in lines}) == 13
+    dashed = {line.get_label() for line in lines if line.get_linestyle() == "--"}
+    assert dashed == {e.name for e in SCHEDULES if e.source == "torch"}
+
+
 def test_an_illegal_cell_is_a_note_not_a_failure() -> None:
     rows = simulate_cell(PROFILES[0], 4, 6)  # dualpipe(v) need 8, interleaved a multiple of 4
     notes = {r.schedule for r in rows if r.note}

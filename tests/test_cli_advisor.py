@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import json
 from pathlib import Path
 
@@ -39,7 +40,8 @@ def _advise(config: Path, tmp_path: Path, *extra: str) -> tuple[dict, str]:
 def _with_pasted_lines(config: Path, text: str, tmp_path: Path) -> Path:
     """``config`` with the printed paste lines applied, as a user would."""
     lines = text.split("paste into", 1)[1].splitlines()[1:]
-    pasted = yaml.safe_load("\n".join(line for line in lines if line.startswith("  ")))
+    block = list(itertools.takewhile(lambda line: line.startswith("  "), lines))
+    pasted = yaml.safe_load("\n".join(block))  # the indented lines right under it
     values = {**yaml.safe_load(config.read_text()), **pasted}
     path = tmp_path / config.name
     path.write_text(yaml.safe_dump(values, sort_keys=False))

@@ -192,6 +192,21 @@ def test_png_is_written(tmp_path, ranks: int, microbatches: int) -> None:
     assert 0.1 < painted < 0.9  # boxes drawn, idle left white
 
 
+def test_png_numbers_every_box_but_a_few_too_short_for_their_number() -> None:
+    """A measured step has a few very short actions (a dW of one layer): they no longer
+    shrink every number below the smallest font, which left a measured panel unnumbered."""
+    from matplotlib.figure import Figure
+
+    from megatron_dualpipe.schedules.export.png import _Box, _numbers
+
+    white = (1.0, 1.0, 1.0)
+    boxes = [_Box(10.0 * i, 0.1, 10.0 * i + 9, 0.9, white, i) for i in range(12)]
+    short = _Box(120.0, 0.1, 120.05, 0.9, white, 12)
+    axes = Figure(dpi=100).add_axes((0, 0, 1, 1))
+    assert len(_numbers(boxes, 4.0, axes).get_paths()) == 12
+    assert len(_numbers([*boxes, short], 4.0, axes).get_paths()) == 12
+
+
 def test_png_leaves_matplotlib_state_alone(tmp_path) -> None:
     import matplotlib
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from megatron_dualpipe.megatron.training import ConfigError, TrainError, load_config, train
+from megatron_dualpipe.megatron.version import common_state_in_dcp
 from tests.processes import wait_for
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multiproc, pytest.mark.slow]
@@ -124,7 +125,12 @@ def test_a_truncated_shard(copy: Path) -> None:
     )
 
 
-@pytest.mark.parametrize("name", ["__0_1.distcp", "common.pt", ".metadata", "metadata.json"])
+#: The files a checkpoint holds besides its shards (common.pt only where megatron-core writes
+#: the common state there, before 0.19).
+SAVED_FILES = [".metadata", "metadata.json"] + ([] if common_state_in_dcp() else ["common.pt"])
+
+
+@pytest.mark.parametrize("name", ["__1_0.distcp", *SAVED_FILES])
 def test_a_deleted_file(copy: Path, name: str) -> None:
     (copy / "iter_0000003" / name).unlink()
     _refused(f"checkpoint {copy / 'iter_0000003'}: {name} is missing: {_advice(copy)}",

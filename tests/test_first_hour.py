@@ -56,3 +56,88 @@ def test_train_help_lists_every_config_key(capsys: pytest.CaptureFixture[str]) -
     assert "scripts/pretrain_gpt_dualpipe.py --help" in text
     for key in config_keys():
         assert key.name in text, key.name
+
+
+@pytest.mark.megatron
+def test_train_ranks_on_cpu_run_torch_compile_functions_eagerly() -> None:
+    """Megatron-Core's jit_fuser is torch.compile; on CPU its first call compiled C++ in
+    iteration 1 (11-19 s of tiny_deepseek_cpu.yaml's first iteration). Inside the ranks'
+    context nothing compiles, and outside it the same function still does."""
+    import torch
+
+    from megatron_dualpipe.megatron.training.loop import eager_on_cpu
+
+    compiled: list[int] = []
+
+    def backend(graph: torch.fx.GraphModule, example_inputs: list) -> object:
+        compiled.append(len(example_inputs))
+        return graph.forward
+
+    @torch.compile(backend=backend)
+    def fused(x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(x) * x + 1
+
+    x = torch.arange(4.0)
+    with eager_on_cpu():
+        assert torch.equal(fused(x), torch.sigmoid(x) * x + 1)
+    assert compiled == []
+    fused(x)
+    assert compiled == [1]
+
+
+@pytest.mark.megatron
+@pytest.mark.multiproc
+def test_two_runs_into_one_output_dir_keep_both_timelines(tmp_path: Path) -> None:
+    """Each run draws into its own folder under output_dir, named by the config, the
+    schedule and the settings given, and its last line names it; the first run's picture
+    outlives the second run."""
+    from megatron_dualpipe.megatron.training import load_config, train
+
+    tiny = ROOT / "configs" / "tiny_gpt_cpu.yaml"
+    common = ["train_iters=3", "eval_interval=null", f"output_dir={tmp_path}"]
+    pictures = []
+    for settings in ([], ["pipeline_schedule=1f1b", "seed=7"]):
+        result = train(load_config(tiny, [*common, *settings]), source=str(tiny))
+        pictures.append(Path(result.summary.png))
+        assert result.lines[-1].endswith(f"; outputs: timeline {pictures[-1]}")
+        if len(pictures) == 1:
+            first = pictures[0].read_bytes()
+    assert pictures == [
+        tmp_path / "tiny_gpt_cpu-dualpipev-train_iters=3" / "timeline.png",
+        tmp_path / "tiny_gpt_cpu-1f1b-seed=7-train_iters=3" / "timeline.png",
+    ]
+    assert pictures[0].read_bytes() == first
+    assert pictures[1].read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.megatron
+def test_the_timelines_prediction_runs_the_order_the_ranks_ran() -> None:
+    """An FB that ran as its forward half and then its backward half is two actions in the
+    measured step, and the simulated step beside it runs those two, not an FB pair."""
+    from megatron_dualpipe.megatron.training.measure import predict
+    from megatron_dualpipe.schedules.cost import CostModel
+    from megatron_dualpipe.schedules.ir import Kind
+    from megatron_dualpipe.schedules.registry import generate
+    from megatron_dualpipe.schedules.simulate import RankStats, SimResult, TimedAction, simulate
+
+    schedule, cost = generate("dualpipev", 2, 4), CostModel(f=1.0, b=1.0, w=0.5)
+    ranks = []
+    for stats in simulate(schedule, cost).ranks:
+        ran = []
+        for timed in stats.actions:
+            if timed.action.kind is Kind.FB:
+                forward, backward = timed.action.sub
+                mid = timed.start + cost.f
+                ran += [
+                    TimedAction(forward, timed.start, mid),
+                    TimedAction(backward, mid, timed.end),
+                ]
+            else:
+                ran.append(timed)
+        ranks.append(RankStats(stats.rank, ran, stats.busy, stats.peak_activations))
+    assert any(t.action.kind is Kind.FB for t in simulate(schedule, cost).ranks[0].actions)
+    measured = SimResult(schedule, cost, max(t.end for r in ranks for t in r.actions), ranks, [])
+    predicted = predict(measured)
+    assert [[t.action for t in r.actions] for r in predicted.ranks] == [
+        [t.action for t in r.actions] for r in ranks
+    ]

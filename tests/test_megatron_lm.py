@@ -1,18 +1,20 @@
 """The Megatron-LM route: ``--pipeline-schedule`` through ``megatron_dualpipe.megatron_lm``
-and ``patches/megatron-lm-core_v0.16.1.patch``.
+and the patches ``patches/megatron-lm-<tag>.patch``, one per Megatron-LM tag.
 
 - add_arguments adds the flag in its own group; apply checks the combination before any
   process-group work (one sentence saying what to change); forward_backward_func gives
   Megatron-LM's training loop our function for our schedules, one object per run;
 - the model-building, batch and loss-reporting hooks the patch calls behave;
-- the patch is a well-formed git patch that touches exactly the intended files and calls only
-  hooks that exist (CI has no Megatron-LM checkout to apply it to).
+- each patch is a well-formed git patch of its tag that touches exactly the intended files and
+  calls only hooks that exist (CI has no Megatron-LM checkout; the megatron/training hunks
+  are applied to the installed wheel's copy in tests/test_megatron_lm_loop.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +26,27 @@ from megatron_dualpipe import megatron_lm
 from megatron_dualpipe.megatron.checks import DualPipeConfigError
 from megatron_dualpipe.megatron.forward_backward import DualPipeForwardBackward
 from megatron_dualpipe.megatron.placement import StagePlacementLayout
+from megatron_dualpipe.megatron.version import (
+    MEGATRON_LM_TAGS,
+    megatron_lm_tag,
+    mtp_tracker_fields,
+    save_mtp_metrics,
+)
 from tests.multiproc import one_fast, run_workers
 
 pytestmark = pytest.mark.megatron
 
-PATCH = Path(__file__).resolve().parents[1] / "patches" / "megatron-lm-core_v0.16.1.patch"
+PATCHES = Path(__file__).resolve().parents[1] / "patches"
+#: The files each Megatron-LM tag's patch changes: from core_v0.18 the arguments are validated
+#: in arguments.py's parse_and_validate_args, before that in initialize.py.
 PATCHED_FILES = {
-    "pretrain_gpt.py",
-    "megatron/training/training.py",
-    "megatron/training/initialize.py",
+    tag: {"pretrain_gpt.py", "megatron/training/training.py", f"megatron/training/{validated}"}
+    for tag, validated in (
+        ("core_v0.16.1", "initialize.py"),
+        ("core_v0.17.1", "initialize.py"),
+        ("core_v0.18.2", "arguments.py"),
+        ("core_v0.19.0", "arguments.py"),
+    )
 }
 
 
@@ -180,6 +194,15 @@ def test_megatrons_own_1f1b_keeps_megatrons_function() -> None:
         (
             dict(pipeline_schedule="dualpipe", use_megatron_fsdp=True),
             "which --use-megatron-fsdp shards: drop it, or choose dualpipev",
+        ),
+        (
+            dict(pipeline_schedule="zb1p", use_torch_fsdp2=True),
+            "through Megatron DDP's hooks (delay_wgrad_compute), which --use-torch-fsdp2 does "
+            "not take",
+        ),
+        (
+            dict(pipeline_schedule="zb1p", use_megatron_fsdp=True),
+            "which --use-megatron-fsdp does not take: drop it, or choose 1f1b",
         ),
         (
             dict(pipeline_schedule="dualpipe", overlap_grad_reduce=True, ddp_bucket_size=10**6),
@@ -353,12 +376,14 @@ def _gather_losses(rank: int, world_size: int, schedule: str) -> tuple[list[dict
             if has_losses
             else []
         )
+        fields = mtp_tracker_fields()  # ("values",); 0.19: losses, correct and total counts
         if has_losses:  # what GPTModel records for one MTP layer over this rank's batches
-            MTPLossLoggingHelper.save_loss_to_tracker(torch.tensor(3.0 + 5.0 * (rank > 0)), 0, 1)
+            recorded = [3.0 + 5.0 * (rank > 0), 7.0 + rank, 9.0 + rank][: len(fields)]
+            save_mtp_metrics([torch.tensor(v) for v in recorded], 0, 1, avg_group=None)
         args = _args(pipeline_schedule=schedule, mtp_num_layers=1)
         out = megatron_lm.losses_on_last_stage(mine, args)
-        values = MTPLossLoggingHelper.tracker.get("values")
-        tracked = None if values is None else values.tolist()
+        tracked = {f: MTPLossLoggingHelper.tracker.get(f) for f in fields}
+        tracked = {f: v.tolist() for f, v in tracked.items() if v is not None} or None
         return [{k: v.tolist() for k, v in report.items()} for report in out], tracked
     finally:
         parallel_state.destroy_model_parallel()
@@ -371,9 +396,93 @@ def test_losses_reach_the_last_stage(schedule: str) -> None:
     first = [{"lm loss": [0.0, 4.0]}, {"lm loss": [1.0, 4.0]}]
     last = [{"lm loss": [30.0, 4.0]}, {"lm loss": [31.0, 4.0]}] if schedule == "dualpipe" else []
     assert [reports for reports, _ in per_rank] == [[], [], [], first + last]
-    # Megatron's MTP tracker: the pipeline's sum on the last stage, cleared where it was.
-    mtp = 3.0 + (8.0 if schedule == "dualpipe" else 0.0)
-    assert [tracked for _, tracked in per_rank] == [[0.0], None, None, [mtp]]
+    # Megatron's MTP tracker: the pipeline's sums on the last stage, cleared where they were.
+    last_rank = schedule == "dualpipe"
+    sums = [3.0 + 8.0 * last_rank, 7.0 + 10.0 * last_rank, 9.0 + 12.0 * last_rank]
+    fields = mtp_tracker_fields()
+    cleared = {f: [0.0] for f in fields}
+    assert [tracked for _, tracked in per_rank] == [
+        cleared,
+        None,
+        None,
+        {f: [s] for f, s in zip(fields, sums, strict=False)},
+    ]
+
+
+def _route_chunks(rank: int, world_size: int, schedule: str) -> dict[str, Any]:
+    """Megatron-LM's get_model path on CPU: build_model_chunks with a GPT model provider
+    (local spec: no TE here), then the DDP config hook."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from megatron_dualpipe.megatron import tiny_models as tm
+    from megatron_dualpipe.megatron.cpu_compat import apply_cpu_compat
+    from megatron_dualpipe.megatron.deferral import (
+        DeferrableColumnParallelLinear,
+        DeferrableRowParallelLinear,
+    )
+
+    apply_cpu_compat()
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world_size)
+    try:
+        args = _args(
+            pipeline_schedule=schedule,
+            pipeline_model_parallel_size=world_size,
+            num_layers=8,
+            global_batch_size=8,
+            transformer_impl="local",
+        )
+
+        def config_from_args(a: argparse.Namespace) -> Any:
+            config = tm.tiny_gpt_config(num_layers=8, pipeline_model_parallel_size=world_size)
+            config.pipeline_model_parallel_layout = a.pipeline_model_parallel_layout
+            return config
+
+        def provider(*, pre_process: bool, post_process: bool, vp_stage: Any, config: Any):
+            return tm.build_tiny_gpt(
+                config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage
+            )
+
+        chunks = megatron_lm.build_model_chunks(provider, args, config_from_args, pp_rank=rank)
+        linears = [
+            (n, type(m))
+            for c in chunks
+            for n, m in c.named_modules()
+            if isinstance(m, ColumnParallelLinear | RowParallelLinear)
+        ]
+        plain = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=123)
+        ddp = megatron_lm.ddp_config(plain, args)
+        return {
+            "linears": len(linears),
+            "not_deferring": [
+                n
+                for n, t in linears
+                if t not in (DeferrableColumnParallelLinear, DeferrableRowParallelLinear)
+            ],
+            "output_layer": any(n == "output_layer" for n, _ in linears),
+            "ddp": (ddp.delay_wgrad_compute, ddp.overlap_grad_reduce, ddp.bucket_size),
+            "plain_untouched": megatron_lm.ddp_config(plain, _args(pipeline_schedule="1f1b"))
+            is plain,
+        }
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.megatron
+@pytest.mark.multiproc
+@pytest.mark.parametrize("schedule", one_fast(["dualpipev", "zb1p"], "dualpipev"))
+def test_megatron_lm_route_builds_chunks_whose_linear_layers_defer(schedule: str) -> None:
+    """Megatron-LM's get_model (through the patch) builds zb1p, dualpipe and dualpipev
+    chunks as train does: every linear layer defers its dW, the output layer included, and
+    DDP's config keeps its fields and gains delay_wgrad_compute (else B computes dW inline
+    and W is empty, as before)."""
+    per_rank = run_workers(_route_chunks, 2, args=(schedule,), timeout_s=120)
+    for result in per_rank:
+        assert result["linears"] > 0 and result["not_deferring"] == []
+        assert result["ddp"] == (True, True, 123) and result["plain_untouched"]
+    # the output layer: dualpipev's loss is on rank 0, zb1p's on the last rank
+    assert [r["output_layer"] for r in per_rank] == [schedule == "dualpipev", schedule == "zb1p"]
 
 
 # --------------------------------------------------------------------------------------
@@ -414,9 +523,20 @@ def _parse_patch(text: str) -> dict[str, list[tuple[int, int, int, int, list[str
     return files
 
 
-def test_patch_is_a_well_formed_git_patch_of_the_intended_files() -> None:
-    files = _parse_patch(PATCH.read_text())
-    assert set(files) == PATCHED_FILES
+def test_there_is_one_patch_per_megatron_lm_tag() -> None:
+    assert sorted(p.name for p in PATCHES.glob("*.patch")) == [
+        f"megatron-lm-{tag}.patch" for tag in sorted(PATCHED_FILES)
+    ]
+
+
+@pytest.mark.parametrize("tag", sorted(PATCHED_FILES))
+def test_patch_is_a_well_formed_git_patch_of_the_intended_files(tag: str) -> None:
+    text = (PATCHES / f"megatron-lm-{tag}.patch").read_text()
+    header = text.split("diff --git", 1)[0]
+    assert header.splitlines()[0].endswith(f"(tag {tag}).")
+    assert f"git apply /path/to/megatron-dualpipe/patches/megatron-lm-{tag}.patch" in header
+    files = _parse_patch(text)
+    assert set(files) == PATCHED_FILES[tag]
     for path, hunks in files.items():
         starts = [h[0] for h in hunks]
         assert starts == sorted(starts), f"{path}: hunks out of order"
@@ -424,8 +544,10 @@ def test_patch_is_a_well_formed_git_patch_of_the_intended_files() -> None:
             assert any(line.startswith("+") for line in body), f"{path}: a hunk adds nothing"
 
 
-def test_patch_calls_only_hooks_that_exist() -> None:
-    files = _parse_patch(PATCH.read_text())
+@pytest.mark.parametrize("tag", sorted(PATCHED_FILES))
+def test_patch_calls_only_hooks_that_exist(tag: str) -> None:
+    text = (PATCHES / f"megatron-lm-{tag}.patch").read_text()
+    files = _parse_patch(text)
     added = "\n".join(
         line[1:]
         for hunks in files.values()
@@ -439,11 +561,61 @@ def test_patch_calls_only_hooks_that_exist() -> None:
         "add_arguments",
         "apply",
         "build_model_chunks",
+        "builds_model_chunks",
+        "ddp_config",
+        "embedding_ranks",
+        "float16_chunks",
         "forward_backward_func",
+        "full_batch_on_this_rank",
         "losses_on_last_stage",
+        "places_model_chunks",
+        "prepare_model",
     }
     assert used <= set(megatron_lm.__all__), used - set(megatron_lm.__all__)
-    assert "--pipeline-schedule" in PATCH.read_text().split("diff --git", 1)[0]  # usage header
+    assert "--pipeline-schedule" in text.split("diff --git", 1)[0]  # usage header
+
+
+def test_every_supported_release_has_its_tags_patch() -> None:
+    assert set(MEGATRON_LM_TAGS.values()) == set(PATCHED_FILES)
+
+
+def test_the_installed_wheels_training_takes_its_tags_patch() -> None:
+    """The wheels of megatron-core 0.17 and newer ship their Megatron-LM tag's
+    megatron/training: the patch's hunks for it apply there (``git apply --check``)."""
+    import megatron.core
+
+    site = Path(megatron.core.__file__).resolve().parents[2]
+    if not (site / "megatron" / "training").is_dir():
+        pytest.skip(f"megatron-core {megatron.core.__version__} ships no megatron/training")
+    patch = PATCHES / f"megatron-lm-{megatron_lm_tag()}.patch"
+    done = subprocess.run(
+        ["git", "apply", "--check", "--include=megatron/training/*", str(patch)],
+        cwd=site, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "megatron/training/training.py" in patch.read_text()
+
+
+def test_the_megatron_lm_script_refuses_a_release_without_its_training(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """scripts/pretrain_gpt_megatron_lm.py drives 0.19's ``pretrain``; before any of
+    megatron.training is imported, another release is one sentence."""
+    import importlib.util
+
+    import megatron.core
+
+    script = PATCHES.parent / "scripts" / "pretrain_gpt_megatron_lm.py"
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_megatron_lm", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(megatron.core, "__version__", "0.18.2")
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--help"])
+    assert str(stop.value).startswith(
+        "error: this script runs megatron-core 0.19's megatron.training (pretrain with a "
+        "config container), but megatron-core 0.18.2 is installed: "
+    )
 
 
 def test_float16_chunks_convert_where_our_placement_puts_the_loss() -> None:

@@ -38,6 +38,7 @@ from megatron_dualpipe.megatron.placement import StagePlacementLayout, chunk_rol
 from megatron_dualpipe.megatron.precision import StageFloat16Module
 from megatron_dualpipe.megatron.registry import get_forward_backward_func
 from megatron_dualpipe.megatron.stage import MegatronStage
+from megatron_dualpipe.megatron.version import layer_plan_attention_node
 from tests.megatron_harness import PG_TIMEOUT_S, _init_parallel
 from tests.multiproc import run_workers, slow_unless
 
@@ -279,12 +280,13 @@ def _plan_order(f_layers: int, b_layers: int, f_loss: bool, b_loss: bool) -> lis
     ``f_layers`` MoE layers beside a backward of ``b_layers`` (TransformerLayerSchedulePlan.run
     per overlapped layer: combine-bwd | attn-fwd | mlp-bwd | dispatch-fwd | dispatch-bwd |
     mlp-fwd | combine-fwd | attn-bwd); then the forward's loss function where it has one."""
+    attn = layer_plan_attention_node()  # "attn", from 0.19 "pre_dispatch_computation"
     order = ["F pre_process"] + ["B post_process"] * b_loss
-    pair = ["B moe_combine", "F attn", "B mlp", "F moe_dispatch", "B moe_dispatch", "F mlp"]
-    pair += ["F moe_combine", "B attn"]
+    pair = ["B moe_combine", f"F {attn}", "B mlp", "F moe_dispatch", "B moe_dispatch", "F mlp"]
+    pair += ["F moe_combine", f"B {attn}"]
     order += pair * min(f_layers, b_layers)
-    order += ["B moe_combine", "B mlp", "B moe_dispatch", "B attn"] * max(b_layers - f_layers, 0)
-    order += ["F attn", "F moe_dispatch", "F mlp", "F moe_combine"] * max(f_layers - b_layers, 0)
+    order += ["B moe_combine", "B mlp", "B moe_dispatch", f"B {attn}"] * max(b_layers - f_layers, 0)
+    order += [f"F {attn}", "F moe_dispatch", "F mlp", "F moe_combine"] * max(f_layers - b_layers, 0)
     order += ["F post_process"] * f_loss + ["B pre_process"]
     return order + ["F loss_func"] * f_loss  # the loss function's node, after the plan
 

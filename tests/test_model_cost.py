@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_dualpipe.schedules.advisor import PipelineSetup
 from megatron_dualpipe.schedules.config_values import ConfigValueError
 from megatron_dualpipe.schedules.ir import ScheduleError
 from megatron_dualpipe.schedules.model_cost import ModelShape, Work, stage_costs
@@ -228,16 +227,6 @@ def test_a_bad_shape_is_one_sentence_naming_the_key(values: dict, message: str) 
     with pytest.raises(ConfigValueError, match=f"^cfg.yaml: .*{message}") as err:
         ModelShape.from_values(values, "cfg.yaml")
     assert "\n" not in str(err.value)
-
-
-def test_bytes_per_parameter_follow_megatrons_distributed_optimizer_accounting() -> None:
-    setup = PipelineSetup(micro_batch_size=1, global_batch_size=8, world_size=8)
-    assert setup.bytes_per_param(8) == 16  # fp32 Adam: weight, gradient, two moments
-    assert PipelineSetup(**{**vars(setup), "bf16": True}).bytes_per_param(8) == 18
-    distributed = PipelineSetup(**{**vars(setup), "bf16": True, "use_distributed_optimizer": True})
-    assert distributed.bytes_per_param(8) == 6 + 12 / 8
-    fp32_distributed = PipelineSetup(**{**vars(setup), "use_distributed_optimizer": True})
-    assert fp32_distributed.bytes_per_param(4) == 8 + 8 / 4
 
 
 def _megatron_parameter_counts(rank: int, world_size: int) -> dict[str, int]:

@@ -130,8 +130,10 @@ def test_megatron_lm_flags_set_their_keys() -> None:
         "--yaml-cfg", str(path), "--max-position-embeddings", "32", "--ffn-hidden-size", "96",
         "--num-query-groups", "2", "--swiglu", "--lr-decay-iters", "15", "--exit-interval", "5",
         "--disable-bias-linear", "--no-check-for-nan-in-loss-and-grad",
+        "--tensorboard-log-interval", "4",
     ]  # fmt: skip
     cfg = script.config_from_args(script.parse_args(argv))
+    assert cfg.tensorboard_log_interval == 4
     assert (cfg.max_position_embeddings, cfg.ffn_hidden_size, cfg.num_query_groups) == (32, 96, 2)
     assert (cfg.swiglu, cfg.lr_decay_iters, cfg.exit_interval) == (True, 15, 5)
     assert (cfg.add_bias_linear, cfg.check_for_nan_in_loss_and_grad) == (False, False)

@@ -73,7 +73,8 @@ def test_the_readme_walkthrough_runs_as_written(tmp_path: Path) -> None:
     assert " exiting program at iteration        5" in stop
     assert stop[-1].startswith(" training done: iteration 5 after ")
     assert stop[-1].endswith(
-        "; outputs: timeline runs/tiny_gpt_cpu-dualpipev/timeline.png, checkpoints in ckpt"
+        "; outputs: timeline runs/tiny_gpt_cpu-dualpipev-train_iters=10/timeline.png, "
+        "checkpoints in ckpt"
     )
 
     loaded = "  successfully loaded checkpoint from ckpt [ t 1/1, p 1/2 ] at iteration {}"
@@ -84,7 +85,7 @@ def test_the_readme_walkthrough_runs_as_written(tmp_path: Path) -> None:
     assert _iterations(resume) == [6, 7, 8, 9, 10]
     assert any(re.match(_saved(10), line) for line in resume)
     assert resume[-1].startswith(" training done: iteration 10 after ")
-    assert "runs/tiny_gpt_cpu-1f1b/timeline.png" in resume[-1]
+    assert "runs/tiny_gpt_cpu-1f1b-train_iters=10/timeline.png" in resume[-1]
 
     assert again[-3:] == [
         loaded.format(10),
@@ -101,5 +102,7 @@ def test_the_readme_walkthrough_runs_as_written(tmp_path: Path) -> None:
     assert any(re.match(_saved(15), line) for line in further)
     assert further[-1].startswith(" training done: iteration 15 after ")
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "15\n"
-    for schedule in ("dualpipev", "1f1b"):
-        assert (tmp_path / "runs" / f"tiny_gpt_cpu-{schedule}" / "timeline.png").stat().st_size
+    further_run = "runs/tiny_gpt_cpu-dualpipev-override_opt_param_scheduler=true-train_iters=15"
+    assert f"; outputs: timeline {further_run}/timeline.png" in further[-1]
+    for run in ("dualpipev-train_iters=10", "1f1b-train_iters=10"):
+        assert (tmp_path / "runs" / f"tiny_gpt_cpu-{run}" / "timeline.png").stat().st_size

@@ -17,7 +17,7 @@ import functools
 import itertools
 import json
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -44,7 +44,7 @@ from megatron_dualpipe.schedules.lowering import lower
 from megatron_dualpipe.schedules.nccl_rules import inflight_bound
 from megatron_dualpipe.schedules.registry import generate, spec
 from megatron_dualpipe.schedules.simulate import SimResult, simulate
-from tests.multiproc import run_workers, slow_unless
+from tests.multiproc import one_fast, run_workers, slow_unless
 
 pytestmark = pytest.mark.multiproc
 
@@ -438,16 +438,16 @@ def test_planned_stages_interleave_every_fb_action(case: Case) -> None:
 TIMELINE_CASE = Case("dualpipev", 2, 4)
 
 
-def record_timeline(rank: int, world_size: int, trace_dir: str) -> SimResult | None:
-    schedule = TIMELINE_CASE.build()
+def record_timeline(rank: int, world_size: int, trace_dir: str, case: Case) -> SimResult | None:
+    schedule = case.build()
     placement = schedule.placement
-    inputs, targets = make_data(TIMELINE_CASE)
+    inputs, targets = make_data(case)
     executor = PipelineExecutor(
         schedule,
         rank,
-        rank_modules(TIMELINE_CASE, placement, rank),
-        specs=stage_specs(TIMELINE_CASE, placement),
-        loss_fn=loss_fn(TIMELINE_CASE, targets),
+        rank_modules(case, placement, rank),
+        specs=stage_specs(case, placement),
+        loss_fn=loss_fn(case, targets),
         timeout_s=TIMEOUT_S,
     )
     result = executor.run(inputs, record_timeline=True)
@@ -459,14 +459,20 @@ def record_timeline(rank: int, world_size: int, trace_dir: str) -> SimResult | N
     )
 
 
-def test_measured_timeline_exports_like_a_simulated_one(tmp_path) -> None:
-    result, nothing = run_workers(record_timeline, 2, args=(str(tmp_path),), timeout_s=60)
+@pytest.mark.parametrize("interleaved", one_fast([False, True], False), ids=["plain", "planned"])
+def test_measured_timeline_exports_like_a_simulated_one(tmp_path, interleaved: bool) -> None:
+    """What ran is recorded: plain modules run an FB as its forward half, then its backward
+    half (two actions); planned stages interleave it (one FB)."""
+    case = replace(TIMELINE_CASE, hook=interleaved)
+    result, nothing = run_workers(record_timeline, 2, args=(str(tmp_path), case), timeout_s=60)
     assert nothing is None  # only rank 0 gathers
-    schedule = lower(TIMELINE_CASE.build())
+    schedule = lower(case.build())
     simulated = simulate(schedule)
+    assert any(a.kind is Kind.FB for a in schedule.ranks[0])
     for rank, stats in enumerate(result.ranks):
         computes = [a for a in schedule.ranks[rank] if a.kind not in COMM_KINDS]
-        assert [t.action for t in stats.actions] == computes
+        ran = computes if interleaved else [h for a in computes for h in a.computes]
+        assert [t.action for t in stats.actions] == ran
         assert all(0 <= t.start <= t.end for t in stats.actions)
         assert all(a.end <= b.start for a, b in itertools.pairwise(stats.actions))
         assert stats.peak_activations == simulated.ranks[rank].peak_activations

@@ -279,7 +279,11 @@ def _run_gpu_script(
         (bin_dir / tool).chmod(0o755)
     config = tmp_path / "cfg.yaml"
     config.write_text("train_iters: 1\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NCCL_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "NCCL_", "CUDA_DEVICE_MAX_CONNECTIONS"))
+    }
     env.pop("MASTER_PORT", None)
     env.update(
         PATH=f"{bin_dir}{os.pathsep}{env['PATH']}",
@@ -317,9 +321,19 @@ def test_gpu_launcher_hands_srun_rendezvous_nccl_and_arguments(tmp_path: Path) -
     assert env["MASTER_PORT"] == str(20000 + 123457 % 10000)
     assert env["SRUN_CPUS_PER_TASK"] == "6"
     assert env["OMP_NUM_THREADS"] == "6"
-    assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    # Set by train from the config (Megatron-LM's rule), not forced to 1 here: 1 would
+    # serialise the MoE all-to-all that overlap_moe_expert_parallel_comm hides.
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in env
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     assert "NCCL_DEBUG" in env
+
+
+def test_gpu_launcher_passes_on_a_cuda_device_max_connections_the_submitter_set(
+    tmp_path: Path,
+) -> None:
+    proc, srun = _run_gpu_script(tmp_path, CUDA_DEVICE_MAX_CONNECTIONS="32")
+    assert proc.returncode == 0, proc.stderr
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=32" in srun.splitlines()
 
 
 def test_gpu_launcher_takes_the_first_of_many_hosts(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ source, the key and the fix, before anything runs."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,8 +48,10 @@ def test_every_config_validates_and_megatron_accepts_its_model(path: Path) -> No
     from megatron_dualpipe.megatron.training.model import transformer_config
 
     cfg = load_config(path)
-    assert cfg.output_dir == str(Path("runs") / f"{path.stem}-{cfg.pipeline_schedule}")
-    config = transformer_config(cfg, on_gpu=False)
+    assert cfg.run_dir == str(Path("runs") / f"{path.stem}-{cfg.pipeline_schedule}")
+    # FP8's checks ask Transformer Engine its version: without TE, the rest of the model.
+    without_te = ["fp8=null"] if cfg.fp8 is not None else []
+    config = transformer_config(load_config(path, without_te), on_gpu=False)
     assert config.num_layers == cfg.num_layers
     assert cfg.num_microbatches * cfg.micro_batch_size * cfg.data_parallel_size == (
         cfg.global_batch_size
@@ -220,14 +223,39 @@ def test_cli_prints_the_sentence_and_fails(tmp_path: Path) -> None:
     )
 
 
-def test_the_output_folder_is_named_by_config_and_schedule(tmp_path: Path) -> None:
+def test_the_run_folder_is_named_by_config_schedule_and_the_settings_given(
+    tmp_path: Path,
+) -> None:
     runs = Path("runs")
-    assert load_config(TINY).output_dir == str(runs / "tiny_gpt_cpu-dualpipev")
+    assert load_config(TINY).run_dir == str(runs / "tiny_gpt_cpu-dualpipev")
     one = load_config(TINY, ["pipeline_schedule=1f1b"])
-    assert one.output_dir == str(runs / "tiny_gpt_cpu-1f1b")
-    mine = load_config(TINY, ["pipeline_schedule=1f1b", f"output_dir={tmp_path}"])
-    assert mine.output_dir == str(tmp_path)
-    assert load_config(TINY, ["output_dir=null"]).output_dir is None
+    assert one.run_dir == str(runs / "tiny_gpt_cpu-1f1b")
+    moe = Path(TINY).with_name("tiny_moe_cpu.yaml")
+    overlap = ["bf16=true", "overlap_moe_expert_parallel_comm=true"]
+    assert load_config(moe).run_name == "tiny_moe_cpu-dualpipev"
+    assert load_config(moe, overlap).run_name == (
+        "tiny_moe_cpu-dualpipev-bf16=true-overlap_moe_expert_parallel_comm=true"
+    )
+    assert load_config(moe, overlap[::-1]).run_name == load_config(moe, overlap).run_name
+    # output_dir is where runs go: each schedule keeps its own folder under it.
+    for schedule in ("1f1b", "zb1p"):
+        mine = load_config(TINY, [f"pipeline_schedule={schedule}", f"output_dir={tmp_path}"])
+        assert mine.run_dir == str(tmp_path / f"tiny_gpt_cpu-{schedule}")
+    # Where things go, how often the run logs, saves or stops: the same run, one folder.
+    stopped = load_config(TINY, ["train_iters=10", "save=ckpt", "exit_interval=5"])
+    resumed = load_config(TINY, ["train_iters=10", "load=ckpt", "save=ckpt", "log_interval=5"])
+    assert stopped.run_name == resumed.run_name == "tiny_gpt_cpu-dualpipev-train_iters=10"
+    as_the_file = [
+        "clip_grad=1.0", "eval_iters=2", "lr=0.003", "lr_warmup_iters=2",
+        "micro_batch_size=2", "min_lr=0.0003", "seed=1234", "weight_decay=0.01",
+    ]  # fmt: skip
+    wordy = load_config(TINY, as_the_file)
+    assert re.fullmatch(r"tiny_gpt_cpu-dualpipev-[0-9a-f]{8}", wordy.run_name), wordy.run_name
+    assert load_config(TINY, ["run_name=mine"]).run_dir == str(runs / "mine")
+    assert load_config(TINY, ["run_name=null"]).run_dir == "runs"
+    assert load_config(TINY, ["output_dir=null"]).run_dir is None
+    with pytest.raises(ConfigError, match=r"^--set run_name=a/b: run_name: must name one folder"):
+        load_config(TINY, ["run_name=a/b"])
 
 
 def test_moe_defaults_are_megatrons() -> None:

@@ -4,6 +4,7 @@ the same run without overlap; bad combinations are one sentence before any work.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,30 @@ def test_selective_recomputation_is_taken_with_overlap_as_megatron_takes_it() ->
     values = ["overlap_moe_expert_parallel_comm=true", "bf16=true"]
     cfg = load_config(MOE, [*values, "recompute_granularity=selective"])
     assert cfg.recompute_granularity == "selective" and cfg.overlap_moe_expert_parallel_comm
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["recompute_granularity=full"], "full needs recompute_method (uniform or block)"),
+        (["recompute_method=uniform"], "applies to recompute_granularity: full"),
+        (["recompute_modules=mlp"], "applies to recompute_granularity: selective"),
+        (
+            ["recompute_granularity=selective", "recompute_modules=attention"],
+            "'attention' is not one of Megatron-Core's",
+        ),
+        (
+            ["recompute_granularity=selective", "recompute_modules=moe_act", "fp8=e4m3"],
+            "moe_act and layernorm recomputation with fp8 need a recipe other than "
+            "fp8_recipe: delayed",
+        ),
+    ],
+)
+def test_recomputation_keys_follow_megatron_cores_rules(overrides: list, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)) as info:
+        load_config(MOE, overrides)
+    assert "\n" not in str(info.value)
+    assert load_config(MOE, ["recompute_granularity=selective"]).recompute_granularity
 
 
 def test_the_dense_model_hears_the_whole_condition_at_once() -> None:

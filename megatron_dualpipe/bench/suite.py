@@ -369,6 +369,19 @@ QUICK_SKIPS: dict[str, str] = {
 }
 
 
+#: Where the GPU checks stand (``scripts/gpu_check.py``): replace with its dated figures and
+#: the GPU's name once it has run on one.
+GPU_CHECKS = (
+    "## GPU checks\n\n"
+    "`python scripts/gpu_check.py` (one GPU: Transformer Engine's deferred dW through our "
+    "deferral in DualPipe's order, bf16 and FP8; FP8 really on in the F&B overlap path; "
+    "per-layer F, B (dX), W (dW) times and memory of a dense and a MoE layer at hidden 4096, "
+    "sequence 4096, as `simulate --cost` arguments) has not run: no GPU was lent to this work. "
+    "`python scripts/gpu_check.py --dry-run` lists its checks and why any cannot run on the "
+    "machine at hand."
+)
+
+
 def _document(sections: list[Section], quick: bool, elapsed: float) -> str:
     command = "megatron-dualpipe bench" + (" --quick" if quick else "")
     head = [
@@ -377,7 +390,7 @@ def _document(sections: list[Section], quick: bool, elapsed: float) -> str:
         f"{elapsed:.0f} s. Numbers below are regenerated, not edited by hand.",
     ]
     body = [f"## {s.title}\n\n{s.markdown}" for s in sections]
-    return "\n\n".join(head + body) + "\n"
+    return "\n\n".join([*head, *body, GPU_CHECKS]) + "\n"
 
 
 def run(

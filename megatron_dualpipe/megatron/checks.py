@@ -16,6 +16,7 @@ from ..schedules.registry import SCHEDULES, ScheduleSpec, spec
 __all__ = [
     "DualPipeConfigError",
     "check_run",
+    "cuda_device_max_connections",
     "overlap_problem",
     "schedule_spec",
     "stage_layers",
@@ -154,3 +155,32 @@ def overlap_problem(
 def _listed(items: list[str]) -> str:
     """``a``, ``a and b``, ``a, b and c``."""
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def cuda_device_max_connections(
+    *, tensor_parallel: int, context_parallel: int = 1, overlap: bool, current: str | None
+) -> tuple[str | None, str | None]:
+    """``CUDA_DEVICE_MAX_CONNECTIONS`` by Megatron-LM's rule (``validate_args``,
+    ``megatron/training/arguments.py``, core_v0.16.1 to core_v0.19.0): with tensor or context
+    parallelism, 1 (one hardware queue keeps TP communication ahead of compute, required
+    before Blackwell), except with ``overlap_moe_expert_parallel_comm``, whose MoE
+    all-to-all must run beside compute (more queues); without either, no requirement.
+
+    Returns (the value to set where ``current`` is unset, else None; a one-sentence warning
+    where ``current`` works against the rule, else None)."""
+    model_parallel = tensor_parallel > 1 or context_parallel > 1
+    if current is None:
+        return ("1" if model_parallel and not overlap else None), None
+    if overlap and current == "1":
+        return None, (
+            "CUDA_DEVICE_MAX_CONNECTIONS=1 puts all kernels in one hardware queue, so the MoE "
+            "all-to-all of overlap_moe_expert_parallel_comm cannot run beside compute: unset "
+            "it (Megatron-LM suggests 32 where tensor parallelism is on too)"
+        )
+    if model_parallel and not overlap and current != "1":
+        return None, (
+            f"CUDA_DEVICE_MAX_CONNECTIONS={current} with tensor or context parallelism: "
+            "Megatron-LM requires 1 on GPUs before Blackwell (its tensor-parallel "
+            "communication overlap relies on one hardware queue): unset it or set 1"
+        )
+    return None, None

@@ -1,4 +1,4 @@
-"""Run megatron-core 0.16.1 on CPU + gloo, for tests and the demo.
+"""Run megatron-core (0.16.1 to 0.19.x) on CPU + gloo, for tests and the demo.
 
 ``apply_cpu_compat()`` removes the CUDA assumptions that stop megatron-core from
 running on a machine without a GPU: GPTModel with the local layer spec (dense, and
@@ -13,7 +13,9 @@ inside each module in ``_TORCH_ON_CPU_SITES`` is rebound to a view of torch whos
 no-ops, offers stand-in streams and events, and whose tensor factories map
 ``device="cuda"`` to the CPU. Everything else in that view is the real torch.
 
-The remaining patches, each against the megatron-core 0.16.1 code it addresses:
+The remaining patches, each against the megatron-core code it addresses (read in 0.16.1,
+0.17.1, 0.18.2 and 0.19.2: every site is in each; docs/megatron-on-cpu.md lists per release
+what each module assumes):
 
 - ``CudaRNGStatesTracker.add`` and ``.fork`` (tensor_parallel/random.py), reached from
   ``DotProductAttention.forward`` and ``_initialize_affine_weight_gpu``
@@ -42,8 +44,8 @@ The remaining patches, each against the megatron-core 0.16.1 code it addresses:
   'torch.cuda.FloatTensor'``: while it builds its groups, CPU tensors report CUDA type
   names.
 
-On another megatron-core release ``apply_cpu_compat`` refuses to patch
-(:class:`~.version.MegatronVersionError`). docs/megatron-on-cpu.md explains each patch,
+Megatron-LM's training loop (``megatron.training``, in the wheels of 0.17 and newer) needs
+more: :mod:`.cpu_compat_training`. docs/megatron-on-cpu.md explains each patch,
 the traps left (batched P2P at PP=2 with two chunks) and what runs on CPU.
 
 - ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` (tensor_parallel/random.py), which
@@ -67,8 +69,6 @@ import torch
 from megatron.core.tensor_parallel import random as _mrandom
 from torch.overrides import TorchFunctionMode
 
-from .version import require_pinned_megatron_core
-
 __all__ = [
     "CpuRNGStatesTracker",
     "apply_cpu_compat",
@@ -79,7 +79,7 @@ __all__ = [
 _CPU = torch.device("cpu")
 
 # Megatron modules whose global name ``torch`` is rebound to the CPU view, and the
-# megatron-core 0.16.1 functions in each that need it.
+# functions in each that need it (0.16.1; docs/megatron-on-cpu.md: what later releases add).
 _TORCH_ON_CPU_SITES: tuple[tuple[str, str], ...] = (
     (
         "megatron.core.utils",
@@ -206,20 +206,15 @@ def cpu_compat_applied() -> bool:
 
 
 def apply_cpu_compat() -> None:
-    """Patch megatron-core 0.16.1 so it runs on CPU + gloo; idempotent.
+    """Patch megatron-core so it runs on CPU + gloo; idempotent.
 
     Does nothing when CUDA is available. Call it before building models or running
     schedules; forked children inherit the patches. Imports the megatron modules it
-    patches. Raises :class:`~.version.MegatronVersionError` on another megatron-core
-    release, before patching anything.
+    patches. (An unsupported release was refused when the adapter was imported.)
     """
     global _applied
     if torch.cuda.is_available():
         return
-    require_pinned_megatron_core(
-        "the CPU compatibility layer (megatron_dualpipe.megatron.cpu_compat)",
-        "run on a GPU, where the layer is not needed",
-    )
     if _applied:
         return
     for module_name, _why in _TORCH_ON_CPU_SITES:
@@ -248,6 +243,11 @@ class _CpuStream(torch.Stream):
 
     def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
         pass
+
+    @staticmethod
+    def priority_range() -> tuple[int, int]:
+        """One priority only (0.18's ``set_streams(high_priority=True)`` asks)."""
+        return (0, 0)
 
     def wait_stream(self, stream: Any) -> None:
         """Nothing to wait for."""
@@ -325,6 +325,9 @@ class _CudaOnCpu(types.ModuleType):
         self.current_stream = _current_stream
         self.default_stream = _current_stream
         self.stream = _stream
+        # The device's generator is the CPU's (rerun state machine, checkpoint RNG state).
+        self.get_rng_state = torch.get_rng_state
+        self.set_rng_state = torch.set_rng_state
         self.nvtx = types.SimpleNamespace(
             range_push=_no_op, range_pop=_no_op, range=lambda *a, **k: contextlib.nullcontext()
         )

@@ -14,8 +14,10 @@ exact ``ColumnParallelLinear`` / ``RowParallelLinear`` still left, in place: the
 spec does not reach (GPTModel's output layer) and models built elsewhere.
 Their ``_forward_impl`` runs an autograd Function with the forward and backward of
 Megatron's ``linear_with_grad_accumulation_and_async_allreduce`` (tensor_parallel/layers.py,
-0.16.1): input all-gather under sequence parallelism, dgrad all-reduce (``allreduce_dgrad``)
-or reduce-scatter (sequence parallelism), bias gradient with dX, and
+the same in every supported release, 0.16.1 to 0.19.x: 0.18 changed only its Megatron-FSDP
+branch, which is refused here, and 0.19 added GTP-sharded weights, refused too): input
+all-gather under sequence parallelism, dgrad all-reduce (``allreduce_dgrad``) or
+reduce-scatter (sequence parallelism), bias gradient with dX, and
 ``gradient_accumulation_fusion`` (dW added into ``param.main_grad`` by Megatron's fused
 kernel and ``param.grad_added_to_main_grad`` set; on CPU fusion is off and dW goes to
 ``.grad``). The only difference is where dW is computed and by whom:
@@ -31,15 +33,16 @@ gradient from these layers (so ``register_post_accumulate_grad_hook`` hooks and
 ``torch.autograd.grad`` with respect to their weights see none). Bias gradients go through
 autograd as in Megatron.
 
-Megatron DistributedDataParallel (0.16.1, where ``DistributedDataParallel.__init__``
-registers its backward hooks): for a parameter with ``skip_backward_post_hook=True`` and
-``ddp_config.delay_wgrad_compute=True``, DDP registers its grad-ready hook through the
-owning module's ``register_wgrad_accumulation_and_reduce_hooks`` instead of the parameter's
-AccumulateGrad node. Converted layers mark their weight that way and fire those hooks after
-every accumulation, so DDP (``overlap_grad_reduce`` off or on) sees each deferred weight
-ready exactly when its dW is in. Order requirement: call :func:`enable_weight_grad_deferral`
-*before* wrapping the model in DDP, and build DDP with :func:`ddp_config_for_deferral`.
-Both mistakes are refused with a clear error rather than giving unreduced gradients.
+Megatron DistributedDataParallel (``DistributedDataParallel.__init__`` registers its
+backward hooks, the same in every supported release): for a parameter with
+``skip_backward_post_hook=True`` and ``ddp_config.delay_wgrad_compute=True``, DDP registers
+its grad-ready hook through the owning module's
+``register_wgrad_accumulation_and_reduce_hooks`` instead of the parameter's AccumulateGrad
+node. Converted layers mark their weight that way and fire those hooks after every
+accumulation, so DDP (``overlap_grad_reduce`` off or on) sees each deferred weight ready
+exactly when its dW is in. Order requirement: call :func:`enable_weight_grad_deferral`
+*before* wrapping the model in DDP, and build DDP with :func:`ddp_config_for_deferral`. Both
+mistakes are refused with a clear error rather than giving unreduced gradients.
 
 With ``overlap_grad_reduce`` DDP counts grad-ready hooks per parameter in the last
 micro-batch (outside ``no_sync``) and learns the expected counts in the first step: a
@@ -48,27 +51,27 @@ static); a W may run outside the ``no_sync`` of its micro-batch's B.
 
 Transformer Engine layers (``TELinear`` and its column/row subclasses,
 ``TELayerNormColumnParallelLinear``, ``TEGroupedLinear``) built with
-``config.delay_wgrad_compute=True`` (TE >= 2.3; see :func:`with_delay_wgrad_compute`)
+``config.delay_wgrad_compute=True`` (TE >= 2.7; see :func:`with_delay_wgrad_compute`)
 already defer dW inside TE: every backward of a TE module puts one entry into the module's
 FIFO ``wgrad_store`` and ``module.backward_dw()`` pops the oldest. For them the deferred work
 of a B is one ``backward_dw()`` call per TE-module backward that ran in it, in order; in a
 BW (or without a store) ``backward_dw()`` runs at once (it pops the oldest entry, which may
 be an earlier B's: the sum over the step is the same). TE itself marks its parameters with
-``skip_backward_post_hook`` and fires DDP's hooks from ``backward_dw()`` (TE 2.7+; see
-docs/megatron.md), so the same DDP order requirement holds.
+``skip_backward_post_hook`` and fires DDP's hooks from ``backward_dw()``, so the same DDP
+order requirement holds. Each call goes through :func:`.te_wgrad.exact_backward_dw`, which
+gives it autograd's accumulation rule on every TE release and with the two entries
+DualPipe keeps outstanding (TE 2.7 drops, TE 2.8+ overwrites an unconsumed ``.grad``; FP8
+biases; fused accumulation). With ``overlap_moe_expert_parallel_comm`` Megatron's schedule
+plan calls ``backward_dw()`` itself, so TE layers are only marked
+(:func:`te_layers_left_to_plan`), and a run that cannot use the plan is refused.
 transformer_engine is never imported by this module: TE layers are recognised only when
 Megatron's TE extension module has already been imported (by building a TE model).
 
-Not supported, refused with an error: a megatron-core release other than 0.16.1 (the
-autograd function below reproduces that release's
-``linear_with_grad_accumulation_and_async_allreduce``), Megatron's
-``defer_embedding_wgrad_compute``, Megatron-FSDP parameters, gradient-accumulation fusion
-without ``main_grad`` or without its CUDA kernel, Megatron DDP built without
-``delay_wgrad_compute``, enabling after DDP wrapping, TE < 2.3, TE layers built without
-``delay_wgrad_compute``, TE layers without ``register_wgrad_accumulation_and_reduce_hooks``,
-TE layers whose input does not require grad, and TE's ``.grad``-overwriting
-``backward_dw()`` meeting an earlier micro-batch's ``.grad`` with no hook to consume it
-(use Megatron DDP or gradient-accumulation fusion).
+Not supported, refused with an error: Megatron's ``defer_embedding_wgrad_compute``,
+Megatron-FSDP parameters, GTP-sharded weights (``gtp_remat_size`` > 1, 0.19),
+gradient-accumulation fusion without ``main_grad`` or without its CUDA kernel, Megatron DDP
+built without ``delay_wgrad_compute``, enabling after DDP wrapping, TE < 2.7, TE layers
+built without ``delay_wgrad_compute`` and TE layers whose input does not require grad.
 Left as they are (correct, just not deferred): subclasses of the two layer classes (e.g.
 ``ColumnParallelLinearGathered``), layers without their own weight (an output layer fed
 the tied embedding weight at call time) and frozen weights.
@@ -92,7 +95,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -121,8 +123,7 @@ from ..runtime.weight_grad_store import (
     defer_or_run,
     defers,
 )
-from ..schedules.registry import SCHEDULES
-from .version import require_pinned_megatron_core
+from .te_wgrad import TE_MIN_VERSION, exact_backward_dw, te_layer_classes, te_weights
 
 __all__ = [
     "DeferrableColumnParallelLinear",
@@ -131,30 +132,17 @@ __all__ = [
     "ddp_config_for_deferral",
     "deferrable_layer_spec",
     "enable_weight_grad_deferral",
+    "te_layers_left_to_plan",
     "with_delay_wgrad_compute",
 ]
 
-TE_MIN_VERSION = "2.3.0"
-_TE_EXTENSION = "megatron.core.extensions.transformer_engine"
-_TE_CLASS_NAMES = ("TELinear", "TELayerNormColumnParallelLinear", "TEGroupedLinear")
 _TE_HOOK_ATTR = "_dualpipe_backward_dw_hook"
+#: Set on a TE layer whose backward_dw() only Megatron's schedule plan calls.
+_TE_PLAN_ATTR = "_dualpipe_dw_by_plan"
 
 
 class WeightGradDeferralError(DualPipeError, RuntimeError):
     """A configuration that weight-gradient deferral does not support (one sentence)."""
-
-
-def _require_pinned_megatron() -> None:
-    """Refuse another megatron-core release: the autograd function below reproduces
-    megatron-core 0.16.1's ``linear_with_grad_accumulation_and_async_allreduce`` and the
-    DDP hook protocol of that release."""
-    plain = ", ".join(name for name, s in SCHEDULES.items() if not s.splits_backward)
-    require_pinned_megatron_core(
-        "weight-gradient deferral (megatron_dualpipe.megatron.deferral, which reproduces "
-        "Megatron's linear_with_grad_accumulation_and_async_allreduce)",
-        f"use a schedule that does not split the backward ({plain})",
-        WeightGradDeferralError,
-    )
 
 
 # --------------------------------------------------------------------------------------
@@ -379,7 +367,6 @@ class _DeferrableParallelLinear:
 
     def _init_deferral(self, name: str) -> None:
         """Join the dX/dW split: no wgrad hooks yet, DDP told to wait for them."""
-        _require_pinned_megatron()
         if self.config.defer_embedding_wgrad_compute:
             raise WeightGradDeferralError(
                 f"{name}: defer_embedding_wgrad_compute is not supported with weight-gradient "
@@ -425,10 +412,18 @@ class _DeferrableParallelLinear:
         grad_output_buffer: list[torch.Tensor] | None = None,
         wgrad_deferral_limit: int | None = None,
         tp_group: Any = None,
+        gtp_remat_size: int = 1,
     ) -> torch.Tensor:
-        """``linear_with_grad_accumulation_and_async_allreduce``'s arguments, run through
-        :class:`_DeferrableLinearFunction` with the store active now."""
+        """``linear_with_grad_accumulation_and_async_allreduce``'s arguments (megatron-core
+        0.19 adds ``gtp_remat_size``), run through :class:`_DeferrableLinearFunction` with
+        the store active now."""
         self._check_call(weight, gradient_accumulation_fusion, grad_output_buffer)
+        if gtp_remat_size > 1:
+            raise WeightGradDeferralError(
+                f"{self._deferral_name}: weights sharded over {gtp_remat_size} GTP ranks "
+                "(Megatron-LM's --tensor-parallel-num-weight-shards) are not supported by "
+                "weight-gradient deferral: leave the weights unsharded"
+            )
         if sequence_parallel and allreduce_dgrad:
             raise WeightGradDeferralError(
                 f"{self._deferral_name}: allreduce_dgrad and sequence_parallel cannot both be on"
@@ -505,13 +500,16 @@ def deferrable_layer_spec(spec: ModuleSpec) -> ModuleSpec:
     """``spec`` (a layer spec such as ``get_gpt_layer_local_spec()``) with every
     ``ColumnParallelLinear`` / ``RowParallelLinear`` in it, at any depth (attention, MLP,
     MoE experts and shared experts), replaced by its deferrable class; the rest unchanged."""
-    _require_pinned_megatron()
     return _replace_linears(spec)
 
 
 def _replace_linears(item: Any) -> Any:
     if isinstance(item, type):
         return _CONVERSIONS.get(item, item)
+    if isinstance(item, partial):  # 0.18+: a layer spec's MLP is a partial of its builder
+        args = [_replace_linears(a) for a in item.args]
+        keywords = {k: _replace_linears(v) for k, v in item.keywords.items()}
+        return partial(item.func, *args, **keywords)
     if dataclasses.is_dataclass(item) and not isinstance(item, type):
         changes = {
             f.name: _replace_linears(getattr(item, f.name))
@@ -543,13 +541,8 @@ def _convert_local(layer: nn.Module, name: str) -> bool:
 
 
 def _te_layer_classes() -> tuple[type, ...]:
-    """Megatron's TE layer classes that take ``delay_wgrad_compute``, or () when Megatron's
-    TE extension has not been imported (then the model holds no TE layer) or TE is absent."""
-    extension = sys.modules.get(_TE_EXTENSION)
-    if extension is None or not getattr(extension, "HAVE_TE", False):
-        return ()
-    found = (getattr(extension, name, None) for name in _TE_CLASS_NAMES)
-    return tuple(cls for cls in found if isinstance(cls, type))
+    """Megatron's TE layer classes (:func:`.te_wgrad.te_layer_classes`)."""
+    return te_layer_classes()
 
 
 def _check_te_version() -> None:
@@ -557,28 +550,10 @@ def _check_te_version() -> None:
 
     if not is_te_min_version(TE_MIN_VERSION):
         raise WeightGradDeferralError(
-            f"deferring TE layers needs Transformer Engine >= {TE_MIN_VERSION} "
-            f"(delay_wgrad_compute), found {get_te_version()}"
+            f"deferring TE layers needs Transformer Engine >= {TE_MIN_VERSION} (its "
+            "register_wgrad_accumulation_and_reduce_hooks is how Megatron DDP sees a deferred "
+            f"gradient), found {get_te_version()}: upgrade Transformer Engine"
         )
-
-
-def _te_weights(module: nn.Module) -> list[nn.Parameter]:
-    """A TE module's own weight parameters (``weight``, ``weight0``...; not norms)."""
-    return [p for n, p in module.named_parameters(recurse=False) if n.startswith("weight")]
-
-
-def _te_backward_dw(module: nn.Module, name: str) -> None:
-    """One ``backward_dw()`` of a TE module, refusing to let it overwrite a ``.grad`` that
-    no hook consumed (TE assigns, not adds, the weight gradient unless fused)."""
-    consumed = bool(getattr(module, "wgrad_accumulation_and_reduce_hooks", None))
-    fused = bool(getattr(module, "fuse_wgrad_accumulation", False))
-    if not (consumed or fused) and any(w.grad is not None for w in _te_weights(module)):
-        raise WeightGradDeferralError(
-            f"{name}: TE's backward_dw() would overwrite an earlier micro-batch's .grad: wrap "
-            "the model in Megatron DDP (ddp_config_for_deferral) or use "
-            "gradient_accumulation_fusion"
-        )
-    module.backward_dw()
 
 
 class _AfterTEBackward(torch.autograd.Function):
@@ -602,7 +577,7 @@ class _AfterTEBackward(torch.autograd.Function):
 
 def _te_forward_pre_hook(name: str, module: nn.Module, args: tuple[Any, ...]) -> Any:
     """Route the first positional input of a TE module through :class:`_AfterTEBackward`."""
-    weights = _te_weights(module)
+    weights = te_weights(module)
     if not torch.is_grad_enabled() or not any(w.requires_grad for w in weights):
         return None
     hooked = bool(getattr(module, "wgrad_accumulation_and_reduce_hooks", None))
@@ -617,7 +592,7 @@ def _te_forward_pre_hook(name: str, module: nn.Module, args: tuple[Any, ...]) ->
         raise WeightGradDeferralError(
             f"{name}: TE deferral needs this layer's input to require grad"
         )
-    work = partial(_te_backward_dw, module, name)
+    work = partial(exact_backward_dw, module)  # exact on every TE release (.te_wgrad)
     return (_AfterTEBackward.apply(args[0], work, _store_for_forward(module)), *args[1:])
 
 
@@ -625,7 +600,7 @@ def _enable_te(module: nn.Module, name: str) -> bool:
     """Hook one TE layer into the store (idempotent); False for a frozen layer."""
     if getattr(module, _TE_HOOK_ATTR, None) is not None:
         return True
-    if not any(w.requires_grad for w in _te_weights(module)):
+    if not any(w.requires_grad for w in te_weights(module)):
         return False
     _check_te_version()
     if not getattr(module.config, "delay_wgrad_compute", False):
@@ -633,18 +608,21 @@ def _enable_te(module: nn.Module, name: str) -> bool:
             f"{name}: this TE layer was built without delay_wgrad_compute: build the model "
             "from with_delay_wgrad_compute(config)"
         )
-    if not hasattr(module, "register_wgrad_accumulation_and_reduce_hooks"):
-        raise WeightGradDeferralError(
-            f"{name}: this Transformer Engine has no register_wgrad_accumulation_and_reduce_"
-            "hooks, so Megatron DDP could not see its deferred gradients: upgrade TE"
-        )
     if getattr(module.config, "overlap_moe_expert_parallel_comm", False):
         # Megatron's schedule plan calls backward_dw() itself (its layers' W nodes); the
         # planned stage defers those calls in B actions. A hook here would pop twice.
+        setattr(module, _TE_PLAN_ATTR, True)
         return True
     handle = module.register_forward_pre_hook(partial(_te_forward_pre_hook, name))
     setattr(module, _TE_HOOK_ATTR, handle)
     return True
+
+
+def te_layers_left_to_plan(model: nn.Module) -> list[str]:
+    """The names of ``model``'s TE layers whose ``backward_dw()`` only Megatron's schedule
+    plan calls (deferral with ``overlap_moe_expert_parallel_comm``): run without the plan,
+    nobody would pop their wgrad store and their weight gradients would stay zero."""
+    return [n for n, m in model.named_modules() if getattr(m, _TE_PLAN_ATTR, False)]
 
 
 # --------------------------------------------------------------------------------------
@@ -661,10 +639,8 @@ def enable_weight_grad_deferral(model_chunks: nn.Module | Iterable[nn.Module]) -
     every TE linear layer when the model uses TE (see the module docstring). Must run
     before the chunks are wrapped in Megatron DDP, which must then be built with
     :func:`ddp_config_for_deferral`. Raises :class:`WeightGradDeferralError` for what is
-    not supported (another megatron-core release than 0.16.1 included), before changing
-    anything in the offending layer.
+    not supported, before changing anything in the offending layer.
     """
-    _require_pinned_megatron()
     chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
     te_classes = _te_layer_classes()
     count = 0

@@ -41,13 +41,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.utils import get_model_config
+from megatron.core.utils import get_model_config, unwrap_model
 
 from ..runtime import DEFAULT_TIMEOUT_S, PipelineExecutor, RankTimeline, TensorSpec
 from ..runtime.transport import GroupTransport, Transport, make_channel_groups
 from ..schedules.comm_plan import channels
 from ..schedules.ir import Action, Kind, Placement, Schedule
 from .checks import DualPipeConfigError, check_run, schedule_spec
+from .deferral import te_layers_left_to_plan
 from .mirror import sync_mirror_expert_loads, sync_mirror_gradients
 from .placement import config_chunk_roles
 from .schedule_plan import plan_supported
@@ -287,6 +288,17 @@ class DualPipeForwardBackward:
             return False
         if all(plan_supported(m) for m in model):
             return True
+        for index, chunk in enumerate(model):
+            left = te_layers_left_to_plan(chunk)
+            if left and not plan_supported(chunk):
+                raise DualPipeConfigError(
+                    f"{self.schedule_name}: overlap_moe_expert_parallel_comm is on but model "
+                    f"chunk {index} is a {_inner_type(chunk)}, not a GPTModel with Megatron's "
+                    f"schedule plan, so nothing would run the deferred weight gradients of its "
+                    f"{len(left)} Transformer Engine layers ({left[0]}, ...), which Megatron's "
+                    "plan runs: build the chunks as GPTModels or turn "
+                    "overlap_moe_expert_parallel_comm off before enabling weight-gradient deferral"
+                )
         logger.warning(
             "%s: overlap_moe_expert_parallel_comm is on but the model chunks are not GPTModels "
             "with Megatron's schedule plan: FB pairs run sequentially",
@@ -418,6 +430,11 @@ class DualPipeForwardBackward:
         sum_tied_gradients(model)
         if mirror:
             sync_mirror_gradients(model, group=groups.pipeline, timeout_s=self.timeout_s)
+
+
+def _inner_type(chunk: torch.nn.Module) -> str:
+    """The class name of the model inside Megatron's wrappers (DDP, Float16Module)."""
+    return type(unwrap_model(chunk)).__name__
 
 
 def _device_of(chunk: torch.nn.Module) -> torch.device:

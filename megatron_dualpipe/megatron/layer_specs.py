@@ -1,22 +1,31 @@
-"""The layer specs of a GPT chunk built from Megatron-Core's local (CPU-runnable) modules.
+"""The layer specs of a GPT chunk, from Megatron-Core's own builders, for either
+``transformer_impl`` (Megatron-LM's ``--transformer-impl``).
 
-:func:`local_gpt_specs` gives what ``GPTModel(transformer_layer_spec=, mtp_block_spec=)``
-takes for one chunk, from Megatron's own builders: ``get_gpt_decoder_block_spec`` (dense or
-MoE layers as ``moe_layer_freq`` says, MLA or standard attention, RMSNorm or LayerNorm; the
-chunk's layers found through ``config.pipeline_model_parallel_layout``) and
-``get_gpt_mtp_block_spec`` (the MTP block where the layout puts MTP layers, else None).
+:func:`gpt_chunk_specs` gives what ``GPTModel(transformer_layer_spec=, mtp_block_spec=)``
+takes for one chunk: ``get_gpt_decoder_block_spec`` (dense or MoE layers as
+``moe_layer_freq`` says, MLA or standard attention, RMSNorm or LayerNorm; the chunk's layers
+found through ``config.pipeline_model_parallel_layout``) and ``get_gpt_mtp_block_spec`` (the
+MTP block where the layout puts MTP layers, else None), with
+``use_transformer_engine=True`` for ``transformer_engine``:
 
-One repair, for multi-latent attention: megatron-core 0.16.1's local spec gives MLA
-Megatron's ``DotProductAttention``, which takes neither the ``k_channels`` nor the
+- ``transformer_engine``: Megatron's TE spec as Megatron-LM builds it (``gpt_builders``):
+  TE norms and linears (``TELayerNormColumnParallelLinear``, ``TERowParallelLinear``),
+  flash or fused attention (``TEDotProductAttention``, MLA included), grouped GEMM experts
+  (``TEGroupedMLP`` when ``config.moe_grouped_gemm``). Its linears defer dW through TE's
+  ``delay_wgrad_compute`` (:mod:`.deferral`), so the spec is used as Megatron gives it.
+  Needs CUDA and Transformer Engine (:func:`te_available`).
+- ``local``: Megatron's own modules (CPU-runnable), with ``deferrable`` the linear layers
+  Megatron's deferrable ones (:mod:`.deferral`), except MLA's two down projections:
+  ``MLASelfAttention`` accepts only Megatron's own classes there (it picks their arguments
+  by class), so they are built as Megatron's and converted in place afterwards
+  (``enable_weight_grad_deferral``).
+
+One repair, for multi-latent attention on the local spec: megatron-core 0.16.1's local spec
+gives MLA Megatron's ``DotProductAttention``, which takes neither the ``k_channels`` nor the
 ``v_channels`` that ``MLASelfAttention`` passes (query/key heads of ``qk_head_dim +
-qk_pos_emb_head_dim``, value heads of ``v_head_dim``), so building fails. The spec here uses
-:class:`MLADotProductAttention`, the same attention with the value head size taken from
-``v_channels``. (With Transformer Engine, ``TEDotProductAttention`` takes both.)
-
-With ``deferrable`` the linear layers are Megatron's deferrable ones (:mod:`.deferral`),
-except MLA's two down projections: ``MLASelfAttention`` accepts only Megatron's own classes
-there (it picks their arguments by class), so they are built as Megatron's and converted in
-place afterwards (``enable_weight_grad_deferral``).
+qk_pos_emb_head_dim``, value heads of ``v_head_dim``), so building fails. The local spec
+here uses :class:`MLADotProductAttention`, the same attention with the value head size taken
+from ``v_channels``. (``TEDotProductAttention`` takes both.)
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_decoder_layer_specs,
@@ -37,7 +47,34 @@ from megatron.core.utils import divide
 
 from .deferral import deferrable_layer_spec
 
-__all__ = ["MLADotProductAttention", "local_gpt_specs"]
+__all__ = [
+    "TRANSFORMER_IMPLS",
+    "MLADotProductAttention",
+    "gpt_chunk_specs",
+    "local_gpt_specs",
+    "te_available",
+    "te_missing",
+]
+
+#: Megatron-LM's ``--transformer-impl`` choices that build a GPT here.
+TRANSFORMER_IMPLS = ("transformer_engine", "local")
+
+
+def te_missing() -> str | None:
+    """What keeps this process from building Transformer Engine layers (no CUDA device, or
+    Megatron's TE extension finds no Transformer Engine), or None."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    from megatron.core.extensions import transformer_engine
+
+    if not transformer_engine.HAVE_TE:
+        return "no Transformer Engine (pip install 'megatron-dualpipe[te]')"
+    return None
+
+
+def te_available() -> bool:
+    """Whether this process can build Transformer Engine layers (:func:`te_missing`)."""
+    return te_missing() is None
 
 
 class MLADotProductAttention(DotProductAttention):
@@ -99,6 +136,44 @@ def _layer_spec(spec: ModuleSpec, config: TransformerConfig, deferrable: bool) -
     return spec
 
 
+def gpt_chunk_specs(
+    config: TransformerConfig,
+    *,
+    transformer_impl: str,
+    normalization: str | None = None,
+    vp_stage: int | None = None,
+    deferrable: bool = False,
+) -> tuple[TransformerBlockSubmodules, Any]:
+    """(decoder block spec, MTP block spec or None) of the chunk ``vp_stage`` of this
+    pipeline rank, from Megatron's ``transformer_impl`` modules (see the module docstring;
+    ``deferrable`` applies to the local modules, TE layers defer through their config)."""
+    if transformer_impl not in TRANSFORMER_IMPLS:
+        raise ValueError(
+            f"transformer_impl {transformer_impl!r} is not one of {', '.join(TRANSFORMER_IMPLS)}"
+        )
+    use_te = transformer_impl == "transformer_engine"
+    normalization = normalization or config.normalization
+
+    def adapt(spec: ModuleSpec) -> ModuleSpec:
+        return spec if use_te else _layer_spec(spec, config, deferrable)
+
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=use_te, normalization=normalization, vp_stage=vp_stage
+    )
+    block = dataclasses.replace(block, layer_specs=[adapt(s) for s in block.layer_specs])
+    mtp = None
+    if config.mtp_num_layers:
+        # As Megatron-LM builds it: the MTP layer's transformer layer is the model's last
+        # decoder layer (MoE under dense-then-MoE).
+        last = get_gpt_decoder_layer_specs(
+            config, use_transformer_engine=use_te, normalization=normalization
+        )[-1]
+        mtp = get_gpt_mtp_block_spec(
+            config, adapt(last), use_transformer_engine=use_te, vp_stage=vp_stage
+        )
+    return block, mtp
+
+
 def local_gpt_specs(
     config: TransformerConfig,
     *,
@@ -106,26 +181,11 @@ def local_gpt_specs(
     vp_stage: int | None = None,
     deferrable: bool = False,
 ) -> tuple[TransformerBlockSubmodules, Any]:
-    """(decoder block spec, MTP block spec or None) of the chunk ``vp_stage`` of this
-    pipeline rank, from Megatron's local modules (see the module docstring)."""
-    normalization = normalization or config.normalization
-    block = get_gpt_decoder_block_spec(
-        config, use_transformer_engine=False, normalization=normalization, vp_stage=vp_stage
+    """:func:`gpt_chunk_specs` from Megatron's local modules."""
+    return gpt_chunk_specs(
+        config,
+        transformer_impl="local",
+        normalization=normalization,
+        vp_stage=vp_stage,
+        deferrable=deferrable,
     )
-    block = dataclasses.replace(
-        block, layer_specs=[_layer_spec(s, config, deferrable) for s in block.layer_specs]
-    )
-    mtp = None
-    if config.mtp_num_layers:
-        # As Megatron-LM builds it: the MTP layer's transformer layer is the model's last
-        # decoder layer (MoE under dense-then-MoE).
-        last = get_gpt_decoder_layer_specs(
-            config, use_transformer_engine=False, normalization=normalization
-        )[-1]
-        mtp = get_gpt_mtp_block_spec(
-            config,
-            _layer_spec(last, config, deferrable),
-            use_transformer_engine=False,
-            vp_stage=vp_stage,
-        )
-    return block, mtp

@@ -12,6 +12,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
+from .version import clean_mtp_tracker, mtp_tracker_fields, save_mtp_metrics
+
 __all__ = ["mtp_losses", "mtp_losses_to_last_stage", "reports_to_last_stage"]
 
 
@@ -38,15 +40,19 @@ def reports_to_last_stage(reports: list[dict[str, Any]]) -> list[dict[str, Any]]
 
 
 def _pipeline_mtp_sum(num_mtp_layers: int) -> torch.Tensor:
-    """Each MTP layer's loss as Megatron's tracker summed it on this rank (zeros without an
-    MTP block), summed over the pipeline group; the tracker is cleared. Collective over the
+    """Megatron's MTP tracker on this rank (zeros without an MTP block), summed over the
+    pipeline group: one row per tracker entry (:func:`~.version.mtp_tracker_fields`, the
+    loss first), one column per MTP layer; the tracker is cleared. Collective over the
     pipeline group."""
     tracker = MTPLossLoggingHelper.tracker
+    fields = mtp_tracker_fields()
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    total = torch.zeros(num_mtp_layers, dtype=torch.float64, device=device)
-    if tracker.get("values") is not None:
-        total += tracker["values"].to(total)
-        MTPLossLoggingHelper.clean_loss_in_tracker()
+    total = torch.zeros(len(fields), num_mtp_layers, dtype=torch.float64, device=device)
+    if tracker.get(fields[0]) is not None:
+        for row, field in enumerate(fields):
+            if tracker.get(field) is not None:
+                total[row] += tracker[field].to(total)
+        clean_mtp_tracker()
     dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
     return total
 
@@ -57,7 +63,7 @@ def mtp_losses(num_mtp_layers: int, num_microbatches: int) -> list[float]:
     summed, over the micro-batches, averaged over data-parallel ranks; here summed over the
     pipeline first, wherever the MTP blocks are. Clears the tracker; collective over every
     rank (all get the values)."""
-    total = _pipeline_mtp_sum(num_mtp_layers)
+    total = _pipeline_mtp_sum(num_mtp_layers)[0]
     data_parallel = parallel_state.get_data_parallel_group(with_context_parallel=True)
     dist.all_reduce(total, group=data_parallel)
     total /= num_microbatches * dist.get_world_size(data_parallel)
@@ -65,15 +71,13 @@ def mtp_losses(num_mtp_layers: int, num_microbatches: int) -> list[float]:
 
 
 def mtp_losses_to_last_stage(num_mtp_layers: int) -> None:
-    """Move Megatron's MTP loss tracker to the last pipeline stage, where Megatron-LM's
-    ``training_log`` reports it: the pipeline's sum there (with the data-parallel group to
-    average over, as ``GPTModel`` records it), empty elsewhere. Collective over the pipeline
-    group."""
+    """Move Megatron's MTP tracker to the last pipeline stage, where Megatron-LM's
+    ``training_log`` reports it: the pipeline's sums there (with the data-parallel group to
+    average over, as ``GPTModel`` records them), empty elsewhere. Collective over the
+    pipeline group."""
     total = _pipeline_mtp_sum(num_mtp_layers)
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return
     data_parallel = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    for layer, loss in enumerate(total.float()):
-        MTPLossLoggingHelper.save_loss_to_tracker(
-            loss, layer, num_mtp_layers, avg_group=data_parallel
-        )
+    for layer in range(num_mtp_layers):
+        save_mtp_metrics(list(total[:, layer].float()), layer, num_mtp_layers, data_parallel)

@@ -40,12 +40,14 @@ def get_forward_backward_func(
     *,
     pipeline_schedule: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    **megatron_kwargs: Any,
 ) -> Callable[..., Any]:
     """Megatron's ``get_forward_backward_func``, aware of our schedules (unknown names are
-    a :class:`~.checks.DualPipeConfigError`)."""
+    a :class:`~.checks.DualPipeConfigError`); ``megatron_kwargs`` are Megatron's other
+    keywords (0.19: ``schedule_pg_collection``), passed to Megatron's choice."""
     if pipeline_schedule is not None and schedule_spec(pipeline_schedule).runs_ours:
         return DualPipeForwardBackward(pipeline_schedule, timeout_s=timeout_s)
-    return _megatron_get_forward_backward_func(pp_size, vp_size)
+    return _megatron_get_forward_backward_func(pp_size, vp_size, **megatron_kwargs)
 
 
 class Installation:
@@ -99,9 +101,11 @@ def install(pipeline_schedule: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> 
 
 
 def _installed(forward_backward: DualPipeForwardBackward | None) -> Callable[..., Any]:
-    def get_forward_backward_func(pp_size: int | None = None, vp_size: int | None = None) -> Any:
+    def get_forward_backward_func(
+        pp_size: int | None = None, vp_size: int | None = None, **megatron_kwargs: Any
+    ) -> Any:
         if forward_backward is None:
-            return _megatron_get_forward_backward_func(pp_size, vp_size)
+            return _megatron_get_forward_backward_func(pp_size, vp_size, **megatron_kwargs)
         return forward_backward
 
     setattr(get_forward_backward_func, _REPLACED, _megatron_get_forward_backward_func)

@@ -13,6 +13,17 @@ does not expect it.
 
 A micro-batch forwarded through a plan is backwarded through it too: the plan's nodes are
 autograd islands, so a plain ``backward`` from the output would stop at the last node.
+
+Contexts, as ``combined_forward_backward_step`` enters them (megatron-core 0.16.1 and
+0.19): the plan is built under ``torch.autocast`` when ``config.enable_autocast``, and the
+pair runs under it and, with FP8's delayed recipe, under one outer ``get_fp8_context`` for
+the whole pass (other recipes enter theirs per layer inside the plan). Megatron writes the
+run's two as ``with autocast and fp8:``, which enters only the second; here both are
+entered, as in Megatron's plain ``forward_step``, so a layer runs in the same precision
+with the overlap on and off.
+
+Transformer Engine's ``backward_dw()`` calls of the plan's W nodes go through
+:func:`~.te_wgrad.exactly` (exact on every TE release and with entries outstanding).
 """
 
 from __future__ import annotations
@@ -24,22 +35,33 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from megatron.core.enums import Fp8Recipe
+from megatron.core.fp8_utils import get_fp8_context
 from megatron.core.pipeline_parallel.schedules import forward_step_calc_loss
 from megatron.core.pipeline_parallel.utils import ScheduleNode, get_comp_stream, set_streams
-from megatron.core.utils import get_attr_wrapped_model
+from megatron.core.utils import get_attr_wrapped_model, unwrap_model
+from torch import nn
 
 from ..runtime.weight_grad_store import WeightGradStore, active_store, defers
 from .cpu_compat import schedule_plan_context
+from .te_wgrad import exactly, te_layer_classes
+from .version import layer_plan_nodes
 
-__all__ = ["PlanHandle", "plan_supported", "run_plans", "start_forward"]
+__all__ = [
+    "PlanHandle",
+    "autocast_context",
+    "outer_fp8_context",
+    "plan_supported",
+    "run_plans",
+    "start_forward",
+]
 
 
 def plan_supported(model: torch.nn.Module) -> bool:
     """Whether ``model`` (wrappers allowed) can build Megatron's schedule plan: a GPTModel."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    inner = get_attr_wrapped_model(model, "build_schedule_plan", return_model_obj=True)
-    return isinstance(inner, GPTModel)
+    return isinstance(unwrap_model(model), GPTModel)
 
 
 @dataclass
@@ -50,14 +72,32 @@ class PlanHandle:
     plan: Any
     loss_node: ScheduleNode | None
     store: WeightGradStore | None
+    config: Any
 
 
 @dataclass
 class ForwardStart:
-    """A forward whose plan is built, not yet run: the plan and what finishes it."""
+    """A forward whose plan is built, not yet run: the plan, its model's config and what
+    finishes it."""
 
     plan: Any
+    config: Any
     finish: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, PlanHandle]]
+
+
+def autocast_context(config: Any) -> contextlib.AbstractContextManager[Any]:
+    """``torch.autocast`` as Megatron's forward steps enter it (``enable_autocast``)."""
+    if getattr(config, "enable_autocast", False):
+        return torch.autocast("cuda", dtype=config.autocast_dtype)
+    return contextlib.nullcontext()
+
+
+def outer_fp8_context(config: Any) -> contextlib.AbstractContextManager[Any]:
+    """The FP8 context around a whole pass: FP8's delayed recipe only (Megatron's rule in
+    ``combined_forward_backward_step`` and ``TransformerBlock``)."""
+    if getattr(config, "fp8", None) and config.fp8_recipe == Fp8Recipe.delayed:
+        return get_fp8_context(config)
+    return contextlib.nullcontext()
 
 
 def start_forward(
@@ -87,7 +127,8 @@ def start_forward(
     get_attr_wrapped_model(model, "set_input_tensor")([x])
     store = active_store()
     gpt_model = get_attr_wrapped_model(model, "build_schedule_plan", return_model_obj=True)
-    plan, loss_func = forward_step_func(data, gpt_model, return_schedule_plan=True)
+    with autocast_context(config):
+        plan, loss_func = forward_step_func(data, gpt_model, return_schedule_plan=True)
 
     def finish(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, PlanHandle]:
         loss_node = None
@@ -105,9 +146,9 @@ def start_forward(
             cp_group_size,
             is_last_stage=loss_stage,
         )
-        return output, num_tokens, PlanHandle(plan, loss_node, store)
+        return output, num_tokens, PlanHandle(plan, loss_node, store, config)
 
-    return ForwardStart(plan, finish)
+    return ForwardStart(plan, config, finish)
 
 
 def _output_grad(handle: PlanHandle, root: torch.Tensor, grad: torch.Tensor | None):
@@ -119,22 +160,36 @@ def _output_grad(handle: PlanHandle, root: torch.Tensor, grad: torch.Tensor | No
     return handle.loss_node.get_grad()
 
 
-@contextlib.contextmanager
-def _weight_grads_deferred(handle: PlanHandle) -> Iterator[None]:
-    """While the handle's store captures (a B action), the plan's own weight-gradient calls
-    (its layers' ``backward_dw``, which run Transformer Engine's deferred dW) are deferred
-    into the store as well, in the order the plan issues them."""
+def _te_layers(node: Any) -> list[nn.Module]:
+    """The TE layers whose ``backward_dw()`` a W node calls (through its modules)."""
+    classes = te_layer_classes()
+    callables = getattr(node, "bwd_dw_callables", None) or []
+    if not classes:
+        return []
+    return [
+        m
+        for c in callables
+        if isinstance(c, nn.Module)
+        for m in c.modules()
+        if isinstance(m, classes)
+    ]
+
+
+def _exact_dw(node: Any, backward_dw: Callable[[], None]) -> None:
+    with exactly(_te_layers(node)):
+        backward_dw()
+
+
+def _route_weight_grads(handle: PlanHandle) -> None:
+    """The backward plan's W nodes (its layers' ``backward_dw``, which run Transformer
+    Engine's deferred dW) made exact on every TE release (:func:`~.te_wgrad.exactly`) and,
+    while the handle's store captures (a B action), deferred into the store in the order
+    the plan issues them."""
     store = handle.store
-    if not defers(store):
-        yield
-        return
-    nodes = []
     for i in range(handle.plan.num_layers()):
-        layer = handle.plan.get_layer(i)
-        nodes += [layer.attn, layer.mlp]
-    for node in nodes:
-        node.backward_dw = functools.partial(store.defer, node.backward_dw)
-    yield
+        for node in layer_plan_nodes(handle.plan.get_layer(i)):
+            work = functools.partial(_exact_dw, node, node.backward_dw)
+            node.backward_dw = functools.partial(store.defer, work) if defers(store) else work
 
 
 def run_plans(
@@ -142,14 +197,15 @@ def run_plans(
     backward: tuple[PlanHandle, torch.Tensor, torch.Tensor | None] | None,
 ) -> tuple[torch.Tensor, torch.Tensor, PlanHandle] | None:
     """Run ``forward``'s plan and ``backward``'s (handle, root, output gradient) together,
-    interleaved layer by layer (either may be None); returns the finished forward."""
+    interleaved layer by layer (either may be None), under Megatron's contexts (module
+    docstring); returns the finished forward."""
     b_plan = b_grad = None
-    context: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if backward is not None:
         handle, root, grad = backward
         b_plan, b_grad = handle.plan, _output_grad(handle, root, grad)
-        context = _weight_grads_deferred(handle)
+        _route_weight_grads(handle)
     f_plan = forward.plan if forward is not None else None
-    with schedule_plan_context(), context:
+    config = forward.config if forward is not None else backward[0].config
+    with schedule_plan_context(), autocast_context(config), outer_fp8_context(config):
         output = type(f_plan or b_plan).run(f_plan, b_plan, b_grad=b_grad)
     return None if forward is None else forward.finish(output)

@@ -29,6 +29,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from .layer_specs import local_gpt_specs
 from .names import global_named_parameters
 from .tied import release_unused_output_weight
+from .version import mtp_block_on_any_chunk
 
 __all__ = [
     "SEQ_LENGTH",
@@ -140,18 +141,19 @@ def build_tiny_gpt(
     layers as ``moe_layer_freq`` says, MLA, the MTP block where the layout puts it; linear
     layers deferrable from construction with ``deferrable``); pre/post as given."""
     block, mtp = local_gpt_specs(config, vp_stage=vp_stage, deferrable=deferrable)
-    chunk = GPTModel(
-        config=config,
-        transformer_layer_spec=block,
-        vocab_size=vocab_size,
-        max_sequence_length=max_sequence_length,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-        position_embedding_type=position_embedding_type,
-        mtp_block_spec=mtp,
-        vp_stage=vp_stage,
-    )
+    with mtp_block_on_any_chunk():
+        chunk = GPTModel(
+            config=config,
+            transformer_layer_spec=block,
+            vocab_size=vocab_size,
+            max_sequence_length=max_sequence_length,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+            position_embedding_type=position_embedding_type,
+            mtp_block_spec=mtp,
+            vp_stage=vp_stage,
+        )
     release_unused_output_weight(chunk)
     return chunk
 

@@ -1,31 +1,93 @@
-"""The megatron-core release that the version-specific code of this package was written
-against, and the one-sentence refusal of any other release.
+"""The megatron-core releases this adapter supports, and every difference between them.
 
-Two parts of the adapter follow megatron-core's internals closely: the CPU compatibility
-layer (:mod:`.cpu_compat`) and the autograd function of the deferrable linear layers
-(:mod:`.deferral`), which reproduces Megatron's
-``linear_with_grad_accumulation_and_async_allreduce``. Each calls
-:func:`require_pinned_megatron_core` when it is used.
+Supported: megatron-core ``>=0.16.1,<0.20`` (:data:`SUPPORTED_MEGATRON_CORE`); each minor
+release is tested (:data:`TESTED_MEGATRON_CORE`). Importing the adapter
+(``megatron_dualpipe.megatron``) with another release installed raises
+:class:`MegatronVersionError`, one sentence naming the installed and the supported releases,
+before any of the adapter's code meets megatron-core (:func:`refuse_unsupported_at_import`).
+
+Every difference between the supported releases that this package's code meets lives
+here, as a gate named by what differs; the module that needs one calls it and contains no
+release check of its own (docs/megatron-versions.md: the same list, with what each
+difference broke before it was gated):
+
+- 0.17: an MTP layer's transformer layer became ``mtp_model_layer`` (was
+  ``transformer_layer``), in parameter names too: :func:`mtp_inner_layer_name`;
+- 0.17: ``MultiTokenPredictionBlock`` asserts it is built on the last virtual pipeline
+  stage, and dualpipe puts it on chunk 0 of the last rank: :func:`mtp_block_on_any_chunk`;
+- 0.19: the layer schedule plan's attention node became ``pre_dispatch_computation`` (was
+  ``attn``): :func:`layer_plan_attention_node`, :func:`layer_plan_nodes`;
+- 0.19: Megatron's MTP tracker became ``save_metrics_to_tracker`` /
+  ``clean_metrics_in_tracker`` / ``tracker["loss_values"]`` with acceptance counts:
+  :func:`mtp_tracker_fields`, :func:`save_mtp_metrics`, :func:`clean_mtp_tracker`;
+- 0.19: dist_checkpointing keeps the common state inside the DCP shards, no ``common.pt``:
+  :func:`common_state_in_dcp`;
+- each minor release has its Megatron-LM tag and patch: :func:`megatron_lm_tag`.
+
+Differences the code takes in its stride, without a gate (listed so that reading the next
+release starts from them): ``_forward_impl`` of Megatron's linear layers passes
+``gtp_remat_size=`` (0.19; the deferrable linear takes it and refuses a sharded weight); a
+layer spec's MLP is a ``functools.partial`` (0.18; the deferrable spec looks inside);
+``get_forward_backward_func`` takes ``schedule_pg_collection=`` (0.19; ours passes
+Megatron's keywords through); ``set_streams`` lost ``comp_stream`` (0.17); the checkpoint
+writer raises a failing worker as its exception class and logs the error (0.17;
+``checkpoint_files.writer_errors`` reads the log). The CPU compatibility layer's sites per
+release: docs/megatron-on-cpu.md.
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
 from ..errors import DualPipeError
 
+if TYPE_CHECKING:
+    from packaging.version import Version
+
 __all__ = [
-    "PINNED_MEGATRON_CORE",
+    "MEGATRON_LM_TAGS",
+    "SUPPORTED_MEGATRON_CORE",
+    "TESTED_MEGATRON_CORE",
     "MegatronVersionError",
+    "clean_mtp_tracker",
+    "common_state_in_dcp",
     "installed_megatron_core",
     "null_tokenizer_library",
-    "require_pinned_megatron_core",
+    "layer_plan_attention_node",
+    "layer_plan_nodes",
+    "megatron_lm_tag",
+    "mtp_block_on_any_chunk",
+    "mtp_inner_layer_name",
+    "mtp_tracker_fields",
+    "refuse_unsupported_at_import",
+    "save_mtp_metrics",
+    "unsupported_megatron_core",
 ]
 
-#: The megatron-core release ``cpu_compat`` and ``deferral`` follow (setup.py pins it too).
-PINNED_MEGATRON_CORE = "0.16.1"
+#: The megatron-core releases the adapter supports (setup.py's extras say the same).
+SUPPORTED_MEGATRON_CORE = ">=0.16.1,<0.20"
+#: One release of each supported minor, the ones CI runs.
+TESTED_MEGATRON_CORE = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
+
+
+#: The Megatron-LM tag of each supported minor release, whose patch
+#: (``patches/megatron-lm-<tag>.patch``) goes with it; the wheels of 0.17 and newer ship
+#: that tag's ``megatron/training`` (0.19.2's is core_v0.19.0's).
+MEGATRON_LM_TAGS = {
+    "0.16": "core_v0.16.1",
+    "0.17": "core_v0.17.1",
+    "0.18": "core_v0.18.2",
+    "0.19": "core_v0.19.0",
+}
 
 
 class MegatronVersionError(DualPipeError, RuntimeError):
-    """Version-specific code met a megatron-core release it was not written for."""
+    """The installed megatron-core is outside :data:`SUPPORTED_MEGATRON_CORE`."""
 
 
 def installed_megatron_core() -> str:
@@ -35,19 +97,166 @@ def installed_megatron_core() -> str:
     return str(core.__version__)
 
 
-def require_pinned_megatron_core(
-    what: str, otherwise: str, error: type[DualPipeError] = MegatronVersionError
-) -> None:
-    """Raise ``error`` unless megatron-core is :data:`PINNED_MEGATRON_CORE`, in one sentence:
-    ``what`` is written for that release, which release is installed, and what to do
-    (install the pinned release, or ``otherwise``)."""
-    found = installed_megatron_core()
-    if found != PINNED_MEGATRON_CORE:
-        raise error(
-            f"{what} is written for megatron-core {PINNED_MEGATRON_CORE} but megatron-core "
-            f"{found} is installed: pip install 'megatron-core=={PINNED_MEGATRON_CORE}' "
-            f"or {otherwise}"
+def _release(version: str) -> Version:
+    from packaging.version import Version  # a dependency of megatron-core
+
+    return Version(version)
+
+
+def unsupported_megatron_core(version: str) -> str | None:
+    """The one-sentence refusal of megatron-core ``version``, or None when it is supported."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion
+
+    try:
+        if SpecifierSet(SUPPORTED_MEGATRON_CORE).contains(_release(version), prereleases=True):
+            return None
+    except InvalidVersion:
+        pass
+    return (
+        f"megatron-dualpipe supports megatron-core {SUPPORTED_MEGATRON_CORE} but megatron-core "
+        f"{version} is installed: pip install 'megatron-core{SUPPORTED_MEGATRON_CORE}' "
+        f"(the releases tested are {', '.join(TESTED_MEGATRON_CORE[:-1])} and "
+        f"{TESTED_MEGATRON_CORE[-1]})"
+    )
+
+
+def _version_on_disk() -> str | None:
+    """The ``__version__`` of the megatron-core that ``import megatron.core`` would load, read
+    from its ``package_info.py`` as text (nothing of megatron is imported or run); None when
+    there is none or the file does not say."""
+    try:
+        spec = importlib.util.find_spec("megatron")  # a top-level name: nothing is imported
+    except (ImportError, ValueError):
+        return None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    cores = [Path(loc) / "core" for loc in locations if (Path(loc) / "core").is_dir()]
+    if not cores:
+        return None
+    try:
+        tree = ast.parse((cores[0] / "package_info.py").read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return None
+    values: dict[str, Any] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    values[target.id] = node.value.value
+    if not all(isinstance(values.get(k), int) for k in ("MAJOR", "MINOR", "PATCH")):
+        return None
+    return f"{values['MAJOR']}.{values['MINOR']}.{values['PATCH']}{values.get('PRE_RELEASE', '')}"
+
+
+def refuse_unsupported_at_import() -> None:
+    """Called when the adapter package is imported: raise :class:`MegatronVersionError` when
+    the megatron-core this process would import (or has imported) is not supported. Without
+    megatron-core nothing is said here (its import fails where it is needed, and the CLI
+    names the missing packages)."""
+    import sys
+
+    loaded = sys.modules.get("megatron.core")
+    version = getattr(loaded, "__version__", None) if loaded is not None else _version_on_disk()
+    if version is not None:
+        problem = unsupported_megatron_core(str(version))
+        if problem is not None:
+            raise MegatronVersionError(problem)
+
+
+def megatron_lm_tag() -> str:
+    """The Megatron-LM tag (:data:`MEGATRON_LM_TAGS`) of the imported megatron-core."""
+    major, minor = _release(installed_megatron_core()).release[:2]
+    return MEGATRON_LM_TAGS[f"{major}.{minor}"]
+
+
+def _since(release: str) -> bool:
+    """Whether the imported megatron-core is ``release`` or newer."""
+    return _release(installed_megatron_core()).release >= _release(release).release
+
+
+# --------------------------------------------------------------------------------------
+# The gates, each named by what differs.
+
+
+def layer_plan_attention_node() -> str:
+    """The name (attribute and node name) of a ``TransformerLayerSchedulePlan``'s attention
+    node: ``attn``; from 0.19 ``pre_dispatch_computation``."""
+    return "pre_dispatch_computation" if _since("0.19") else "attn"
+
+
+def layer_plan_nodes(layer: Any) -> list[Any]:
+    """A ``TransformerLayerSchedulePlan``'s two compute nodes with a ``backward_dw``:
+    attention (:func:`layer_plan_attention_node`), then MLP."""
+    return [getattr(layer, layer_plan_attention_node()), layer.mlp]
+
+
+def mtp_inner_layer_name() -> str:
+    """The attribute (and parameter-name part) of an MTP layer's transformer layer:
+    ``transformer_layer``; from 0.17 ``mtp_model_layer``."""
+    return "mtp_model_layer" if _since("0.17") else "transformer_layer"
+
+
+@contextlib.contextmanager
+def mtp_block_on_any_chunk() -> Iterator[None]:
+    """Build model chunks inside this block. From 0.17 ``MultiTokenPredictionBlock``
+    asserts it is built on the last virtual pipeline stage (``is_vp_last_stage``, whose only
+    use in its module that assertion is); our placements put the MTP block where the loss
+    is, which under dualpipe is chunk 0 of the last rank. Inside the block the assertion
+    holds for any chunk; outside, Megatron's function is back."""
+    if not _since("0.17"):
+        yield
+        return
+    from megatron.core.transformer import multi_token_prediction
+
+    original = multi_token_prediction.is_vp_last_stage
+    multi_token_prediction.is_vp_last_stage = lambda *args, **kwargs: True
+    try:
+        yield
+    finally:
+        multi_token_prediction.is_vp_last_stage = original
+
+
+def mtp_tracker_fields() -> tuple[str, ...]:
+    """The entries of ``MTPLossLoggingHelper.tracker`` holding per-MTP-layer sums, the loss
+    first: ``("values",)``; from 0.19 ``("loss_values", "correct_values", "total_values")``
+    (the acceptance counts beside the loss)."""
+    if _since("0.19"):
+        return ("loss_values", "correct_values", "total_values")
+    return ("values",)
+
+
+def clean_mtp_tracker() -> None:
+    """Zero Megatron's MTP tracker (``clean_loss_in_tracker``; 0.19:
+    ``clean_metrics_in_tracker``)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    if _since("0.19"):
+        MTPLossLoggingHelper.clean_metrics_in_tracker()
+    else:
+        MTPLossLoggingHelper.clean_loss_in_tracker()
+
+
+def save_mtp_metrics(values: list[Any], layer: int, num_layers: int, avg_group: Any) -> None:
+    """Record one MTP layer's sums in Megatron's tracker, ``values`` in the order of
+    :func:`mtp_tracker_fields` (``save_loss_to_tracker``; 0.19: ``save_metrics_to_tracker``
+    with the acceptance counts)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    if _since("0.19"):
+        loss, correct, total = values
+        MTPLossLoggingHelper.save_metrics_to_tracker(
+            loss, correct, total, layer, num_layers, avg_group=avg_group
         )
+    else:
+        (loss,) = values
+        MTPLossLoggingHelper.save_loss_to_tracker(loss, layer, num_layers, avg_group=avg_group)
+
+
+def common_state_in_dcp() -> bool:
+    """Whether ``dist_checkpointing.save`` writes the common (non-sharded) state inside the
+    DCP checkpoint (a ShardedObject, 0.19) rather than into ``common.pt``. Loading reads
+    both in 0.19 (``load_common_state_dict``)."""
+    return _since("0.19")
 
 
 def null_tokenizer_library() -> str:

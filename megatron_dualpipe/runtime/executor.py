@@ -21,7 +21,8 @@ Contracts:
 - A stage module that implements :class:`~.planned.PlannedStage` (and plans this step)
   runs its own forwards and backwards; an FB whose two halves are on planned stages runs
   interleaved by the forward half's stage, every other FB as its forward half, then its
-  backward half. :attr:`StepResult.overlapped` counts the interleaved ones.
+  backward half (and a recorded timeline holds those two). :attr:`StepResult.overlapped`
+  counts the interleaved ones.
 - With ``free_outputs`` (Megatron's ``deallocate_pipeline_outputs``), each element a stage
   computed (one with a ``grad_fn``) is freed as soon as it has been sent: its storage is
   replaced by a one-element stand-in and its autograd graph stays valid, as Megatron's
@@ -414,7 +415,8 @@ class PipelineExecutor:
         entering on this rank.
         ``forward_only`` runs the forwards (no graph, no backward) of the same schedule.
         ``record_timeline`` aligns the ranks with a barrier first, then records every
-        compute action's start and end and every message's times. ``action_context``, if
+        compute action's start and end as it ran (an FB run as its two halves, one after
+        the other, as those halves) and every message's times. ``action_context``, if
         given, is entered around every backward (B, BW, an FB's backward half) and every
         W: the Megatron adapter uses it to let DDP see a chunk's final gradients.
         """
@@ -463,12 +465,7 @@ class PipelineExecutor:
         timeline = step.timeline
         for item in steps:
             if isinstance(item, Compute):
-                if timeline is None:
-                    self._compute(item.action, step)
-                else:
-                    start = timeline.now()
-                    self._compute(item.action, step)
-                    timeline.add(item.action, start, timeline.now())
+                self._compute(item.action, step)
             elif isinstance(item, Issue):
                 self._issue(item, step)
             elif isinstance(item, Wait):
@@ -529,6 +526,21 @@ class PipelineExecutor:
                 )
 
     def _compute(self, action: Action, step: _Step) -> None:
+        """Run one compute action, timed into the step's timeline when it records one. An
+        FB that cannot run interleaved runs, and is recorded, as what it is then: its
+        forward half, then its backward half."""
+        if action.kind is Kind.FB and not self._interleaves(action, step):
+            for half in action.sub:
+                self._compute(half, step)
+            return
+        if step.timeline is None:
+            self._execute(action, step)
+            return
+        start = step.timeline.now()
+        self._execute(action, step)
+        step.timeline.add(action, start, step.timeline.now())
+
+    def _execute(self, action: Action, step: _Step) -> None:
         if action.kind is Kind.F:
             self._forward(action, step)
         elif action.kind in (Kind.B, Kind.BW):
@@ -701,14 +713,21 @@ class PipelineExecutor:
         box = step.outbox if p.remote_neighbours(action.stage)[0] else step.inbox
         box[(Kind.RECV_B, prev, action.microbatch)] = dx
 
+    def _interleaves(self, action: Action, step: _Step) -> bool:
+        """Whether FB ``action`` runs interleaved: both halves on planned stages."""
+        forward, backward = action.sub
+        backward_unit = step.units.get((backward.stage, backward.microbatch))
+        return (
+            self._planned_stage(forward.chunk, step) is not None
+            and backward_unit is not None
+            and backward_unit.handle is not None
+        )
+
     def _forward_backward(self, action: Action, step: _Step) -> None:
+        """An FB that :meth:`_interleaves`: one planned forward-and-backward call."""
         forward, backward = action.sub
         forward_stage = self._planned_stage(forward.chunk, step)
-        backward_unit = step.units.get((backward.stage, backward.microbatch))
-        if forward_stage is None or backward_unit is None or backward_unit.handle is None:
-            self._forward(forward, step)
-            self._backward(backward, step)
-            return
+        backward_unit = step.units[(backward.stage, backward.microbatch)]
         stage, mb = forward.stage, forward.microbatch
         args, grad_inputs = self._forward_input(forward, step)
         del step.units[(backward.stage, backward.microbatch)]

@@ -126,7 +126,21 @@ class PipeComm:
             HangMonitor(watchdog, transport.abort) if transport.host_waits == "stream" else None
         )
         self._set_up = False
+        self._names: dict[PlanKey, str] = {}  # message texts, made once: messages recur
+        self._tags: dict[PlanKey, int] = {}
         self.reset()
+
+    def _name(self, key: PlanKey) -> str:
+        name = self._names.get(key)
+        if name is None:
+            name = self._names[key] = key_text(key)
+        return name
+
+    def _tag(self, key: PlanKey) -> int:
+        tag = self._tags.get(key)
+        if tag is None:
+            tag = self._tags[key] = message_tag(self.placement, key, 0)
+        return tag
 
     def reset(self) -> None:
         """Start a new step (dropping whatever a failed one left)."""
@@ -176,16 +190,17 @@ class PipeComm:
             else:
                 tensors = self._receive_buffers(op.key)
                 self._posted[op.key] = _Posted(op.peer, op.comm, tensors)
-            tag = message_tag(self.placement, op.key, 0)
+            tag = self._tag(op.key)
             ops += [ElementOp(op, i, t, tag + 4 * i) for i, t in enumerate(tensors)]
             elements[op.key] = len(tensors)
         if not ops:
             return
-        with self.watchdog.guard(_names(step.ops), step.ops[0].peer):
+        names = ", ".join(self._name(key) for key in elements)
+        with self.watchdog.guard(names, step.ops[0].peer):
             handles = self.transport.start(step.comm, ops)
         for element, work in zip(ops, handles, strict=True):
             op = element.op
-            what = _element_name(key_text(op.key), element.element, elements[op.key])
+            what = _element_name(self._name(op.key), element.element, elements[op.key])
             if self._monitor is not None:
                 self._monitor.watch(work, what, op.peer)
             if op.kind == "recv":
@@ -195,7 +210,9 @@ class PipeComm:
                 if self._reaper is None:
                     self._reaper = _SendReaper(self.watchdog)
                 work = self._reaper.add(work, what, op.peer)
-            sent = self._sent.setdefault(op.key, _Sent(key_text(op.key), op.peer, [], []))
+            sent = self._sent.get(op.key)
+            if sent is None:
+                sent = self._sent[op.key] = _Sent(self._name(op.key), op.peer, [], [])
             sent.works.append(work)
             sent.tensors.append(element.tensor)
         self.peak_sends = max(self.peak_sends, len(self._sent))
@@ -226,9 +243,8 @@ class PipeComm:
                 sends.append(key)
                 continue
             for element, work in enumerate(posted.works):
-                self._wait(
-                    work, _element_name(key_text(key), element, len(posted.works)), posted.peer
-                )
+                what = _element_name(self._name(key), element, len(posted.works))
+                self._wait(work, what, posted.peer)
             if len(key) > 3:
                 self._shapes[key[:3]] = self._split_shapes(key, posted.buffers[0])
             else:
@@ -277,6 +293,8 @@ class PipeComm:
 
     def _release(self) -> None:
         """Drop the tensors of every send known to be complete (a non-blocking poll)."""
+        if not self._sent:
+            return
         for key in [k for k, s in self._sent.items() if all(w.is_completed() for w in s.works)]:
             sent = self._sent.pop(key)
             self._released.add(key)
@@ -311,10 +329,6 @@ class PipeComm:
         if self._monitor is not None:
             self._monitor.close()
         self.transport.close()
-
-
-def _names(ops: Sequence) -> str:
-    return ", ".join(dict.fromkeys(key_text(op.key) for op in ops))
 
 
 def _element_name(message: str, element: int, elements: int) -> str:

@@ -158,8 +158,9 @@ def gather_timeline(
     """Collect every rank's timeline on rank 0 of ``group`` (a collective call).
 
     Returns, on rank 0 only, the measured step as a SimResult of ``schedule`` (the
-    schedule the ranks executed), and writes it as a Chrome trace and/or PNG when paths
-    are given; other ranks get None.
+    schedule the ranks executed; each rank's actions as it ran them, so an FB run as its
+    two halves one after the other holds those halves), and writes it as a Chrome trace
+    and/or PNG when paths are given; other ranks get None.
     """
     timeline.resolve()
     is_root = dist.get_rank(group) == 0

@@ -103,6 +103,7 @@ class GroupTransport:
         self._batched = not on_cpu if batched is None else batched
         self.host_waits = "timed" if on_cpu else "stream"
         self._ranks = list(ranks)
+        self._peers: dict[tuple[Comm, int], int] = {}
 
     def group(self, comm: Comm) -> dist.ProcessGroup:
         if self._one is not None:
@@ -113,8 +114,12 @@ class GroupTransport:
             raise ValueError(f"no process group for communicator {comm}") from None
 
     def _peer(self, comm: Comm, pipeline_rank: int) -> int:
-        """``pipeline_rank``'s rank in ``comm``'s group."""
-        return dist.get_group_rank(self.group(comm), self._ranks[pipeline_rank])
+        """``pipeline_rank``'s rank in ``comm``'s group (looked up once)."""
+        peer = self._peers.get((comm, pipeline_rank))
+        if peer is None:
+            peer = dist.get_group_rank(self.group(comm), self._ranks[pipeline_rank])
+            self._peers[(comm, pipeline_rank)] = peer
+        return peer
 
     def setup(self, comm: Comm, rank: int, watchdog: Watchdog) -> None:
         """Set a channel's communicator up and connect its two ranks: one small message

@@ -21,17 +21,17 @@ import yaml
 
 from .config_values import check_positive, read_fields
 from .cost import CostModel
-from .ir import Kind, Schedule, ScheduleError
+from .ir import Schedule, ScheduleError
 from .layer_split import LayerSplit, stage_layer_counts, stage_layouts, stages_from_counts
 from .layout import DECODER, EMBEDDING, LOSS, MTP, format_layout
-from .model_cost import ModelShape, Recompute, StageCost, Work, stage_costs
+from .memory import MemoryModel, MemorySettings, RankMemory
+from .model_cost import ModelShape, StageCost, Work, stage_costs
 from .registry import ScheduleSpec, spec
 from .retime import Retimer
 from .simulate import SimResult, simulate
 
 __all__ = [
     "SPLIT_KEYS",
-    "ActivationPeaks",
     "Advice",
     "Candidate",
     "PipelineSetup",
@@ -77,20 +77,6 @@ class PipelineSetup:
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
     pipeline_model_parallel_layout: str | None = None
-    recompute_granularity: str | None = None
-    recompute_method: str | None = None
-    recompute_num_layers: int | None = None
-    recompute_modules: str | None = None
-
-    @property
-    def recompute(self) -> Recompute:
-        """The activation recomputation the trainer runs (Megatron-Core's keys)."""
-        return Recompute(
-            self.recompute_granularity,
-            self.recompute_method,
-            self.recompute_num_layers,
-            self.recompute_modules,
-        )
 
     def __post_init__(self) -> None:
         check_positive(
@@ -144,16 +130,6 @@ class PipelineSetup:
     @property
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
-
-    def bytes_per_param(self, data_parallel: int) -> float:
-        """Bytes each parameter takes with its gradient and optimizer state, as Megatron's
-        distributed-optimizer documentation counts them: bf16 weights with fp32 gradients,
-        an fp32 master copy and Adam's two moments (6 + 12/d with the distributed
-        optimizer over d ranks, else 18); fp32: 8 + 8/d, else 16; SGD keeps one moment."""
-        moments = 8 if self.optimizer == "adam" else 4
-        held = (2 + 4) if self.bf16 else (4 + 4)
-        state = moments + (4 if self.bf16 else 0)
-        return held + state / (data_parallel if self.use_distributed_optimizer else 1)
 
 
 @dataclass
@@ -210,6 +186,12 @@ class Advice:
     simulated: int
     seconds: float
     notes: list[str] = field(default_factory=list)
+    memory_model: MemoryModel | None = None
+
+    def rank_memory(self, candidate: Candidate) -> list[RankMemory]:
+        """Every rank's memory, part by part, under ``candidate``'s split."""
+        assert self.memory_model is not None
+        return self.memory_model.ranks(candidate.stages)
 
     @property
     def gain(self) -> float:
@@ -272,11 +254,13 @@ def advise(
     schedule: str | None = None,
     microbatches: int | None = None,
     memory_cap: float | None = None,
+    settings: MemorySettings | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Advice:
     """Search the split of ``shape`` under ``schedule`` (default: the config's) for the
     shortest simulated step within ``memory_cap`` bytes per rank (default: the peak of the
-    config's split, or of the most even split where the config's does not load)."""
+    config's split, or of the most even split where the config's does not load); memory
+    per rank as :mod:`.memory` counts it with ``settings`` (FP8, recomputation)."""
     started = time.perf_counter()
     say = progress or (lambda _line: None)
     found = spec(schedule or setup.pipeline_schedule)
@@ -299,8 +283,9 @@ def advise(
             f"pipeline_model_parallel_size (micro-batches = global_batch_size / "
             f"(micro_batch_size x data-parallel size)), or give --microbatches"
         )
-    search = _Search(shape, setup, found, found.generate(pp, m))
-    notes: list[str] = [] if setup.recompute_granularity is None else [_recompute_note(search)]
+    settings = settings or MemorySettings()
+    search = _Search(shape, setup, found, found.generate(pp, m), settings)
+    notes: list[str] = [] if settings.recompute_granularity is None else [_recompute_note(search)]
     try:
         before_stages = search.config_stages()
         label = "config's split" if _has_split(setup) else "even split"
@@ -344,6 +329,7 @@ def advise(
         simulated=len(search.seen),
         seconds=time.perf_counter() - started,
         notes=notes,
+        memory_model=search.memory_model,
     )
 
 
@@ -372,9 +358,15 @@ class _Search:
     """Evaluates splits of one model under one generated schedule (memoised), and searches."""
 
     def __init__(
-        self, shape: ModelShape, setup: PipelineSetup, found: ScheduleSpec, schedule: Schedule
+        self,
+        shape: ModelShape,
+        setup: PipelineSetup,
+        found: ScheduleSpec,
+        schedule: Schedule,
+        settings: MemorySettings,
     ):
         self.shape, self.setup, self.spec, self.schedule = shape, setup, found, schedule
+        self.settings = settings
         p = schedule.placement
         self.placement = p
         self.stages = p.num_model_stages
@@ -383,9 +375,9 @@ class _Search:
         self.considered = 0
         self._stage_cache: dict[tuple[str, int], StageCost] = {}
         self._memory: dict[tuple[str, ...], list[float]] = {}
-        self.peaks = ActivationPeaks(schedule)
+        self.memory_model = MemoryModel.for_setup(shape, setup, schedule, settings)
         #: The model stages each rank holds, and how many micro-batches pass each stage.
-        self.rank_stages = self.peaks.stages
+        self.rank_stages = self.memory_model.peaks.stages
         self.passes = sum(0 in p.path(m) for m in range(p.num_microbatches))
         #: The stages each rank holds; each stage's upstream stage and that one's model stage.
         self.held = [[p.stage_of(r, c) for c in range(p.num_chunks)] for r in range(p.num_ranks)]
@@ -394,9 +386,6 @@ class _Search:
             for q in map(p.prev_stage, range(p.num_stages))
         ]
         self.retimer = Retimer(schedule)
-        dp = setup.data_parallel_size
-        self.dense_bytes = setup.bytes_per_param(dp)
-        self.expert_bytes = setup.bytes_per_param(dp // setup.expert_model_parallel_size)
 
     # -- splits ---------------------------------------------------------------------------
     def config_stages(self) -> tuple[str, ...]:
@@ -565,7 +554,7 @@ class _Search:
             sequence_parallel=s.sequence_parallel,
             expert_parallel=s.expert_model_parallel_size,
             activation_bytes=2 if s.bf16 else 4,
-            recompute=s.recompute,
+            recompute=self.settings.recompute,
         )
         return costs[-1]
 
@@ -591,30 +580,11 @@ class _Search:
         )
 
     def memory(self, stages: tuple[str, ...]) -> list[float]:
-        """Each rank's bytes: parameters with gradients and optimizer state, and the peak
-        of saved activations over the schedule's order of work (memoised)."""
+        """Each rank's bytes (:class:`.memory.MemoryModel`; memoised)."""
         found = self._memory.get(stages)
         if found is None:
-            found = self._memory[stages] = self._rank_memory(stages)
+            found = self._memory[stages] = [r.total for r in self.memory_model.ranks(stages)]
         return found
-
-    def _rank_memory(self, stages: tuple[str, ...]) -> list[float]:
-        costs = self.costs(stages)
-        table = (
-            self.shape.vocab_size * self.shape.hidden_size / self.setup.tensor_model_parallel_size
-        )
-        tied = not self.shape.untie_embeddings_and_output_weights
-        out = []
-        for held in self.rank_stages:
-            parts = [costs[s] for s in dict.fromkeys(held)]
-            embedding = any(c.embedding for c in parts)
-            output = any(c.output_layer for c in parts)
-            tables = embedding + output - (tied and embedding and output)
-            dense = sum(c.dense_params for c in parts) + tables * table
-            expert = sum(c.expert_params for c in parts)
-            out.append(dense * self.dense_bytes + expert * self.expert_bytes)
-        peaks = self.peaks([c.activations for c in costs])
-        return [params + peak for params, peak in zip(out, peaks, strict=True)]
 
     def evaluate(self, stages: tuple[str, ...]) -> Candidate:
         """Time ``stages`` as the simulator does (memoised)."""
@@ -630,47 +600,6 @@ class _Search:
         return cand
 
 
-class ActivationPeaks:
-    """Each rank's peak of saved activations in bytes, for per-model-stage sizes, counted
-    as the simulator counts them (one micro-batch's activations of a stage live from its F
-    until its W or BW) along each rank's fixed order of work; the order is read once."""
-
-    def __init__(self, schedule: Schedule):
-        p = schedule.placement
-        self.stages = [
-            [p.model_stage(p.stage_of(r, c)) for c in range(p.num_chunks)]
-            for r in range(p.num_ranks)
-        ]
-        self.vectors = [self._vectors(schedule, r) for r in range(p.num_ranks)]
-
-    def __call__(self, sizes: list[float]) -> list[float]:
-        """Peak bytes per rank, for ``sizes`` bytes per micro-batch of each model stage."""
-        return [
-            max(
-                (sum(n * sizes[s] for n, s in zip(v, held, strict=True)) for v in vectors),
-                default=0.0,
-            )
-            for held, vectors in zip(self.stages, self.vectors, strict=True)
-        ]
-
-    @staticmethod
-    def _vectors(schedule: Schedule, rank: int) -> list[tuple[int, ...]]:
-        """Live activations per chunk of ``rank`` at each instant the count rises, the
-        dominated ones dropped."""
-        p = schedule.placement
-        live = [0] * p.num_chunks
-        seen: set[tuple[int, ...]] = set()
-        for action in schedule.ranks[rank]:
-            halves = action.sub or (action,)
-            if any(h.kind is Kind.F for h in halves):
-                for h in halves:
-                    live[p.chunk_of(h.stage)] += h.kind is Kind.F
-                seen.add(tuple(live))
-            for h in halves:
-                live[p.chunk_of(h.stage)] -= h.kind in (Kind.W, Kind.BW)
-        return [v for v in seen if not any(o != v and all(map(int.__ge__, o, v)) for o in seen)]
-
-
 def _even_counts(num_layers: int, stages: int) -> list[int]:
     """As even as counts go: the extra layers on the stages nearest the middle."""
     base, extra = divmod(num_layers, stages)
@@ -680,15 +609,10 @@ def _even_counts(num_layers: int, stages: int) -> list[int]:
 
 def _recompute_note(search: _Search) -> str:
     """What the config's recomputation costs and saves, per decoder layer and micro-batch on
-    one rank (the simulator charges both)."""
-    setup = search.setup
-    plain = replace(
-        setup,
-        recompute_granularity=None,
-        recompute_method=None,
-        recompute_num_layers=None,
-        recompute_modules=None,
-    )
+    one rank: B's FLOPs (:func:`.model_cost.stage_costs`) and the saved activations
+    (:class:`.memory.MemoryModel`), each with it and without; the simulator charges both."""
+    setup, settings = search.setup, search.settings
+    layers = DECODER * search.shape.num_layers
     args = dict(
         tokens=search.tokens,
         tensor_parallel=setup.tensor_model_parallel_size,
@@ -696,16 +620,25 @@ def _recompute_note(search: _Search) -> str:
         expert_parallel=setup.expert_model_parallel_size,
         activation_bytes=2 if setup.bf16 else 4,
     )
-    layers = DECODER * search.shape.num_layers
-    (with_,) = stage_costs(search.shape, [layers], recompute=setup.recompute, **args)
-    (without,) = stage_costs(search.shape, [layers], recompute=plain.recompute, **args)
+    (with_,) = stage_costs(search.shape, [layers], recompute=settings.recompute, **args)
+    (without,) = stage_costs(search.shape, [layers], **args)
+    plain = replace(
+        settings,
+        recompute_granularity=None,
+        recompute_method=None,
+        recompute_num_layers=None,
+        recompute_modules=None,
+    )
+    plain_memory = MemoryModel.for_setup(search.shape, setup, search.schedule, plain)
+    saved = search.memory_model.stage(layers, 0).saved
+    saved_plain = plain_memory.stage(layers, 0).saved
     n = search.shape.num_layers
     return (
-        f"recompute {setup.recompute.describe()}: B also runs the recomputed forward, "
+        f"{settings.recompute.describe()}: B also runs the recomputed forward, "
         f"{(with_.b - without.b) / n:.3g} FLOP more per layer and micro-batch "
         f"(B {without.b / n:.3g} -> {with_.b / n:.3g}); saved activations "
-        f"{without.activations / n / 2**20:.3g} -> {with_.activations / n / 2**20:.3g} MiB per "
-        "layer and micro-batch; the simulated steps and memory above include both"
+        f"{saved_plain / n / 2**20:.3g} -> {saved / n / 2**20:.3g} MiB per layer and "
+        "micro-batch; the simulated steps and memory above include both"
     )
 
 

@@ -10,16 +10,14 @@ leaves out. Elementwise work (norms, activations, rotary embedding) is not count
 Activations are the tensors each part saves for its backward (flash attention: Q, K, V,
 the output and the softmax statistics, no score matrix), in ``bf16`` or fp32.
 
-Activation recomputation (:class:`Recompute`, Megatron-Core's keys) moves work into B and
-takes saved activations away, per stage as Megatron-Core applies it per transformer block:
-``full`` layers keep only their input (``uniform``: one input per group of
-``recompute_num_layers`` layers, every layer recomputed; ``block``: the first
-``recompute_num_layers`` layers of the stage each keep their input) and their B also runs
-their forward; ``selective`` ``mlp`` / ``moe`` do so for the MLP or MoE block of each layer
-(which keeps the pre-MLP norm's output), ``core_attn`` adds the attention products'
-forward to B and saves nothing here (flash attention saves no scores to begin with);
-``layernorm``, ``shared_experts`` and ``mla_up_proj`` are not modelled (norms are not
-counted, the others are small).
+Activation recomputation (:class:`Recompute`, Megatron-Core's keys) moves work into B,
+per stage as Megatron-Core applies it per transformer block: the B of a ``full``-recomputed
+layer (``uniform``: every layer of the stage; ``block``: the first
+``recompute_num_layers``) also runs the layer's forward; ``selective`` ``mlp`` / ``moe``
+add the MLP or MoE block's forward, ``core_attn`` the attention products' forward;
+``layernorm``, ``shared_experts``, ``mla_up_proj`` and ``moe_act`` add work not counted
+here (norms and activations are elementwise, the others small). What recomputation takes
+from memory is :mod:`.memory`'s (``activations`` here are the tensors saved without it).
 """
 
 from __future__ import annotations
@@ -34,6 +32,7 @@ from .ir import ScheduleError
 from .layout import DECODER, EMBEDDING, LOSS, MTP
 
 __all__ = [
+    "RECOMPUTE_MODULES",
     "ModelShape",
     "Recompute",
     "StageCost",
@@ -43,18 +42,59 @@ __all__ = [
 ]
 
 
+#: Megatron-Core's ``recompute_modules`` choices (TransformerConfig).
+RECOMPUTE_MODULES = (
+    "core_attn",
+    "moe_act",
+    "layernorm",
+    "mla_up_proj",
+    "mlp",
+    "moe",
+    "shared_experts",
+)
+
+
 @dataclass(frozen=True)
 class Recompute:
-    """Megatron-Core's activation recomputation settings (``recompute_modules`` as words;
-    Megatron-Core's default ``core_attn``)."""
+    """Megatron-Core's activation recomputation settings, from the keys
+    ``recompute_granularity``, ``recompute_method``, ``recompute_num_layers`` and
+    ``recompute_modules`` (words; Megatron-Core's default ``core_attn``): the one reading of
+    them for FLOPs (here) and memory (:mod:`.memory`)."""
 
     granularity: str | None = None
     method: str | None = None
     num_layers: int | None = None
     modules: str | None = None
 
+    def problem(self) -> tuple[str, str] | None:
+        """Megatron-Core's rules for the keys: ``(key, what is wrong)``, or None."""
+        if self.granularity not in (None, "full", "selective"):
+            return "recompute_granularity", f"{self.granularity!r} is not one of full, selective"
+        if self.method not in (None, "uniform", "block"):
+            return "recompute_method", f"{self.method!r} is not one of uniform, block"
+        full_only = {"recompute_method": self.method, "recompute_num_layers": self.num_layers}
+        for key, value in full_only.items():
+            if value is not None and self.granularity != "full":
+                return key, "applies to recompute_granularity: full: set that, or unset this"
+        if self.granularity == "full" and (self.method is None or not self.num_layers):
+            return "recompute_granularity", (
+                "full needs recompute_method (uniform or block) and recompute_num_layers (layers "
+                "per recomputed group, or recomputed layers per stage)"
+            )
+        if self.modules is None:
+            return None
+        if self.granularity != "selective":
+            return "recompute_modules", "applies to recompute_granularity: selective"
+        unknown = [m for m in self.modules.split() if m not in RECOMPUTE_MODULES]
+        if unknown:
+            return "recompute_modules", (
+                f"{unknown[0]!r} is not one of Megatron-Core's {', '.join(RECOMPUTE_MODULES)}"
+            )
+        return None
+
     @property
     def module_set(self) -> frozenset[str]:
+        """The selectively recomputed modules (none unless ``selective``)."""
         if self.granularity != "selective":
             return frozenset()
         return frozenset((self.modules or "core_attn").split())
@@ -70,9 +110,13 @@ class Recompute:
         return layers, math.ceil(layers / n)
 
     def describe(self) -> str:
+        """One phrase: ``no recomputation``, ``recompute full (...)`` or ``recompute
+        selective (...)``."""
         if self.granularity == "full":
-            return f"full, {self.method}, recompute_num_layers {self.num_layers}"
-        return f"selective ({' '.join(sorted(self.module_set))})"
+            return f"recompute full ({self.method}, recompute_num_layers {self.num_layers})"
+        if self.granularity == "selective":
+            return f"recompute selective ({' '.join(sorted(self.module_set))})"
+        return "no recomputation"
 
 
 @dataclass(frozen=True)
@@ -358,7 +402,8 @@ def stage_costs(
 ) -> list[StageCost]:
     """Costs of each stage of a layout (:mod:`.layout`'s strings, in pipeline order) for a
     micro-batch of ``tokens`` tokens on one rank of a ``tensor_parallel`` group, with
-    ``recompute``'s extra forward in B and its saved activations (module docstring)."""
+    ``recompute``'s extra forward in B (module docstring); ``activations``: what each stage
+    saves without recomputation."""
     tp, h, v = tensor_parallel, shape.hidden_size, shape.vocab_size
     replicated_share = 1 / tp if sequence_parallel else 1.0
     recompute = recompute or Recompute()
@@ -368,7 +413,7 @@ def stage_costs(
     for stage in stages:
         work, dense, expert, act = Work(), 0.0, 0.0, 0.0
         first = layer
-        recomputed, kept_inputs = recompute.full_layers(stage.count(DECODER))
+        recomputed, _ = recompute.full_layers(stage.count(DECODER))
         for index, part in enumerate(stage):
             if part in (DECODER, MTP):
                 lw, ld, le, rep, shard, fp32 = shape.decoder_layer(layer)
@@ -377,11 +422,8 @@ def stage_costs(
                 expert += le
                 if part == DECODER and stage[:index].count(DECODER) < recomputed:
                     work += Work(0.0, lw.f, 0.0)  # B runs the layer's forward again
-                    rep = shard = fp32 = 0  # the group's input is counted below
                 elif part == DECODER and modules:
-                    extra, d_rep, d_shard, d_fp32 = _selective(shape, layer, modules)
-                    work += extra
-                    rep, shard, fp32 = rep + d_rep, shard + d_shard, fp32 + d_fp32
+                    work += _selective(shape, layer, modules)
                 act += activation_bytes * (rep * replicated_share + shard / tp) + 4 * fp32 / tp
                 if part == DECODER:
                     layer += 1
@@ -399,7 +441,6 @@ def stage_costs(
                 work += shape.logits() * heads
                 dense += shape._norm_params()
                 act += heads * (activation_bytes * 2 * h * replicated_share + 4 * v / tp)
-        act += kept_inputs * activation_bytes * h * replicated_share
         out.append(
             StageCost(
                 work=work * (tokens / tp),
@@ -415,21 +456,15 @@ def stage_costs(
     return out
 
 
-def _selective(
-    shape: ModelShape, layer: int, modules: frozenset[str]
-) -> tuple[Work, int, int, int]:
-    """Selective recomputation of decoder layer ``layer``: the work it adds to B, and the
-    change of its saved activations per token (replicated, tensor-parallel, fp32 elements)."""
-    extra, rep, shard, fp32 = Work(), 0, 0, 0
+def _selective(shape: ModelShape, layer: int, modules: frozenset[str]) -> Work:
+    """The work selective recomputation of decoder layer ``layer`` adds to its B."""
+    extra = Work()
     if "core_attn" in modules:
         extra += Work(0.0, shape.core_attention().f, 0.0)
     moe = shape.is_moe(layer)
     if ("moe" if moe else "mlp") in modules:
-        m_work, _, _, m_rep, m_shard, m_fp32 = shape._mlp(moe)
-        extra += Work(0.0, m_work.f, 0.0)
-        # The block keeps only its input, the pre-MLP norm's output.
-        rep, shard, fp32 = shape.hidden_size - m_rep, -m_shard, -m_fp32
-    return extra, rep, shard, fp32
+        extra += Work(0.0, shape._mlp(moe)[0].f, 0.0)
+    return extra
 
 
 def _moe_pattern(shape: ModelShape) -> tuple[bool, ...]:

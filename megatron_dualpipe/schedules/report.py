@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .advisor import Advice
+from .advisor import Advice, PipelineSetup
 from .comm_plan import CommPlan
 from .layout import format_layout
+from .memory import MemorySettings, RankMemory
 from .nccl_rules import NcclReport
 from .simulate import SimResult
 
@@ -14,6 +15,8 @@ __all__ = [
     "advice_report",
     "comparison_table",
     "markdown_table",
+    "memory_report",
+    "memory_table",
     "nccl_line",
     "rank_table",
     "text_table",
@@ -215,4 +218,68 @@ def nccl_line(name: str, plan: CommPlan, size: int | None, outcome: NcclReport |
         f"NCCL check of {name} ({how}): ok; {len(outcome.comms)} communicators, at most "
         f"{most} per rank; sends in flight per rank at most "
         f"{', '.join(map(str, outcome.inflight_bound))}"
+    )
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.1f}"
+
+
+def memory_table(ranks: Sequence[RankMemory], *, markdown: bool = False) -> str:
+    """Per-rank memory in GiB, part by part (:mod:`.memory`), the optimizer states and the
+    total with the distributed optimizer and without it."""
+    header = [
+        "rank",
+        "model stages",
+        "params",
+        "weights",
+        "grads",
+        "optimizer (dist.)",
+        "optimizer (not dist.)",
+        "activations",
+        "recompute",
+        "total (dist.)",
+        "total (not dist.)",
+    ]
+    rows = [
+        [
+            str(r.rank),
+            " ".join(map(str, r.stages)),
+            f"{r.params / 1e9:.2f}B",
+            _gib(r.weights),
+            _gib(r.gradients),
+            _gib(r.optimizer_distributed),
+            _gib(r.optimizer_not_distributed),
+            _gib(r.activations),
+            _gib(r.recompute),
+            _gib(r.total_with(True)),
+            _gib(r.total_with(False)),
+        ]
+        for r in ranks
+    ]
+    return (markdown_table if markdown else text_table)(header, rows)
+
+
+def memory_report(advice: Advice, setup: PipelineSetup, settings: MemorySettings) -> str:
+    """The memory of every rank under the config's split (``before``), part by part."""
+    ranks = advice.rank_memory(advice.before)
+    dp, ep = setup.data_parallel_size, setup.expert_model_parallel_size
+    precision = "bf16" if setup.bf16 else "fp32"
+    configured = "with" if setup.use_distributed_optimizer else "without"
+    worst = max(ranks, key=lambda r: r.total)
+    return "\n".join(
+        [
+            "",
+            f"memory per rank under {advice.schedule.name}, the {advice.before_label}, in GiB: "
+            f"{precision} weights, fp32 gradients, {setup.optimizer} states (distributed over "
+            f"{dp} data-parallel ranks, experts over {max(1, dp // ep)}); {settings.describe()}",
+            memory_table(ranks),
+            f"most: {_gib(worst.total)} GiB on rank {worst.rank}, {configured} the distributed "
+            f"optimizer as configured ({_gib(worst.total_with(True))} GiB with it, "
+            f"{_gib(worst.total_with(False))} GiB without)",
+            "activations: the schedule's peak of what micro-batches hold from F to B (saved "
+            "for the backward) and from B to W (the deferred weight gradients' inputs); "
+            "recompute: the largest layer rebuilt inside a B; not counted: temporary buffers "
+            "(all-to-all, NCCL, logits before the softmax), the CUDA context, fragmentation",
+        ]
     )

@@ -32,7 +32,7 @@ tracker's.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,7 @@ from .checkpoint_files import (
     iterations,
     read_tracker,
     write_tracker,
+    writer_errors,
 )
 from .config import TrainConfig
 from .optim import scheduler_settings
@@ -70,8 +71,10 @@ from .writer_watch import WriterDied, writers_watched
 __all__ = [
     "CheckpointError",
     "TrainState",
+    "as_mirror_replicas",
     "check_loadable",
     "load_checkpoint",
+    "save_as_mirror_replicas",
     "save_checkpoint",
 ]
 
@@ -121,6 +124,26 @@ def _as_replica(replica_id: int | tuple[int, ...]) -> tuple[int, ...]:
     return (1, *rest)
 
 
+def as_mirror_replicas(chunk_state: dict[str, Any]) -> dict[str, Any]:
+    """``chunk_state`` (a sharded state dict of dualpipe's mirrored copy, chunk 1) with
+    every item marked a replica, so each stage is saved once and loaded into both copies;
+    changed in place and returned."""
+    for item in nested_values(chunk_state):
+        if hasattr(item, "replica_id"):
+            item.replica_id = _as_replica(item.replica_id)
+    return chunk_state
+
+
+def save_as_mirror_replicas(chunk: Any) -> None:
+    """Make dualpipe's mirrored copy ``chunk`` (wrappers allowed) give its sharded state
+    dict as replicas (:func:`as_mirror_replicas`) to whoever asks it, wrapped or bare
+    (Megatron-LM's checkpointing asks both): its ``sharded_state_dict`` is replaced on the
+    bare chunk."""
+    bare = unwrap_model(chunk)
+    own = bare.sharded_state_dict
+    bare.sharded_state_dict = lambda *args, **kwargs: as_mirror_replicas(own(*args, **kwargs))
+
+
 def _model_state(cfg: TrainConfig, model: list[Any]) -> dict[str, Any]:
     """Each chunk's sharded state dict; dualpipe's chunk 1 (the mirrored copy) as replicas."""
     state = {}
@@ -129,9 +152,7 @@ def _model_state(cfg: TrainConfig, model: list[Any]) -> dict[str, Any]:
         chunk_state = unwrap_model(chunk).sharded_state_dict(metadata={})
         mark_position_copy_replica(chunk, chunk_state)
         if i == 1 and schedule_spec(cfg.pipeline_schedule).placement == "mirror":
-            for item in nested_values(chunk_state):
-                if hasattr(item, "replica_id"):
-                    item.replica_id = _as_replica(item.replica_id)
+            chunk_state = as_mirror_replicas(chunk_state)
         state[f"model{i}"] = chunk_state
     return state
 
@@ -206,10 +227,10 @@ def save_checkpoint(
         model_config=model_settings(cfg, vocab_size),
     )
     try:
-        with writers_watched():
+        with writers_watched(), writer_errors() as logged:
             dist_checkpointing.save(sharded, str(directory))
     except (Exception, CheckpointException) as err:  # every rank's failure, gathered
-        message = [_save_failure(cfg.save, state.iteration, err)]
+        message = [_save_failure(cfg.save, state.iteration, err, logged)]
         if isinstance(err, CheckpointException) and err.args[:1] == ("write",):
             # Raised on every rank, with the causes on the coordinator only: say its words.
             dist.broadcast_object_list(message, src=0)
@@ -239,11 +260,12 @@ def _save_failure(
     root: str,
     iteration: int,
     err: BaseException,
+    logged: Sequence[str] = (),
     *,
     cause: str | None = None,
     ranks: list[int] | None = None,
 ) -> str:
-    found_ranks, found_cause = failure_cause(err)
+    found_ranks, found_cause = failure_cause(err, logged)
     ranks, cause = ranks or found_ranks, cause or found_cause
     where = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else ""
     last = read_tracker(root)

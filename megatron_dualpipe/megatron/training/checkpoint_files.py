@@ -3,11 +3,15 @@
 Megatron-LM's layout: ``<root>/iter_0000005/`` per saved iteration and
 ``<root>/latest_checkpointed_iteration.txt`` naming the newest complete one (written after
 every rank saved, atomically). An iteration directory of dist_checkpointing's
-``torch_dist`` format is complete when its ``metadata.json`` names that format, its
-``common.pt`` and ``.metadata`` can be read, every shard file ``.metadata`` indexes is
-there at its full length, and the shards' objects other than tensors load. Nothing is read
-in a way that could run code from the files (:mod:`.checkpoint_trust`). Shards with the
-right length but damaged tensors are only found when the ranks read them.
+``torch_dist`` format is complete when its ``metadata.json`` names that format, its common
+state and ``.metadata`` can be read, every shard file ``.metadata`` indexes is there at its
+full length, and the shards' objects other than tensors load. The common state is
+``common.pt`` where megatron-core writes one (before 0.19; 0.19 reads it still) and a
+ShardedObject inside the shards otherwise (:func:`~..version.common_state_in_dcp`).
+Nothing is read in a way that could run code from the files (:mod:`.checkpoint_trust`):
+the shards' objects and the index are checked before megatron-core's reader reads a common
+state kept among them. Shards with the right length but damaged tensors are only found
+when the ranks read them.
 
 Every problem is one :class:`CheckpointError` sentence naming the directory, the file,
 what is wrong and what to do (load an earlier iteration with ``ckpt_step``, Megatron-LM's
@@ -16,23 +20,29 @@ key, naming the complete ones).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import json
+import logging
 import os
 import re
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron.core import dist_checkpointing
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
+from ..version import common_state_in_dcp
 from .checkpoint_trust import UntrustedPickle, load_weights_only, read_metadata
 from .errors import TrainError
 
 __all__ = [
+    "COMMON_PT",
     "TRACKER",
     "CheckpointError",
     "Contents",
@@ -47,9 +57,11 @@ __all__ = [
     "read_tracker",
     "unwritable",
     "write_tracker",
+    "writer_errors",
 ]
 
 TRACKER = "latest_checkpointed_iteration.txt"
+COMMON_PT = "common.pt"
 _ITERATION = re.compile(r"^iter_(\d{7,})$")
 
 
@@ -113,8 +125,9 @@ def contents(directory: Path) -> Contents:
     running code; :class:`Damaged` otherwise."""
     if not directory.is_dir():
         raise Damaged("the directory does not exist")
-    for name in ("metadata.json", "common.pt", ".metadata"):
-        if not (directory / name).is_file():
+    legacy = (directory / COMMON_PT).is_file() or not common_state_in_dcp()
+    for name in ("metadata.json", COMMON_PT, ".metadata"):
+        if not (directory / name).is_file() and (name != COMMON_PT or legacy):
             raise Damaged(f"{name} is missing")
     try:
         backend = json.loads((directory / "metadata.json").read_text(encoding="utf-8"))
@@ -122,7 +135,6 @@ def contents(directory: Path) -> Contents:
             raise ValueError(f"sharded backend {backend.get('sharded_backend')!r}")
     except (ValueError, AttributeError, UnicodeDecodeError) as err:
         raise Damaged(f"metadata.json cannot be read ({_first_line(err)})") from None
-    common = _read(directory, "common.pt", load_weights_only)
     metadata = _read(directory, ".metadata", read_metadata)
     needed: dict[str, int] = defaultdict(int)
     try:
@@ -139,9 +151,20 @@ def contents(directory: Path) -> Contents:
         if have < size:
             raise Damaged(f"{name} is truncated ({have} of its {size} bytes)")
     _check_objects(directory, metadata)
+    common = _read(directory, COMMON_PT, load_weights_only) if legacy else _common_in(directory)
     if not isinstance(common, dict):
-        raise Damaged(f"common.pt holds a {type(common).__name__}, not a checkpoint's state")
+        raise Damaged(f"the common state holds a {type(common).__name__}, not a checkpoint's")
     return Contents(common, metadata)
+
+
+def _common_in(directory: Path) -> dict[str, Any]:
+    """The common state megatron-core 0.19 keeps among the shards, read by megatron-core
+    once the shards' objects and the index are known to run no code."""
+    try:
+        return dist_checkpointing.load_common_state_dict(str(directory))
+    except (Exception, CheckpointException) as err:  # damaged bytes raise many kinds
+        cause = _first_line(_cause(err))
+        raise Damaged(f"the common state (in the shards) cannot be read ({cause})") from None
 
 
 def _read(directory: Path, name: str, reader: Callable[[Path], Any]) -> Any:
@@ -213,16 +236,53 @@ def unwritable(path: str | Path) -> str | None:
     return None
 
 
-def failure_cause(err: BaseException) -> tuple[list[int], str]:
+#: The logger of megatron-core's checkpoint writer: from 0.17 a failing writer worker is
+#: raised as ``AssertionError(<class 'OSError'>)``, its error only logged here.
+_WRITER_LOGGER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+
+
+class _Collect(logging.Handler):
+    def __init__(self, into: list[str]) -> None:
+        super().__init__(logging.ERROR)
+        self.into = into
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.into.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def writer_errors() -> Iterator[list[str]]:
+    """The errors megatron-core's checkpoint writer logs while the block runs (a list that
+    fills as they come), for :func:`failure_cause`."""
+    logged: list[str] = []
+    handler = _Collect(logged)
+    logger = logging.getLogger(_WRITER_LOGGER)
+    logger.addHandler(handler)
+    try:
+        yield logged
+    finally:
+        logger.removeHandler(handler)
+
+
+def failure_cause(err: BaseException, logged: Sequence[str] = ()) -> tuple[list[int], str]:
     """The ranks and the one-line cause behind a dist_checkpointing failure (torch's
     CheckpointException gathers each failing rank's exception); ENOSPC reads as "no space
-    left on device"."""
+    left on device", also when only the writer's ``logged`` errors name it."""
     failures = getattr(err, "failures", None)
     if isinstance(failures, dict) and failures:
         causes = {rank: _unwrap(failure) for rank, failure in failures.items()}
         ranks = sorted(causes)
-        return ranks, _cause_text(causes[ranks[0]])
-    return [], _cause_text(err)
+        return ranks, _cause_text(causes[ranks[0]], logged)
+    return [], _cause_text(err, logged)
+
+
+def _cause(err: BaseException) -> BaseException | object:
+    """The first failing rank's exception inside torch's CheckpointException (which is not an
+    ``Exception``: it derives from ``BaseException``), else ``err``."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return _unwrap(failures[min(failures)])
+    return err
 
 
 def _unwrap(failure: object) -> BaseException | object:
@@ -232,7 +292,7 @@ def _unwrap(failure: object) -> BaseException | object:
     return failure
 
 
-def _cause_text(err: BaseException | object) -> str:
+def _cause_text(err: BaseException | object, logged: Sequence[str] = ()) -> str:
     seen: set[int] = set()
     current: BaseException | None = err if isinstance(err, BaseException) else None
     while current is not None and id(current) not in seen:
@@ -240,7 +300,7 @@ def _cause_text(err: BaseException | object) -> str:
         if isinstance(current, OSError) and current.errno == errno.ENOSPC:
             return "no space left on device"
         current = current.__cause__ or current.__context__
-    if "No space left on device" in str(err):
+    if any("No space left on device" in text for text in (str(err), *logged)):
         return "no space left on device"
     return _first_line(err)
 

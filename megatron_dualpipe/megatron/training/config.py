@@ -27,10 +27,11 @@ from ...errors import DualPipeError
 from ...schedules.config_values import override_origins
 from ...schedules.ir import Schedule, ScheduleError
 from ...schedules.limits import optimize_size_problem, size_problem
-from ...schedules.model_cost import parse_moe_layer_freq
+from ...schedules.model_cost import Recompute, parse_moe_layer_freq
 from ...schedules.registry import OUR_SCHEDULES, SCHEDULES
 from ...schedules.validate import check_weight_grads_in_b_order, validate
 from ..checks import DualPipeConfigError, overlap_problem, schedule_spec, stage_layers
+from .run_name import run_name, run_name_problem
 
 __all__ = [
     "OPTIMIZE_AFTER",
@@ -121,6 +122,12 @@ class TrainConfig:
         None,
         doc="a saved schedule (simulate --save's text form) to run in place of the generated one",
         megatron_lm=False,
+    )
+    transformer_impl: str | None = _key(
+        None,
+        doc="transformer_engine (TE layers, flash attention, fused kernels, grouped GEMM "
+        "experts) or local (Megatron-Core's own modules, CPU); default: transformer_engine "
+        "where CUDA and Transformer Engine are present, else local",
     )
     # Model details.
     vocab_size: int | None = _key(
@@ -234,6 +241,13 @@ class TrainConfig:
         "core_attn)",
         flags=("--recompute-modules",),
     )
+    fp8: str | None = _key(
+        None,
+        doc="FP8 training through Transformer Engine: e4m3, or hybrid (e5m2 gradients); "
+        "unset: none",
+        flags=("--fp8-format",),
+    )
+    fp8_recipe: str = _key("delayed", doc="FP8 scaling: delayed, tensorwise, blockwise or mxfp8")
     seed: int = _key(1234, doc="random seed of the weights and the data")
     # Data and tokenizer (Megatron-LM's keys; without a data key: synthetic tokens).
     data_path: str | None = _key(
@@ -270,7 +284,12 @@ class TrainConfig:
     eval_iters: int = _key(0, doc="batches per evaluation")
     log_interval: int = _key(100, doc="steps between iteration lines")
     tensorboard_dir: str | None = _key(
-        None, doc="write TensorBoard scalars here every log_interval (needs tensorboard)"
+        None, doc="write TensorBoard scalars to this directory (needs tensorboard)"
+    )
+    tensorboard_log_interval: int = _key(
+        1,
+        doc="steps between TensorBoard's scalars of one step (loss, learning rate, grad "
+        "norm, ...); the timings go every log_interval",
     )
     save: str | None = _key(None, doc="checkpoint directory to save to")
     save_interval: int | None = _key(
@@ -281,7 +300,17 @@ class TrainConfig:
     )
     load: str | None = _key(None, doc="checkpoint directory to resume from")
     output_dir: str | None = _key(
-        None, doc="folder for the timeline picture and measurements", megatron_lm=False
+        "runs",
+        doc="folder the runs' outputs (the timeline picture) go under, each run in its own "
+        "folder, run_name (null: none)",
+        megatron_lm=False,
+    )
+    run_name: str | None = _key(
+        None,
+        doc="this run's folder under output_dir (default: the config's name, the schedule and "
+        "the settings given on the command line that change what is trained; null: "
+        "output_dir itself)",
+        megatron_lm=False,
     )
     distributed_timeout_minutes: float = _key(
         10.0, doc="minutes a collective may wait before the run fails"
@@ -310,6 +339,13 @@ class TrainConfig:
         return self.launch_world_size // (
             self.tensor_model_parallel_size * self.pipeline_model_parallel_size
         )
+
+    @property
+    def run_dir(self) -> str | None:
+        """Where this run's outputs go: ``output_dir/run_name`` (None without output_dir)."""
+        if self.output_dir is None or self.run_name is None:
+            return self.output_dir
+        return str(Path(self.output_dir) / self.run_name)
 
     @property
     def launch_world_size(self) -> int:
@@ -388,6 +424,7 @@ class TrainConfig:
 
 _CHOICES: dict[str, tuple[str | None, ...]] = {
     "pipeline_schedule": tuple(SCHEDULES),
+    "transformer_impl": (None, "transformer_engine", "local"),
     "position_embedding_type": ("learned_absolute", "rope"),
     "normalization": ("LayerNorm", "RMSNorm"),
     "moe_token_dispatcher_type": ("alltoall", "allgather"),
@@ -398,6 +435,8 @@ _CHOICES: dict[str, tuple[str | None, ...]] = {
     "recompute_granularity": (None, "full", "selective"),
     "recompute_method": (None, "uniform", "block"),
     "tokenizer_type": (None, "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"),
+    "fp8": (None, "e4m3", "hybrid"),
+    "fp8_recipe": ("delayed", "tensorwise", "blockwise", "mxfp8"),
     "optimizer": ("adam", "sgd"),
     "lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
 }
@@ -457,15 +496,15 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> TrainConfig:
     """Read, override and validate a YAML config; raises :class:`ConfigError`.
 
     ``overrides`` are ``key=value`` strings (the CLI's ``--set``); their values are
-    converted to the key's type. ``output_dir`` defaults to
-    ``runs/<config file stem>-<pipeline_schedule>``.
+    converted to the key's type. ``run_name`` defaults to the file's stem, the schedule and
+    the overrides (:func:`~.run_name.run_name`).
     """
     values = read_yaml_values(path)
     overrides = list(overrides)
     overridden = parse_overrides(overrides)
     values.update(overridden)
     source, origins = override_origins(path, overrides)
-    return config_from_values(values, source, str(Path("runs") / Path(path).stem), origins)
+    return config_from_values(values, source, Path(path).stem, origins)
 
 
 def read_yaml_values(path: str | Path) -> dict[str, Any]:
@@ -490,15 +529,18 @@ def read_yaml_values(path: str | Path) -> dict[str, Any]:
 def config_from_values(
     values: dict[str, Any],
     source: str,
-    output_stem: str,
+    stem: str,
     origins: Mapping[str, str] | None = None,
 ) -> TrainConfig:
     """Validate ``values`` (known keys, typed as :func:`parse_overrides` types them) into a
-    config; the default output folder is ``<output_stem>-<pipeline_schedule>``, so runs of
-    two schedules keep their own outputs. Raises :class:`ConfigError` naming ``source``, or
-    for a key in ``origins`` where its value came from (``--set``, a flag)."""
+    config. The default ``run_name`` is :func:`~.run_name.run_name` of ``stem`` (the
+    config's name), the schedule and the keys in ``origins`` (those given on the command
+    line), so that runs which differ keep their own outputs. Raises :class:`ConfigError`
+    naming ``source``, or for a key in ``origins`` where its value came from (``--set``, a
+    flag)."""
     schedule = values.get("pipeline_schedule", _FIELDS["pipeline_schedule"].default)
-    values = {"output_dir": f"{output_stem}-{schedule}", **values}
+    given = {key: values[key] for key in origins or {} if key in values}
+    values = {"run_name": run_name(stem, schedule, given), **values}
     missing = [n for n, f in _FIELDS.items() if _required(f) and n not in values]
     if missing:
         raise ConfigError(f"{source}: {missing[0]}: required key missing")
@@ -939,6 +981,8 @@ def _check_overlap(cfg: TrainConfig) -> Problem:
 
 
 def _check_io(cfg: TrainConfig) -> Problem:
+    if cfg.run_name is not None and (why := run_name_problem(cfg.run_name)) is not None:
+        return "run_name", why
     if cfg.save_interval is not None and cfg.save is None:
         return "save_interval", "needs save (a checkpoint directory)"
     if cfg.eval_interval is not None and cfg.eval_iters == 0:
@@ -953,48 +997,29 @@ def _check_io(cfg: TrainConfig) -> Problem:
     return None
 
 
-#: Megatron-Core's ``recompute_modules`` (TransformerConfig, 0.16.1).
-RECOMPUTE_MODULES = (
-    "core_attn",
-    "moe_act",
-    "layernorm",
-    "mla_up_proj",
-    "mlp",
-    "moe",
-    "shared_experts",
-)
-
-
 def _check_recompute(cfg: TrainConfig) -> Problem:
-    """Megatron-Core's rules for the recomputation keys, named by key."""
-    granularity = cfg.recompute_granularity
-    for key in ("recompute_method", "recompute_num_layers"):
-        if getattr(cfg, key) is not None and granularity != "full":
-            return key, "applies to recompute_granularity: full: set that, or unset this"
-    if granularity == "full" and (cfg.recompute_method is None or not cfg.recompute_num_layers):
-        return "recompute_granularity", (
-            "full needs recompute_method (uniform or block) and recompute_num_layers (layers per "
-            "recomputed group, or recomputed layers per stage)"
-        )
-    if cfg.recompute_modules is None:
-        return None
-    if granularity != "selective":
-        return "recompute_modules", "applies to recompute_granularity: selective"
-    modules = cfg.recompute_modules.split()
-    unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
-    if unknown:
+    """Megatron-Core's rules for the recomputation keys, named by key
+    (:meth:`~...schedules.model_cost.Recompute.problem`), and what this model needs for them."""
+    recompute = Recompute(
+        cfg.recompute_granularity,
+        cfg.recompute_method,
+        cfg.recompute_num_layers,
+        cfg.recompute_modules,
+    )
+    problem = recompute.problem()
+    if problem is not None or cfg.recompute_modules is None:
+        return problem
+    modules = recompute.module_set
+    if cfg.fp8 is not None and cfg.fp8_recipe == "delayed" and modules & {"moe_act", "layernorm"}:
         return "recompute_modules", (
-            f"{unknown[0]!r} is not one of Megatron-Core's {', '.join(RECOMPUTE_MODULES)}"
-        )
-    if "moe_act" in modules:
-        return "recompute_modules", (
-            "moe_act needs Megatron's grouped-GEMM experts, which megatron-dualpipe train does "
-            "not build: recompute moe instead"
+            "moe_act and layernorm recomputation with fp8 need a recipe other than "
+            "fp8_recipe: delayed (Megatron-Core's rule): set fp8_recipe: tensorwise, blockwise "
+            "or mxfp8, or recompute other modules"
         )
     if "mla_up_proj" in modules and not cfg.multi_latent_attention:
         return "recompute_modules", "mla_up_proj needs multi_latent_attention: true"
-    if any(m in modules for m in ("moe", "shared_experts")) and not cfg.is_moe:
-        return "recompute_modules", "moe and shared_experts need a MoE model (num_experts)"
+    if modules & {"moe", "moe_act", "shared_experts"} and not cfg.is_moe:
+        return "recompute_modules", "moe, moe_act and shared_experts need a MoE model (num_experts)"
     if "mlp" in modules and cfg.add_bias_linear:
         return "recompute_modules", (
             "mlp with add_bias_linear: true never ends its backward in Megatron-Core (the "

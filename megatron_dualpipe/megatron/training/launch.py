@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -39,13 +40,15 @@ import torch.distributed as dist
 from ...errors import DualPipeError
 from ...runtime.launch import LaunchFailure, pick_port, run_ranks
 from ...runtime.watchdog import PipelineCommError, peer_lost
+from ..checks import cuda_device_max_connections
 from ..cpu_compat import apply_cpu_compat
+from ..layer_specs import te_missing
 from .checkpoint import check_loadable
 from .config import ConfigError, TrainConfig
 from .datasets import check_data_files
 from .errors import TrainError
 from .loop import TrainResult, run_rank
-from .model import transformer_config
+from .model import transformer_config, transformer_impl
 from .save_lock import SaveDirectoryInUse, save_lock
 from .tensorboard import check_tensorboard
 from .tokenizer import build_tokenizer, model_vocab_size
@@ -53,6 +56,7 @@ from .tokenizer import build_tokenizer, model_vocab_size
 __all__ = ["LaunchError", "RankEnv", "launcher_env", "train"]
 
 _HOST = "127.0.0.1"
+logger = logging.getLogger(__name__)
 
 
 class LaunchError(TrainError):
@@ -182,6 +186,26 @@ def _preflight(cfg: TrainConfig, source: str, on_gpu: bool, ranks_here: int) -> 
             f"{source}: save: megatron-core's checkpoint writer needs psutil (without it a "
             "save hangs in 0.16.1): pip install psutil"
         )
+    missing = te_missing() if cfg.transformer_impl == "transformer_engine" else None
+    if missing is not None:
+        raise ConfigError(
+            f"{source}: transformer_impl: transformer_engine needs a CUDA device and Transformer "
+            f"Engine, and this machine has {missing}: set transformer_impl: local, or leave it "
+            "unset (then local here, transformer_engine where both are present)"
+        )
+    if cfg.fp8 is not None and transformer_impl(cfg) == "local":
+        raise ConfigError(
+            f"{source}: fp8: FP8 training runs through Transformer Engine's layers, and this "
+            "run builds Megatron-Core's local ones: set transformer_impl: transformer_engine "
+            "on a machine with CUDA and Transformer Engine, or unset fp8"
+        )
+    if "moe_act" in (cfg.recompute_modules or "").split() and transformer_impl(cfg) == "local":
+        raise ConfigError(
+            f"{source}: recompute_modules: moe_act recomputes the grouped-GEMM experts' "
+            "activation, and this run builds Megatron-Core's local experts (grouped GEMM comes "
+            "with transformer_impl: transformer_engine): set that on a machine with CUDA and "
+            "Transformer Engine, or recompute moe instead"
+        )
     try:
         transformer_config(cfg, on_gpu=on_gpu)
     except (AssertionError, ValueError, TypeError) as err:
@@ -201,7 +225,9 @@ def train(cfg: TrainConfig, *, source: str = "config") -> TrainResult:
     """
     env = launcher_env()
     on_gpu = torch.cuda.is_available()
-    if not on_gpu:
+    if on_gpu:
+        _set_cuda_device_max_connections(cfg)
+    else:
         apply_cpu_compat()
     if env is not None:
         cfg = cfg.with_world_size(env.world_size, source)
@@ -218,6 +244,21 @@ def train(cfg: TrainConfig, *, source: str = "config") -> TrainResult:
     if env is None:
         env = RankEnv(0, 1, 0, _HOST, pick_port(), "single")
     return _run_here(cfg, env, on_gpu)
+
+
+def _set_cuda_device_max_connections(cfg: TrainConfig) -> None:
+    """``CUDA_DEVICE_MAX_CONNECTIONS`` by Megatron-LM's rule, before this process makes its
+    CUDA context (:func:`~..checks.cuda_device_max_connections`); a value the launching
+    shell exported is kept, with Megatron-LM's warning where it works against the rule."""
+    value, warning = cuda_device_max_connections(
+        tensor_parallel=cfg.tensor_model_parallel_size,
+        overlap=cfg.overlap_moe_expert_parallel_comm,
+        current=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+    )
+    if value is not None:
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = value
+    if warning is not None:
+        logger.warning("%s", warning)
 
 
 def _run_here(cfg: TrainConfig, env: RankEnv, on_gpu: bool) -> TrainResult:

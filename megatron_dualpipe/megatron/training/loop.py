@@ -19,6 +19,7 @@ The process group must be initialised; this module initialises and destroys Mega
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import sys
@@ -57,10 +58,10 @@ from .report import (
     validation_lines,
 )
 from .schedule_order import optimise_from_measured, saved_schedule
-from .tensorboard import open_log
+from .tensorboard import StepScalars, open_log
 from .tokenizer import build_tokenizer, model_vocab_size
 
-__all__ = ["TrainResult", "forward_step", "run_rank"]
+__all__ = ["TrainResult", "eager_on_cpu", "forward_step", "run_rank"]
 
 LOSS_KEY = "lm loss"
 
@@ -362,7 +363,7 @@ class _Run:
             self.result.losses[self.state.iteration] = loss
             if self.mtp:
                 self.result.mtp_losses[self.state.iteration] = self.mtp
-            if self._after_step(window, grad_norm, last):
+            if self._after_step(window, loss, grad_norm, last):
                 saved_at = self.state.iteration
             if self._board_measures(upcoming, last):
                 self._board_step(recorder, boarded)
@@ -398,22 +399,40 @@ class _Run:
             bubbles = [r.bubble_ratio for r in measured.ranks]
             self.board.measured(self.state.iteration, bubbles, None if pairs is None else pairs[0])
 
-    def _after_step(self, window: LogWindow, grad_norm: float | None, last: int) -> bool:
-        """Log, evaluate and save as their intervals say; True when a checkpoint was saved."""
+    def _after_step(
+        self, window: LogWindow, loss: float, grad_norm: float | None, last: int
+    ) -> bool:
+        """Log (the line every ``log_interval``, TensorBoard's step scalars every
+        ``tensorboard_log_interval``), evaluate and save as their intervals say; True when a
+        checkpoint was saved."""
         cfg, iteration = self.cfg, self.state.iteration
+        learning_rate = self.optimizer.param_groups[0]["lr"]
+        loss_scale = float(self.optimizer.get_loss_scale())
+        if self.board is not None and iteration % cfg.tensorboard_log_interval == 0:
+            step = StepScalars(
+                iteration=iteration,
+                consumed_samples=self.state.consumed_train_samples,
+                lm_loss=loss,
+                learning_rate=learning_rate,
+                global_batch_size=cfg.global_batch_size,
+                loss_scale=loss_scale,
+                grad_norm=grad_norm,
+                mtp_losses=self.mtp,
+            )
+            self.board.step(step)
         if self._logs(iteration, last):
             log = window.flush(
                 iteration=iteration,
                 train_iters=cfg.train_iters,
                 consumed_samples=self.state.consumed_train_samples,
-                learning_rate=self.optimizer.param_groups[0]["lr"],
+                learning_rate=learning_rate,
                 global_batch_size=cfg.global_batch_size,
-                loss_scale=float(self.optimizer.get_loss_scale()),
+                loss_scale=loss_scale,
                 grad_norm=grad_norm,
             )
             self.say([iteration_line(log)])
             if self.board is not None:
-                self.board.iteration(log)
+                self.board.iteration_time(iteration, log.elapsed_ms / 1e3)
         if cfg.eval_interval and iteration % cfg.eval_interval == 0:
             value = self.evaluate()
             self.result.validation[iteration] = value
@@ -471,8 +490,8 @@ class _Run:
             return
         predicted = predict(measured)
         png = None
-        if self.cfg.output_dir is not None:
-            out = Path(self.cfg.output_dir)
+        if self.cfg.run_dir is not None:
+            out = Path(self.cfg.run_dir)
             out.mkdir(parents=True, exist_ok=True)
             png = out / "timeline.png"
             write_side_by_side_png(measured, predicted, png)
@@ -538,8 +557,27 @@ def _done_line(run: _Run, seconds: float) -> str:
     return f" training done: iteration {run.state.iteration} after {seconds:.1f} s{where}"
 
 
+def eager_on_cpu() -> contextlib.AbstractContextManager[None]:
+    """Without a GPU, a context in which ``torch.compile`` compiles nothing, so that
+    Megatron-Core's fused functions (``megatron.core.jit.jit_fuser`` is ``torch.compile``;
+    e.g. the MoE router's ``_apply_expert_bias`` under ``moe_router_enable_expert_bias``)
+    run eagerly. Compiling one on a CPU builds C++ kernels with inductor in its first call,
+    on every rank at once, to fuse a few element-wise operations (docs/training.md has the
+    measured cost). With a GPU a null context: they compile, as under Megatron-LM."""
+    if torch.cuda.is_available():
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")
+
+
 def run_rank(cfg: TrainConfig) -> TrainResult:
-    """Train on this rank (the default process group must exist); collective."""
+    """Train on this rank (the default process group must exist), with
+    :func:`eager_on_cpu`; collective."""
+    with eager_on_cpu():
+        return _train_here(cfg)
+
+
+def _train_here(cfg: TrainConfig) -> TrainResult:
+    """:func:`run_rank`'s work: Megatron's parallel state around one :class:`_Run`."""
     ranks = embedding_ranks(cfg.pipeline_schedule)  # where our placements keep them
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,

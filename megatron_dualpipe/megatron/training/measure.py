@@ -14,8 +14,10 @@
 
 :meth:`StepRecorder.gather` collects the ranks' timelines on pipeline rank 0 as a
 SimResult (times in ms; the runtime's ``gather_timeline``), so the simulator's exports
-draw it, and the simulator's prediction for the same schedule with the measured mean
-action durations can be put beside it.
+draw it, and the simulator's prediction for the same order with the measured mean
+action durations can be put beside it. Both draw what ran: an FB pair that ran
+interleaved as a pair, one that ran as its forward half and then its backward half as
+those two.
 """
 
 from __future__ import annotations
@@ -226,5 +228,9 @@ def write_side_by_side_png(measured: SimResult, predicted: SimResult, path: Path
 
 
 def predict(measured: SimResult) -> SimResult:
-    """The simulator's step for the measured schedule and its mean action durations."""
-    return simulate(measured.schedule, measured.cost)
+    """The simulator's step for the order the ranks ran and the measured mean durations:
+    the measured schedule's, with each FB that ran as its two halves one after the other
+    (not interleaved) as those two halves, so that the prediction draws what ran."""
+    schedule = measured.schedule
+    ran = [[timed.action for timed in rank.actions] for rank in measured.ranks]
+    return simulate(Schedule(schedule.name, schedule.placement, ran), measured.cost)

@@ -1,13 +1,21 @@
 """Build this rank's model chunks for a :class:`~.config.TrainConfig`.
 
 A GPT (dense, MoE when ``num_experts`` is set, dense-then-MoE with ``moe_layer_freq``;
-multi-latent attention, MTP layers, tied embeddings) from Megatron-Core's local layer specs
-(:mod:`..layer_specs`), cut by the schedule's placement (V for dualpipev, mirrored copies for
-dualpipe, Megatron's own split otherwise; uneven as the split keys say), initialised
-layout-independently, wrapped in Megatron's DistributedDataParallel, with the config hooks
-Megatron's training loop sets. Copies of the embedding that a rank holds in two chunks (the
-output layer of tied embeddings, the MTP block's embedding) are one parameter (:mod:`..tied`),
-as is the MTP block's position table on another rank (:mod:`..position_copies`).
+multi-latent attention, MTP layers, tied embeddings) from Megatron-Core's layer specs for
+``transformer_impl`` (:mod:`..layer_specs`; :func:`transformer_impl` resolves the default),
+cut by the schedule's placement (V for dualpipev, mirrored copies for dualpipe, Megatron's
+own split otherwise; uneven as the split keys say), initialised layout-independently,
+wrapped in Megatron's DistributedDataParallel, with the config hooks Megatron's training
+loop sets. The chunks are assembled by :func:`..chunks.build_chunks`, as the Megatron-LM
+route assembles them (tied copies, dW deferral); the MTP block's copy of the position table
+on another rank is one parameter with the original (:mod:`..position_copies`).
+
+``transformer_engine`` builds what Megatron-LM builds by default: Transformer Engine's
+layers with Megatron-LM's default fusions (bias-activation, bias-dropout-add, masked
+softmax, RoPE where Megatron supports it), grouped GEMM for the experts, and
+``gradient_accumulation_fusion`` where APEX's ``fused_weight_gradient_mlp_cuda`` is
+installed (GPTModel's output layer is Megatron's own linear, which needs that kernel; TE's
+layers fuse on their own). ``local`` keeps every fusion off (CPU).
 
 With ``bf16`` every chunk is wrapped in Megatron's ``Float16Module`` (our placements: in
 :class:`~..precision.StageFloat16Module`, which knows where the loss is), as Megatron-LM does.
@@ -23,35 +31,63 @@ sqrt(2 num_layers)); biases 0; normalisation weights 1.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import DistributedDataParallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from ..checks import schedule_spec
-from ..deferral import ddp_config_for_deferral, enable_weight_grad_deferral
-from ..layer_specs import local_gpt_specs
+from ..chunks import ChunkEnds, build_chunks, ddp_config, model_config
+from ..layer_specs import gpt_chunk_specs, te_available
 from ..mirror import prepare_mirrors
 from ..names import global_named_parameters
 from ..placement import StagePlacementLayout
 from ..position_copies import finalize_model_grads, mark_position_copies
 from ..precision import StageFloat16Module
-from ..tied import mark_tied_copies, release_unused_output_weight
+from ..version import mtp_block_on_any_chunk
 from .config import TrainConfig
 
-__all__ = ["build_model", "transformer_config"]
+__all__ = ["build_model", "transformer_config", "transformer_impl"]
 
 _SCALED_OUTPUTS = ("linear_proj.weight", "linear_fc2.weight")
 
 
+def transformer_impl(cfg: TrainConfig) -> str:
+    """``cfg.transformer_impl``, or where unset ``transformer_engine`` when this process has
+    CUDA and Transformer Engine, else ``local``."""
+    if cfg.transformer_impl is not None:
+        return cfg.transformer_impl
+    return "transformer_engine" if te_available() else "local"
+
+
+def _fusions(cfg: TrainConfig, impl: str) -> dict[str, bool]:
+    """Megatron-LM's default fusions where they apply (module docstring)."""
+    te = impl == "transformer_engine"
+    rope = cfg.position_embedding_type == "rope" or cfg.multi_latent_attention
+    mla_rope_ok = not cfg.multi_latent_attention or cfg.rope_type in (None, "yarn")
+    return dict(
+        # Megatron fuses the bias into SwiGLU, and GeLU only where there is a bias.
+        bias_activation_fusion=te and (cfg.swiglu or cfg.add_bias_linear),
+        bias_dropout_fusion=te,
+        masked_softmax_fusion=te,
+        apply_rope_fusion=te and rope and mla_rope_ok,
+        gradient_accumulation_fusion=te
+        and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
+    )
+
+
 def transformer_config(cfg: TrainConfig, *, on_gpu: bool) -> TransformerConfig:
-    """Megatron's TransformerConfig for ``cfg`` (raises Megatron's own errors)."""
+    """Megatron's TransformerConfig for ``cfg`` (raises Megatron's own errors); with
+    Transformer Engine layers under a schedule that splits the backward, with
+    ``delay_wgrad_compute`` (:func:`..chunks.model_config`)."""
+    impl = transformer_impl(cfg)
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     kwargs: dict[str, Any] = dict(
         num_layers=cfg.num_layers,
@@ -80,11 +116,7 @@ def transformer_config(cfg: TrainConfig, *, on_gpu: bool) -> TransformerConfig:
         deallocate_pipeline_outputs=True,  # as Megatron-LM's core_transformer_config_from_args
         use_cpu_initialization=not on_gpu,
         perform_initialization=False,  # see init_weights
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        **_fusions(cfg, impl),
     )
     if cfg.recompute_granularity is not None:
         kwargs.update(
@@ -94,6 +126,8 @@ def transformer_config(cfg: TrainConfig, *, on_gpu: bool) -> TransformerConfig:
         )
         if cfg.recompute_modules is not None:
             kwargs["recompute_modules"] = cfg.recompute_modules.split()
+    if cfg.fp8 is not None:  # Transformer Engine's FP8 layers (launch refuses it on local)
+        kwargs.update(fp8=cfg.fp8, fp8_recipe=cfg.fp8_recipe)
     if cfg.swiglu:
         kwargs.update(gated_linear_unit=True, activation_func=F.silu)
     if cfg.mtp_num_layers:
@@ -121,7 +155,7 @@ def transformer_config(cfg: TrainConfig, *, on_gpu: bool) -> TransformerConfig:
             moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
             moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
             moe_router_dtype=cfg.moe_router_dtype,
-            moe_grouped_gemm=False,
+            moe_grouped_gemm=impl == "transformer_engine",
             moe_layer_freq=cfg.moe_layer_pattern,
             moe_router_score_function=cfg.moe_router_score_function,
             moe_router_enable_expert_bias=cfg.moe_router_enable_expert_bias,
@@ -129,7 +163,7 @@ def transformer_config(cfg: TrainConfig, *, on_gpu: bool) -> TransformerConfig:
             moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
         )
     config_class = MLATransformerConfig if cfg.multi_latent_attention else TransformerConfig
-    return config_class(**kwargs)
+    return model_config(config_class(**kwargs), cfg.pipeline_schedule, impl)
 
 
 def _split(cfg: TrainConfig) -> dict[str, Any]:
@@ -153,19 +187,19 @@ def _split(cfg: TrainConfig) -> dict[str, Any]:
     )
 
 
-def _chunk_ends(cfg: TrainConfig, config: TransformerConfig) -> list[tuple[bool, bool, int | None]]:
-    """(pre_process, post_process, vp_stage) of each local chunk, chunk 0 first."""
+def _chunk_ends(cfg: TrainConfig, config: TransformerConfig) -> list[ChunkEnds]:
+    """Where each local chunk sits, chunk 0 first."""
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     layout = config.pipeline_model_parallel_layout
     if isinstance(layout, StagePlacementLayout):
-        return [(r.pre_process, r.post_process, r.chunk) for r in layout.roles(pp_rank)]
+        return [ChunkEnds(r.pre_process, r.post_process, r.chunk) for r in layout.roles(pp_rank)]
     stages: list[int | None] = (
         list(range(cfg.virtual_pipeline_model_parallel_size))
         if cfg.virtual_pipeline_model_parallel_size
         else [None]
     )
     return [
-        (
+        ChunkEnds(
             parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=s),
             parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=s),
             s,
@@ -194,17 +228,6 @@ def init_weights(chunk: torch.nn.Module, cfg: TrainConfig) -> None:
         param.normal_(0.0, std, generator=generator)
 
 
-def _ddp_config(cfg: TrainConfig, deferred: bool) -> DistributedDataParallelConfig:
-    kwargs: dict[str, Any] = dict(
-        overlap_grad_reduce=cfg.overlap_grad_reduce,
-        use_distributed_optimizer=cfg.use_distributed_optimizer,
-        grad_reduce_in_fp32=cfg.bf16,
-    )
-    return (
-        ddp_config_for_deferral(**kwargs) if deferred else DistributedDataParallelConfig(**kwargs)
-    )
-
-
 def build_model(
     cfg: TrainConfig, config: TransformerConfig, vocab_size: int | None = None
 ) -> list[DistributedDataParallel]:
@@ -213,55 +236,61 @@ def build_model(
     ``vocab_size``: the embedding's rows (default ``cfg.vocab_size``; a tokenizer's padded
     vocabulary, :mod:`.tokenizer`).
 
-    Under schedules that split the backward every Megatron linear layer defers its weight
-    gradient (dW) to the W actions: built so from the layer spec, the output layer converted
-    (``megatron.deferral``); dualpipe's mirrored copies are made equal.
+    Under schedules that split the backward every linear layer defers its weight gradient
+    (dW) to the W actions (local layers built so from the layer spec, the output layer
+    converted, TE layers hooked: :func:`..chunks.build_chunks`); dualpipe's mirrored copies
+    are made equal.
     """
     found = schedule_spec(cfg.pipeline_schedule)
-    chunks = []
-    ends = _chunk_ends(cfg, config)
-    for pre_process, post_process, vp_stage in ends:
-        block, mtp = local_gpt_specs(
+    impl = transformer_impl(cfg)
+
+    def build(ends: ChunkEnds) -> torch.nn.Module:
+        block, mtp = gpt_chunk_specs(
             config,
+            transformer_impl=impl,
             normalization=cfg.normalization,
-            vp_stage=vp_stage,
+            vp_stage=ends.vp_stage,
             deferrable=found.splits_backward,
         )
-        chunk = GPTModel(
-            config=config,
-            transformer_layer_spec=block,
-            vocab_size=vocab_size or cfg.vocab_size,
-            max_sequence_length=cfg.max_position_embeddings or cfg.seq_length,
-            pre_process=pre_process,
-            post_process=post_process,
-            share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
-            position_embedding_type=cfg.position_embedding_type,
-            mtp_block_spec=mtp,
-            vp_stage=vp_stage,
-        )
-        release_unused_output_weight(chunk)
+        with mtp_block_on_any_chunk():
+            chunk = GPTModel(
+                config=config,
+                transformer_layer_spec=block,
+                vocab_size=vocab_size or cfg.vocab_size,
+                max_sequence_length=cfg.max_position_embeddings or cfg.seq_length,
+                pre_process=ends.pre_process,
+                post_process=ends.post_process,
+                share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
+                position_embedding_type=cfg.position_embedding_type,
+                mtp_block_spec=mtp,
+                vp_stage=ends.vp_stage,
+            )
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
         init_weights(chunk, cfg)  # copies of one parameter get its values: same name
-        chunks.append(chunk)
-    mark_tied_copies(chunks)
-    mark_position_copies(chunks)  # the MTP block's position table on the last rank
-    deferred = found.splits_backward
-    if deferred:
-        enable_weight_grad_deferral(chunks)  # what the layer spec does not build: output layer
+        return chunk
+
+    ends = _chunk_ends(cfg, config)
+    chunks = build_chunks(build, ends, cfg.pipeline_schedule)
+    mark_position_copies(chunks)  # the MTP block's position table on another rank
     if cfg.bf16:  # Megatron-LM's Float16Module, with the ends our placement gives
         chunks = [
-            StageFloat16Module(config, chunk, pre_process=pre, post_process=post)
+            StageFloat16Module(config, c, pre_process=e.pre_process, post_process=e.post_process)
             if found.places_chunks
-            else Float16Module(config, chunk)
-            for chunk, (pre, post, _) in zip(chunks, ends, strict=True)
+            else Float16Module(config, c)
+            for c, e in zip(chunks, ends, strict=True)
         ]
-    ddp_config = _ddp_config(cfg, deferred)
+    ddp = ddp_config(
+        cfg.pipeline_schedule,
+        overlap_grad_reduce=cfg.overlap_grad_reduce,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+        grad_reduce_in_fp32=cfg.bf16,
+    )
     # Megatron-LM buckets the first chunk only; dualpipe's mirror sum needs both copies of a
     # stage bucketed alike (see prepare_mirrors): one bucket per chunk there.
     mirror = found.placement == "mirror"
     model = [
-        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0 or mirror)
+        DistributedDataParallel(config, ddp, chunk, disable_bucketing=i > 0 or mirror)
         for i, chunk in enumerate(chunks)
     ]
     if mirror:

@@ -1,14 +1,16 @@
 """TensorBoard scalars of a training run, under Megatron-LM's names, on the logging rank.
 
-With ``tensorboard_dir`` set, global rank 0 (the rank that prints the log) writes, at every
-iteration that prints a log line (``log_interval``), what that line says, under the tags
-Megatron-LM's ``training_log`` uses: ``lm loss``, ``learning-rate``, ``batch-size``,
-``loss-scale``, ``grad-norm`` (each also ``... vs samples``, against consumed samples),
-``iteration-time`` (seconds per iteration) and ``mtp_N loss``; after each evaluation
-``lm loss validation`` and ``lm loss validation ppl`` (and their ``vs samples``). Ours, from
-the step measured at each logged iteration: ``pipeline-bubble/rank-R`` (the measured bubble
-ratio of pipeline rank R of data-parallel replica 0) and, under schedules with FB pairs,
-``overlapped-fb-pairs`` (per step, over that replica's pipeline).
+With ``tensorboard_dir`` set, global rank 0 (the rank that prints the log) writes what
+Megatron-LM's ``training_log`` writes, under its tags and on its intervals: every
+``tensorboard_log_interval`` iterations (Megatron-LM's key, default 1) that iteration's
+``lm loss``, ``learning-rate``, ``batch-size``, ``loss-scale``, ``grad-norm`` (each also
+``... vs samples``, against consumed samples) and ``mtp_N loss``; at every iteration that
+prints a log line (``log_interval``) the timings: ``iteration-time`` (seconds per
+iteration over the interval, the log line's) and ours, from the step measured there,
+``pipeline-bubble/rank-R`` (the measured bubble ratio of pipeline rank R of data-parallel
+replica 0) and, under schedules with FB pairs, ``overlapped-fb-pairs`` (per step, over that
+replica's pipeline); after each evaluation ``lm loss validation`` and ``lm loss validation
+ppl`` (and their ``vs samples``).
 
 The events go through ``torch.utils.tensorboard.SummaryWriter``, which needs the
 ``tensorboard`` package: an optional dependency, refused in one sentence before any work
@@ -20,12 +22,12 @@ from __future__ import annotations
 import importlib.util
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .config import ConfigError, TrainConfig
-from .report import IterationLog
 
-__all__ = ["TENSORBOARD_INSTALL", "TensorBoardLog", "check_tensorboard"]
+__all__ = ["TENSORBOARD_INSTALL", "StepScalars", "TensorBoardLog", "check_tensorboard"]
 
 #: What to install for ``tensorboard_dir`` (setup.py's ``[tensorboard]`` extra).
 TENSORBOARD_INSTALL = "pip install 'tensorboard==2.21.0'"
@@ -40,6 +42,21 @@ def check_tensorboard(cfg: TrainConfig, source: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class StepScalars:
+    """One iteration's figures, written every ``tensorboard_log_interval``."""
+
+    iteration: int
+    consumed_samples: int
+    lm_loss: float
+    learning_rate: float
+    global_batch_size: int
+    loss_scale: float
+    grad_norm: float | None
+    #: Megatron-LM's "mtp_N loss" of each MTP layer.
+    mtp_losses: tuple[float, ...] = ()
+
+
 class TensorBoardLog:
     """The run's event file in ``directory``; call :meth:`close` at the end."""
 
@@ -52,18 +69,21 @@ class TensorBoardLog:
         self.writer.add_scalar(tag, value, iteration)
         self.writer.add_scalar(f"{tag} vs samples", value, samples)
 
-    def iteration(self, log: IterationLog) -> None:
-        """The figures of one log line."""
-        i, samples = log.iteration, log.consumed_samples
-        self._both("learning-rate", log.learning_rate, i, samples)
-        self._both("batch-size", log.global_batch_size, i, samples)
-        self._both("lm loss", log.lm_loss, i, samples)
-        for k, loss in enumerate(log.mtp_losses):
+    def step(self, step: StepScalars) -> None:
+        """The figures of one iteration."""
+        i, samples = step.iteration, step.consumed_samples
+        self._both("learning-rate", step.learning_rate, i, samples)
+        self._both("batch-size", step.global_batch_size, i, samples)
+        self._both("lm loss", step.lm_loss, i, samples)
+        for k, loss in enumerate(step.mtp_losses):
             self._both(f"mtp_{k + 1} loss", loss, i, samples)
-        self._both("loss-scale", log.loss_scale, i, samples)
-        if log.grad_norm is not None:
-            self._both("grad-norm", log.grad_norm, i, samples)
-        self.writer.add_scalar("iteration-time", log.elapsed_ms / 1e3, i)
+        self._both("loss-scale", step.loss_scale, i, samples)
+        if step.grad_norm is not None:
+            self._both("grad-norm", step.grad_norm, i, samples)
+
+    def iteration_time(self, iteration: int, seconds: float) -> None:
+        """The log line's mean seconds per iteration."""
+        self.writer.add_scalar("iteration-time", seconds, iteration)
 
     def validation(self, iteration: int, samples: int, lm_loss: float) -> None:
         """One evaluation's loss and perplexity, as Megatron-LM's evaluation writes them."""

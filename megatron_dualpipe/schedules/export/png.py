@@ -103,24 +103,30 @@ def _boxes(action: Action, start: float, end: float, lane: int, num_chunks: int)
     ]
 
 
-def _numbers(boxes: list[_Box], shortest_px: float, ax: Any) -> Any:
-    """One collection of glyph outlines writing every box's micro-batch in one font size, the
-    largest that fits the widest number into the narrowest box and a half lane; empty when
-    that is under ``MIN_FONT`` (far faster to draw than one text artist per box)."""
+def _numbers(boxes: list[_Box], px_per_unit: float, ax: Any) -> Any:
+    """One collection of glyph outlines writing box micro-batch numbers in one font size
+    (far faster to draw than one text artist per box): the largest that fits the widest
+    number into nine boxes in ten (the narrowest tenth aside: a measured step's few short
+    actions) and a half lane, at least ``MIN_FONT``; a box too narrow for its number at that
+    size stays unnumbered."""
     from matplotlib.collections import PathCollection
     from matplotlib.textpath import TextPath
     from matplotlib.transforms import Affine2D
 
+    widths = sorted((b.x1 - b.x0) * px_per_unit for b in boxes)
+    reference = widths[len(widths) // 10] if widths else 0.0
     widest = max((len(str(b.microbatch)) for b in boxes), default=1)
     unit = TextPath((0, 0), "8" * widest, size=1).get_extents().width * DPI / 72
-    font = min(MAX_FONT, LANE_IN * BOX / 2 * 72 * 0.75, 0.8 * shortest_px / unit)
-    labelled = boxes if font >= MIN_FONT else []
+    font = max(MIN_FONT, min(MAX_FONT, LANE_IN * BOX / 2 * 72 * 0.75, 0.8 * reference / unit))
     glyphs: dict[int, Any] = {}
-    for microbatch in sorted({b.microbatch for b in labelled}):
+    glyph_px: dict[int, float] = {}
+    for microbatch in sorted({b.microbatch for b in boxes}):
         path = TextPath((0, 0), str(microbatch), size=font)
         ext = path.get_extents()
         centre = Affine2D().translate(-(ext.x0 + ext.x1) / 2, -(ext.y0 + ext.y1) / 2)
         glyphs[microbatch] = path.transformed(centre)
+        glyph_px[microbatch] = ext.width * DPI / 72
+    labelled = [b for b in boxes if glyph_px[b.microbatch] <= 0.8 * (b.x1 - b.x0) * px_per_unit]
     return PathCollection(
         [glyphs[b.microbatch] for b in labelled],
         offsets=[((b.x0 + b.x1) / 2, (b.y0 + b.y1) / 2) for b in labelled] or None,
@@ -224,7 +230,7 @@ def to_png(
             linewidths=0.6 if shortest * px_per_unit >= 8 else 0.25,
         )
     )
-    ax.add_collection(_numbers(boxes, shortest * px_per_unit, ax))
+    ax.add_collection(_numbers(boxes, px_per_unit, ax))
 
     ax.set_xlim(0, makespan * 1.01)
     ax.set_ylim(num_ranks, 0)

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# CI's second leg: Python 3.12 (megatron-core 0.17 and newer publish 3.12 wheels only).
+#   - a venv (.ci/venv312) with torch==2.13.0 (PyPI's CUDA build, about 4.5 GB; it runs on
+#     CPU) and megatron-core==0.19.2, then scripts/install.sh, which keeps both;
+#   - every test marked megatron on 0.19.2 (tests/test_megatron_lm_loop.py runs the wheel's
+#     megatron/training there);
+#   - smoke runs of 0.17.1 and 0.18.2: each wheel installed without dependencies into its
+#     own folder (.ci/megatron-core-X) put first on PYTHONPATH, no second torch: the
+#     version tests, the tiny GPT under every schedule against 1F1B, one save and resume,
+#     and the patch of that release's Megatron-LM tag applied to the wheel's megatron/training.
+# Usage: bash .ci/py312.sh   (PY312=/path/to/python3.12 to choose the interpreter)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+say() { echo "py312.sh: $*"; }
+# A Python 3.12 that runs: PY312, python3.12 on PATH, or pyenv's (whose python3.12 shim
+# answers only where 3.12 is the selected version).
+find_py312() {
+  local candidate
+  for candidate in "${PY312:-}" "$(command -v python3.12 || true)" \
+      "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do
+    if [[ -n $candidate && -x $candidate ]] &&
+        "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+      echo "$candidate"
+      return
+    fi
+  done
+}
+py312=$(find_py312)
+if [[ -z $py312 ]]; then
+  echo "py312.sh: error: no Python 3.12 found: install it (or pyenv's 3.12) or set PY312" >&2
+  exit 2
+fi
+venv=.ci/venv312
+if [[ ! -x $venv/bin/python ]]; then
+  say "making $venv with $py312"
+  "$py312" -m venv "$venv"
+fi
+export PATH="$PWD/$venv/bin:$PATH"
+say "installing torch==2.13.0 and megatron-core==0.19.2 (a CUDA build of torch, about 4.5 GB the first time)"
+python -m pip install --no-input --disable-pip-version-check torch==2.13.0 megatron-core==0.19.2
+bash scripts/install.sh
+python -m pytest -m megatron
+
+for release in 0.17.1 0.18.2; do
+  target=.ci/megatron-core-$release
+  if [[ ! -d $target/megatron/core ]]; then
+    say "installing megatron-core==$release into $target (no dependencies: the venv's torch serves)"
+    python -m pip install --no-input --disable-pip-version-check --no-deps --target "$target" \
+      "megatron-core==$release"
+  fi
+  say "smoke run of megatron-core $release"
+  PYTHONPATH="$PWD/$target" python -m pytest -m megatron -p no:cacheprovider \
+    tests/test_megatron_version.py \
+    tests/test_megatron_lm.py::test_the_installed_wheels_training_takes_its_tags_patch \
+    tests/test_train_schedules.py::test_unclipped_the_same_digits_as_1f1b \
+    tests/test_train_schedules.py::test_unclipped_dualpipe_within_a_millionth_of_1f1b \
+    "tests/test_train_resume.py::test_resume_under_another_schedule[dualpipev-1f1b]"
+done

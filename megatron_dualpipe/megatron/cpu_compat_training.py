@@ -1,0 +1,135 @@
+"""Megatron-LM's training loop (``megatron.training``: ``pretrain``, ``get_model``,
+``train_step``, checkpointing) on CPU + gloo, for tests.
+
+megatron-core 0.17 and newer ship ``megatron/training`` in the wheel. On a machine without
+a GPU, :func:`megatron_training_on_cpu` runs it on CPU ranks: with the compatibility layer
+of :mod:`.cpu_compat` applied first, it rebinds the global name ``torch`` of each module in
+:data:`TRAINING_SITES` to the same CPU view of torch (``torch.cuda.current_device()`` is
+the CPU, ``device="cuda"`` tensor factories make CPU tensors, streams and events are
+stand-ins), and while its block runs, ``Tensor.cuda()`` returns the tensor itself and
+``Tensor.record_stream`` does nothing (``get_model`` moves every chunk with
+``module.cuda()``, ``get_batch`` every batch). ``megatron.training.initialize`` sees one
+device: it asserts CUDA, seeds Megatron's RNG tracker only when a device is counted, and
+sets the device of each rank; ``set_device`` and ``set_stream`` do nothing there.
+
+Enter the block once ``megatron.training`` resolves to the copy to run (a patched one first
+on ``sys.path``): it imports those modules (0.19's layout of megatron/training).
+docs/megatron-on-cpu.md lists the sites.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .cpu_compat import (
+    _TORCH_ON_CPU,
+    _CudaOnCpu,
+    _no_op,
+    _record_stream_is_no_op,
+    _tensor_cuda_is_identity,
+    _TorchOnCpu,
+    apply_cpu_compat,
+)
+
+__all__ = ["TRAINING_SITES", "megatron_training_on_cpu"]
+
+#: Modules of megatron.training (and the megatron-core ones only it reaches) whose ``torch``
+#: becomes the CPU view, with what each assumes of CUDA (megatron-core 0.19).
+TRAINING_SITES: tuple[tuple[str, str], ...] = (
+    (
+        "megatron.training.training",
+        "pretrain all-reduces start times on device='cuda'; get_model makes a "
+        "torch.cuda.Stream for DDP; train_step, evaluate and training_log keep loss sums and "
+        "flags on device='cuda'; torch.cuda.empty_cache and synchronize",
+    ),
+    (
+        "megatron.training.utils.common_utils",
+        "reduce_max_stat_across_model_parallel_group and the loss and memory reports use "
+        "device='cuda' tensors",
+    ),
+    (
+        "megatron.training.checkpointing",
+        "the RNG state of a checkpoint (torch.cuda.get_rng_state) and its all-gathers on "
+        "torch.cuda.current_device()",
+    ),
+    (
+        "megatron.training.models.dist_utils",
+        "prepare_existing_model_chunks_for_distributed_training moves chunks to "
+        "torch.cuda.current_device() and makes a DDP stream",
+    ),
+    (
+        "megatron.core.rerun_state_machine",
+        "RerunStateMachine._save_state and _restore_state keep torch.cuda.get_rng_state() "
+        "(train_step runs every step through should_run_forward_backward)",
+    ),
+    (
+        "megatron.core.timers",
+        "Timer.start/stop synchronize CUDA; Timers._get_elapsed_time_all_ranks gathers on "
+        "torch.cuda.current_device()",
+    ),
+)
+
+
+class _CudaAsOneDevice(_CudaOnCpu):
+    """``torch.cuda`` for ``megatron.training.initialize``: one device (the CPU), whose
+    ``set_device`` and ``set_stream`` do nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.is_available = lambda: True
+        self.device_count = lambda: 1
+        self.set_device = _no_op
+        self.set_stream = _no_op
+
+
+class _TorchAsOneDevice(_TorchOnCpu):
+    """The CPU view of torch with :class:`_CudaAsOneDevice`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cuda = _CudaAsOneDevice()
+        self.device = _cuda_device_is_cpu
+
+
+def _cuda_device_is_cpu(*args: Any, **kwargs: Any) -> torch.device:
+    """``torch.device`` where ``"cuda:N"`` names the CPU (``_initialize_distributed``'s
+    device id)."""
+    device = torch.device(*args, **kwargs)
+    return torch.device("cpu") if device.type == "cuda" else device
+
+
+_TORCH_AS_ONE_DEVICE = _TorchAsOneDevice()
+
+
+def _skip_compiling_shipped_dataset_helpers() -> None:
+    """``initialize_megatron`` has rank 0 run ``compile_helpers()``: ``make`` in
+    megatron/core/datasets, where the wheel ships the compiled ``helpers_cpp`` and no
+    Makefile, so it fails; with ``helpers_cpp`` importable there is nothing to compile."""
+    from megatron.core.datasets import utils
+
+    try:
+        importlib.import_module("megatron.core.datasets.helpers_cpp")
+    except ImportError:
+        return
+    utils.compile_helpers = _no_op
+
+
+@contextlib.contextmanager
+def megatron_training_on_cpu() -> Iterator[None]:
+    """Within this block Megatron-LM's training loop runs on CPU (see the module docstring);
+    a no-op context with CUDA. The module rebindings stay (forked ranks inherit them)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    apply_cpu_compat()
+    _skip_compiling_shipped_dataset_helpers()
+    for module_name, _why in TRAINING_SITES:
+        importlib.import_module(module_name).torch = _TORCH_ON_CPU
+    importlib.import_module("megatron.training.initialize").torch = _TORCH_AS_ONE_DEVICE
+    with _tensor_cuda_is_identity(), _record_stream_is_no_op():
+        yield

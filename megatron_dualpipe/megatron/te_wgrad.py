@@ -1,0 +1,145 @@
+"""Transformer Engine's deferred weight gradient, exact on every supported TE release and
+under DualPipe's order of work.
+
+A TE linear layer built with ``delay_wgrad_compute=True`` (Megatron's ``TELinear``,
+``TELayerNormColumnParallelLinear``, ``TEGroupedLinear``) puts one entry per backward into
+its FIFO ``wgrad_store`` and computes the oldest in ``backward_dw()``, which then fires the
+hooks registered with ``register_wgrad_accumulation_and_reduce_hooks`` (Megatron DDP's
+grad-ready hooks). What that call does to ``.grad`` differs between releases and depends on
+how many entries are outstanding (TE's ``TransformerEngineBaseModule.backward_dw`` in
+``pytorch/module/base.py`` and ``GroupedLinear.backward_dw`` in ``grouped_linear.py``):
+
+- TE 2.7 is the first release with ``register_wgrad_accumulation_and_reduce_hooks``, the
+  only way Megatron DDP sees a deferred gradient: the minimum (:data:`TE_MIN_VERSION`).
+- Weights (unfused): TE 2.7 sets ``.grad`` only when it is None, so a dW meeting an
+  earlier, unconsumed ``.grad`` is dropped; TE 2.8 and later (TE PR #2142) set it always,
+  so the earlier one is overwritten. Biases: set only when None, in every release.
+- TE marks weights and biases ``skip_backward_post_hook``, so Megatron DDP hooks both
+  through the module: their hooks fire at every ``backward_dw()``, and under
+  ``overlap_grad_reduce`` each asserts that ``.grad`` is not None.
+- FP8: a bias gradient is computed in the main backward (autograd accumulates it into the
+  bias's ``.grad``) and the entry carries ``bgrad=None``; ``backward_dw()`` finding the
+  bias's ``.grad`` None calls ``None.to(...)`` and fails.
+- Fused accumulation (``fuse_wgrad_accumulation``): dW goes into ``main_grad`` inside the
+  GEMM and the main backward hands autograd a placeholder ``.grad`` marked
+  ``grad_added_to_main_grad`` (TE 2.7's ``GroupedLinear`` hands None), which DDP's hook drops.
+
+Megatron calls ``backward_dw()`` right after each backward: one entry outstanding, so
+whatever the main backward left in ``.grad`` is there for the hook. DualPipe runs B0, B1,
+W0, W1: two entries are outstanding, W0's hooks consume what both main backwards left, and
+W1 finds None (FP8 bias: the failure above; fused weight: DDP's assertion).
+:func:`exact_backward_dw` makes every call behave like autograd's accumulation rule
+instead: an earlier ``.grad`` that no hook consumed is set aside and added back after the
+call (so neither release drops nor overwrites it), an FP8 bias or a fused weight whose
+``.grad`` was consumed gets a zero one (adds nothing, satisfies the hook). The per-layer
+FP8 state is TE's own ``module.fp8`` (set by every forward; Megatron keeps a layer in or
+out of FP8 for the whole run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+__all__ = [
+    "TE_MIN_VERSION",
+    "exact_backward_dw",
+    "exactly",
+    "te_biases",
+    "te_layer_classes",
+    "te_weights",
+]
+
+#: The oldest Transformer Engine whose deferred dW Megatron DDP can see.
+TE_MIN_VERSION = "2.7.0"
+_TE_EXTENSION = "megatron.core.extensions.transformer_engine"
+_TE_CLASS_NAMES = ("TELinear", "TELayerNormColumnParallelLinear", "TEGroupedLinear")
+_WEIGHT, _BIAS = re.compile(r"weight\d*"), re.compile(r"bias\d*")
+
+
+def te_layer_classes() -> tuple[type, ...]:
+    """Megatron's TE layer classes that take ``delay_wgrad_compute``, or () when Megatron's
+    TE extension has not been imported (then no model holds a TE layer) or TE is absent."""
+    extension = sys.modules.get(_TE_EXTENSION)
+    if extension is None or not getattr(extension, "HAVE_TE", False):
+        return ()
+    found = (getattr(extension, name, None) for name in _TE_CLASS_NAMES)
+    return tuple(cls for cls in found if isinstance(cls, type))
+
+
+def _own(module: nn.Module, attr: str, pattern: re.Pattern[str]) -> list[nn.Parameter]:
+    """The parameters TE lists in ``attr`` (``weight_names`` / ``bias_names``), else those
+    whose names match ``pattern`` (GroupedLinear's ``weight0``, ``bias0``...); never the
+    norm of a LayerNormLinear, whose gradient the main backward computes."""
+    params = dict(module.named_parameters(recurse=False))
+    names = getattr(module, attr, None)
+    if names is None:
+        names = [n for n in params if pattern.fullmatch(n)]
+    return [params[n] for n in names if n in params]
+
+
+def te_weights(module: nn.Module) -> list[nn.Parameter]:
+    """A TE layer's weights whose gradient ``backward_dw()`` computes."""
+    return _own(module, "weight_names", _WEIGHT)
+
+
+def te_biases(module: nn.Module) -> list[nn.Parameter]:
+    """A TE layer's biases (their gradient comes from ``backward_dw()``, or under FP8 from
+    the main backward)."""
+    return _own(module, "bias_names", _BIAS) if getattr(module, "use_bias", True) else []
+
+
+def _zero_grad_for_hook(param: nn.Parameter) -> None:
+    """A zero ``.grad`` where the hook would find None: adds nothing, and DDP's hook (which
+    asserts a ``.grad`` under ``overlap_grad_reduce``) sees one."""
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+
+
+def _prepare(module: nn.Module) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """Make ``module``'s parameters look as one outstanding entry would leave them (module
+    docstring); returns the ``.grad`` values set aside, to add back after the call."""
+    kept: list[tuple[nn.Parameter, torch.Tensor]] = []
+
+    def set_aside(param: nn.Parameter) -> None:
+        if param.grad is not None:
+            kept.append((param, param.grad))
+            param.grad = None
+
+    fused = bool(getattr(module, "fuse_wgrad_accumulation", False))
+    for weight in te_weights(module):
+        if not weight.requires_grad:
+            continue
+        if not fused:
+            set_aside(weight)
+        elif hasattr(weight, "grad_added_to_main_grad"):
+            _zero_grad_for_hook(weight)
+            weight.grad_added_to_main_grad = True
+    fp8 = bool(getattr(module, "fp8", False))
+    for bias in te_biases(module):
+        if bias.requires_grad:
+            _zero_grad_for_hook(bias) if fp8 else set_aside(bias)
+    return kept
+
+
+@contextlib.contextmanager
+def exactly(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Run the block's ``backward_dw()`` calls of the TE layers ``modules`` (one each) with
+    autograd's accumulation rule on every TE release (module docstring)."""
+    kept = [pair for module in modules for pair in _prepare(module)]
+    try:
+        yield
+    finally:
+        for param, grad in kept:
+            param.grad = grad if param.grad is None else param.grad + grad
+
+
+def exact_backward_dw(module: nn.Module) -> None:
+    """One ``module.backward_dw()``, exact on every supported TE release."""
+    with exactly([module]):
+        module.backward_dw()

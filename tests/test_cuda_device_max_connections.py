@@ -1,0 +1,60 @@
+"""``CUDA_DEVICE_MAX_CONNECTIONS`` by Megatron-LM's rule (``validate_args`` in
+``megatron/training/arguments.py``, core_v0.16.1 and core_v0.19.0): 1 with tensor
+parallelism, never forced to 1 with ``overlap_moe_expert_parallel_comm`` (its all-to-all
+runs beside compute), no requirement otherwise; ``train`` sets it before CUDA starts and
+keeps what the launching shell exported, with Megatron-LM's warning where that works
+against the rule."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from megatron_dualpipe.megatron.checks import cuda_device_max_connections
+from megatron_dualpipe.megatron.training import launch
+from megatron_dualpipe.megatron.training.config import load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize(
+    ("tp", "overlap", "current", "value", "warns"),
+    [
+        (2, False, None, "1", False),  # TP: one hardware queue, as Megatron-LM requires
+        (1, False, None, None, False),  # no TP: CUDA's default
+        (1, True, None, None, False),  # overlap: never 1
+        (2, True, None, None, False),  # TP and overlap: Megatron-LM only warns; not 1
+        (1, True, "1", None, True),  # 1 defeats the all-to-all overlap
+        (2, False, "8", None, True),  # Megatron-LM asserts 1 with TP before Blackwell
+        (2, False, "1", None, False),
+        (1, False, "8", None, False),
+    ],
+)
+def test_megatron_lms_rule(
+    tp: int, overlap: bool, current: str | None, value: str | None, warns: bool
+) -> None:
+    got, warning = cuda_device_max_connections(tensor_parallel=tp, overlap=overlap, current=current)
+    assert got == value and (warning is not None) is warns
+    if warning is not None:
+        assert "\n" not in warning and warning.startswith("CUDA_DEVICE_MAX_CONNECTIONS=")
+
+
+def test_train_sets_it_from_the_config_and_keeps_an_exported_value(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    tp2 = load_config(
+        CONFIGS / "tiny_moe_cpu.yaml", ["tensor_model_parallel_size=2", "world_size=8"]
+    )
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    launch._set_cuda_device_max_connections(tp2)
+    assert launch.os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    moe = load_config(
+        CONFIGS / "tiny_moe_cpu.yaml", ["overlap_moe_expert_parallel_comm=true", "bf16=true"]
+    )
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    with caplog.at_level(logging.WARNING, logger=launch.logger.name):
+        launch._set_cuda_device_max_connections(moe)
+    assert launch.os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"  # the shell's, kept
+    assert "cannot run beside compute" in caplog.text
