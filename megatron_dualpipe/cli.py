@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import gc
 import json
+import math
 import os
 import shutil
 import signal
@@ -26,6 +27,12 @@ from .progress import Progress
 from .schedules.comm_plan import LAYOUTS, comm_plan
 from .schedules.cost import CostModel
 from .schedules.ir import Schedule, ScheduleError
+from .schedules.limits import (
+    MAX_TIMELINE_SIZE,
+    optimize_size_problem,
+    schedule_size,
+    size_problem,
+)
 from .schedules.nccl_rules import EAGER_LIMIT, CommDeadlockError, check_nccl
 from .schedules.registry import SCHEDULES, generate, spec
 from .schedules.simulate import SimResult, simulate
@@ -243,51 +250,85 @@ def _run_preprocess(args: argparse.Namespace) -> None:
 
 
 class _Terminated(BaseException):
-    """SIGTERM arrived: unwind like Ctrl-C, so the embedded launcher kills its ranks."""
+    """SIGTERM or SIGHUP (a closed terminal or ssh session) arrived: unwind like Ctrl-C,
+    so the embedded launcher kills its ranks."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 def _terminate(signum: int, frame: object) -> None:
-    raise _Terminated
+    raise _Terminated(signum)
+
+
+#: Signals ``train`` unwinds on, as on Ctrl-C.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 def _run_train(args: argparse.Namespace) -> None:
     from .megatron.training import load_config, train  # train imports torch and megatron
 
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    previous = {signum: signal.signal(signum, _terminate) for signum in _STOP_SIGNALS}
     try:
         train(load_config(args.config, args.overrides), source=str(args.config))
-    finally:  # a SIGTERM while the error is printed must not interrupt the printing
-        signal.signal(signal.SIGTERM, previous)
+    finally:  # a signal while the error is printed must not interrupt the printing
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _load(path: Path) -> Schedule:
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".json":
+    """The schedule in ``path`` (text form, or JSON for ``.json``); one sentence for a file
+    that cannot be read or holds no schedule."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ScheduleError(f"--load: cannot read {path} ({err.strerror or err})") from None
+    except UnicodeDecodeError:
+        raise ScheduleError(
+            f"--load: {path} is not a schedule (not UTF-8 text): write one with simulate --save"
+        ) from None
+    if path.suffix != ".json":
+        return Schedule.from_text(text)
+    try:
         return Schedule.from_json(json.loads(text))
-    return Schedule.from_text(text)
+    except json.JSONDecodeError as err:
+        raise ScheduleError(
+            f"--load: {path} is not JSON (line {err.lineno}, column {err.colno}: {err.msg})"
+        ) from None
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise ScheduleError(
+            f"--load: {path} holds JSON but not a schedule ({type(err).__name__}: {err}): "
+            "write one with simulate --json"
+        ) from None
 
 
-#: The largest PP x micro-batches (x chunks / 2) simulated: about a minute and 1.5 GB at
-#: PP=1000 x 2000 (docs/schedules.md); beyond, the actions alone outgrow 2 GB.
-MAX_SIZE = 2_000_000
-#: The largest size whose every action's times are kept for --json, --png, --trace, --grid,
-#: and whose generated schedule is checked before it is simulated (beyond, the check would
-#: add a quarter to the time; the generators are checked for every legal size up to PP=16
-#: by the tests, and the simulation itself still finds deadlocks and lost messages).
-MAX_TIMELINE_SIZE = 250_000
+def _check_outputs(paths: dict[str, Path | None]) -> None:
+    """Refuse, before any work, an output (flag: path) this process cannot create: its
+    folder missing or unwritable, or the path a folder."""
+    for flag, path in paths.items():
+        if path is None:
+            continue
+        if path.is_dir():
+            raise ScheduleError(f"{flag}: {path} is a folder: name a file in it")
+        probe = path.parent / f".{path.name}.{os.getpid()}.probe"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as err:
+            raise ScheduleError(
+                f"{flag}: cannot write {path} ({err.strerror or err}): name a file in a folder "
+                "you can write to"
+            ) from None
 
 
 def _check_size(args: argparse.Namespace, mbs: int) -> None:
     """Refuse, before any work, what this command cannot simulate in a minute and 2 GB."""
-    size = args.pp * mbs * max(1, args.chunks // 2)
-    if size > MAX_SIZE:
-        raise ScheduleError(
-            f"PP={args.pp} x {mbs} micro-batches is too large to simulate here: PP x "
-            f"micro-batches must be at most {MAX_SIZE:,} (PP=1000 x 2000 takes about a minute "
-            "and 1.5 GB): lower --pp or --microbatches"
-        )
+    problem = size_problem(args.pp, mbs, args.chunks, doing="to simulate here")
+    if problem is not None:
+        raise ScheduleError(f"{problem}: lower --pp or --microbatches")
     wanted = [f"--{name}" for name in ("json", "png", "trace", "grid") if getattr(args, name)]
-    if wanted and size > MAX_TIMELINE_SIZE:
+    if wanted and schedule_size(args.pp, mbs, args.chunks) > MAX_TIMELINE_SIZE:
         raise ScheduleError(
             f"{', '.join(wanted)} keep every action's times, several GB at PP={args.pp} x {mbs} "
             f"micro-batches: drop {'them' if len(wanted) > 1 else 'it'} for the figures alone, "
@@ -413,8 +454,6 @@ def _run_advisor(args: argparse.Namespace) -> None:
     shape = ModelShape.from_values(values, source, origins)
     setup = PipelineSetup.from_values(values, source, origins)
     settings = MemorySettings.from_values(values, source, origins)
-    if args.memory_cap is not None and args.memory_cap <= 0:
-        raise ScheduleError(f"--memory-cap must be a positive number of GiB, got {args.memory_cap}")
     status = _StatusLine()
     try:
         advice = advise(
@@ -488,14 +527,15 @@ def _run_optimize(args: argparse.Namespace) -> None:
         raise ScheduleError(
             f"with --optimize, --memory-cap is a whole number of activations per rank, got {cap}"
         )
-    if args.time_limit <= 0:
-        raise ScheduleError(f"--time-limit must be positive, got {args.time_limit}")
     if args.load:
         base = _load(args.load)
         validate(base, dry_run=False)
     elif args.schedule == "all":
         raise ScheduleError("--optimize takes one schedule: name it with --schedule, not all")
     else:
+        too_large = optimize_size_problem(args.pp, _microbatches(args), args.chunks)
+        if too_large is not None:
+            raise ScheduleError(f"{too_large}: lower --pp or --microbatches")
         try:
             base = _generate(args.schedule or "dualpipev", args, _microbatches(args))
         except ScheduleError as err:
@@ -526,8 +566,37 @@ def _run_optimize(args: argparse.Namespace) -> None:
         print(f"wrote {args.save}")
 
 
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Refuse, before any work, a number flag that is not finite or out of its range."""
+    for flag in ("pp", "microbatches", "chunks"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ScheduleError(f"--{flag} must be a whole number >= 1, got {value}")
+    one = args.schedule not in (None, "all") and spec(args.schedule).chunks is None
+    if one and args.chunks < 2:
+        raise ScheduleError(
+            f"{args.schedule} needs --chunks >= 2 (use 1f1b for one chunk), got {args.chunks}"
+        )
+    ranges = {
+        "latency": (0.0, False),
+        "time_limit": (0.0, True),
+        "memory_cap": (0.0, True),
+        "message_mib": (0.0, False),
+    }
+    for name, (least, strictly) in ranges.items():
+        value = getattr(args, name)
+        if value is None:
+            continue
+        if not math.isfinite(value) or value < least or (strictly and value == least):
+            bound = f"{'>' if strictly else '>='} {least:g}"
+            flag = "--" + name.replace("_", "-")
+            raise ScheduleError(f"{flag} must be a finite number {bound}, got {value}")
+
+
 def _run_simulate(args: argparse.Namespace) -> None:
+    _check_numbers(args)
     _check_distinct_outputs(args)
+    _check_outputs({f"--{n}": getattr(args, n) for n in ("png", "trace", "json", "save")})
     if args.config:
         if args.optimize:
             raise ScheduleError(
@@ -629,11 +698,29 @@ def _report(
 def _run_bench(args: argparse.Namespace) -> None:
     from .bench import run  # the bench sections import torch only when they run
 
+    _check_outputs({"--json": args.json})
+    if args.out is not None:
+        if args.out.exists() and not args.out.is_dir():
+            raise ScheduleError(
+                f"--out: {args.out} is a file: name a folder for BENCHMARKS.md and the figures"
+            )
+        _check_outputs({"--out": args.out / "BENCHMARKS.md"} if args.out.is_dir() else {})
     sections = tuple(args.only) if args.only else None
     run(quick=args.quick, json_path=args.json, out_dir=args.out, sections=sections)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command in ``argv`` (default: this process's command line) and return its
+    exit status. Run as the command, it leaves its objects out of the interpreter's last
+    garbage collections (``gc.freeze``): torch's and Megatron's module graphs made the exit
+    take 4 to 10 s on a loaded machine, after the work was done."""
+    code = _main(argv)
+    if argv is None:
+        gc.freeze()
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
         prog="megatron-dualpipe",
         description="DualPipe and DualPipeV pipeline schedules for Megatron-Core: simulate a "
@@ -659,9 +746,11 @@ def main(argv: list[str] | None = None) -> int:
         # The embedded launchers kill every rank they started on the way out.
         print(f"megatron-dualpipe: {args.command} interrupted", file=sys.stderr)
         return 130
-    except _Terminated:
-        print(f"megatron-dualpipe: {args.command} terminated (SIGTERM)", file=sys.stderr)
-        return 143
+    except _Terminated as stop:
+        name = signal.Signals(stop.signum).name
+        with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+            print(f"megatron-dualpipe: {args.command} terminated ({name})", file=sys.stderr)
+        return 128 + stop.signum
     except BrokenPipeError:  # the reader of our output went away (| head)
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the interpreter's final flush
         return 1

@@ -194,6 +194,7 @@ def _check(args: Any) -> None:
             half_precision=bool(getattr(args, "bf16", False) or getattr(args, "fp16", False)),
             recompute_granularity=getattr(args, "recompute_granularity", None),
             mtp_num_layers=getattr(args, "mtp_num_layers", None),
+            moe=bool(getattr(args, "num_experts", None)),
         )
         if problem is not None:
             raise DualPipeConfigError(f"--overlap-moe-expert-parallel-comm {problem}")

@@ -22,11 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.distributed import (
-    DistributedDataParallel,
-    DistributedDataParallelConfig,
-    finalize_model_grads,
-)
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import schedules as megatron_schedules
 from megatron.core.tensor_parallel import random as megatron_random
@@ -41,6 +37,7 @@ from megatron_dualpipe.megatron.deferral import (
 from megatron_dualpipe.megatron.mirror import prepare_mirrors
 from megatron_dualpipe.megatron.names import global_named_parameters
 from megatron_dualpipe.megatron.placement import StagePlacementLayout, embedding_ranks
+from megatron_dualpipe.megatron.position_copies import finalize_model_grads, mark_position_copies
 from megatron_dualpipe.megatron.registry import get_forward_backward_func
 from megatron_dualpipe.megatron.tied import mark_tied_copies
 from megatron_dualpipe.megatron.version import clean_mtp_tracker, mtp_tracker_fields
@@ -377,6 +374,7 @@ def _ready_chunks(
     for chunk in chunks:
         tm.load_global_state(chunk, state)
     mark_tied_copies(chunks)
+    mark_position_copies(chunks)
     if layout.defers:
         assert enable_weight_grad_deferral(chunks) > 0
     if ddp:

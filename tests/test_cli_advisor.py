@@ -173,7 +173,7 @@ def test_a_split_that_does_not_load_is_named_and_replaced(tmp_path: Path) -> Non
         (["--config", str(TINY), "--grid"], "--grid does not apply with --config"),
         (["--config", str(TINY), "--schedule", "all"], "--schedule all does not apply"),
         (["--config", str(TINY), "--schedule", "interleaved-1f1b"], "interleaved-1f1b reads"),
-        (["--config", str(TINY), "--memory-cap", "0"], "--memory-cap must be a positive"),
+        (["--config", str(TINY), "--memory-cap", "0"], "--memory-cap must be a finite number > 0"),
         (["--config", str(TINY), "--memory-cap", "1e-9"], "no split found fits the memory cap"),
         (["--set", "num_layers=4"], "--set and --memory-cap apply to the advisor: add --config"),
     ],

@@ -9,16 +9,20 @@ the rest run the ranks and are bounded by the harness's timeouts.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_dualpipe.megatron.training import ConfigError, TrainError, load_config, train
 from megatron_dualpipe.megatron.version import common_state_in_dcp
+from tests.processes import wait_for
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multiproc, pytest.mark.slow]
 
@@ -153,23 +157,76 @@ def test_every_file_replaced_by_random_bytes(copy: Path) -> None:
     assert str(info.value).endswith(_advice(copy))
 
 
-@pytest.mark.slow
 def test_shards_of_the_right_length_with_random_contents(copy: Path) -> None:
-    """Only reading them finds this (before 0.19 after the ranks start; from 0.19, where the
-    common state lives in the shards, before): one sentence all the same."""
+    """The shards' objects other than tensors are read before any rank starts."""
     for shard in (copy / "iter_0000003").glob("*.distcp"):
         shard.write_bytes(b"\xff" + os.urandom(shard.stat().st_size - 1))
     with pytest.raises(TrainError) as info:
         _run(f"train_iters={SAVED}", f"load={copy}")
     message = str(info.value)
-    if common_state_in_dcp():  # 0.19: reading the common state reads a shard, before work
-        start = f"checkpoint {copy / 'iter_0000003'}: the common state (in the shards) cannot "
-        start += "be read (UnpicklingError: "  # what random bytes break varies
-    else:
-        start = f"checkpoint {copy / 'iter_0000003'} cannot be loaded: reading it failed on "
-        start += "ranks 0, 1 ("
-    assert message.startswith(start), message
+    assert re.match(
+        rf"checkpoint {re.escape(str(copy / 'iter_0000003'))}: __\d_\d\.distcp \(its object "
+        r"\S+\) cannot be read \(",
+        message,
+    ), message
     assert message.endswith(_advice(copy)) and "\n" not in message
+
+
+def _object_ranges(directory: Path) -> dict[str, list[tuple[int, int]]]:
+    """Per shard file, the (offset, end) of each object that is not a tensor."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from megatron_dualpipe.megatron.training.checkpoint_trust import read_metadata
+
+    found = read_metadata(directory / ".metadata")
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for index, info in found.storage_data.items():
+        if isinstance(found.state_dict_metadata[index.fqn], BytesStorageMetadata):
+            span = (info.offset, info.offset + info.length)
+            ranges.setdefault(info.relative_path, []).append(span)
+    return ranges
+
+
+@pytest.mark.slow
+def test_shards_with_random_tensors(copy: Path) -> None:
+    """Only reading the tensors finds this: after the ranks start, one sentence all the same."""
+    directory = copy / "iter_0000003"
+    kept = _object_ranges(directory)
+    for shard in directory.glob("*.distcp"):
+        data = bytearray(shard.read_bytes())
+        noise = bytearray(os.urandom(len(data)))
+        for start, end in kept.get(shard.name, []):
+            noise[start:end] = data[start:end]
+        shard.write_bytes(bytes(noise))
+    with pytest.raises(TrainError) as info:
+        _run(f"train_iters={SAVED}", f"load={copy}")
+    message = str(info.value)
+    assert message.startswith(
+        f"checkpoint {directory} cannot be loaded: reading it failed on ranks 0, 1 ("
+    ), message
+    assert message.endswith(_advice(copy)) and "\n" not in message
+
+
+class _Creates:
+    """Pickles to a call of ``open(path, "w")``: unpickled the plain way, it makes ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return (open, (str(self.path), "w"))
+
+
+def test_a_crafted_metadata_is_refused_before_any_rank_starts(copy: Path, tmp_path: Path) -> None:
+    """torch's reader unpickles ``.metadata`` with ``pickle.load``; the check does not."""
+    marker = tmp_path / "ran"
+    (copy / "iter_0000003" / ".metadata").write_bytes(pickle.dumps(_Creates(marker)))
+    _refused(
+        f"checkpoint {copy / 'iter_0000003'}: .metadata refers to io.open, which is not one of "
+        f"torch.distributed.checkpoint's metadata classes (nothing of it was run): {_advice(copy)}",
+        f"load={copy}",
+    )
+    assert not marker.exists()
 
 
 def test_ckpt_step_loads_an_earlier_iteration(copy: Path) -> None:
@@ -246,19 +303,26 @@ def test_an_unwritable_save_is_refused_before_the_first_iteration(tmp_path: Path
     )
 
 
-@pytest.fixture
-def read_only_dir(tmp_path: Path):
-    """A read-only file system (a tmpfs mounted ro); skipped where mounting is not allowed."""
-    mount = tmp_path / "ro"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)],
+@contextlib.contextmanager
+def _tmpfs(where: Path, options: str):
+    """A tmpfs mounted at ``where`` for the block; the test is skipped where mounting is
+    not allowed."""
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
                           capture_output=True)  # fmt: skip
     if done.returncode != 0:
-        pytest.skip("mounting a read-only tmpfs needs privileges this machine does not grant")
+        pytest.skip("mounting a tmpfs needs privileges this machine does not grant")
     try:
-        yield mount
+        yield where
     finally:
-        subprocess.run(["umount", str(mount)], check=True)
+        subprocess.run(["umount", str(where)], check=True)
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path):
+    """A read-only file system (a tmpfs mounted ro)."""
+    with _tmpfs(tmp_path / "ro", "ro,size=1m") as mount:
+        yield mount
 
 
 @pytest.mark.slow
@@ -299,3 +363,51 @@ def test_a_full_disk_names_the_iteration_and_keeps_the_last_checkpoint(tmp_path:
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "1\n"
     result = _run(f"train_iters={SAVED}", f"load={root}")  # and it loads
     assert result.resumed_from == 1 and sorted(result.losses) == [2, 3]
+
+
+def test_another_seq_length_is_refused_before_any_rank_starts(copy: Path) -> None:
+    """The learned position table follows seq_length where max_position_embeddings is left
+    unset: it was found only after the ranks started, with the advice to load an earlier
+    iteration (all of them have the same table)."""
+    _refused(
+        f"{copy / 'iter_0000003'}: the checkpoint's learned position embeddings cover 16 "
+        "positions but the config's cover 32 (seq_length 32; max_position_embeddings defaults "
+        "to seq_length): a checkpoint only loads into the same model: set "
+        "max_position_embeddings: 16 with seq_length at most 16, or train from scratch",
+        f"load={copy}",
+        "seq_length=32",
+    )
+
+
+@pytest.mark.slow
+def test_a_save_directory_turned_read_only_mid_run_is_one_sentence(tmp_path: Path) -> None:
+    """A tmpfs remounted read-only after the first save (it was a 22-line traceback of
+    rank 0's mkdir while rank 1 waited); skipped where mounting is not allowed."""
+    with _tmpfs(tmp_path / "fs", "size=64m") as mount:
+        save = mount / "ckpt"
+        sets = [f"save={save}", "save_interval=3", "train_iters=300", "output_dir=null",
+                "eval_interval=null"]  # fmt: skip
+        command = [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(TINY)]
+        err = tmp_path / "stderr"
+        proc = subprocess.Popen(
+            [*command, *[arg for item in sets for arg in ("--set", item)]],
+            stdout=subprocess.DEVNULL,
+            stderr=err.open("w"),
+        )
+        try:
+            tracker = save / "latest_checkpointed_iteration.txt"
+            wait_for("the first save", tracker.exists, proc)
+            subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+            assert proc.wait(timeout=120) == 2
+        finally:
+            proc.kill()
+            proc.wait()
+    lines = err.read_text().splitlines()
+    assert re.fullmatch(
+        rf"megatron-dualpipe: error: saving iteration 6 to {re.escape(str(save))}/iter_0000006 "
+        r"failed on rank 0: Read-only file system \(\S+\); the last complete checkpoint is "
+        r"iteration 3 \(the tracker still names it\): set save to a directory every rank can "
+        r"write to",
+        lines[-1],
+    ), lines[-1]
+    assert not any("Traceback" in line for line in lines), lines

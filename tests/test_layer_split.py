@@ -52,7 +52,7 @@ def test_counts_equal_megatrons(split: LayerSplit, stages: int) -> None:
         (LayerSplit(10), 4, "10 layers do not split evenly into 4 stages"),
         (LayerSplit(61, first=3, last=3), 8, "55 layers do not split evenly into the other 6"),
         (LayerSplit(8, first=2, account_for_loss=True), 4, "cannot be combined"),
-        (LayerSplit(4, first=6), 2, "-2 layers"),
+        (LayerSplit(4, first=6), 2, r"counts \(6\) exceed num_layers \(4\)"),
         (LayerSplit(4, last=0), 2, "must be >= 1"),
     ],
 )

@@ -182,7 +182,13 @@ def test_megatrons_own_1f1b_keeps_megatrons_function() -> None:
         ),
         (dict(pipeline_schedule="interleaved-1f1b"), "interleaved-1f1b needs pipeline parallelism"),
         (
-            dict(overlap_moe_expert_parallel_comm=True, expert_model_parallel_size=1, bf16=True),
+            dict(
+                overlap_moe_expert_parallel_comm=True,
+                num_experts=4,
+                expert_model_parallel_size=1,
+                moe_token_dispatcher_type="alltoall",
+                bf16=True,
+            ),
             "--overlap-moe-expert-parallel-comm needs expert parallelism",
         ),
         (
@@ -205,6 +211,7 @@ def test_megatrons_own_1f1b_keeps_megatrons_function() -> None:
         (
             dict(
                 overlap_moe_expert_parallel_comm=True,
+                num_experts=4,
                 expert_model_parallel_size=2,
                 moe_token_dispatcher_type="alltoall",
             ),

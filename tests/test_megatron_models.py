@@ -126,3 +126,35 @@ def test_a_split_that_cannot_run_is_one_sentence(schedule: str, split: dict, mes
     with pytest.raises(DualPipeConfigError, match=message) as info:
         stage_layers(schedule, 2, NUM_LAYERS, mtp_num_layers=1, **split)
     assert "\n" not in str(info.value)
+
+
+#: Every schedule at PP=2 (interleaved-1f1b with two chunks per rank).
+SCHEDULES = ("1f1b", "interleaved-1f1b", "zb1p", "dualpipe", "dualpipev")
+#: The fast case: Megatron's placement, whose MTP stage holds a copy of the learned
+#: position table on another rank than the embedding (it trained apart from the original).
+FAST_POSITIONS = ("zb1p", "learned", 1)
+
+
+def _position_cases() -> list:
+    cases = [(s, p, m) for s in SCHEDULES for p in ("learned", "rope") for m in (1, None)]
+    return [
+        pytest.param(
+            case,
+            marks=() if case == FAST_POSITIONS else pytest.mark.slow,
+            id=f"{case[0]}-{case[1]}-{'mtp' if case[2] else 'no-mtp'}",
+        )
+        for case in cases
+    ]
+
+
+@pytest.mark.parametrize("case", _position_cases())
+def test_positions_and_mtp_match_the_unpipelined_run(case: tuple) -> None:
+    """Learned absolute and rotary positions, with and without an MTP layer, under every
+    schedule: five Adam steps equal to the one-process run's (losses, MTP losses, the
+    first step's gradients, the MTP block's copy of the position table included)."""
+    schedule, positions, mtp = case
+    model = Model(mtp=mtp, rope=positions == "rope", num_layers=8)
+    vp = 2 if schedule == "interleaved-1f1b" else None
+    ours = None if schedule in ("1f1b", "interleaved-1f1b") else schedule  # None: Megatron's
+    worst = check_training(model, Layout(pp=2, vp=vp, schedule=ours))
+    assert worst["grad"] <= 1e-5

@@ -61,3 +61,39 @@ def test_hanging_worker_is_killed_within_the_timeout(tmp_path) -> None:
     hung_pid = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(hung_pid, 0)  # killed and reaped, not left behind
+
+
+def _listening_addresses(rank: int, world_size: int) -> list[str]:
+    import psutil
+
+    dist.all_reduce(torch.ones(1))  # every rank has joined: the store and gloo are up
+    connections = psutil.Process().net_connections("tcp")
+    return sorted({c.laddr.ip for c in connections if c.status == psutil.CONN_LISTEN})
+
+
+def test_the_ranks_listen_on_the_loopback_address_alone() -> None:
+    """Rank 0 hosts the rendezvous store: torch's own binds every interface of the machine
+    (it accepted connections on its external addresses)."""
+    assert run_workers(_listening_addresses, 2) == [["127.0.0.1"], ["127.0.0.1"]]
+
+
+def _stop_on_rank(rank: int, world_size: int, bad_rank: int) -> int:
+    import signal
+
+    if rank == bad_rank:
+        os.kill(os.getpid(), signal.SIGSTOP)  # hung, not dead: nothing tells the launcher
+    dist.all_reduce(torch.ones(1))
+    return rank
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_named_when_its_peers_give_up() -> None:
+    from megatron_dualpipe.runtime.launch import LaunchFailure, run_ranks
+
+    with pytest.raises(LaunchFailure) as info:
+        run_ranks(_stop_on_rank, 2, args=(1,), timeout_s=60, pg_timeout_s=1.0)
+    failure = info.value
+    assert failure.stopped == [1] and failure.errors[0][0] == 0, failure
+    assert failure.first.endswith(
+        "(rank 1 was stopped, by SIGSTOP or a debugger, and never answered)"
+    )

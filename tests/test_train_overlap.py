@@ -46,20 +46,22 @@ def test_the_overlapped_demo_runs_and_says_so() -> None:
     [
         (
             ("expert_model_parallel_size=1",),
-            "needs expert parallelism: set the expert-model-parallel size to 2 or more",
+            "needs expert parallelism, as in Megatron-Core: set the expert-model-parallel size to "
+            "2 or more",
         ),
         (("bf16=false",), "needs a bf16 (or fp16) model, as in Megatron-Core: turn bf16 on"),
         (
             ("recompute_granularity=full",),
-            "cannot run with full activation recomputation: unset recompute_granularity",
+            "needs selective or no activation recomputation (got full), as in Megatron-Core: "
+            "unset recompute_granularity",
         ),
         (
             ("moe_token_dispatcher_type=allgather",),
-            "needs the alltoall or flex token dispatcher, got 'allgather'",
+            "needs the alltoall or flex token dispatcher (got 'allgather')",
         ),
         (
             ("pipeline_schedule=1f1b",),
-            "which dualpipe and dualpipev run; 1f1b has none",
+            "needs a schedule with FB pairs to overlap (dualpipe or dualpipev; 1f1b has none)",
         ),
     ],
 )
@@ -103,3 +105,18 @@ def test_recomputation_keys_follow_megatron_cores_rules(overrides: list, message
         load_config(MOE, overrides)
     assert "\n" not in str(info.value)
     assert load_config(MOE, ["recompute_granularity=selective"]).recompute_granularity
+
+
+def test_the_dense_model_hears_the_whole_condition_at_once() -> None:
+    """It was told to set EP >= 2, which then failed with "needs num_experts"."""
+    tiny = MOE.parent / "tiny_gpt_cpu.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_config(tiny, ["overlap_moe_expert_parallel_comm=true"])
+    assert str(info.value) == (
+        "--set overlap_moe_expert_parallel_comm=true: overlap_moe_expert_parallel_comm: needs a "
+        "MoE model, expert parallelism, the alltoall or flex token dispatcher (got 'allgather') "
+        "and a bf16 (or fp16) model, as in Megatron-Core: give the model routed experts "
+        "(num_experts), set the expert-model-parallel size to 2 or more (the data-parallel "
+        "size, world size / (TP x PP), a multiple of it), set the token dispatcher to alltoall "
+        "and turn bf16 on, or turn it off"
+    )

@@ -73,6 +73,16 @@ def test_a_saved_schedule_of_another_run_is_refused_before_work(tmp_path: Path) 
     broken.write_text("\n".join(text[:-1]) + "\n", encoding="utf-8")  # rank 1 missing
     assert "is not a valid schedule" in _error(f"schedule_file={broken}")
 
+    # Every action there, each rank's order locally sound, but the ranks wait on each other
+    # (refused by simulate --load at once; it passed here and failed 7 s later in the ranks).
+    deadlocked = tmp_path / "deadlocked.txt"
+    text = generate("dualpipev", 2, 8).to_text()
+    assert text.count("\n0: 0F0 0F1 0F2 3F0 ") == 1
+    deadlocked.write_text(text.replace("\n0: 0F0 0F1 0F2 3F0 ", "\n0: 3F0 0F0 0F1 0F2 "))
+    assert "(the schedule deadlocks: rank 0 waits at 3F0 for 3RECV_F0 from rank 1; " in _error(
+        f"schedule_file={deadlocked}"
+    )
+
     # Dependencies met, but a stage's W out of its B order (deferred dW run first-in first-out).
     swapped = tmp_path / "swapped.txt"
     text = generate("dualpipev", 2, 8).to_text()

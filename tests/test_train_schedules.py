@@ -162,3 +162,35 @@ def test_summary_of_the_measured_step(unclipped: dict[str, dict]) -> None:
     assert "pipeline rank 1: busy" in text and "(simulated " in text
     assert dualpipev.lines[-1].startswith(f" training done: iteration {ITERATIONS} after ")
     assert dualpipev.lines[-1].endswith(f"; outputs: timeline {dualpipev.summary.png}")
+
+
+@pytest.fixture(scope="module")
+def with_mtp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """One MTP layer over learned absolute positions, clipping on, five iterations and a
+    save at the last: PP=1 and every schedule at PP=2."""
+    out = tmp_path_factory.mktemp("mtp")
+    common = ["mtp_num_layers=1", "train_iters=5", "eval_interval=null", "output_dir=null"]
+    runs = {}
+    for name in ("pp1", *SCHEDULES):
+        settings = [*common, f"save={out / name}"]
+        if name == "pp1":
+            settings += ["pipeline_schedule=1f1b", "pipeline_model_parallel_size=1", "world_size=1"]
+        else:
+            settings.append(f"pipeline_schedule={name}")
+        if name == "interleaved-1f1b":
+            settings.append("virtual_pipeline_model_parallel_size=2")
+        runs[name] = train(load_config(TINY, settings), source=str(TINY))
+    return runs
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_mtp_with_learned_positions_matches_pp1(with_mtp: dict, schedule: str) -> None:
+    """The MTP block's copy of the position table trains with the original (it was a second
+    table on the last rank under 1f1b and zb1p, trained on the MTP loss alone, and its save
+    failed), and leaves the gradient norm (dualpipe counted it twice)."""
+    reference, run = with_mtp["pp1"], with_mtp[schedule]
+    assert max(_relative_differences(run.losses, reference.losses)) <= REL_TOL
+    mtp = {i: losses[0] for i, losses in run.mtp_losses.items()}
+    expected = {i: losses[0] for i, losses in reference.mtp_losses.items()}
+    assert max(_relative_differences(mtp, expected)) <= REL_TOL
+    assert run.saved == [5]

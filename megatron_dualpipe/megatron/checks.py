@@ -110,26 +110,51 @@ def overlap_problem(
     half_precision: bool,
     recompute_granularity: str | None = None,
     mtp_num_layers: int | None = None,
+    moe: bool = True,
 ) -> str | None:
     """Why ``overlap_moe_expert_parallel_comm`` cannot run with these settings (Megatron-Core's
-    own preconditions, and a schedule with FB pairs), in one sentence, or None."""
+    own preconditions, and a schedule with FB pairs), every unmet one in one sentence, or
+    None. ``moe``: whether the model has routed experts."""
     pairs = [n for n, s in SCHEDULES.items() if s.places_chunks]
+    needs: list[tuple[str, str]] = []  # (what it needs, what to change)
     if schedule not in pairs:
-        return (
-            f"overlaps the forward and backward of FB pairs, which {' and '.join(pairs)} run; "
-            f"{schedule} has none: choose one of them or turn it off"
-        )
+        needs.append((
+            f"a schedule with FB pairs to overlap ({' or '.join(pairs)}; {schedule} has none)",
+            f"choose {' or '.join(pairs)}",
+        ))  # fmt: skip
+    if not moe:
+        needs.append(("a MoE model", "give the model routed experts (num_experts)"))
     if expert_parallel < 2:
-        return "needs expert parallelism: set the expert-model-parallel size to 2 or more"
+        needs.append((
+            "expert parallelism",
+            "set the expert-model-parallel size to 2 or more (the data-parallel size, world "
+            "size / (TP x PP), a multiple of it)",
+        ))  # fmt: skip
     if dispatcher not in ("alltoall", "flex"):
-        return f"needs the alltoall or flex token dispatcher, got {dispatcher!r}"
+        needs.append((
+            f"the alltoall or flex token dispatcher (got {dispatcher!r})",
+            "set the token dispatcher to alltoall",
+        ))  # fmt: skip
     if not half_precision:
-        return "needs a bf16 (or fp16) model, as in Megatron-Core: turn bf16 on"
+        needs.append(("a bf16 (or fp16) model", "turn bf16 on"))
     if recompute_granularity == "full":
-        return "cannot run with full activation recomputation: unset recompute_granularity"
+        needs.append((
+            "selective or no activation recomputation (got full)",
+            "unset recompute_granularity",
+        ))  # fmt: skip
     if mtp_num_layers is not None and mtp_num_layers > 1:
-        return f"runs at most one MTP layer, got mtp_num_layers {mtp_num_layers}"
-    return None
+        needs.append((f"at most one MTP layer (got {mtp_num_layers})", "set mtp_num_layers to 1"))
+    if not needs:
+        return None
+    return (
+        f"needs {_listed([n for n, _ in needs])}, as in Megatron-Core: "
+        f"{_listed([f for _, f in needs])}, or turn it off"
+    )
+
+
+def _listed(items: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
 def cuda_device_max_connections(

@@ -9,12 +9,20 @@ and then. A rare loss of that port between pick and bind shows up as a failure b
 
 A call never hangs and leaves nothing behind: after the first failure the other ranks get
 a short grace to report (usually a broken connection; shorter after a death, whose cause is
-already known), then every rank still running is
-killed with SIGKILL together with its process group (and so with whatever it started,
-such as a checkpoint writer); so it is at ``timeout_s``. A rank that dies without
-reporting (SIGKILL, the OOM killer, a crash) counts as failed the moment it dies: the
-parent watches each rank's process through a pidfd (polling where there is none), not
-only its result pipe, whose write end a child forked by the rank may still hold open.
+already known), then every rank still running is killed with SIGKILL together with its
+process group; so it is at ``timeout_s``. A rank that dies without reporting (SIGKILL, the
+OOM killer, a crash) counts as failed the moment it dies: the parent watches each rank's
+process through a pidfd (polling where there is none), not only its result pipe, whose
+write end a child forked by the rank may still hold open.
+
+Nothing outlives the parent either, whatever ends it (``kill -9``, SIGHUP): every rank and
+everything it starts (dist_checkpointing's forked writers, the result-queue manager and the
+resource tracker multiprocessing spawns) live in one process group of their own, led by a
+small guard process forked first. The guard only waits for the parent to exit; then it
+removes the run's temporary directory (where multiprocessing puts its ``pymp-*``
+directories, which SIGKILLed processes cannot remove) and kills the group, itself included.
+The ranks also die with the parent through the parent-death signal. Rank 0's rendezvous
+store listens on the loopback address alone.
 """
 
 from __future__ import annotations
@@ -26,13 +34,17 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import select
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,7 +52,7 @@ import torch.distributed as dist
 
 from ..errors import DualPipeError
 
-__all__ = ["LaunchFailure", "pick_port", "run_ranks"]
+__all__ = ["GUARD_NAME", "LaunchFailure", "pick_port", "run_ranks"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +65,8 @@ _POLL_S = 0.2
 #: How long to wait for a rank whose result pipe closed to exit.
 _EXIT_WAIT_S = 1.0
 _LAUNCH_ATTEMPTS = 3
+#: The process name of a launch's guard (see the module docstring), as ``ps`` shows it.
+GUARD_NAME = "dualpipe-guard"
 _ports_handed_out: set[int] = set()
 
 
@@ -62,7 +76,8 @@ class LaunchFailure(DualPipeError, RuntimeError):
     ``errors`` are (rank, kind, text), kind "setup" (before ``fn`` ran), "died" (exited
     without reporting) or "error": ranks that died first (their peers' errors follow from
     the death), then in the order the ranks failed, so the root cause comes first;
-    ``unfinished`` are the ranks killed at the deadline or after the first failure."""
+    ``unfinished`` are the ranks killed at the deadline or after the first failure, and
+    ``stopped`` those of them that were stopped (SIGSTOP, a debugger) when killed."""
 
     def __init__(
         self,
@@ -70,8 +85,10 @@ class LaunchFailure(DualPipeError, RuntimeError):
         errors: list[tuple[int, str, str]],
         unfinished: list[int],
         timeout_s: float | None,
+        stopped: Sequence[int] = (),
     ) -> None:
         self.world_size, self.errors, self.unfinished = world_size, errors, unfinished
+        self.stopped = list(stopped)
         if errors:
             rank, _, text = errors[0]
             parts = [f"--- rank {r} ({kind}) ---\n{t}" for r, kind, t in errors]
@@ -93,9 +110,19 @@ class LaunchFailure(DualPipeError, RuntimeError):
         """One line for the root cause: ``rank R of N failed: <its text>``, or the ranks
         that overran the deadline."""
         if not self.errors:
-            return str(self)
+            return str(self) + self._stopped_note()
         rank, _, text = self.errors[0]
-        return f"rank {rank} of {self.world_size} failed: {text}"
+        return f"rank {rank} of {self.world_size} failed: {text}{self._stopped_note()}"
+
+    def _stopped_note(self) -> str:
+        if not self.stopped:
+            return ""
+        ranks = ", ".join(map(str, self.stopped))
+        were = "were" if len(self.stopped) > 1 else "was"
+        return (
+            f" (rank{'s' if len(self.stopped) > 1 else ''} {ranks} {were} stopped, by SIGSTOP or "
+            "a debugger, and never answered)"
+        )
 
 
 def run_ranks(
@@ -122,7 +149,7 @@ def run_ranks(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     deadline = float("inf") if timeout_s is None else time.monotonic() + timeout_s
     for attempt in range(1, _LAUNCH_ATTEMPTS + 1):
-        results, errors, unfinished = _launch(
+        results, errors, unfinished, stopped = _launch(
             fn, world_size, tuple(args), deadline, pg_timeout_s, threads_per_rank, plain_errors
         )
         setup_failed = errors and all(kind == "setup" for _, kind, _ in errors)
@@ -130,7 +157,7 @@ def run_ranks(
             break
         logger.warning("run_ranks: rendezvous failed (attempt %d), retrying", attempt)
     if errors or unfinished:
-        failure = LaunchFailure(world_size, errors, unfinished, timeout_s)
+        failure = LaunchFailure(world_size, errors, unfinished, timeout_s, stopped)
         raise failure if failure_as is None else failure_as(failure)
     return [results[rank] for rank in range(world_size)]
 
@@ -143,12 +170,14 @@ def _launch(
     pg_timeout_s: float,
     threads: int,
     plain_errors: tuple[type[BaseException], ...],
-) -> tuple[dict[int, Any], list[tuple[int, str, str]], list[int]]:
-    """Fork the ranks once, collect their reports, and leave none running."""
+) -> tuple[dict[int, Any], list[tuple[int, str, str]], list[int], list[int]]:
+    """Fork the ranks once, collect their reports, and leave none running; also the
+    unfinished ranks found stopped before they were killed."""
     ctx = multiprocessing.get_context("fork")
     port = pick_port()
     procs: list[multiprocessing.process.BaseProcess] = []
     watches: list[_Watch] = []
+    group = _RunGroup()
     try:
         for rank in range(world_size):
             recv_end, send_end = ctx.Pipe(duplex=False)
@@ -157,6 +186,7 @@ def _launch(
                 args=(
                     send_end,
                     os.getpid(),
+                    group,
                     fn,
                     rank,
                     world_size,
@@ -170,18 +200,85 @@ def _launch(
             )
             proc.start()
             send_end.close()
-            _own_process_group(proc.pid)
+            group.join(proc.pid)
             procs.append(proc)
             watches.append(_Watch(rank, proc, recv_end))
-        return _collect(watches, deadline)
+        results, errors, unfinished = _collect(watches, deadline)
+        stopped = [rank for rank in unfinished if _is_stopped(procs[rank].pid)]
+        return results, errors, unfinished, stopped
     finally:
+        group.kill()
         for proc in procs:
-            _kill_tree(proc.pid)
+            with contextlib.suppress(ProcessLookupError):  # not in the group after all
+                os.kill(proc.pid, signal.SIGKILL)
         for proc in procs:
             proc.join()
             proc.close()
         for watch in watches:
             watch.close()
+        group.close()
+
+
+class _RunGroup:
+    """The process group of one launch: a guard process forked here leads it, every rank
+    joins it, and what the ranks start inherits it. :meth:`kill` ends all of it; if this
+    process dies first, the guard does (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.tmpdir = tempfile.mkdtemp(prefix="megatron-dualpipe-run-")
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            _guard_main(parent, self.tmpdir)  # never returns
+        self.pgid = pid
+        self.join(pid)
+
+    def join(self, pid: int) -> None:
+        """Move ``pid`` (0: this process) into the group; done on both sides of a fork so a
+        kill right after the start still reaches it."""
+        with contextlib.suppress(OSError):  # already exited, or done by the other side
+            os.setpgid(pid, self.pgid)
+
+    def kill(self) -> None:
+        """SIGKILL every process of the group: the ranks, their children, the guard."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pgid, signal.SIGKILL)
+
+    def close(self) -> None:
+        """Reap the guard and remove the run's temporary directory (after :meth:`kill`)."""
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pgid, 0)
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def _guard_main(parent: int, tmpdir: str) -> None:
+    """The guard: lead the run's process group, wait for ``parent`` to exit, then remove
+    ``tmpdir`` and SIGKILL the group (this process too). Signals meant for the parent's
+    terminal are ignored; only the parent's exit ends the wait."""
+    try:
+        os.setpgid(0, 0)
+        _name_process(GUARD_NAME)
+        for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
+        _wait_for_exit(parent)
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    finally:
+        with contextlib.suppress(OSError):
+            os.killpg(0, signal.SIGKILL)
+        os._exit(0)
+
+
+def _wait_for_exit(pid: int) -> None:
+    """Return once ``pid`` (this process's parent) has exited: through a pidfd, or by
+    polling the parent's pid where the kernel has no pidfd."""
+    pidfd = None
+    with contextlib.suppress(AttributeError, OSError):  # gone already, or not Linux >= 5.3
+        pidfd = os.pidfd_open(pid)
+    if pidfd is not None and os.getppid() == pid:
+        select.select([pidfd], [], [])
+        return
+    while os.getppid() == pid:
+        time.sleep(_POLL_S)
 
 
 def pick_port() -> int:
@@ -226,6 +323,15 @@ class _Watch:
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
+
+
+def _is_stopped(pid: int | None) -> bool:
+    """Whether ``pid`` is stopped (SIGSTOP, a debugger): state T or t in ``/proc``."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] in ("T", "t")
 
 
 def _death_text(exitcode: int | None) -> str:
@@ -288,6 +394,7 @@ def _collect(
 def _rank_main(
     conn: multiprocessing.connection.Connection,
     parent_pid: int,
+    group: _RunGroup,
     fn: Callable[..., Any],
     rank: int,
     world_size: int,
@@ -302,10 +409,13 @@ def _rank_main(
     the process group goes down, so the peers it disconnects report later."""
     exit_code = 1
     try:
-        _own_process_group(0)
+        group.join(0)
         _die_with_parent(parent_pid)
+        # What multiprocessing leaves in the temporary directory goes with the run's.
+        tempfile.tempdir = group.tmpdir
         try:
             os.environ.update(
+                TMPDIR=group.tmpdir,
                 MASTER_ADDR=_HOST,
                 MASTER_PORT=str(port),
                 RANK=str(rank),
@@ -314,8 +424,10 @@ def _rank_main(
                 LOCAL_WORLD_SIZE=str(world_size),
             )
             torch.set_num_threads(threads)
+            timeout = timedelta(seconds=pg_timeout_s)
+            listener, store = _rendezvous(rank, world_size, port, timeout)  # kept open
             dist.init_process_group(
-                "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
+                "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
             )
         except BaseException:
             _report(conn, "setup", traceback.format_exc())
@@ -337,6 +449,24 @@ def _rank_main(
         os._exit(exit_code)
 
 
+def _rendezvous(
+    rank: int, world_size: int, port: int, timeout: timedelta
+) -> tuple[socket.socket | None, dist.TCPStore]:
+    """The ranks' store, hosted by rank 0 on the loopback address only (torch's own binds
+    every interface): on a socket bound here and handed to it. Returns the socket (keep it
+    open while the store lives) and the store."""
+    if rank != 0:
+        return None, dist.TCPStore(_HOST, port, world_size, False, timeout=timeout)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((_HOST, port))
+    listener.listen(max(128, world_size))
+    store = dist.TCPStore(
+        _HOST, port, world_size, True, timeout=timeout, master_listen_fd=listener.fileno()
+    )
+    return listener, store
+
+
 def _report(conn: multiprocessing.connection.Connection, status: str, payload: Any) -> None:
     when = time.monotonic()
     try:
@@ -348,29 +478,20 @@ def _report(conn: multiprocessing.connection.Connection, status: str, payload: A
     conn.close()
 
 
+def _name_process(name: str) -> None:
+    """Set this process's name as ``ps -o comm`` and psutil's ``name()`` show it (Linux)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            pr_set_name = 15
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_name, name.encode()[:15])
+
+
 def _die_with_parent(parent_pid: int) -> None:
     """On Linux, have the kernel SIGKILL this rank when the parent dies; the rank runs in
-    its own process group, out of reach of a kill aimed at the parent's group."""
+    the run's process group, out of reach of a kill aimed at the parent's group."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             pr_set_pdeathsig = 1
             ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before the request took effect
         os._exit(1)
-
-
-def _own_process_group(pid: int) -> None:
-    """Make ``pid`` (0: this process) lead its own process group; done on both sides of
-    the fork so a kill right after start still reaches the whole group."""
-    with contextlib.suppress(OSError):  # already exited, or done by the other side
-        os.setpgid(pid, 0)
-
-
-def _kill_tree(pid: int | None) -> None:
-    """SIGKILL a rank's process group (the rank and anything it started)."""
-    if pid is None:
-        return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)

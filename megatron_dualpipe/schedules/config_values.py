@@ -41,6 +41,8 @@ def read_values(path: str | Path, overrides: Iterable[str] = ()) -> dict[str, An
         raise ConfigValueError(f"{source}: cannot read the config: {err.strerror}") from None
     except yaml.YAMLError as err:
         raise ConfigValueError(f"{source}: not valid YAML: {' '.join(str(err).split())}") from None
+    except UnicodeDecodeError:
+        raise ConfigValueError(f"{source}: not valid YAML: not UTF-8 text") from None
     if not isinstance(raw, dict):
         raise ConfigValueError(f"{source}: expected a mapping of keys to values at the top level")
     values = {str(k): v for k, v in raw.items()}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -11,6 +12,13 @@ __all__ = ["CostModel"]
 
 #: Which of (F, B, W) each compute kind performs.
 _PARTS = {Kind.F: (0,), Kind.B: (1,), Kind.W: (2,), Kind.BW: (1, 2)}
+#: The largest time or factor a cost model takes (the advisor's are FLOP counts, 1e15 and
+#: more): a cost times a scale, summed over millions of actions, stays far from overflow.
+MAX_COST = 1e100
+
+
+def _in_range(value: float) -> bool:
+    return math.isfinite(value) and 0 <= value <= MAX_COST
 
 
 @dataclass(frozen=True)
@@ -38,19 +46,30 @@ class CostModel:
     stage_costs: tuple[tuple[float, float, float], ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "w", "overlap", "latency"):
-            if getattr(self, name) < 0:
-                raise ScheduleError(f"cost {name} must not be negative")
-        if self.fb is not None and self.fb < 0:
-            raise ScheduleError("cost FB must not be negative")
+        for name in ("f", "b", "w", "fb", "overlap", "latency"):
+            value = getattr(self, name)
+            if value is not None and not _in_range(value):
+                label = name.upper() if len(name) < 3 else name
+                raise ScheduleError(
+                    f"cost {label} must be a finite number from 0 to {MAX_COST:g}, got {value}"
+                )
+        for name in ("stage_scale", "rank_scale"):
+            values = getattr(self, name)
+            if values is not None and not all(map(_in_range, values)):
+                raise ScheduleError(
+                    f"{name} must hold finite numbers from 0 to {MAX_COST:g}, got {values}"
+                )
         if self.stage_costs is not None:
             if self.fb is not None or self.stage_scale is not None:
                 raise ScheduleError(
                     "per-stage costs cannot be combined with FB or stage_scale: give the "
                     "overlap factor instead of FB, and fold the scales into the stage costs"
                 )
-            if any(len(c) != 3 or min(c) < 0 for c in self.stage_costs):
-                raise ScheduleError("each per-stage cost must be three non-negative times F, B, W")
+            if any(len(c) != 3 or not all(map(_in_range, c)) for c in self.stage_costs):
+                raise ScheduleError(
+                    f"each per-stage cost must be three times F, B, W, finite numbers from 0 "
+                    f"to {MAX_COST:g}"
+                )
 
     @staticmethod
     def parse(text: str, latency: float = 0.0) -> CostModel:
@@ -68,7 +87,13 @@ class CostModel:
                 fields[names[key.strip().upper()]] = float(value)
             except ValueError:
                 raise ScheduleError(f"cost {key} must be a number, got {value!r}") from None
-        return CostModel(latency=latency, **fields)
+        model = CostModel(latency=latency, **fields)
+        if model.f + model.b + model.w == 0:
+            raise ScheduleError(
+                f"cost {text!r} gives F, B and W no time, so no schedule takes any: give at "
+                "least one of them a positive time"
+            )
+        return model
 
     def per_stage(self, num_ranks: int, num_model_stages: int) -> CostModel:
         """Convert costs given for one rank's share of the model (one 1F1B stage) into

@@ -112,7 +112,13 @@ def _uneven(split: LayerSplit, model_stages: int) -> list[int]:
         raise ScheduleError("first/last stage layer counts must be >= 1 (as in Megatron-Core)")
     rest = split.num_layers - sum(fixed.values())
     middle = model_stages - len(fixed)
-    if rest < 0 or (middle == 0 and rest) or (middle and rest % middle):
+    if rest < 0:
+        counts = " + ".join(str(count) for count in fixed.values())
+        raise ScheduleError(
+            f"the first/last stage layer counts ({counts}) exceed num_layers "
+            f"({split.num_layers}): lower them, or raise num_layers"
+        )
+    if (middle == 0 and rest) or (middle and rest % middle):
         raise ScheduleError(
             f"after {sum(fixed.values())} layers in the first/last stage, {rest} layers do "
             f"not split evenly into the other {middle} stages: change the first/last counts"

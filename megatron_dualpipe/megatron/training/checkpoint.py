@@ -32,6 +32,7 @@ tracker's.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,13 +46,16 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..checks import schedule_spec
 from ..cpu_compat import apply_cpu_compat
+from ..position_copies import POSITION_TABLE, mark_position_copy_replica
 from .checkpoint_files import (
     TRACKER,
     CheckpointError,
-    damage,
+    Damaged,
+    contents,
     earlier_advice,
     failure_cause,
     iteration_dir,
@@ -62,6 +66,7 @@ from .checkpoint_files import (
 )
 from .config import TrainConfig
 from .optim import scheduler_settings
+from .writer_watch import WriterDied, writers_watched
 
 __all__ = [
     "CheckpointError",
@@ -145,6 +150,7 @@ def _model_state(cfg: TrainConfig, model: list[Any]) -> dict[str, Any]:
     for i, chunk in enumerate(model):
         # A metadata dict, as Megatron-LM passes: GPTModel's MTP chunks read it (None fails).
         chunk_state = unwrap_model(chunk).sharded_state_dict(metadata={})
+        mark_position_copy_replica(chunk, chunk_state)
         if i == 1 and schedule_spec(cfg.pipeline_schedule).placement == "mirror":
             chunk_state = as_mirror_replicas(chunk_state)
         state[f"model{i}"] = chunk_state
@@ -210,9 +216,7 @@ def save_checkpoint(
     assert cfg.save is not None
     apply_cpu_compat()  # dist_checkpointing's writer assumes CUDA (no-op with CUDA)
     directory = iteration_dir(cfg.save, state.iteration)
-    if dist.get_rank() == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
+    _on_rank_0(lambda: directory.mkdir(parents=True, exist_ok=True), cfg.save, state.iteration)
     sharded = _sharded_state(cfg, model, optimizer, loading=False, with_rng=True)
     sharded.update(
         iteration=state.iteration,
@@ -223,7 +227,7 @@ def save_checkpoint(
         model_config=model_settings(cfg, vocab_size),
     )
     try:
-        with writer_errors() as logged:
+        with writers_watched(), writer_errors() as logged:
             dist_checkpointing.save(sharded, str(directory))
     except (Exception, CheckpointException) as err:  # every rank's failure, gathered
         message = [_save_failure(cfg.save, state.iteration, err, logged)]
@@ -232,14 +236,37 @@ def save_checkpoint(
             dist.broadcast_object_list(message, src=0)
         raise CheckpointError(message[0]) from None
     dist.barrier()
-    if dist.get_rank() == 0:
-        write_tracker(cfg.save, state.iteration)
-    dist.barrier()
+    _on_rank_0(lambda: write_tracker(cfg.save, state.iteration), cfg.save, state.iteration)
     return directory
 
 
-def _save_failure(root: str, iteration: int, err: BaseException, logged: list[str]) -> str:
-    ranks, cause = failure_cause(err, logged)
+def _on_rank_0(step: Callable[[], object], root: str, iteration: int) -> None:
+    """Run a file step of the save on global rank 0 (making the directory, writing the
+    tracker); collective: where it fails (the file system turned read-only, say) every rank
+    raises the same :class:`CheckpointError` sentence."""
+    problem: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            step()
+        except OSError as err:
+            cause = f"{err.strerror or err} ({getattr(err, 'filename', None) or root})"
+            problem = [_save_failure(root, iteration, err, cause=cause, ranks=[0])]
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise CheckpointError(problem[0])
+
+
+def _save_failure(
+    root: str,
+    iteration: int,
+    err: BaseException,
+    logged: Sequence[str] = (),
+    *,
+    cause: str | None = None,
+    ranks: list[int] | None = None,
+) -> str:
+    found_ranks, found_cause = failure_cause(err, logged)
+    ranks, cause = ranks or found_ranks, cause or found_cause
     where = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else ""
     last = read_tracker(root)
     kept = (
@@ -247,10 +274,39 @@ def _save_failure(root: str, iteration: int, err: BaseException, logged: list[st
         if last is not None
         else f"there is no complete checkpoint in {root} yet"
     )
+    died = _writer_death(err)
+    if died is not None:
+        cause = f"a checkpoint writer process it started died ({died})"
+        advice = "find what ended it (the out-of-memory killer, a kill) and resume with load"
+    elif cause == "no space left on device":
+        advice = f"free space in {root} or set save to another directory"
+    else:
+        advice = "set save to a directory every rank can write to"
     return (
         f"saving iteration {iteration} to {iteration_dir(root, iteration)} failed{where}: "
-        f"{cause}; {kept}: free space in {root} or set save to another directory"
+        f"{cause}; {kept}: {advice}"
     )
+
+
+def _writer_death(err: BaseException) -> str | None:
+    """How a writer process died, where ``err`` (or what caused it) says one did: the
+    watch's :class:`WriterDied`, or a pipe to the writers that broke."""
+    failures = getattr(err, "failures", None)  # torch's CheckpointException: every rank's
+    pending = [err, *(failures.values() if isinstance(failures, dict) else ())]
+    seen: set[int] = set()
+    while pending:
+        current = pending.pop()
+        if isinstance(current, tuple) and current:  # (exception, traceback) per rank
+            current = current[0]
+        if not isinstance(current, BaseException) or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, WriterDied):
+            return str(current)
+        if isinstance(current, (BrokenPipeError, EOFError, ConnectionResetError)):
+            return f"its pipe broke: {type(current).__name__}"
+        pending.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+    return None
 
 
 def _iteration_to_load(cfg: TrainConfig) -> int | None:
@@ -287,18 +343,19 @@ def check_loadable(cfg: TrainConfig, vocab_size: int | None = None) -> None:
     if iteration is None:
         return
     directory = iteration_dir(cfg.load, iteration)
-    problem = damage(directory)
-    if problem is not None and not directory.is_dir():
+    if not directory.is_dir():
         named = f"{TRACKER} in {cfg.load}" if cfg.ckpt_step is None else "ckpt_step"
         raise CheckpointError(
             f"{named} names iteration {iteration}, but {directory} does not exist: "
             f"{earlier_advice(cfg.load)}"
         )
-    if problem is not None:
+    try:
+        found = contents(directory)
+    except Damaged as problem:
         raise CheckpointError(
             f"checkpoint {directory}: {problem}: {earlier_advice(cfg.load, before=iteration)}"
-        )
-    common = dist_checkpointing.load_common_state_dict(str(directory))
+        ) from None
+    common = found.common
     saved = common["model_config"]
     ours = model_settings(cfg, vocab_size)
     for key in MODEL_KEYS:
@@ -307,7 +364,28 @@ def check_loadable(cfg: TrainConfig, vocab_size: int | None = None) -> None:
                 f"{directory}: the checkpoint was saved with {key} {saved.get(key)!r} but the "
                 f"config has {ours[key]!r}: a checkpoint only loads into the same model"
             )
+    _check_position_table(cfg, directory, found.metadata)
     _check_scheduler(cfg, directory, common["opt_param_scheduler"])
+
+
+def _check_position_table(cfg: TrainConfig, directory: Path, metadata: Any) -> None:
+    """The learned position table's length, which the saved keys do not pin down where
+    ``max_position_embeddings`` was left to its default (``seq_length``)."""
+    if cfg.position_embedding_type != "learned_absolute":
+        return
+    saved = metadata.state_dict_metadata.get(POSITION_TABLE)
+    if not isinstance(saved, TensorStorageMetadata):
+        return
+    have, want = saved.size[0], cfg.max_position_embeddings or cfg.seq_length
+    if have == want:
+        return
+    key = "max_position_embeddings" if cfg.max_position_embeddings is not None else "seq_length"
+    raise CheckpointError(
+        f"{directory}: the checkpoint's learned position embeddings cover {have} positions but "
+        f"the config's cover {want} ({key} {want}; max_position_embeddings defaults to "
+        f"seq_length): a checkpoint only loads into the same model: set "
+        f"max_position_embeddings: {have} with seq_length at most {have}, or train from scratch"
+    )
 
 
 #: The learning-rate scheduler's saved settings that Megatron compares on load, with the
@@ -366,9 +444,15 @@ def load_checkpoint(
     except (Exception, CheckpointException) as err:  # every rank's failure, gathered
         ranks, cause = failure_cause(err)
         where = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        advice = (
+            "a checkpoint only loads into the same model: give the model keys of the run that "
+            "saved it"
+            if "shape mismatch" in cause
+            else earlier_advice(cfg.load, before=iteration)
+        )
         raise CheckpointError(
             f"checkpoint {directory} cannot be loaded: reading it failed{where if ranks else ''} "
-            f"({cause}): {earlier_advice(cfg.load, before=iteration)}"
+            f"({cause}): {advice}"
         ) from None
     for i, chunk in enumerate(model):
         unwrap_model(chunk).load_state_dict(loaded[f"model{i}"], strict=True)

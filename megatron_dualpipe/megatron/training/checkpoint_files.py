@@ -4,11 +4,14 @@ Megatron-LM's layout: ``<root>/iter_0000005/`` per saved iteration and
 ``<root>/latest_checkpointed_iteration.txt`` naming the newest complete one (written after
 every rank saved, atomically). An iteration directory of dist_checkpointing's
 ``torch_dist`` format is complete when its ``metadata.json`` names that format, its common
-state and ``.metadata`` can be read, and every shard file ``.metadata`` indexes is there at
-its full length. The common state is ``common.pt`` where megatron-core writes one (before
-0.19; 0.19 reads it still) and a ShardedObject inside the shards otherwise
-(:func:`~..version.common_state_in_dcp`). Shards with the right length but damaged
-contents are only found when they are read (:func:`load_failure`).
+state and ``.metadata`` can be read, every shard file ``.metadata`` indexes is there at its
+full length, and the shards' objects other than tensors load. The common state is
+``common.pt`` where megatron-core writes one (before 0.19; 0.19 reads it still) and a
+ShardedObject inside the shards otherwise (:func:`~..version.common_state_in_dcp`).
+Nothing is read in a way that could run code from the files (:mod:`.checkpoint_trust`):
+the shards' objects and the index are checked before megatron-core's reader reads a common
+state kept among them. Shards with the right length but damaged tensors are only found
+when the ranks read them.
 
 Every problem is one :class:`CheckpointError` sentence naming the directory, the file,
 what is wrong and what to do (load an earlier iteration with ``ckpt_step``, Megatron-LM's
@@ -19,26 +22,33 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import json
 import logging
 import os
 import re
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from megatron.core import dist_checkpointing
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ..version import common_state_in_dcp
+from .checkpoint_trust import UntrustedPickle, load_weights_only, read_metadata
 from .errors import TrainError
 
 __all__ = [
     "COMMON_PT",
     "TRACKER",
     "CheckpointError",
+    "Contents",
+    "Damaged",
     "complete_iterations",
+    "contents",
     "damage",
     "earlier_advice",
     "failure_cause",
@@ -95,41 +105,104 @@ def iterations(root: str | Path) -> list[int]:
     return sorted(found)
 
 
-def damage(directory: Path) -> str | None:
-    """What keeps the checkpoint in ``directory`` from loading ("<file> is missing", "<file>
-    is truncated ...", "<file> cannot be read (...)"), or None if it looks complete."""
+@dataclass(frozen=True)
+class Contents:
+    """What a complete-looking checkpoint directory holds, read without running code from it
+    (:mod:`.checkpoint_trust`): its common state and torch.distributed.checkpoint's index."""
+
+    common: dict[str, Any]
+    metadata: Metadata
+
+
+class Damaged(TrainError):
+    """What keeps a checkpoint directory from loading, as a clause: "<file> is missing",
+    "<file> is truncated ...", "<file> cannot be read (...)", "<file> refers to ..."."""
+
+
+def contents(directory: Path) -> Contents:
+    """Read ``directory``'s common state and index, and check that every shard the index
+    names is there at its full length and that its objects other than tensors load without
+    running code; :class:`Damaged` otherwise."""
     if not directory.is_dir():
-        return "the directory does not exist"
+        raise Damaged("the directory does not exist")
     legacy = (directory / COMMON_PT).is_file() or not common_state_in_dcp()
     for name in ("metadata.json", COMMON_PT, ".metadata"):
         if not (directory / name).is_file() and (name != COMMON_PT or legacy):
-            return f"{name} is missing"
+            raise Damaged(f"{name} is missing")
     try:
         backend = json.loads((directory / "metadata.json").read_text(encoding="utf-8"))
         if backend.get("sharded_backend") != "torch_dist":
             raise ValueError(f"sharded backend {backend.get('sharded_backend')!r}")
     except (ValueError, AttributeError, UnicodeDecodeError) as err:
-        return f"metadata.json cannot be read ({_first_line(err)})"
+        raise Damaged(f"metadata.json cannot be read ({_first_line(err)})") from None
+    metadata = _read(directory, ".metadata", read_metadata)
+    needed: dict[str, int] = defaultdict(int)
     try:
-        metadata = FileSystemReader(str(directory)).read_metadata()
-        needed: dict[str, int] = defaultdict(int)
         for info in metadata.storage_data.values():
             end = info.offset + info.length
             needed[info.relative_path] = max(needed[info.relative_path], end)
-    except Exception as err:  # unpickling damaged bytes raises many kinds
-        return f".metadata cannot be read ({_first_line(err)})"
+    except (AttributeError, TypeError) as err:
+        raise Damaged(f".metadata cannot be read ({_first_line(err)})") from None
     for name, size in sorted(needed.items()):
         path = directory / name
         if not path.is_file():
-            return f"{name} is missing"
+            raise Damaged(f"{name} is missing")
         have = path.stat().st_size
         if have < size:
-            return f"{name} is truncated ({have} of its {size} bytes)"
+            raise Damaged(f"{name} is truncated ({have} of its {size} bytes)")
+    _check_objects(directory, metadata)
+    common = _read(directory, COMMON_PT, load_weights_only) if legacy else _common_in(directory)
+    if not isinstance(common, dict):
+        raise Damaged(f"the common state holds a {type(common).__name__}, not a checkpoint's")
+    return Contents(common, metadata)
+
+
+def _common_in(directory: Path) -> dict[str, Any]:
+    """The common state megatron-core 0.19 keeps among the shards, read by megatron-core
+    once the shards' objects and the index are known to run no code."""
     try:
-        dist_checkpointing.load_common_state_dict(str(directory))
+        return dist_checkpointing.load_common_state_dict(str(directory))
     except (Exception, CheckpointException) as err:  # damaged bytes raise many kinds
-        common = COMMON_PT if legacy else "the common state (in the shards)"
-        return f"{common} cannot be read ({_first_line(_cause(err))})"
+        cause = _first_line(_cause(err))
+        raise Damaged(f"the common state (in the shards) cannot be read ({cause})") from None
+
+
+def _read(directory: Path, name: str, reader: Callable[[Path], Any]) -> Any:
+    try:
+        return reader(directory / name)
+    except UntrustedPickle as err:
+        raise Damaged(f"{name} {err} (nothing of it was run)") from None
+    except Exception as err:  # unpickling damaged bytes raises many kinds
+        raise Damaged(f"{name} cannot be read ({_first_line(err)})") from None
+
+
+def _check_objects(directory: Path, metadata: Metadata) -> None:
+    """Load every object of the shards that is not a tensor (torch's loader reads them with
+    ``weights_only=False``) the safe way first; :class:`Damaged` naming the first refused."""
+    for index, info in metadata.storage_data.items():
+        if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            continue
+        where = f"{info.relative_path} (its object {index.fqn})"
+        if getattr(info, "transform_descriptors", None):
+            raise Damaged(f"{where} is stored with transforms this check cannot read")
+        with (directory / info.relative_path).open("rb") as stream:
+            stream.seek(info.offset)
+            data = stream.read(info.length)
+        try:
+            load_weights_only(io.BytesIO(data))
+        except UntrustedPickle as err:
+            raise Damaged(f"{where} {err} (nothing of it was run)") from None
+        except Exception as err:
+            raise Damaged(f"{where} cannot be read ({_first_line(err)})") from None
+
+
+def damage(directory: Path) -> str | None:
+    """What keeps the checkpoint in ``directory`` from loading (:class:`Damaged`'s clause),
+    or None if it looks complete."""
+    try:
+        contents(directory)
+    except Damaged as err:
+        return str(err)
     return None
 
 

@@ -26,6 +26,7 @@ import yaml
 from ...errors import DualPipeError
 from ...schedules.config_values import override_origins
 from ...schedules.ir import Schedule, ScheduleError
+from ...schedules.limits import optimize_size_problem, size_problem
 from ...schedules.model_cost import Recompute, parse_moe_layer_freq
 from ...schedules.registry import OUR_SCHEDULES, SCHEDULES
 from ...schedules.validate import check_weight_grads_in_b_order, validate
@@ -647,6 +648,7 @@ def _validated(
     checks = (
         _check_values,
         _check_parallel,
+        _check_sizes,
         _check_model,
         _check_schedule,
         _check_schedule_order,
@@ -700,6 +702,8 @@ def _check_values(cfg: TrainConfig) -> Problem:
         base, _ = _base(tp)
         if base is int and value is not None and value < _minimum(name):
             return name, f"must be >= {_minimum(name)}, got {value}"
+        if base is int and value is not None and value > _maximum(name):
+            return name, f"must be at most {_maximum(name):,}, got {value:,}"
         if base is float and value is not None and (value < 0 or not math.isfinite(value)):
             return name, f"must be a finite number >= 0, got {value}"
     if cfg.min_lr > cfg.lr:
@@ -713,6 +717,29 @@ def _check_values(cfg: TrainConfig) -> Problem:
 def _minimum(name: str) -> int:
     """Smallest legal value of an integer key."""
     return 0 if name in ("seed", "eval_iters", "lr_warmup_iters") else 1
+
+
+def _maximum(name: str) -> int:
+    """Largest legal value of an integer key: what a C int holds (the widest Megatron-Core
+    and torch take for sizes and counts; with it, iterations x samples per step stay within
+    the int64 sample index of the data), a 64-bit seed."""
+    return 2**63 - 1 if name == "seed" else 2**31 - 1
+
+
+def _check_sizes(cfg: TrainConfig) -> Problem:
+    """A step whose schedule (or list of micro-batches, under Megatron's schedules) is
+    larger than megatron-dualpipe builds (the bound ``simulate`` keeps)."""
+    m, pp = cfg.num_microbatches, cfg.pipeline_model_parallel_size
+    problem = size_problem(
+        pp, m, cfg.virtual_pipeline_model_parallel_size, doing="a step to build on each rank"
+    )
+    if problem is not None:
+        return "global_batch_size", (
+            f"{cfg.global_batch_size} makes {m} micro-batches per step (global_batch_size / "
+            f"(micro_batch_size x data-parallel size)), and {problem}: lower global_batch_size "
+            "or raise micro_batch_size"
+        )
+    return None
 
 
 def _check_parallel(cfg: TrainConfig) -> Problem:
@@ -877,6 +904,11 @@ def _check_schedule_order(cfg: TrainConfig) -> Problem:
             "the order of gradient hooks in the first step: set overlap_grad_reduce: false, or "
             "save the optimised order (simulate --optimize --save) and run it with schedule_file"
         )
+    too_large = optimize_size_problem(
+        cfg.pipeline_model_parallel_size, cfg.num_microbatches, found.chunks
+    )
+    if too_large is not None:
+        return key, f"{too_large}: lower global_batch_size, or save an order found elsewhere"
     if cfg.train_iters <= OPTIMIZE_AFTER:
         return key, (
             f"measures the first {OPTIMIZE_AFTER} iterations before it switches: raise "
@@ -895,7 +927,7 @@ def schedule_file_problem(cfg: TrainConfig) -> str | None:
         return f"cannot read {path}: {err.strerror}"
     try:
         schedule = Schedule.from_text(text)
-        validate(schedule, dry_run=False)
+        validate(schedule)  # with the dry run, as simulate --load: a deadlock is found here
         check_weight_grads_in_b_order(schedule)
     except ScheduleError as err:
         return f"{path} is not a valid schedule ({err}): write it with simulate --save"
@@ -941,6 +973,7 @@ def _check_overlap(cfg: TrainConfig) -> Problem:
             half_precision=cfg.bf16,
             recompute_granularity=cfg.recompute_granularity,
             mtp_num_layers=cfg.mtp_num_layers,
+            moe=cfg.is_moe,
         )
         if problem is not None:
             return "overlap_moe_expert_parallel_comm", problem

@@ -12,7 +12,9 @@ Three ways, decided by the environment:
   here (retried on a fresh port if another process takes it first). A failing rank's
   traceback is raised here as :class:`LaunchError` after the others get a short grace
   period; the rest are killed, as are all ranks if this process is interrupted. Hangs end
-  as errors through the process groups' timeout (``distributed_timeout_minutes``).
+  as errors through the process groups' timeout (``distributed_timeout_minutes``). This
+  process holds the save directory's lock (:mod:`.save_lock`); under torchrun and srun,
+  global rank 0 does.
 - with a GPU and no launcher: one rank in this process when ``world_size`` is 1; more
   need torchrun or srun.
 
@@ -23,15 +25,19 @@ model exists. Configuration problems are reported before any process-group work.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from ...errors import DualPipeError
 from ...runtime.launch import LaunchFailure, pick_port, run_ranks
 from ...runtime.watchdog import PipelineCommError, peer_lost
 from ..checks import cuda_device_max_connections
@@ -43,6 +49,7 @@ from .datasets import check_data_files
 from .errors import TrainError
 from .loop import TrainResult, run_rank
 from .model import transformer_config, transformer_impl
+from .save_lock import SaveDirectoryInUse, save_lock
 from .tensorboard import check_tensorboard
 from .tokenizer import build_tokenizer, model_vocab_size
 
@@ -108,8 +115,67 @@ def _whole_number(name: str, value: str, launcher: str) -> int:
     return int(value)
 
 
-def _preflight(cfg: TrainConfig, source: str, on_gpu: bool) -> None:
+#: Bytes one token of a micro-batch takes while a step holds it: tokens, labels and position
+#: ids (int64) and the loss mask (float32); and what each micro-batch adds beside them.
+_BYTES_PER_TOKEN = 28
+_BYTES_PER_MICROBATCH = 2048
+
+
+#: Bytes of Megatron-Core's GPT dataset index per sample it is built for (its sample and
+#: shuffle indices, at most 8 bytes an entry, and the document index beside them).
+_INDEX_BYTES_PER_SAMPLE = 24
+
+
+def _check_step_input(cfg: TrainConfig, source: str, ranks_here: int) -> None:
+    """Refuse a step whose micro-batches (every rank builds the step's list of them), or a
+    run whose dataset index (``train_iters x global_batch_size`` samples, built where a
+    chunk reads), do not fit in half of this machine's memory over the ranks it runs."""
+    total = _machine_memory()
+    if total is None:  # not a POSIX system: nothing to compare
+        return
+    m, mbs = cfg.num_microbatches, cfg.micro_batch_size
+    need = m * (mbs * cfg.seq_length * _BYTES_PER_TOKEN + _BYTES_PER_MICROBATCH)
+    gib = 2.0**30
+    if need * ranks_here > total // 2:
+        raise ConfigError(
+            f"{source}: global_batch_size: a step's {m} micro-batches of {mbs} x "
+            f"{cfg.seq_length} tokens take {need / gib:.1f} GiB of input on each of the "
+            f"{ranks_here} ranks here, beyond half of this machine's {total / gib:.0f} GiB: "
+            "lower global_batch_size (or seq_length)"
+        )
+    if not (cfg.uses_data_files or cfg.mock_data):
+        return  # the synthetic samples are made from their index: no index is held
+    samples = cfg.train_iters * cfg.global_batch_size
+    index = samples * _INDEX_BYTES_PER_SAMPLE
+    if index * ranks_here > total // 2:
+        raise ConfigError(
+            f"{source}: train_iters: {cfg.train_iters} steps of {cfg.global_batch_size} "
+            f"samples make Megatron-Core's dataset index {samples:,} samples long, about "
+            f"{index / gib:.0f} GiB on each of the {ranks_here} ranks here, beyond half of this "
+            f"machine's {total / gib:.0f} GiB: lower train_iters (or global_batch_size)"
+        )
+
+
+def _machine_memory() -> int | None:
+    """This machine's physical memory in bytes, or None where the system does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _ranks_here(cfg: TrainConfig, env: RankEnv | None) -> int:
+    """How many ranks of the run this machine holds: the embedded launcher's world size, a
+    launcher's ``LOCAL_WORLD_SIZE`` (torchrun), else one."""
+    if env is None:
+        return cfg.launch_world_size
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(local) if local.isdigit() and int(local) > 0 else 1
+
+
+def _preflight(cfg: TrainConfig, source: str, on_gpu: bool, ranks_here: int) -> None:
     """Refuse what cannot run here, before any process group exists."""
+    _check_step_input(cfg, source, ranks_here)
     if not on_gpu and cfg.use_distributed_optimizer:
         raise ConfigError(
             f"{source}: use_distributed_optimizer: needs GPUs (Megatron's distributed "
@@ -171,9 +237,10 @@ def train(cfg: TrainConfig, *, source: str = "config") -> TrainResult:
             f"the ranks with torchrun --nproc-per-node ... or srun (the embedded launcher "
             "forks CPU ranks only)"
         )
-    _preflight(cfg, source, on_gpu)
+    _preflight(cfg, source, on_gpu, _ranks_here(cfg, env))
     if env is None and not on_gpu:
-        return _run_forked(cfg)
+        with _save_locked(cfg):  # the forked ranks inherit it
+            return _run_forked(cfg)
     if env is None:
         env = RankEnv(0, 1, 0, _HOST, pick_port(), "single")
     return _run_here(cfg, env, on_gpu)
@@ -198,31 +265,91 @@ def _run_here(cfg: TrainConfig, env: RankEnv, on_gpu: bool) -> TrainResult:
     if on_gpu:
         torch.cuda.set_device(env.local_rank)
     os.environ.update(MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port))
-    dist.init_process_group(
-        "nccl" if on_gpu else "gloo",
-        init_method="env://",
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timedelta(minutes=cfg.distributed_timeout_minutes),
-    )
     try:
-        return run_rank(cfg)
-    except PipelineCommError as err:  # names the peer it exchanged with
-        raise LaunchError(f"rank {env.rank} of {env.world_size}: {err}") from err
-    except RuntimeError as err:
-        if not _is_communication_error(err):
-            raise
-        why = (
-            "another rank has probably died (the launcher's log names it)"
-            if peer_lost(str(err))
-            else "the communication backend failed"
+        dist.init_process_group(
+            "nccl" if on_gpu else "gloo",
+            init_method="env://",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timedelta(minutes=cfg.distributed_timeout_minutes),
         )
-        raise LaunchError(
-            f"rank {env.rank} of {env.world_size}: a collective failed, {why}: "
-            f"{_first_line(err)}"
-        ) from err
+    except RuntimeError as err:  # torch's DistStoreError and DistNetworkError among them
+        raise LaunchError(_rendezvous_failure(env, err)) from None
+    try:
+        prefix = f"rank {env.rank} of {env.world_size}: "
+        with (
+            _one_line_failures(prefix, "the launcher's log names it"),
+            _save_locked(cfg, env.rank, env.world_size),
+        ):
+            return run_rank(cfg)
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _one_line_failures(prefix: str, hint: str) -> Iterator[None]:
+    """A lost peer (dead, stopped or hung) as one :class:`LaunchError` line: the pipeline
+    wait that gave up (it names the peer), or the collective that failed."""
+    try:
+        yield
+    except PipelineCommError as err:
+        raise LaunchError(f"{prefix}{err}") from err
+    except RuntimeError as err:
+        if isinstance(err, DualPipeError) or not _is_communication_error(err):
+            raise  # ours say what happened already
+        text = str(err)
+        why = (
+            f"another rank has probably died or stopped ({hint})"
+            if peer_lost(text) or "timed out" in text.lower()
+            else "the communication backend failed"
+        )
+        raise LaunchError(f"{prefix}a collective failed, {why}: {_first_line(err)}") from err
+
+
+@contextlib.contextmanager
+def _save_locked(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> Iterator[None]:
+    """Hold ``save``'s lock (:mod:`.save_lock`) on global rank 0 for the block; with more
+    than one rank in this process group, collective: every rank raises rank 0's refusal."""
+    with contextlib.ExitStack() as held:
+        refusal: list[str | None] = [None]
+        if cfg.save is not None and rank == 0:
+            try:
+                held.enter_context(save_lock(cfg.save))
+            except SaveDirectoryInUse as err:
+                refusal = [str(err)]
+        if world_size > 1:
+            dist.broadcast_object_list(refusal, src=0)
+        if refusal[0] is not None:
+            raise SaveDirectoryInUse(refusal[0])
+        yield
+
+
+_JOINED = re.compile(r"(\d+)/(\d+) clients joined")
+
+
+def _rendezvous_failure(env: RankEnv, err: RuntimeError) -> str:
+    """The sentence for a rendezvous that failed: the port taken, the peers that never
+    came, the rank-0 host out of reach."""
+    text, where = " ".join(str(err).split()), f"{env.master_addr}:{env.master_port}"
+    me = f"rank {env.rank} of {env.world_size}"
+    if "EADDRINUSE" in text or "address already in use" in text:
+        return (
+            f"{me}: MASTER_PORT {env.master_port} is already in use on this machine, so the "
+            f"rendezvous cannot listen on {where}: choose a free port"
+        )
+    joined = _JOINED.search(text)
+    if joined:
+        return (
+            f"{me}: only {joined.group(1)} of the {joined.group(2)} ranks joined the rendezvous "
+            f"at {where} before the timeout: start all {env.world_size} ranks with this "
+            "MASTER_ADDR and MASTER_PORT, or raise distributed_timeout_minutes"
+        )
+    if "trying to connect to" in text or "Connection refused" in text:
+        return (
+            f"{me}: could not reach the rendezvous at {where} (rank 0 hosts it) before the "
+            "timeout: start rank 0, or check MASTER_ADDR and MASTER_PORT"
+        )
+    return f"{me}: the rendezvous at {where} failed: {_first_line(err)}"
 
 
 def _is_communication_error(err: RuntimeError) -> bool:
@@ -271,4 +398,5 @@ def _failure_text(failure: LaunchFailure) -> str:
 
 def _train_rank(rank: int, world_size: int, cfg: TrainConfig) -> TrainResult:
     del rank, world_size  # the launcher set RANK / WORLD_SIZE and the process group
-    return run_rank(cfg)
+    with _one_line_failures("", "the launcher names a rank that died or stopped"):
+        return run_rank(cfg)

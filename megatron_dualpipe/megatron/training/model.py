@@ -7,7 +7,8 @@ cut by the schedule's placement (V for dualpipev, mirrored copies for dualpipe, 
 own split otherwise; uneven as the split keys say), initialised layout-independently,
 wrapped in Megatron's DistributedDataParallel, with the config hooks Megatron's training
 loop sets. The chunks are assembled by :func:`..chunks.build_chunks`, as the Megatron-LM
-route assembles them (tied copies, dW deferral).
+route assembles them (tied copies, dW deferral); the MTP block's copy of the position table
+on another rank is one parameter with the original (:mod:`..position_copies`).
 
 ``transformer_engine`` builds what Megatron-LM builds by default: Transformer Engine's
 layers with Megatron-LM's default fusions (bias-activation, bias-dropout-add, masked
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.distributed import DistributedDataParallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
@@ -48,6 +49,7 @@ from ..layer_specs import gpt_chunk_specs, te_available
 from ..mirror import prepare_mirrors
 from ..names import global_named_parameters
 from ..placement import StagePlacementLayout
+from ..position_copies import finalize_model_grads, mark_position_copies
 from ..precision import StageFloat16Module
 from ..version import mtp_block_on_any_chunk
 from .config import TrainConfig
@@ -270,6 +272,7 @@ def build_model(
 
     ends = _chunk_ends(cfg, config)
     chunks = build_chunks(build, ends, cfg.pipeline_schedule)
+    mark_position_copies(chunks)  # the MTP block's position table on another rank
     if cfg.bf16:  # Megatron-LM's Float16Module, with the ends our placement gives
         chunks = [
             StageFloat16Module(config, c, pre_process=e.pre_process, post_process=e.post_process)

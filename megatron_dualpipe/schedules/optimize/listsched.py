@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from ..ir import Action, Kind
+from .deadline import Deadline
 from .instance import Instance
 
 __all__ = ["Built", "Policy", "build"]
@@ -85,12 +86,16 @@ class Built:
 
 
 def build(
-    inst: Instance, policy: Policy, priority: tuple[list[float], list[float]]
+    inst: Instance,
+    policy: Policy,
+    priority: tuple[list[float], list[float]],
+    deadline: Deadline | None = None,
 ) -> Built | None:
     """Schedule ``inst`` by ``policy``; ``priority`` gives per stage the urgency of its
     forward and of its backward (higher first: the tails of :func:`.bound.tails`).
-    Returns None if the ranks deadlock (a cap too small for the placement)."""
-    return _Builder(inst, policy, priority).run()
+    Returns None if the ranks deadlock (a cap too small for the placement); raises
+    :class:`~.deadline.OutOfTime` once ``deadline`` passes."""
+    return _Builder(inst, policy, priority).run(deadline or Deadline(None))
 
 
 class _Builder:
@@ -148,9 +153,10 @@ class _Builder:
         if t < self.wake_at[r]:
             self._wake(r, t)
 
-    def run(self) -> Built | None:
+    def run(self, deadline: Deadline) -> Built | None:
         heap = self.heap
         while heap:
+            deadline.check()
             t, version, r = heapq.heappop(heap)
             if version != self.version[r]:
                 continue

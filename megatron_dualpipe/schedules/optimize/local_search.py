@@ -15,6 +15,7 @@ import random
 import time
 from collections.abc import Callable
 
+from .deadline import Deadline, OutOfTime
 from .instance import Instance
 from .timing import BW, FB, FBW, B, F, Op, Timing, W, channels, halves, time_orders
 
@@ -191,20 +192,22 @@ def improve(
     evaluations: int | None = None,
     seed: int = 0,
     on_better: Callable[[float], None] | None = None,
+    timing: Timing | None = None,
 ) -> tuple[Orders, Timing]:
-    """First-improvement descent from ``orders`` until no move helps, ``deadline`` (a
-    ``time.perf_counter`` value) passes or ``evaluations`` timings have been spent;
-    returns the best orders and their timing.
-    Orders above the memory caps are first repaired (the result may still be above them
-    if the deadline comes first or no repair move helps: callers check)."""
+    """First-improvement descent from ``orders`` (whose ``timing`` may be given) until no
+    move helps, ``deadline`` (a ``time.perf_counter`` value) passes, also in the middle of a
+    timing, or ``evaluations`` timings have been spent; returns the best orders and their
+    timing. Orders above the memory caps are first repaired (the result may still be above
+    them if the deadline comes first or no repair move helps: callers check)."""
     rules = _Rules(inst)
     rng = random.Random(seed)
-    best = time_orders(inst, orders)
+    best = timing if timing is not None else time_orders(inst, orders)
     if best is None:
         raise ValueError("the starting orders deadlock")
     caps = inst.caps
     score = _objective(best, orders, caps)
     improved, spent = True, 0
+    clock = Deadline(deadline)
 
     def out_of_budget() -> bool:
         return time.perf_counter() >= deadline or (evaluations is not None and spent >= evaluations)
@@ -221,7 +224,10 @@ def improve(
             if out_of_budget():
                 break
             trial = orders[:r] + [new] + orders[r + 1 :]
-            timing = time_orders(inst, trial)
+            try:
+                timing = time_orders(inst, trial, clock)
+            except OutOfTime:
+                break
             spent += 1
             if timing is None:
                 continue

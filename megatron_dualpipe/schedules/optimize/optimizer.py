@@ -10,17 +10,20 @@ left (:mod:`.window_milp`); then validation and simulation of the result.
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from ..cost import CostModel
 from ..ir import Placement, Schedule, ScheduleError
+from ..limits import optimize_size_problem
 from ..registry import SCHEDULES
 from ..simulate import SimResult, simulate
 from ..validate import validate
 from .bound import Bound, lower_bound, tails
+from .deadline import Deadline, OutOfTime
 from .instance import Instance
 from .listsched import Policy, build
 from .local_search import improve, pair_adjacent
@@ -80,7 +83,7 @@ class OptimizeResult:
     ``(makespan - bound) / makespan``, so the optimum is at most that fraction below the
     result. ``baseline`` is the best hand-made schedule of the placement (the warm
     start); ``fell_back`` says the search found nothing better within the cap and the
-    baseline itself is returned."""
+    baseline itself is returned; ``cut`` says what the time limit cut short."""
 
     schedule: Schedule
     result: SimResult
@@ -90,6 +93,11 @@ class OptimizeResult:
     solve_seconds: float
     fell_back: bool
     log: list[str] = field(default_factory=list)
+    #: The time limit, what it cut short (empty: nothing), and the seconds until the search
+    #: stopped (the rest of ``solve_seconds`` validated and simulated the result).
+    time_limit: float = float("inf")
+    cut: tuple[str, ...] = ()
+    search_seconds: float = 0.0
 
     @cached_property
     def baseline_result(self) -> SimResult:
@@ -115,7 +123,11 @@ class OptimizeResult:
 
 def hand_schedules(placement: Placement) -> list[Schedule]:
     """Every hand-made schedule (ours, from the registry) that runs on ``placement``."""
-    out = []
+    return list(_hand_schedules(placement))
+
+
+def _hand_schedules(placement: Placement) -> Iterator[Schedule]:
+    """:func:`hand_schedules`, each generated when asked for."""
     ranks, microbatches = placement.num_ranks, placement.num_microbatches
     for entry in SCHEDULES.values():
         if entry.placement != placement.kind or not entry.is_legal(ranks, microbatches):
@@ -126,8 +138,7 @@ def hand_schedules(placement: Placement) -> list[Schedule]:
         except ScheduleError:
             continue  # e.g. interleaved 1F1B asked for one chunk
         if schedule.placement == placement:
-            out.append(schedule)
-    return out
+            yield schedule
 
 
 def _caps(
@@ -209,6 +220,11 @@ def optimize(
     import scipy.optimize  # noqa: F401  (imported before the clock starts: a one-off cost)
 
     _check_placement(placement)
+    too_large = optimize_size_problem(
+        placement.num_ranks, placement.num_microbatches, placement.num_chunks
+    )
+    if too_large is not None:
+        raise ScheduleError(too_large)
     cost.check_fits(placement.num_model_stages, placement.num_ranks)
     for schedule in warm_starts:
         if schedule.placement != placement:
@@ -216,16 +232,12 @@ def optimize(
                 f"warm start {schedule.name} runs on {schedule.placement}, not {placement}"
             )
     search = _Search(placement, cost, time_limit, progress, effort)
-    starts = hand_schedules(placement)
-    for schedule in (s.compute_only() for s in warm_starts):
-        if all(schedule.ranks != start.ranks for start in starts):  # each order timed once
-            starts.append(schedule)
-    search.warm_start(starts)
+    search.warm_start([s.compute_only() for s in warm_starts], _hand_schedules(placement))
     search.set_caps(_caps(search.inst, memory_cap, search.baseline_peak))
     search.prove_bound()
     search.construct()
     search.improve()
-    return search.result(name)
+    return search.result(name, time_limit)
 
 
 def optimize_on_placements(
@@ -265,6 +277,8 @@ class _Search:
         self.placement, self.cost, self.effort = placement, cost, effort
         self.start = time.perf_counter()
         self.deadline = self.start + time_limit
+        #: What the time limit cut short, in words for the summary.
+        self.cut: list[str] = []
         self.say = progress or (lambda _line: None)
         self.log: list[str] = []
         # Caps are set once the warm starts are known (their peak is the default).
@@ -280,17 +294,26 @@ class _Search:
         self.say(line)
 
     # -- steps ----------------------------------------------------------------------
-    def warm_start(self, schedules: list[Schedule]) -> None:
-        """Time the warm starts; keep them best first. The final validation and
-        simulation cost about ten timings: that much is kept free at the end."""
+    def warm_start(self, given: list[Schedule], hand_made: Iterator[Schedule]) -> None:
+        """Time the ``given`` warm starts, then the hand-made schedules (each generated when
+        its turn comes, an order given already skipped), while time is left: the first
+        whatever the time (its peak is the default cap). Keep them best first. The final
+        validation and simulation cost about ten timings: that much is kept free at the end."""
         t0 = time.perf_counter()
-        for schedule in schedules:
+        timed = 0
+        for schedule in itertools.chain(given, hand_made):
+            if timed and time.perf_counter() >= self.deadline:
+                self.cut.append(f"timed {timed} of the warm starts")
+                break
+            if any(schedule.ranks == start.ranks for start, _, _ in self.starts):
+                continue  # each order timed once
             orders = from_actions(self.inst, schedule.ranks)
             timing = time_orders(self.inst, orders)
+            timed += 1
             if timing is not None:
                 self.starts.append((schedule, orders, timing))
         self.starts.sort(key=lambda s: s[2].makespan)
-        per_timing = (time.perf_counter() - t0) / max(1, len(schedules))
+        per_timing = (time.perf_counter() - t0) / max(1, timed)
         self.deadline -= 10 * per_timing
 
     @property
@@ -302,12 +325,16 @@ class _Search:
         forwards and backwards paired where pairs pay."""
         self.inst.caps = caps
         pairs = any(self.inst.any_pair_pays(r) for r in range(self.inst.num_ranks))
+        clock = Deadline(self.deadline)
         for schedule, orders, timing in self.starts:
             if self._fits(timing.peaks):
                 self.candidates.append((timing.makespan, orders, f"hand-made {schedule.name}"))
-            if pairs:
+            if pairs and not clock.passed():
                 paired = pair_adjacent(self.inst, orders)
-                paired_timing = time_orders(self.inst, paired)
+                try:
+                    paired_timing = time_orders(self.inst, paired, clock)
+                except OutOfTime:
+                    continue
                 if paired_timing is not None and self._fits(paired_timing.peaks):
                     where = f"hand-made {schedule.name}, adjacent F and B paired"
                     self.candidates.append((paired_timing.makespan, paired, where))
@@ -332,25 +359,32 @@ class _Search:
         priorities = {label: tails(v) for label, v in variants}
         now = time.perf_counter()
         stop = now + CONSTRUCT_SHARE * max(0.0, self.deadline - now)
+        clock = Deadline(stop)
+        builds = [(i, p, label, v) for i, p in enumerate(policies) for label, v in variants]
         slowest, tried = 0.0, 0
-        for i, policy in enumerate(policies):
-            for label, vinst in variants:
-                now = time.perf_counter()
-                budget_spent = self.effort is not None and tried >= self.effort.builds
-                if self._closed() or budget_spent or (tried and now + slowest > stop):
-                    break
-                built = build(vinst, policy, priorities[label])
+        for i, policy, label, vinst in builds:
+            now = time.perf_counter()
+            if self._closed() or (self.effort is not None and tried >= self.effort.builds):
+                break
+            if now >= stop or (tried and now + slowest > stop):
+                self.cut.append(f"built {tried} of {len(builds)} list-scheduler orders")
+                break
+            try:
+                built = build(vinst, policy, priorities[label], clock)
                 tried += 1
                 if built is not None and self._fits(built.peaks):
                     orders = from_actions(inst, built.ranks)
                     makespan = (
                         built.makespan
                         if vinst.cost == inst.cost
-                        else time_orders(inst, orders).makespan
+                        else time_orders(inst, orders, clock).makespan
                     )
                     where = f"list scheduler, policy {i}, {label} costs"
                     self.candidates.append((makespan, orders, where))
-                slowest = max(slowest, time.perf_counter() - now)
+            except OutOfTime:
+                self.cut.append(f"built {tried} of {len(builds)} list-scheduler orders")
+                break
+            slowest = max(slowest, time.perf_counter() - now)
         if not self.candidates:
             built = build(inst, SAFE_POLICY, priorities[variants[0][0]])
             if built is not None and self._fits(built.peaks):
@@ -364,18 +398,26 @@ class _Search:
         best = self.candidates[0]
         self.note(f"best of {len(self.candidates)} candidates: {best[0]:.6g} ({best[2]})")
         self.orders = best[1]
-        self.timing = time_orders(inst, best[1])
 
     def improve(self) -> None:
         """Local search; then, with time left, the window MILP and local search again."""
-        if self._closed() or time.perf_counter() >= self.deadline:
+        if self._closed():
+            return
+        try:
+            if time.perf_counter() >= self.deadline:
+                raise OutOfTime
+            self.timing = time_orders(self.inst, self.orders, Deadline(self.deadline))
+        except OutOfTime:
+            self.cut.append("no local search")
             return
         evaluations = None if self.effort is None else self.effort.evaluations
         before = self.timing.makespan
         self.orders, self.timing = improve(
-            self.inst, self.orders, self.deadline, evaluations=evaluations
+            self.inst, self.orders, self.deadline, evaluations=evaluations, timing=self.timing
         )
         self.note(f"local search: {before:.6g} -> {self.timing.makespan:.6g}")
+        if time.perf_counter() >= self.deadline and not self._closed():
+            self.cut.append("the local search stopped")
         left = self.deadline - time.perf_counter()
         if self._closed() or (left < WINDOW_MIN_SECONDS and self.effort is None):
             return
@@ -399,24 +441,31 @@ class _Search:
                 self.inst, new, self.deadline, evaluations=evaluations
             )
 
-    def result(self, name: str | None) -> OptimizeResult:
+    def result(self, name: str | None, time_limit: float) -> OptimizeResult:
         """Validate and simulate the best orders; fall back to the best warm start that
-        keeps the cap where they are not faster."""
+        keeps the cap where they are not faster (simulated once: the search's best orders
+        are often that start's own)."""
+        searched = time.perf_counter() - self.start
         caps = list(self.inst.caps)
         label = name or (f"{self.starts[0][0].name}-opt" if self.starts else "optimised")
-        orders = to_actions(self.inst, self.orders)
-        schedule = Schedule(label, self.placement, orders, caps).with_weight_grads_in_b_order()
-        validate(schedule, dry_run=False)
-        result = simulate(schedule, self.cost)
         fallback = next((s for s in self.starts if self._fits(s[2].peaks)), None)
-        fell_back = fallback is not None and result.makespan >= fallback[2].makespan - 1e-12
+        result = None
+        if fallback is None or self.orders is not fallback[1]:
+            orders = to_actions(self.inst, self.orders)
+            schedule = Schedule(label, self.placement, orders, caps)
+            schedule = schedule.with_weight_grads_in_b_order()
+            validate(schedule, dry_run=False)
+            result = simulate(schedule, self.cost)
+        fell_back = fallback is not None and (
+            result is None or result.makespan >= fallback[2].makespan - 1e-12
+        )
         if fell_back:
             schedule = Schedule(label, self.placement, fallback[0].ranks, caps)
             schedule = schedule.with_weight_grads_in_b_order()
             result = simulate(schedule, self.cost)
             self.note(f"nothing better than {fallback[0].name} found: returning it")
         baseline = self.starts[0][0] if self.starts else schedule
-        return OptimizeResult(
+        found = OptimizeResult(
             schedule,
             result,
             baseline,
@@ -425,7 +474,13 @@ class _Search:
             time.perf_counter() - self.start,
             fell_back,
             self.log,
+            time_limit=time_limit,
+            cut=tuple(self.cut),
+            search_seconds=searched,
         )
+        if fell_back and baseline is fallback[0]:  # the same orders: simulated once
+            found.__dict__["baseline_result"] = result
+        return found
 
     # -- helpers --------------------------------------------------------------------
     def _fits(self, peaks: Sequence[int]) -> bool:

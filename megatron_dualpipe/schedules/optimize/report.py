@@ -50,6 +50,13 @@ def summary(result: OptimizeResult, reference: SimResult) -> str:
         f"proven gap {100 * result.gap:.2f}% (the optimum is at most that much below the "
         f"result); memory cap {cap} activations per rank; solve {result.solve_seconds:.2f} s",
     ]
+    if result.cut:
+        lines.append(
+            f"the time limit ({result.time_limit:g} s) cut the search short: "
+            f"{', '.join(result.cut)}; the search stopped after {result.search_seconds:.2f} s "
+            f"and validating and simulating the result took "
+            f"{result.solve_seconds - result.search_seconds:.2f} s more"
+        )
     if result.fell_back:
         lines.append(
             f"nothing faster than {result.baseline.name} within the cap was found: the result "
@@ -69,5 +76,7 @@ def summary_json(result: OptimizeResult, reference: SimResult) -> dict:
         "solve_seconds": result.solve_seconds,
         "memory_cap": list(result.caps),
         "fell_back": result.fell_back,
+        "time_limit_cut": list(result.cut),
+        "search_seconds": result.search_seconds,
         "bubble_removed_vs_1f1b": bubble_removed(result.makespan, reference),
     }

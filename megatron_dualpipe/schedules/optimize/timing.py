@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from ..ir import Action, Kind
+from .deadline import Deadline
 from .instance import Instance
 
 __all__ = [
@@ -104,9 +105,13 @@ def duration(inst: Instance, op: Op) -> float:
     return inst.pair[(s, s2, code == FBW)]
 
 
-def time_orders(inst: Instance, orders: list[list[Op]]) -> Timing | None:
+def time_orders(
+    inst: Instance, orders: list[list[Op]], deadline: Deadline | None = None
+) -> Timing | None:
     """Time ``orders``; None if they deadlock. Orders are assumed complete and locally
-    consistent (the local search only makes moves that keep them so)."""
+    consistent (the local search only makes moves that keep them so). Raises
+    :class:`~.deadline.OutOfTime` once ``deadline`` passes."""
+    check = deadline.check if deadline is not None else None
     n_ranks, lat = inst.num_ranks, inst.cost.latency
     fend: list[list[float | None]] = [[None] * len(m) for m in inst.mbs]
     bend: list[list[float | None]] = [[None] * len(m) for m in inst.mbs]
@@ -123,6 +128,8 @@ def time_orders(inst: Instance, orders: list[list[Op]]) -> Timing | None:
     waiting: dict[tuple[int, int, int], int] = {}
     ready = deque(range(n_ranks))
     while ready:
+        if check is not None:
+            check()
         r = ready.popleft()
         order, i, now = orders[r], pc[r], clock[r]
         st, en, ca = starts[r], ends[r], cause[r]

@@ -1,0 +1,74 @@
+"""How large a schedule megatron-dualpipe builds: the bound ``simulate`` and ``train`` share,
+and the smaller one of the optimiser.
+
+Generation, the checks and the simulation are linear in the number of actions, about PP x
+micro-batches (x chunks / 2 for interleaved-1f1b): PP=1000 x 2000 micro-batches takes about a
+minute and 1.5 GB (docs/schedules.md); beyond :data:`MAX_SIZE` the actions alone outgrow
+2 GB. ``train`` builds the whole schedule on every rank, so the same bound applies there.
+The optimiser keeps several timed orders of the schedule at once: about
+:data:`OPTIMIZE_BYTES_PER_UNIT` per PP x micro-batch, so it stops at
+:data:`MAX_OPTIMIZE_SIZE`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "MAX_OPTIMIZE_SIZE",
+    "MAX_SIZE",
+    "MAX_TIMELINE_SIZE",
+    "OPTIMIZE_BYTES_PER_UNIT",
+    "optimize_size_problem",
+    "schedule_size",
+    "size_problem",
+]
+
+#: The largest PP x micro-batches (x chunks / 2) built.
+MAX_SIZE = 2_000_000
+#: The largest size whose every action's times are kept for a timeline (--json, --png,
+#: --trace, --grid), and whose generated schedule ``simulate`` checks before simulating it
+#: (beyond, the check would add a quarter to the time; the generators are checked for every
+#: legal size up to PP=16 by the tests, and the simulation itself still finds deadlocks and
+#: lost messages).
+MAX_TIMELINE_SIZE = 250_000
+
+
+def schedule_size(num_ranks: int, num_microbatches: int, chunks: int | None = None) -> int:
+    """PP x micro-batches x (chunks per rank / 2, at least 1): the measure of the bounds."""
+    return num_ranks * num_microbatches * max(1, (chunks or 2) // 2)
+
+
+def size_problem(
+    num_ranks: int, num_microbatches: int, chunks: int | None = None, *, doing: str
+) -> str | None:
+    """Why a schedule of this size is not built (a clause: the size is too large ``doing``,
+    and the bound), or None."""
+    if schedule_size(num_ranks, num_microbatches, chunks) <= MAX_SIZE:
+        return None
+    return (
+        f"PP={num_ranks} x {num_microbatches} micro-batches is too large {doing}: PP x "
+        f"micro-batches must be at most {MAX_SIZE:,} (PP=1000 x 2000 takes about a minute and "
+        "1.5 GB)"
+    )
+
+
+#: What the optimiser holds per PP x micro-batch (x chunks / 2): measured 3.2 KB (dualpipe),
+#: 4.8 KB (zb1p) and 6.2-6.8 KB (dualpipev) at PP=20 to 500, peak resident memory.
+OPTIMIZE_BYTES_PER_UNIT = 7 * 1024
+#: The largest PP x micro-batches optimised: about 2 GB.
+MAX_OPTIMIZE_SIZE = 300_000
+
+
+def optimize_size_problem(
+    num_ranks: int, num_microbatches: int, chunks: int | None = None
+) -> str | None:
+    """Why the optimiser does not take a schedule of this size (a clause with its memory
+    estimate and the bound), or None."""
+    size = schedule_size(num_ranks, num_microbatches, chunks)
+    if size <= MAX_OPTIMIZE_SIZE:
+        return None
+    need = size * OPTIMIZE_BYTES_PER_UNIT / 2**30
+    return (
+        f"optimising PP={num_ranks} x {num_microbatches} micro-batches would take about "
+        f"{need:.1f} GB (about 7 KB per PP x micro-batch): the optimiser takes PP x "
+        f"micro-batches up to {MAX_OPTIMIZE_SIZE:,} (about 2 GB)"
+    )

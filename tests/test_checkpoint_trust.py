@@ -1,0 +1,122 @@
+"""No code runs from a checkpoint: every pickle the pre-load check reads goes through an
+allow-list (torch.distributed.checkpoint's metadata classes for ``.metadata``, torch's
+weights-only loader for ``common.pt`` and the shards' objects), and a crafted one is
+refused in one clause naming what it refers to, before anything of it runs.
+
+Each crafted pickle would create a marker file when unpickled the plain way (``pickle.load``,
+as torch's ``FileSystemReader.read_metadata`` does); the tests assert the refusal and that
+the marker was never made. The checkpoints are torch.distributed.checkpoint's own, written
+in this process, laid out as dist_checkpointing's ``torch_dist`` format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import inspect
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import filesystem, metadata, planner
+
+from megatron_dualpipe.megatron.training.checkpoint_files import contents, damage
+from megatron_dualpipe.megatron.training.checkpoint_trust import (
+    ALLOWED,
+    UntrustedPickle,
+    read_metadata,
+)
+
+pytestmark = pytest.mark.megatron
+
+
+class _Creates:
+    """Pickles to a call of ``open(path, "w")``: unpickled the plain way, it makes ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return (open, (str(self.path), "w"))
+
+
+def _checkpoint(directory: Path, objects: dict | None = None) -> Path:
+    """A ``torch_dist`` checkpoint directory: a tensor, the ``objects`` (non-tensor state,
+    as the RNG states are) and a common state."""
+    state = {"weight": torch.arange(6.0).view(2, 3), "rng": {"seed": 7}, **(objects or {})}
+    dcp.save(state, checkpoint_id=str(directory), no_dist=True)
+    (directory / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    torch.save({"iteration": 3, "model_config": {}}, directory / "common.pt")
+    return directory
+
+
+def test_a_checkpoint_written_by_torch_reads(tmp_path: Path) -> None:
+    found = contents(_checkpoint(tmp_path / "ck"))
+    assert found.common["iteration"] == 3
+    assert set(found.metadata.state_dict_metadata) == {"weight", "rng.seed"}
+
+
+def test_a_crafted_metadata_is_refused_without_running_it(tmp_path: Path) -> None:
+    directory = _checkpoint(tmp_path / "ck")
+    marker = tmp_path / "ran"
+    (directory / ".metadata").write_bytes(pickle.dumps(_Creates(marker)))
+    assert damage(directory) == (
+        ".metadata refers to io.open, which is not one of torch.distributed.checkpoint's "
+        "metadata classes (nothing of it was run)"
+    )
+    assert not marker.exists()
+    pickle.loads((directory / ".metadata").read_bytes())  # the plain way runs it
+    assert marker.exists()
+
+
+def test_a_crafted_common_state_is_refused_without_running_it(tmp_path: Path) -> None:
+    directory = _checkpoint(tmp_path / "ck")
+    marker = tmp_path / "ran"
+    torch.save({"model_config": _Creates(marker)}, directory / "common.pt")
+    assert damage(directory) == (
+        "common.pt refers to io.open, which weights-only loading does not admit (nothing of "
+        "it was run)"
+    )
+    assert not marker.exists()
+
+
+def test_a_crafted_object_in_a_shard_is_refused_without_running_it(tmp_path: Path) -> None:
+    """torch's loader reads a shard's objects with ``weights_only=False``: the check reads
+    them first."""
+    marker = tmp_path / "ran"
+    directory = _checkpoint(tmp_path / "ck", {"extra": _Creates(marker)})
+    assert damage(directory) == (
+        "__0_0.distcp (its object extra) refers to io.open, which weights-only loading does "
+        "not admit (nothing of it was run)"
+    )
+    assert not marker.exists()
+
+
+def test_a_pickle_of_something_else_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / ".metadata"
+    path.write_bytes(pickle.dumps({"state_dict_metadata": {}}))
+    with pytest.raises(UntrustedPickle, match="^holds a dict, not a checkpoint's Metadata$"):
+        read_metadata(path)
+
+
+def _record_classes(module) -> set[str]:
+    """The dataclasses and enums ``module`` defines."""
+    return {
+        name
+        for name, value in vars(module).items()
+        if inspect.isclass(value)
+        and value.__module__ == module.__name__
+        and (dataclasses.is_dataclass(value) or issubclass(value, enum.Enum))
+    }
+
+
+def test_the_allow_list_is_torchs_metadata_records() -> None:
+    """Every record class of torch's metadata and plan modules is admitted (a new one in a
+    later torch shows here), and ``filesystem``'s storage records, nothing else of it."""
+    assert ALLOWED[metadata.__name__] == _record_classes(metadata)
+    assert ALLOWED[planner.__name__] == _record_classes(planner)
+    assert ALLOWED[filesystem.__name__] == {"_StorageInfo", "_StoragePrefix"}
+    assert ALLOWED[filesystem.__name__] <= _record_classes(filesystem)

@@ -1,0 +1,238 @@
+"""Nothing of a run outlives its launcher, whatever kills the launcher.
+
+The ranks' own children are the hard part: dist_checkpointing's writers (forked by a rank
+while it saves), the result-queue manager it keeps for later saves (a spawned interpreter)
+and multiprocessing's resource tracker (spawned too). Each test tags the run with an
+environment variable that every process of it inherits, kills the launcher for real
+(``kill -9``, or SIGHUP to its process group as a closing terminal sends it) and then
+reads the whole process table: no process carrying the tag may be running five seconds
+later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.processes import wait_for
+
+pytestmark = pytest.mark.multiproc
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny_gpt_cpu.yaml"
+TAG = "MEGATRON_DUALPIPE_TEST_RUN"
+#: Every process of the run must be gone this soon after the launcher.
+GONE_WITHIN_S = 5.0
+
+
+def _tagged(tag: str) -> list[psutil.Process]:
+    """Every running process (zombies aside) whose environment carries ``tag``."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get(TAG) == tag:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def _survivors(tag: str, within_s: float = GONE_WITHIN_S) -> list[str]:
+    """The tagged processes still running after ``within_s`` (at once when none is)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        left = _tagged(tag)
+        if not left or time.monotonic() > deadline:
+            out = []
+            for proc in left:
+                try:
+                    out.append(f"{proc.pid} (parent {proc.ppid()}): {' '.join(proc.cmdline())}")
+                except psutil.Error:
+                    continue
+            return out
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def _started(args: list[str], tag: str, tmp_path: Path) -> Iterator[subprocess.Popen]:
+    """``args`` under Python in a session of its own (so a signal to its process group
+    reaches it and what it started, never pytest), tagged with ``tag``; on the way out
+    whatever of it is left is killed."""
+    env = dict(os.environ, **{TAG: tag})
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=(tmp_path / "stdout").open("w"),
+        stderr=(tmp_path / "stderr").open("w"),
+        start_new_session=True,
+    )
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+        for left in _tagged(tag):
+            left.kill()
+
+
+def _kinds(tag: str) -> set[str]:
+    """What the tagged processes are: spawned interpreters ("spawn"), resource trackers
+    ("tracker"), the rest by their command line's first argument."""
+    kinds = set()
+    for proc in _tagged(tag):
+        try:
+            line = " ".join(proc.cmdline())
+        except psutil.Error:
+            continue
+        if "resource_tracker" in line:
+            kinds.add("tracker")
+        elif "spawn_main" in line:
+            kinds.add("spawn")
+    return kinds
+
+
+def _kill(proc: subprocess.Popen, how: str) -> None:
+    if how == "kill -9":
+        proc.kill()
+    else:  # a closing terminal: SIGHUP to the foreground process group
+        os.killpg(proc.pid, signal.SIGHUP)
+
+
+#: A launcher whose two ranks each keep what dist_checkpointing's writer keeps: a manager
+#: (a spawned interpreter, with the resource tracker it starts) and a forked child, then
+#: wait in a collective until they are killed.
+_RANKS_WITH_CHILDREN = textwrap.dedent(
+    """
+    import multiprocessing, os, sys, time
+    import torch, torch.distributed as dist
+    from megatron_dualpipe.runtime.launch import run_ranks
+
+    def rank_main(rank, world_size, ready):
+        queue = multiprocessing.get_context("spawn").Manager().Queue()
+        if os.fork() == 0:
+            time.sleep(600)
+            os._exit(0)
+        queue.put(rank)
+        open(f"{ready}.{rank}", "w").close()
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins
+        time.sleep(600)
+
+    run_ranks(rank_main, 2, args=(sys.argv[1],), timeout_s=600, pg_timeout_s=600)
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["kill -9", pytest.param("SIGHUP", marks=pytest.mark.slow)])
+def test_nothing_of_run_ranks_survives_its_launcher(tmp_path: Path, how: str) -> None:
+    tag = uuid.uuid4().hex
+    ready = tmp_path / "ready"
+    with _started(["-c", _RANKS_WITH_CHILDREN, str(ready)], tag, tmp_path) as proc:
+        wait_for(
+            "both ranks' children",
+            lambda: (
+                all(Path(f"{ready}.{r}").exists() for r in range(2))
+                and {"spawn", "tracker"} <= _kinds(tag)
+            ),
+            proc,
+        )
+        _kill(proc, how)
+        assert _survivors(tag) == []
+
+
+def _train(tmp_path: Path, tag: str, *sets: str) -> contextlib.AbstractContextManager:
+    items = ("output_dir=null", "eval_interval=null", "log_interval=1", *sets)
+    args = [arg for item in items for arg in ("--set", item)]
+    command = ["-m", "megatron_dualpipe", "train", "--config", str(TINY), *args]
+    return _started(command, tag, tmp_path)
+
+
+def _writers(tag: str) -> list[psutil.Process]:
+    """The forked checkpoint writers: tagged children of a rank with the rank's command line."""
+    found = []
+    for proc in _tagged(tag):
+        try:
+            parent = proc.parent()
+            if parent is not None and proc.cmdline() == parent.cmdline():
+                grand = parent.parent()
+                if grand is not None and grand.cmdline() == parent.cmdline():
+                    found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["while it writes", "after a save"])
+def test_kill_9_of_train_leaves_no_writer(tmp_path: Path, when: str) -> None:
+    """The issue's reproduction: ``kill -9`` of the launcher while a checkpoint is written,
+    or mid-step with the writer pool of an earlier save still alive."""
+    tag, save = uuid.uuid4().hex, tmp_path / "ck"
+    interval = "1" if when == "while it writes" else "5"
+    sets = (f"save={save}", f"save_interval={interval}", "train_iters=300")
+    with _train(tmp_path, tag, *sets) as proc:
+        if when == "while it writes":
+            wait_for("a checkpoint writer", lambda: _writers(tag), proc)
+        else:
+            out = tmp_path / "stdout"
+            wait_for(
+                "iteration 7 after a save",
+                lambda: " iteration        7/" in out.read_text() and "tracker" in _kinds(tag),
+                proc,
+            )
+        proc.kill()
+        assert _survivors(tag) == []
+
+
+@pytest.mark.slow
+def test_sighup_stops_train_like_sigterm(tmp_path: Path) -> None:
+    """A closing terminal (SIGHUP to the process group): one line, exit 129 (128 + 1), and
+    every process of the run gone, the writer pool of the first save included."""
+    tag, save = uuid.uuid4().hex, tmp_path / "ck"
+    with _train(tmp_path, tag, f"save={save}", "save_interval=2", "train_iters=300") as proc:
+        out = tmp_path / "stdout"
+        wait_for(
+            "iteration 3 after a save",
+            lambda: " iteration        3/" in out.read_text() and "tracker" in _kinds(tag),
+            proc,
+        )
+        _kill(proc, "SIGHUP")
+        assert _survivors(tag) == []
+        assert proc.wait(timeout=60) == 129
+    lines = (tmp_path / "stderr").read_text().splitlines()
+    assert lines[-1] == "megatron-dualpipe: train terminated (SIGHUP)", lines[-5:]
+    assert not any("Traceback" in line for line in lines), lines
+
+
+def _manager_directory(rank: int, world_size: int) -> str:
+    """Start what dist_checkpointing's first save starts (a spawned manager) and return the
+    ``pymp-*`` directory its socket lives in; the rank then ends as every rank does, by
+    ``os._exit``, so no finaliser of multiprocessing removes it."""
+    import multiprocessing
+
+    manager = multiprocessing.get_context("spawn").Manager()
+    _KEPT.append(manager)  # as dist_checkpointing keeps its queue: alive until the exit
+    return os.path.dirname(manager.address)
+
+
+#: What a forked rank keeps alive until it exits (in that process only).
+_KEPT: list = []
+
+
+def test_a_run_leaves_no_multiprocessing_directory_behind() -> None:
+    from megatron_dualpipe.runtime.launch import run_ranks
+
+    directories = run_ranks(_manager_directory, 2, timeout_s=120)
+    assert all(Path(d).name.startswith("pymp-") for d in directories), directories
+    assert [d for d in directories if os.path.exists(d)] == []
