@@ -47,7 +47,7 @@ def _legal(name: str, pp: int) -> bool:
     return spec(name).problem(pp, spec(name).min_microbatches(pp)) is None  # dualpipe: even PP
 
 
-FAST = [(n, pp) for n, pp in itertools.product(SCHEDULES, (2, 3, 4, 8)) if _legal(n, pp)]
+FAST = [(n, pp) for n, pp in itertools.product(SCHEDULES, (2, 3, 4)) if _legal(n, pp)]
 FULL = [
     (n, pp)
     for n, pp in itertools.product(SCHEDULES, range(2, 17))

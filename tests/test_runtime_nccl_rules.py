@@ -175,7 +175,7 @@ def test_channel_groups_and_the_emulation_compute_what_one_tagged_group_does(nam
     assert all(run_workers(_compare, 2, args=(name, 4, kind), timeout_s=120))
 
 
-HANG_TIMEOUT_S = 2.0
+HANG_TIMEOUT_S = 1.0
 
 
 def _hang(rank: int, world: int, name: str, kind: str) -> tuple[str, str, float]:
