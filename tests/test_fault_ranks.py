@@ -73,7 +73,7 @@ def _running(pid: int) -> bool:
     """Whether ``pid`` is a live process (a zombie left for init to reap is not)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone, or exiting while being read (ESRCH)
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
