@@ -23,6 +23,10 @@ removes the run's temporary directory (where multiprocessing puts its ``pymp-*``
 directories, which SIGKILLed processes cannot remove) and kills the group, itself included.
 The ranks also die with the parent through the parent-death signal. Rank 0's rendezvous
 store listens on the loopback address alone.
+
+The parent's OpenMP worker pool is released before the ranks are forked
+(:mod:`.openmp`): with libgomp, a rank forked from a process that had run a parallel
+region would hang in its own first one.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DualPipeError
+from .openmp import release_thread_pool
 
 __all__ = ["GUARD_NAME", "LaunchFailure", "pick_port", "run_ranks"]
 
@@ -174,6 +179,7 @@ def _launch(
     """Fork the ranks once, collect their reports, and leave none running; also the
     unfinished ranks found stopped before they were killed."""
     ctx = multiprocessing.get_context("fork")
+    release_thread_pool()  # a pool inherited from here would hang the ranks' parallel ops
     port = pick_port()
     procs: list[multiprocessing.process.BaseProcess] = []
     watches: list[_Watch] = []

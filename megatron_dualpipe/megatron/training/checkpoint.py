@@ -48,6 +48,7 @@ from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ...runtime.openmp import release_thread_pool
 from ..checks import schedule_spec
 from ..cpu_compat import apply_cpu_compat
 from ..position_copies import POSITION_TABLE, mark_position_copy_replica
@@ -226,6 +227,7 @@ def save_checkpoint(
         pipeline_schedule=cfg.pipeline_schedule,
         model_config=model_settings(cfg, vocab_size),
     )
+    release_thread_pool()  # the writers dist_checkpointing forks may run parallel ops
     try:
         with writers_watched(), writer_errors() as logged:
             dist_checkpointing.save(sharded, str(directory))
