@@ -262,14 +262,17 @@ def _terminate(signum: int, frame: object) -> None:
     raise _Terminated(signum)
 
 
-#: Signals ``train`` unwinds on, as on Ctrl-C.
+#: Signals ``train`` unwinds on, as on Ctrl-C, unless it was started with them ignored.
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 def _run_train(args: argparse.Namespace) -> None:
     from .megatron.training import load_config, train  # train imports torch and megatron
 
-    previous = {signum: signal.signal(signum, _terminate) for signum in _STOP_SIGNALS}
+    previous = {signum: signal.getsignal(signum) for signum in _STOP_SIGNALS}
+    for signum, handler in previous.items():
+        if handler != signal.SIG_IGN:  # nohup's SIGHUP stays ignored: the run goes on
+            signal.signal(signum, _terminate)
     try:
         train(load_config(args.config, args.overrides), source=str(args.config))
     finally:  # a signal while the error is printed must not interrupt the printing

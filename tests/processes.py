@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -9,7 +10,19 @@ from typing import Any
 
 import pytest
 
-__all__ = ["wait_for"]
+__all__ = ["as_from_a_terminal", "wait_for"]
+
+#: The signals a command started from a terminal has at their defaults; a test runner
+#: started under nohup (or in a shell's background) passes them on ignored.
+_TERMINAL_SIGNALS = (signal.SIGHUP, signal.SIGINT, signal.SIGTERM)
+
+
+def as_from_a_terminal() -> None:
+    """``preexec_fn`` for a command the test signals: each of those signals at its default,
+    as a command typed in a terminal has it, whatever this process inherited."""
+    for signum in _TERMINAL_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
+
 
 #: How long a started command may take to reach what a test waits for on a busy machine.
 START_TIMEOUT_S = 240.0

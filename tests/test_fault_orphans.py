@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.processes import wait_for
+from tests.processes import as_from_a_terminal, wait_for
 
 pytestmark = pytest.mark.multiproc
 
@@ -65,10 +65,13 @@ def _survivors(tag: str, within_s: float = GONE_WITHIN_S) -> list[str]:
 
 
 @contextlib.contextmanager
-def _started(args: list[str], tag: str, tmp_path: Path) -> Iterator[subprocess.Popen]:
+def _started(
+    args: list[str], tag: str, tmp_path: Path, nohup: bool = False
+) -> Iterator[subprocess.Popen]:
     """``args`` under Python in a session of its own (so a signal to its process group
-    reaches it and what it started, never pytest), tagged with ``tag``; on the way out
-    whatever of it is left is killed."""
+    reaches it and what it started, never pytest), tagged with ``tag``, its signals as a
+    terminal gives them (``nohup``: SIGHUP ignored, as ``nohup`` starts it); on the way
+    out whatever of it is left is killed."""
     env = dict(os.environ, **{TAG: tag})
     proc = subprocess.Popen(
         [sys.executable, *args],
@@ -77,6 +80,7 @@ def _started(args: list[str], tag: str, tmp_path: Path) -> Iterator[subprocess.P
         stdout=(tmp_path / "stdout").open("w"),
         stderr=(tmp_path / "stderr").open("w"),
         start_new_session=True,
+        preexec_fn=_under_nohup if nohup else as_from_a_terminal,
     )
     try:
         yield proc
@@ -85,6 +89,11 @@ def _started(args: list[str], tag: str, tmp_path: Path) -> Iterator[subprocess.P
         proc.wait()
         for left in _tagged(tag):
             left.kill()
+
+
+def _under_nohup() -> None:
+    as_from_a_terminal()
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
 def _kinds(tag: str) -> set[str]:
@@ -151,11 +160,13 @@ def test_nothing_of_run_ranks_survives_its_launcher(tmp_path: Path, how: str) ->
         assert _survivors(tag) == []
 
 
-def _train(tmp_path: Path, tag: str, *sets: str) -> contextlib.AbstractContextManager:
+def _train(
+    tmp_path: Path, tag: str, *sets: str, nohup: bool = False
+) -> contextlib.AbstractContextManager:
     items = ("output_dir=null", "eval_interval=null", "log_interval=1", *sets)
     args = [arg for item in items for arg in ("--set", item)]
     command = ["-m", "megatron_dualpipe", "train", "--config", str(TINY), *args]
-    return _started(command, tag, tmp_path)
+    return _started(command, tag, tmp_path, nohup)
 
 
 def _writers(tag: str) -> list[psutil.Process]:
@@ -213,6 +224,19 @@ def test_sighup_stops_train_like_sigterm(tmp_path: Path) -> None:
     lines = (tmp_path / "stderr").read_text().splitlines()
     assert lines[-1] == "megatron-dualpipe: train terminated (SIGHUP)", lines[-5:]
     assert not any("Traceback" in line for line in lines), lines
+
+
+@pytest.mark.slow
+def test_train_under_nohup_trains_on_after_sighup(tmp_path: Path) -> None:
+    """``nohup megatron-dualpipe train ...``: a closing terminal's SIGHUP changes nothing
+    (train used to put its own handler over nohup's and stop with exit 129)."""
+    tag = uuid.uuid4().hex
+    with _train(tmp_path, tag, "train_iters=6", nohup=True) as proc:
+        out = tmp_path / "stdout"
+        wait_for("iteration 1", lambda: " iteration        1/" in out.read_text(), proc)
+        _kill(proc, "SIGHUP")
+        assert proc.wait(timeout=120) == 0
+    assert " training done: iteration 6 after " in out.read_text()
 
 
 def _manager_directory(rank: int, world_size: int) -> str:

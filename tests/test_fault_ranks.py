@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from megatron_dualpipe.megatron.training.checkpoint_files import damage, iteration_dir, read_tracker
 from megatron_dualpipe.runtime.launch import GUARD_NAME, LaunchFailure, run_ranks
-from tests.processes import wait_for
+from tests.processes import as_from_a_terminal, wait_for
 
 pytestmark = pytest.mark.multiproc
 
@@ -104,6 +104,7 @@ def _start_train(tmp_path: Path, *sets: str) -> tuple[subprocess.Popen, Path, Pa
         cwd=ROOT,
         stdout=out.open("w"),
         stderr=err.open("w"),
+        preexec_fn=as_from_a_terminal,
     )
     return proc, out, err
 
