@@ -33,6 +33,10 @@ from megatron_dualpipe.megatron.training.checkpoint_trust import (
 pytestmark = pytest.mark.megatron
 
 
+#: How a pickle names ``open``: ``io.open`` on Python 3.11, ``_io.open`` from 3.12.
+OPEN = f"{open.__module__}.{open.__qualname__}"
+
+
 class _Creates:
     """Pickles to a call of ``open(path, "w")``: unpickled the plain way, it makes ``path``."""
 
@@ -64,7 +68,7 @@ def test_a_crafted_metadata_is_refused_without_running_it(tmp_path: Path) -> Non
     marker = tmp_path / "ran"
     (directory / ".metadata").write_bytes(pickle.dumps(_Creates(marker)))
     assert damage(directory) == (
-        ".metadata refers to io.open, which is not one of torch.distributed.checkpoint's "
+        f".metadata refers to {OPEN}, which is not one of torch.distributed.checkpoint's "
         "metadata classes (nothing of it was run)"
     )
     assert not marker.exists()
@@ -77,7 +81,7 @@ def test_a_crafted_common_state_is_refused_without_running_it(tmp_path: Path) ->
     marker = tmp_path / "ran"
     torch.save({"model_config": _Creates(marker)}, directory / "common.pt")
     assert damage(directory) == (
-        "common.pt refers to io.open, which weights-only loading does not admit (nothing of "
+        f"common.pt refers to {OPEN}, which weights-only loading does not admit (nothing of "
         "it was run)"
     )
     assert not marker.exists()
@@ -89,7 +93,7 @@ def test_a_crafted_object_in_a_shard_is_refused_without_running_it(tmp_path: Pat
     marker = tmp_path / "ran"
     directory = _checkpoint(tmp_path / "ck", {"extra": _Creates(marker)})
     assert damage(directory) == (
-        "__0_0.distcp (its object extra) refers to io.open, which weights-only loading does "
+        f"__0_0.distcp (its object extra) refers to {OPEN}, which weights-only loading does "
         "not admit (nothing of it was run)"
     )
     assert not marker.exists()

@@ -201,10 +201,17 @@ def test_shards_with_random_tensors(copy: Path) -> None:
     with pytest.raises(TrainError) as info:
         _run(f"train_iters={SAVED}", f"load={copy}")
     message = str(info.value)
-    assert message.startswith(
-        f"checkpoint {directory} cannot be loaded: reading it failed on ranks 0, 1 ("
+    # Every rank reads its own shards on megatron-core 0.16.1; from 0.19 rank 0 alone may.
+    assert re.match(
+        rf"checkpoint {re.escape(str(directory))} cannot be loaded: reading it failed on "
+        r"(rank 0|ranks 0, 1) \(\w+",
+        message,
     ), message
     assert message.endswith(_advice(copy)) and "\n" not in message
+
+
+#: How a pickle names ``open``: ``io.open`` on Python 3.11, ``_io.open`` from 3.12.
+OPEN = f"{open.__module__}.{open.__qualname__}"
 
 
 class _Creates:
@@ -222,7 +229,7 @@ def test_a_crafted_metadata_is_refused_before_any_rank_starts(copy: Path, tmp_pa
     marker = tmp_path / "ran"
     (copy / "iter_0000003" / ".metadata").write_bytes(pickle.dumps(_Creates(marker)))
     _refused(
-        f"checkpoint {copy / 'iter_0000003'}: .metadata refers to io.open, which is not one of "
+        f"checkpoint {copy / 'iter_0000003'}: .metadata refers to {OPEN}, which is not one of "
         f"torch.distributed.checkpoint's metadata classes (nothing of it was run): {_advice(copy)}",
         f"load={copy}",
     )

@@ -48,8 +48,16 @@ REFUSAL_020 = (
 
 def test_the_installed_release_is_a_tested_one() -> None:
     assert SUPPORTED_MEGATRON_CORE == ">=0.16.1,<0.20"
-    assert installed_megatron_core() == megatron.core.__version__
+    assert megatron.core.__version__.startswith(installed_megatron_core())
     assert installed_megatron_core() in TESTED_MEGATRON_CORE
+
+
+def test_a_git_commit_in_the_version_is_not_part_of_the_release(monkeypatch) -> None:
+    """megatron-core 0.19 installed inside a git work tree (CI's .ci/venv312 is) appends
+    that tree's commit to ``__version__``."""
+    monkeypatch.setattr(megatron.core, "__version__", "0.19.2+90aaa6a")
+    assert installed_megatron_core() == "0.19.2"
+    assert version.megatron_lm_tag() == "core_v0.19.0"
 
 
 @pytest.mark.parametrize(

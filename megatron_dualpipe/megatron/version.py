@@ -91,10 +91,12 @@ class MegatronVersionError(DualPipeError, RuntimeError):
 
 
 def installed_megatron_core() -> str:
-    """``megatron.core.__version__`` of the megatron-core imported in this process."""
+    """The release of the megatron-core imported in this process: its ``__version__``
+    without a local part (from 0.19, a megatron-core installed inside a git work tree, a
+    venv in a project's checkout say, appends that tree's commit: ``0.19.2+90aaa6a``)."""
     from megatron import core
 
-    return str(core.__version__)
+    return _release(str(core.__version__)).public
 
 
 def _release(version: str) -> Version:
