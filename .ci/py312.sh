@@ -39,20 +39,34 @@ export PATH="$PWD/$venv/bin:$PATH"
 say "installing torch==2.13.0 and megatron-core==0.19.2 (a CUDA build of torch, about 4.5 GB the first time)"
 python -m pip install --no-input --disable-pip-version-check torch==2.13.0 megatron-core==0.19.2
 bash scripts/install.sh
-python -m pytest -m megatron
+# Every part runs even if an earlier one fails; each one's result is printed at the end.
+results=()
+failed=0
+part() {  # part NAME COMMAND...
+  local name=$1 rc=0
+  shift
+  "$@" || rc=$?
+  if ((rc == 0)); then results+=("py312.sh: $name: passed"); else
+    results+=("py312.sh: $name: failed (exit $rc)"); failed=1; fi
+  echo "${results[-1]}"
+}
+part "megatron-core 0.19.2, every test marked megatron" python -m pytest -m megatron
 
 for release in 0.17.1 0.18.2; do
   target=.ci/megatron-core-$release
   if [[ ! -d $target/megatron/core ]]; then
     say "installing megatron-core==$release into $target (no dependencies: the venv's torch serves)"
     python -m pip install --no-input --disable-pip-version-check --no-deps --target "$target" \
-      "megatron-core==$release"
+      "megatron-core==$release" || { part "megatron-core $release install" false; continue; }
   fi
   say "smoke run of megatron-core $release"
-  PYTHONPATH="$PWD/$target" python -m pytest -m megatron -p no:cacheprovider \
+  part "megatron-core $release smoke run" env PYTHONPATH="$PWD/$target" \
+    python -m pytest -m megatron -p no:cacheprovider \
     tests/test_megatron_version.py \
     tests/test_megatron_lm.py::test_the_installed_wheels_training_takes_its_tags_patch \
     tests/test_train_schedules.py::test_unclipped_the_same_digits_as_1f1b \
     tests/test_train_schedules.py::test_unclipped_dualpipe_within_a_millionth_of_1f1b \
     "tests/test_train_resume.py::test_resume_under_another_schedule[dualpipev-1f1b]"
 done
+printf '%s\n' "${results[@]}"
+exit "$failed"

@@ -8,7 +8,7 @@ parallel sizes with ``pipeline_schedule`` set to 1f1b, and walks from each of it
 figures to ours (``megatron_dualpipe.schedules.memory_bridge``). It needs a Python whose
 megatron-core has ``megatron.training``:
 
-    /work/venv312/bin/python scripts/megatron_memory_formula.py configs/deepseek_v3_pp16.yaml
+    .ci/venv312/bin/python scripts/megatron_memory_formula.py configs/deepseek_v3_pp16.yaml
     ... --set fp8=null --set recompute_granularity=null     (the config without them)
     ... --json OUT.json                                       (the figures, for the tests)
 """

@@ -6,7 +6,7 @@ weights with their gradients and optimizer states and for the activations.
 The formula runs from a megatron-core wheel that ships ``megatron/training`` (0.19, on
 Python 3.12): ``MEGATRON_TRAINING_PYTHON`` names its interpreter, else this one where it
 has the formula (CI's Python 3.12 leg, which runs these tests: they are marked megatron),
-else CI's ``.ci/venv312`` or ``/work/venv312``; without one these tests skip, saying so.
+else the venv ``.ci/py312.sh`` makes (``.ci/venv312``); without one these tests skip, saying so.
 The CPU-only code never imports it. A pure-Python test (the fast one) checks the
 activation bridge against the paper's formula by hand; the runs of Megatron-LM's formula
 are slow (a megatron import each, about 40 s on two busy cores).
@@ -37,7 +37,7 @@ def _formula_python() -> str | None:
     """An interpreter whose megatron-core has ``megatron.training``'s memory formula."""
     given = os.environ.get("MEGATRON_TRAINING_PYTHON")
     candidates = [given] if given else []
-    candidates += [sys.executable, str(ROOT / ".ci/venv312/bin/python"), "/work/venv312/bin/python"]
+    candidates += [sys.executable, str(ROOT / ".ci/venv312/bin/python")]
     for candidate in candidates:
         if not Path(candidate).exists():
             continue
