@@ -73,3 +73,31 @@ def test_step_scalars_every_tensorboard_log_interval_timings_every_log_interval(
     seconds = steps("iteration-time")
     for i, tflops in steps("throughput").items():
         assert math.isclose(tflops, flops / (seconds[i] * 1e12 * 2), rel_tol=1e-5), i
+
+
+def test_memory_scalars_are_megatron_lms_from_cuda_memory_stats(tmp_path: Path) -> None:
+    """log_memory_to_tensorboard writes Megatron-LM's four tags from the entries of
+    ``torch.cuda.memory_stats()`` it names (the GPU path itself has not run: no GPU)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_dualpipe.megatron.training.tensorboard import MEMORY_SCALARS, TensorBoardLog
+
+    stats = {key: 1000 * (i + 1) for i, key in enumerate(MEMORY_SCALARS.values())}
+    board = TensorBoardLog(str(tmp_path))
+    board.memory(4, stats)
+    board.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in MEMORY_SCALARS} == {
+        "mem-reserved-bytes": [(4, 1000.0)],
+        "mem-allocated-bytes": [(4, 2000.0)],
+        "mem-max-allocated-bytes": [(4, 3000.0)],
+        "mem-allocated-count": [(4, 4000.0)],
+    }
+
+
+def test_memory_scalars_need_a_tensorboard_dir() -> None:
+    from megatron_dualpipe.megatron.training import ConfigError
+
+    with pytest.raises(ConfigError, match="log_memory_to_tensorboard: needs tensorboard_dir"):
+        load_config(TINY, ["log_memory_to_tensorboard=true"])
