@@ -28,17 +28,18 @@ setup(
         "megatron": ["torch>=2.6", "megatron-core>=0.16.1,<0.20", "psutil>=5.9"],
         "te": ["transformer-engine[pytorch]>=2.7"],
         # Megatron-Core's HuggingFaceTokenizer / GPT2BPETokenizer (train with tokenizer_type,
-        # preprocess) load through transformers; tokenizers is its fast backend.
-        "data": ["transformers==4.57.6", "tokenizers==0.22.2"],
+        # preprocess) load through transformers; tokenizers is its fast backend. Ranges, so
+        # that a container's own releases stay (tested: 4.57.6, 0.22.2, tensorboard 2.21.0).
+        "data": ["transformers>=4.40", "tokenizers>=0.19"],
         # tensorboard_dir: torch.utils.tensorboard writes through it.
-        "tensorboard": ["tensorboard==2.21.0"],
+        "tensorboard": ["tensorboard>=2.14"],
         "test": [
             "torch>=2.6",
             "megatron-core>=0.16.1,<0.20",
             "psutil>=5.9",
-            "transformers==4.57.6",
-            "tokenizers==0.22.2",
-            "tensorboard==2.21.0",
+            "transformers>=4.40",
+            "tokenizers>=0.19",
+            "tensorboard>=2.14",
             "pytest>=8",
             "pytest-timeout>=2.3",
             "ruff>=0.6",

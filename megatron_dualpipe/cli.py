@@ -1,4 +1,5 @@
-"""The ``megatron-dualpipe`` command: ``simulate``, ``train``, ``preprocess`` and ``bench``.
+"""The ``megatron-dualpipe`` command: ``simulate``, ``train``, ``preprocess``, ``bench`` and
+``patch-megatron-lm``.
 
 Importing this module imports neither torch nor megatron: ``simulate`` is pure Python, and
 ``train``, ``preprocess`` and ``bench`` import what they need when they run.
@@ -246,6 +247,37 @@ def _run_preprocess(args: argparse.Namespace) -> None:
         f"wrote {result.prefix}.bin and {result.prefix}.idx: {result.documents:,} documents, "
         f"{result.tokens:,} tokens (each document ends in the end-of-document token); train "
         f"on it with data_path: {result.prefix}"
+    )
+
+
+def _add_patch_megatron_lm(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "patch-megatron-lm",
+        help="make the patched megatron/training of the installed megatron-core wheel",
+        description="Copy the megatron/training that the installed megatron-core wheel ships "
+        "(0.17 and newer) to OUT/megatron/training and apply the megatron/training hunks of "
+        "the patch of its Megatron-LM tag (patches/megatron-lm-<tag>.patch). With OUT first "
+        "on PYTHONPATH, scripts/pretrain_gpt_megatron_lm.py runs Megatron-LM's pretrain() "
+        "with --pipeline-schedule.",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("megatron-lm-patched"),
+        metavar="DIR",
+        help="where to write megatron/training (default: ./megatron-lm-patched)",
+    )
+
+
+def _run_patch_megatron_lm(args: argparse.Namespace) -> None:
+    from .megatron.lm_patch import make_patched_training  # reads files: imports no megatron
+
+    training, patch = make_patched_training(args.out)
+    out = args.out.resolve()
+    print(
+        f"wrote {training}, patched with {patch.name}; run Megatron-LM's loop with it first on "
+        f"the path: PYTHONPATH={out} torchrun --nproc-per-node N "
+        "scripts/pretrain_gpt_megatron_lm.py --pipeline-schedule dualpipev ..."
     )
 
 
@@ -735,6 +767,7 @@ def _main(argv: list[str] | None) -> int:
     _add_train(sub)
     _add_preprocess(sub)
     _add_bench(sub)
+    _add_patch_megatron_lm(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "simulate":
@@ -745,6 +778,8 @@ def _main(argv: list[str] | None) -> int:
             _run_preprocess(args)
         elif args.command == "bench":
             _run_bench(args)
+        elif args.command == "patch-megatron-lm":
+            _run_patch_megatron_lm(args)
     except KeyboardInterrupt:
         # The embedded launchers kill every rank they started on the way out.
         print(f"megatron-dualpipe: {args.command} interrupted", file=sys.stderr)

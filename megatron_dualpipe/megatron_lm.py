@@ -30,6 +30,7 @@ Importing this module imports neither torch nor megatron; the hooks import them 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import weakref
 from collections.abc import Callable, Sequence
@@ -60,11 +61,14 @@ __all__ = [
     "prepare_model",
 ]
 
+logger = logging.getLogger(__name__)
+
 #: Every value of ``--pipeline-schedule``.
 PIPELINE_SCHEDULES = tuple(SCHEDULES)
-#: The forward-backward object of each Megatron-LM run by ``id(args)``, kept as long as its
-#: ``args`` live (a Namespace compares by value, so it cannot key a weak dictionary).
-_RUNS: dict[int, tuple[weakref.ref, Callable[..., Any]]] = {}
+#: The forward-backward object of each Megatron-LM run by ``id(args)`` (None: Megatron's
+#: own), kept as long as its ``args`` live (a Namespace compares by value, so it cannot key
+#: a weak dictionary).
+_RUNS: dict[int, tuple[weakref.ref, Callable[..., Any] | None]] = {}
 
 
 def _help() -> str:
@@ -240,20 +244,37 @@ def apply(args: Any, *, exit_on_error: bool = False) -> None:
 def forward_backward_func(args: Any, megatrons: Callable[..., Any]) -> Callable[..., Any]:
     """The forward-backward function of this run: ours for a schedule our runtime runs
     (the same object every call with the same ``args``, so its executor is reused),
-    else ``megatrons`` (what Megatron's ``get_forward_backward_func()`` returned)."""
+    else ``megatrons`` (what Megatron's ``get_forward_backward_func()`` returned). The
+    first call of a run logs the schedule in use, once (on global rank 0)."""
     schedule = _schedule(args)
-    if schedule is None or not schedule_spec(schedule).runs_ours:
-        return megatrons
+    ours = schedule is not None and schedule_spec(schedule).runs_ours
     key = id(args)
     ref, func = _RUNS.get(key, (None, None))
     if ref is None or ref() is not args:
-        from .megatron.forward_backward import DualPipeForwardBackward
+        func = None
+        if ours:
+            from .megatron.forward_backward import DualPipeForwardBackward
 
-        timeout_min = getattr(args, "distributed_timeout_minutes", None)
-        options = {"timeout_s": 60.0 * timeout_min} if timeout_min else {}
-        func = DualPipeForwardBackward(schedule, **options)
+            timeout_min = getattr(args, "distributed_timeout_minutes", None)
+            options = {"timeout_s": 60.0 * timeout_min} if timeout_min else {}
+            func = DualPipeForwardBackward(schedule, **options)
         _RUNS[key] = (weakref.ref(args, lambda _: _RUNS.pop(key, None)), func)
-    return func
+        _log_schedule(schedule, ours, megatrons)
+    return func if ours else megatrons
+
+
+def _log_schedule(schedule: str | None, ours: bool, megatrons: Callable[..., Any]) -> None:
+    """``pipeline schedule: ...`` on global rank 0: ours, or Megatron's function by name."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    if ours:
+        logger.info("pipeline schedule: %s (megatron-dualpipe's)", schedule)
+        return
+    flag = "" if schedule is None else f", --pipeline-schedule {schedule}"
+    name = getattr(megatrons, "__name__", type(megatrons).__name__)
+    logger.info("pipeline schedule: Megatron's own (%s%s)", name, flag)
 
 
 def places_model_chunks(args: Any) -> bool:

@@ -5,15 +5,19 @@ This project's equivalent of Megatron-LM's ``pretrain_gpt.py``, which the megatr
 wheel does not ship: the model provider (GPTModel from Megatron's layer specs), the batch,
 the loss and the datasets (Megatron's ``GPTDataset``, or ``MockGPTDataset`` with
 ``--mock-data``), for megatron-core 0.19's ``megatron/training`` patched with the
-``megatron/training`` hunks of ``patches/megatron-lm-core_v0.19.0.patch``. Every flag is
-Megatron-LM's (``--help``); ``--pipeline-schedule`` is ours.
+``megatron/training`` hunks of ``patches/megatron-lm-core_v0.19.0.patch`` (an unpatched
+one is refused in one sentence). Every flag is Megatron-LM's (its ``arguments.py``; 0.19's
+``--help`` fails on a bare % in one help text); ``--pipeline-schedule`` is ours.
 
-    torchrun --nproc-per-node 8 scripts/pretrain_gpt_megatron_lm.py \\
-        --pipeline-schedule dualpipev --pipeline-model-parallel-size 8 ... \\
-        --mock-data --tokenizer-type NullTokenizer --vocab-size 32000
+    megatron-dualpipe patch-megatron-lm --out megatron-lm-patched
+    PYTHONPATH=$PWD/megatron-lm-patched torchrun --nproc-per-node 8 \\
+        scripts/pretrain_gpt_megatron_lm.py --pipeline-schedule dualpipev \\
+        --pipeline-model-parallel-size 8 ... --mock-data --tokenizer-type NullTokenizer \\
+        --vocab-size 32000
 
-``main(argv)`` is the same run from Python (tests/test_megatron_lm_loop.py runs it on CPU
-ranks with the CPU compatibility layer applied).
+On a machine without a GPU it runs on CPU ranks (``--distributed-backend gloo``; the README
+has the command). ``main(argv)`` is the same run from Python (tests/test_megatron_lm_loop.py
+runs it on forked CPU ranks).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from functools import partial
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -213,9 +218,19 @@ def get_embedding_ranks(pp_ranks: list[int]) -> list[int]:
     return sorted({pp_ranks[0], *last})
 
 
+def _refuse(sentence: str) -> None:
+    """``error: <sentence>`` on stderr and exit code 2, as Megatron-LM's route refuses."""
+    print(f"error: {sentence}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse Megatron-LM's arguments (``argv``, default ``sys.argv[1:]``) with
-    ``--pipeline-schedule``, and run ``pretrain``."""
+    ``--pipeline-schedule``, and run ``pretrain`` (on a machine without a GPU, on CPU ranks
+    over gloo: :func:`~megatron_dualpipe.megatron.cpu_compat_training.megatron_training_on_cpu`).
+    Refuses, before any work, another megatron-core than 0.19 and an unpatched
+    ``megatron/training``."""
+    from megatron_dualpipe.megatron.lm_patch import unpatched_training_problem
     from megatron_dualpipe.megatron.version import installed_megatron_core, megatron_lm_tag
 
     if megatron_lm_tag() != "core_v0.19.0":
@@ -225,10 +240,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             "pip install 'megatron-core==0.19.2', or apply your tag's patch to Megatron-LM "
             "and run its pretrain_gpt.py"
         )
+    problem = unpatched_training_problem()
+    if problem is not None:
+        _refuse(problem)
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
+
+    from megatron_dualpipe.megatron.cpu_compat_training import megatron_training_on_cpu
 
     saved = sys.argv
     sys.argv = [saved[0], *(saved[1:] if argv is None else argv)]
@@ -239,18 +259,25 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     finally:
         sys.argv = saved
+    if args.transformer_impl == "transformer_engine" and find_spec("transformer_engine") is None:
+        _refuse(
+            "--transformer-impl transformer_engine (Megatron-LM's default) needs Transformer "
+            "Engine, which is not installed: pip install -e '.[te]' on a machine with CUDA, or "
+            "pass --transformer-impl local"
+        )
     with warnings.catch_warnings():
         # "use a ModelConfig instead of a model provider": the placement needs the provider
         warnings.filterwarnings("ignore", message=r"\s*It is recommended to use a ModelConfig")
         cfg = pretrain_cfg_container_from_args(args)
-    pretrain(
-        cfg,
-        train_valid_test_datasets_provider,
-        ModelType.encoder_or_decoder,
-        forward_step,
-        model_provider=model_provider,
-        get_embedding_ranks=get_embedding_ranks,
-    )
+    with megatron_training_on_cpu():  # a no-op with CUDA
+        pretrain(
+            cfg,
+            train_valid_test_datasets_provider,
+            ModelType.encoder_or_decoder,
+            forward_step,
+            model_provider=model_provider,
+            get_embedding_ranks=get_embedding_ranks,
+        )
 
 
 if __name__ == "__main__":

@@ -71,6 +71,19 @@ def test_a_load_path_that_does_not_exist_is_an_error(tmp_path: Path) -> None:
     )
 
 
+def test_a_missing_load_that_is_also_save_starts_from_scratch(tmp_path: Path) -> None:
+    """A config's first submission (configs/deepseek_v3_pp16.yaml, dense_70b_dualpipe.yaml:
+    load and save one folder that is not there yet) trains from scratch, as Megatron-LM
+    does, says so in one line, and saves there."""
+    root = tmp_path / "ckpt"
+    result = _run(f"train_iters={SAVED}", f"save={root}", f"load={root}")
+    assert [line for line in result.lines if "from scratch" in line] == [
+        f" no checkpoint under {root}: training from scratch"
+    ]
+    assert result.resumed_from is None
+    assert result.saved == [SAVED]
+
+
 def test_a_load_path_that_is_a_file_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     _refused(f"load: {tmp_path / 'file'} is a file, not a checkpoint directory",

@@ -25,12 +25,17 @@ exec "$REAL_PYTHON" "$@"
 """
 
 
-def _requirements(extra: str) -> list[str]:
-    """The project names in setup.py's ``install_requires`` and in the extra ``extra``."""
+def _setup_keywords() -> dict:
+    """setup.py's ``install_requires`` and ``extras_require``."""
     tree = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
     call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and n.keywords)
-    kw = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg in (
+    return {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg in (
         "install_requires", "extras_require")}  # fmt: skip
+
+
+def _requirements(extra: str) -> list[str]:
+    """The project names in setup.py's ``install_requires`` and in the extra ``extra``."""
+    kw = _setup_keywords()
     specs = kw["install_requires"] + kw["extras_require"][extra]
     return [re.split(r"[<>=\[]", s)[0] for s in specs]
 
@@ -121,3 +126,14 @@ def test_the_base_package_simulates_without_torch(tmp_path: Path) -> None:
     assert train.returncode == 2 and "Traceback" not in train.stderr
     assert "train needs torch and megatron-core" in train.stderr
     assert "(it is not on PyPI), pip install -e '.[megatron]'" in train.stderr
+
+
+def test_the_extras_take_ranges_so_a_containers_releases_stay() -> None:
+    """An NGC container's transformers, tokenizers and tensorboard satisfy the extras (pip
+    keeps them): lower bounds, no exact pins."""
+    extras = _setup_keywords()["extras_require"]
+    specs = {
+        spec for name in ("data", "tensorboard", "test") for spec in extras[name]
+        if spec.startswith(("transformers", "tokenizers", "tensorboard"))
+    }  # fmt: skip
+    assert specs == {"transformers>=4.40", "tokenizers>=0.19", "tensorboard>=2.14"}

@@ -2,16 +2,23 @@
 installed megatron-core wheel (0.19 ships ``megatron/training``), copied to a temporary
 folder and patched with the ``megatron/training`` hunks of
 ``patches/megatron-lm-core_v0.19.0.patch``, driven by ``scripts/pretrain_gpt_megatron_lm.py``
-with ``--mock-data`` on 2 forked CPU ranks over gloo (the CPU compatibility layer and
-:mod:`~megatron_dualpipe.megatron.cpu_compat_training` applied).
+with ``--mock-data`` on 2 and 4 forked CPU ranks over gloo (the script applies
+:mod:`~megatron_dualpipe.megatron.cpu_compat_training` without a GPU).
 
 Megatron-LM seeds each pipeline rank differently (``seed + 100 * pp_rank``), so a schedule
 that places layers elsewhere starts from other random weights: every run here starts from
-one checkpoint, saved by Megatron's 1F1B after its first iteration. From it, with
-dropout and gradient clipping off, ``--pipeline-schedule`` zb1p and dualpipev print 1F1B's
-digits at every iteration and evaluation, and dualpipe (two model copies, each summing
-half the micro-batches' gradients) agrees within one part in a million; a checkpoint that
-dualpipev saves mid-run resumes under 1F1B with 1F1B's digits.
+one checkpoint, saved by Megatron's 1F1B after its first iteration (the MoE model from its
+own). From it, with dropout and gradient clipping off, ``--pipeline-schedule`` zb1p and
+dualpipev print 1F1B's digits at every iteration and evaluation, and dualpipe (two model
+copies, each summing half the micro-batches' gradients) agrees within one part in a
+million; a checkpoint that dualpipev saves mid-run resumes under 1F1B with 1F1B's digits.
+The same holds under each flag combination of :data:`COMBINATIONS` (the flags production
+runs use), against Megatron's 1F1B with the same flags.
+
+Every run of one world size goes through one set of forked ranks, one run after the other
+(Megatron-LM's ``destroy_global_state`` between them, as its in-process restart does): the
+imports, the JIT warm-up's compilation and the tokenizer's load are paid once per rank, not
+once per run. A run that fails is recorded with its error and the next one starts.
 """
 
 from __future__ import annotations
@@ -19,19 +26,30 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import logging
 import re
 import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import megatron.core
 import pytest
+import torch.distributed as dist
 
 from megatron_dualpipe.megatron.version import installed_megatron_core
 from tests.multiproc import run_workers
 
-pytestmark = [pytest.mark.megatron, pytest.mark.multiproc, pytest.mark.slow]
+#: The timeout is the first test's, whose setup runs every run of its world size.
+pytestmark = [
+    pytest.mark.megatron,
+    pytest.mark.multiproc,
+    pytest.mark.slow,
+    pytest.mark.timeout(1800),
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "pretrain_gpt_megatron_lm.py"
@@ -39,8 +57,10 @@ PATCH = ROOT / "patches" / "megatron-lm-core_v0.19.0.patch"
 WHEEL_TRAINING = Path(megatron.core.__file__).resolve().parents[1] / "training"
 ITERATIONS = 5
 REL_TOL = 1e-6
+SCHEDULES = ("1f1b", "zb1p", "dualpipev", "dualpipe")
 #: A tiny GPT at PP=2 (4 micro-batches: dualpipe and dualpipev need 2 x PP), fp32, no
-#: dropout, no clipping, no fused kernels; a validation every 2 iterations.
+#: dropout, no clipping, no fused kernels; a validation every 2 iterations; batches read
+#: in the rank's own process.
 ARGS = (
     "--pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 32 --num-attention-heads 4 "
     "--seq-length 16 --max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 8 "
@@ -49,8 +69,19 @@ ARGS = (
     "--mock-data --tokenizer-type NullTokenizer --vocab-size 128 --transformer-impl local "
     "--no-persist-layer-norm --no-gradient-accumulation-fusion --no-bias-gelu-fusion "
     "--no-bias-dropout-fusion --no-masked-softmax-fusion --no-rope-fusion "
-    "--distributed-backend gloo --log-interval 1 --eval-interval 2 --eval-iters 1"
+    "--distributed-backend gloo --log-interval 1 --eval-interval 2 --eval-iters 1 "
+    "--num-workers 0"
 ).split()
+#: At 4 ranks (PP=2 x DP=2): one sample per micro-batch, so a step keeps 4 micro-batches
+#: and the 8 samples of the 2-rank runs.
+FOUR_RANKS = ["--micro-batch-size", "1"]
+#: A MoE model: every layer 4 experts, top-2, the all-to-all dispatcher, no linear biases
+#: (megatron-core's SequentialMLP with biases fails autograd's in-place check).
+MOE = [
+    *("--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall"),
+    *("--disable-bias-linear", "--moe-aux-loss-coeff", "0.01"),
+]
+SCHEDULE_LINE = re.compile(r"pipeline schedule: .*")
 LOSS = re.compile(r"iteration +(\d+)/ +\d+ \|.*\| lm loss: (\d\.\d{6}E[-+]\d\d) \|")
 VALIDATION = re.compile(
     r"validation loss at iteration (\d+) \| lm loss value: (\d\.\d{6}E[-+]\d\d)"
@@ -62,6 +93,84 @@ if not WHEEL_TRAINING.is_dir() or not installed_megatron_core().startswith("0.19
         "megatron/training that the 0.19 wheel ships",
         allow_module_level=True,
     )
+
+
+@dataclass(frozen=True)
+class Combination:
+    """Flags production runs use, run under every schedule against Megatron's 1F1B with
+    the same flags, from the shared checkpoint of its model, on ``world_size`` ranks; or,
+    where Megatron-LM forbids them, ``refused``: its one sentence, under every schedule."""
+
+    name: str
+    flags: tuple[str, ...]
+    world_size: int = 2
+    moe: bool = False
+    refused: str | None = None
+
+    def argv(self, schedule: str, start: Path) -> list[str]:
+        ours = [] if schedule == "1f1b" else ["--pipeline-schedule", schedule]
+        sized = FOUR_RANKS if self.world_size == 4 else []
+        return [*sized, *(MOE if self.moe else []), *self.flags, "--load", str(start), *ours]
+
+
+#: Without Apex or Transformer Engine (CPU), megatron-core's distributed optimizer cannot
+#: describe a fresh optimizer's state for loading (``assert len(steps) == 1`` in its
+#: ``state_dict``), nor does a checkpoint of fp32 parameters hold bf16's fp32 copy: such
+#: runs load the checkpoint's weights only (1F1B as ours).
+WEIGHTS_ONLY = "--no-load-optim"
+COMBINATIONS = (
+    Combination("overlap-grad-reduce", ("--overlap-grad-reduce",)),
+    Combination(
+        "distributed-optimizer",
+        ("--overlap-grad-reduce", "--use-distributed-optimizer", WEIGHTS_ONLY),
+        4,
+    ),
+    Combination(
+        "overlap-param-gather",
+        ("--overlap-grad-reduce", "--use-distributed-optimizer", "--overlap-param-gather",
+         WEIGHTS_ONLY),
+        4,
+    ),  # fmt: skip
+    Combination("bf16", ("--bf16", WEIGHTS_ONLY)),
+    Combination("moe-ep2", ("--expert-model-parallel-size", "2"), 4, moe=True),
+    Combination(
+        "recompute-full",
+        ("--recompute-granularity", "full", "--recompute-method", "uniform",
+         "--recompute-num-layers", "1"),
+    ),  # fmt: skip
+    Combination("recompute-selective", ("--recompute-granularity", "selective")),
+    Combination("per-token-loss", ("--calculate-per-token-loss",)),
+    Combination(
+        "overlap-param-gather-alone",
+        ("--overlap-param-gather",),
+        refused="AssertionError: --overlap-param-gather only supported with distributed "
+        "optimizer, megatron fsdp, or dist_muon",
+    ),
+)
+
+
+@dataclass
+class Printed:
+    """What one run printed: its training and validation losses by iteration, and the
+    error that stopped it (None: it finished)."""
+
+    train: dict[int, str] = field(default_factory=dict)
+    validation: dict[int, str] = field(default_factory=dict)
+    error: str | None = None
+    seconds: float = 0.0
+    #: The log's "pipeline schedule: ..." lines, over all ranks.
+    schedule_lines: list[str] = field(default_factory=list)
+
+    def add(self, other: Printed) -> None:
+        self.train.update(other.train)
+        self.validation.update(other.validation)
+        self.error = self.error or other.error
+        self.seconds = max(self.seconds, other.seconds)
+        self.schedule_lines += other.schedule_lines
+
+    def losses(self) -> tuple[dict[int, str], dict[int, str]]:
+        assert self.error is None, self.error
+        return self.train, self.validation
 
 
 @pytest.fixture(scope="module")
@@ -80,99 +189,217 @@ def patched(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _rank(rank: int, world_size: int, copy: str, argv: list[str]) -> str:
-    """One rank of ``pretrain``: Megatron-LM's printed lines."""
-    sys.path.insert(0, copy)  # megatron.training resolves to the patched copy
-    from megatron_dualpipe.megatron.cpu_compat_training import megatron_training_on_cpu
-
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_megatron_lm", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed), megatron_training_on_cpu():
+def _one_run(script: object, argv: list[str]) -> Printed:
+    """``script.main(argv)``: its printed losses, or the error that stopped it (a refusal's
+    ``error:`` line, or the exception)."""
+    printed, errors = io.StringIO(), io.StringIO()
+    error = None
+    began = time.monotonic()
+    with (
+        contextlib.redirect_stdout(printed),
+        contextlib.redirect_stderr(errors),
+        _logging_to(printed),
+    ):
         try:
             script.main(argv)
         except SystemExit as stop:  # --exit-interval ends the run with exit code 0
             if stop.code not in (0, None):
+                said = [line for line in errors.getvalue().splitlines() if "error:" in line]
+                error = said[-1] if said else f"exit code {stop.code}"
+        except BaseException as exc:  # torch's CheckpointException is a BaseException
+            if isinstance(exc, KeyboardInterrupt):
                 raise
+            error = f"{type(exc).__name__}: {exc}"[:1500]
+    text = printed.getvalue()
+    return Printed(
+        {int(i): loss for i, loss in LOSS.findall(text)},
+        {int(i): loss for i, loss in VALIDATION.findall(text)},
+        error,
+        time.monotonic() - began,
+        SCHEDULE_LINE.findall(text),
+    )
+
+
+@contextlib.contextmanager
+def _logging_to(stream: io.StringIO) -> Iterator[None]:
+    """Log records of INFO and above go to ``stream`` meanwhile, as Megatron-LM's
+    ``logging.basicConfig(level=INFO)`` sends them to stdout (under pytest, whose handlers
+    the forked ranks inherit, that call does nothing)."""
+    root = logging.getLogger()
+    handler, level = logging.StreamHandler(stream), root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+
+
+def _rank(rank: int, world_size: int, copy: str, runs: list[list[str]]) -> list[Printed]:
+    """One rank of ``pretrain``, once per argument list, one after the other."""
+    sys.path.insert(0, copy)  # megatron.training resolves to the patched copy
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_megatron_lm", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    from megatron.training.training import destroy_global_state
+
+    found = []
+    for argv in runs:
+        found.append(_one_run(script, argv))
+        destroy_global_state()
+        _destroy_process_groups_but_the_default()
     assert sys.modules["megatron.training"].__file__.startswith(copy)  # the patched copy ran
-    return printed.getvalue()
-
-
-def _pretrain(patched: Path, *extra: str) -> dict[str, dict[int, str]]:
-    """Run ``pretrain`` on 2 forked ranks; the printed training and validation losses."""
-    printed = "".join(
-        run_workers(_rank, 2, args=(str(patched), ARGS + list(extra)), timeout_s=240.0,
-                    pg_timeout_s=60.0)
-    )  # fmt: skip
-    return {
-        "train": {int(i): loss for i, loss in LOSS.findall(printed)},
-        "validation": {int(i): loss for i, loss in VALIDATION.findall(printed)},
-    }
-
-
-@pytest.fixture(scope="module")
-def start(patched: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Megatron's 1F1B after one iteration, saved: where every run below starts."""
-    ckpt = tmp_path_factory.mktemp("start")
-    _pretrain(patched, "--save", str(ckpt), "--save-interval", "100", "--exit-interval", "1")
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
-    return ckpt
-
-
-@pytest.fixture(scope="module")
-def runs(patched: Path, start: Path) -> dict[str, dict[str, dict[int, str]]]:
-    found = {}
-    for schedule in ("1f1b", "zb1p", "dualpipev", "dualpipe"):
-        ours = [] if schedule == "1f1b" else ["--pipeline-schedule", schedule]
-        found[schedule] = _pretrain(patched, "--load", str(start), *ours)
-        print(f"\n{schedule}: {found[schedule]}")
     return found
 
 
-def test_1f1b_prints_every_iteration_and_evaluation(runs: dict) -> None:
-    assert sorted(runs["1f1b"]["train"]) == list(range(2, ITERATIONS + 1))
-    assert sorted(runs["1f1b"]["validation"]) == [2, 4]
+def _destroy_process_groups_but_the_default() -> None:
+    """Destroy the groups a run made (Megatron's and our channels: over gloo, each holds
+    threads and sockets, and thirty runs' worth made a rank of 1,700 threads): Megatron's
+    ``destroy_model_parallel`` forgets them, destroying only its explicit gloo groups.
+    torch lists the groups only in ``distributed_c10d``'s private ``_world``."""
+    from torch.distributed import distributed_c10d
+
+    default = distributed_c10d._get_default_group()
+    for group in list(distributed_c10d._world.pg_map):
+        if group is not default:
+            dist.destroy_process_group(group)
 
 
-@pytest.mark.parametrize("schedule", ["zb1p", "dualpipev"])
-def test_the_same_digits_as_1f1b(runs: dict, schedule: str) -> None:
-    assert runs[schedule] == runs["1f1b"]
-
-
-def test_dualpipe_within_a_millionth_of_1f1b(runs: dict) -> None:
-    for kind in ("train", "validation"):
-        ours, megatrons = runs["dualpipe"][kind], runs["1f1b"][kind]
-        assert sorted(ours) == sorted(megatrons)
-        for i, loss in megatrons.items():
-            assert abs(float(ours[i]) - float(loss)) <= REL_TOL * float(loss), (kind, i)
-
-
-def _save_at_3_and_resume_under_1f1b(patched: Path, start: Path, saved: Path, *ours: str) -> tuple:
-    """Train from ``start`` under ``ours`` to iteration 3 with a checkpoint there, then go
-    on from it to the end under 1F1B; both runs' losses."""
-    first = _pretrain(
-        patched, "--load", str(start), *ours,
-        "--save", str(saved), "--save-interval", "100", "--exit-interval", "3",
+def _pretrain(patched: Path, world_size: int, runs: Sequence[Sequence[str]]) -> list[Printed]:
+    """Run ``pretrain`` once per argument list (after :data:`ARGS`) on ``world_size``
+    forked ranks; each run's printed losses, over all ranks."""
+    # Megatron's dataset index, built by the first run, read from its cache by the others
+    cache = ["--data-cache-path", str(patched / "data-cache")]
+    argvs = [ARGS + cache + list(extra) for extra in runs]
+    per_rank = run_workers(
+        _rank, world_size, args=(str(patched), argvs), timeout_s=120.0 + 60.0 * len(runs),
+        pg_timeout_s=60.0,
     )  # fmt: skip
-    return first, _pretrain(patched, "--load", str(saved))
+    merged = [Printed() for _ in runs]
+    for printed in per_rank:
+        for total, one in zip(merged, printed, strict=True):
+            total.add(one)
+    return merged
 
 
-def test_a_dualpipev_checkpoint_resumes_under_1f1b(
-    patched: Path, start: Path, runs: dict, tmp_path: Path
-) -> None:
+def _save_at(ckpt: Path, iteration: int) -> list[str]:
+    return ["--save", str(ckpt), "--save-interval", "100", "--exit-interval", str(iteration)]
+
+
+def _ours(schedule: str) -> list[str]:
+    return [] if schedule == "1f1b" else ["--pipeline-schedule", schedule]
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    start: Path  # Megatron's 1F1B after one iteration: where every run below starts
+    resumed: dict[str, Path]  # saved at iteration 3 under dualpipev and 1f1b
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
+    root = tmp_path_factory.mktemp("checkpoints")
+    return Checkpoints(root / "start", {s: root / s for s in ("dualpipev", "1f1b")})
+
+
+@pytest.fixture(scope="module")
+def two_ranks(patched: Path, checkpoints: Checkpoints) -> dict[tuple[str, str], Printed]:
+    """Every 2-rank run, in one set of ranks: the shared checkpoint, the four schedules
+    from it, the resume of a dualpipev and a 1F1B checkpoint under 1F1B, and each 2-rank
+    combination under each schedule."""
+    start = checkpoints.start
+    runs: dict[tuple[str, str], list[str]] = {("start", "1f1b"): _save_at(start, 1)}
+    for schedule in SCHEDULES:
+        runs[("plain", schedule)] = ["--load", str(start), *_ours(schedule)]
+    for schedule, saved in checkpoints.resumed.items():
+        first = ["--load", str(start), *_ours(schedule), *_save_at(saved, 3)]
+        runs[("saved at 3", schedule)] = first
+        runs[("resumed", schedule)] = ["--load", str(saved)]
+    for combination in COMBINATIONS:
+        if combination.world_size == 2:
+            for schedule in SCHEDULES:
+                runs[(combination.name, schedule)] = combination.argv(schedule, start)
+    found = dict(zip(runs, _pretrain(patched, 2, list(runs.values())), strict=True))
+    assert (start / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    for key, printed in found.items():
+        print(f"\n{key}: {printed}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def four_ranks(
+    patched: Path, checkpoints: Checkpoints, two_ranks: dict, tmp_path_factory
+) -> dict[tuple[str, str], Printed]:
+    """Every 4-rank run (PP=2 x DP=2), in one set of ranks: the MoE model's shared
+    checkpoint, then each 4-rank combination under each schedule (the dense ones from the
+    2-rank checkpoint, which dist_checkpointing reshards over the data-parallel ranks)."""
+    moe_start = tmp_path_factory.mktemp("moe") / "start"
+    runs = {("moe start", "1f1b"): [*FOUR_RANKS, *MOE, "--expert-model-parallel-size", "2",
+                                    *_save_at(moe_start, 1)]}  # fmt: skip
+    for combination in COMBINATIONS:
+        if combination.world_size == 4:
+            start = moe_start if combination.moe else checkpoints.start
+            for schedule in SCHEDULES:
+                runs[(combination.name, schedule)] = combination.argv(schedule, start)
+    found = dict(zip(runs, _pretrain(patched, 4, list(runs.values())), strict=True))
+    for key, printed in found.items():
+        print(f"\n{key}: {printed}")
+    return found
+
+
+def _assert_as_1f1b(schedule: str, ours: Printed, megatrons: Printed) -> None:
+    """zb1p and dualpipev: 1F1B's digits; dualpipe: within a millionth."""
+    train, validation = megatrons.losses()
+    assert sorted(train) == list(range(2, ITERATIONS + 1))
+    assert sorted(validation) == [2, 4]
+    if schedule != "dualpipe":
+        assert ours.losses() == (train, validation)
+        return
+    for mine, theirs in zip(ours.losses(), (train, validation), strict=True):
+        assert sorted(mine) == sorted(theirs)
+        for i, loss in theirs.items():
+            assert abs(float(mine[i]) - float(loss)) <= REL_TOL * float(loss), i
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES[1:])
+def test_each_schedule_from_the_shared_checkpoint_as_1f1b(two_ranks: dict, schedule: str) -> None:
+    _assert_as_1f1b(schedule, two_ranks[("plain", schedule)], two_ranks[("plain", "1f1b")])
+
+
+def test_a_dualpipev_checkpoint_resumes_under_1f1b(two_ranks: dict) -> None:
     """Against 1F1B resumed from its own checkpoint of iteration 3: Megatron-LM's resume is
     not bit-exact against the uninterrupted run here (1F1B alone: iteration 5 prints
     4.746881E+00 resumed, 4.733436E+00 uninterrupted), the same under both schedules."""
-    dualpipev = _save_at_3_and_resume_under_1f1b(
-        patched, start, tmp_path / "dualpipev", "--pipeline-schedule", "dualpipev"
+    uninterrupted = two_ranks[("plain", "1f1b")].losses()[0]
+    saved = {s: two_ranks[("saved at 3", s)].losses() for s in ("dualpipev", "1f1b")}
+    resumed = {s: two_ranks[("resumed", s)].losses() for s in ("dualpipev", "1f1b")}
+    assert saved["dualpipev"] == saved["1f1b"]
+    assert saved["1f1b"][0] == {i: uninterrupted[i] for i in (2, 3)}
+    assert sorted(resumed["dualpipev"][0]) == [4, 5]
+    assert resumed["dualpipev"] == resumed["1f1b"]
+    assert resumed["dualpipev"][0][4] == uninterrupted[4]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES[1:])
+@pytest.mark.parametrize("combination", COMBINATIONS, ids=lambda c: f"{c.name}-{c.world_size}")
+def test_each_combination_as_1f1b_with_the_same_flags(
+    request: pytest.FixtureRequest, combination: Combination, schedule: str
+) -> None:
+    found = request.getfixturevalue("two_ranks" if combination.world_size == 2 else "four_ranks")
+    megatrons, ours = found[(combination.name, "1f1b")], found[(combination.name, schedule)]
+    if combination.refused is not None:
+        for printed in (megatrons, ours):
+            assert (printed.error, printed.train) == (combination.refused, {})
+        return
+    _assert_as_1f1b(schedule, ours, megatrons)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_the_schedule_in_use_is_logged_once(two_ranks: dict, schedule: str) -> None:
+    said = (
+        "pipeline schedule: Megatron's own (forward_backward_pipelining_without_interleaving)"
+        if schedule == "1f1b"
+        else f"pipeline schedule: {schedule} (megatron-dualpipe's)"
     )
-    megatrons = _save_at_3_and_resume_under_1f1b(patched, start, tmp_path / "1f1b")
-    assert (
-        dualpipev[0]["train"]
-        == megatrons[0]["train"]
-        == {i: runs["1f1b"]["train"][i] for i in (2, 3)}
-    )
-    assert sorted(dualpipev[1]["train"]) == [4, 5]
-    assert dualpipev[1] == megatrons[1]
-    assert dualpipev[1]["train"][4] == runs["1f1b"]["train"][4]
+    assert two_ranks[("plain", schedule)].schedule_lines == [said]

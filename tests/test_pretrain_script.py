@@ -170,13 +170,48 @@ def test_an_unsupported_megatron_lm_flag_is_refused_in_one_sentence(
     capsys: pytest.CaptureFixture,
 ) -> None:
     with pytest.raises(SystemExit) as exit_:
-        script.parse_args([*TINY, "--fp16", "--attention-backend", "flash"])
+        script.parse_args([*TINY, "--fp16"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err == (
         "pretrain_gpt_dualpipe.py: error: --fp16 is a Megatron-LM flag this script does not "
         "support (megatron-dualpipe's training config has no such key): remove it; --help "
         "lists the flags it takes\n"
+    )
+
+
+def test_every_refused_flag_of_a_pasted_launch_line_is_named_at_once(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """Megatron-LM's flags without a key, then a misspelling, in one sentence; values of
+    the refused flags are not mistaken for flags."""
+    pasted = ["--fp16", "--rampup-batch-size", "16", "16", "5859375", "--attention-backend",
+              "flash", "--num-layerz", "3", "--fp16"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_:
+        script.parse_args([*TINY, *pasted])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (
+        "pretrain_gpt_dualpipe.py: error: --fp16, --rampup-batch-size, --attention-backend are "
+        "Megatron-LM flags this script does not support (megatron-dualpipe's training config "
+        "has no such keys), and unrecognized argument: --num-layerz (did you mean "
+        "--num-layers?): remove them; --help lists the flags it takes\n"
+    )
+
+
+def test_flags_that_change_nothing_here_are_accepted_with_one_note(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    plain = script.config_from_args(script.parse_args(TINY))
+    assert capsys.readouterr().err == ""
+    noops = ["--use-mcore-models", "--use-flash-attn", "--use-mcore-models"]
+    args = script.parse_args([*TINY, *noops])
+    assert script.config_from_args(args) == plain
+    assert capsys.readouterr().err == (
+        "pretrain_gpt_dualpipe.py: note: --use-mcore-models, --use-flash-attn change nothing "
+        "here, ignored (megatron-core's models are the only ones here, and Megatron-LM ignores "
+        "the flag too; Megatron-LM's megatron-core models read it nowhere: Transformer "
+        "Engine's attention (transformer_impl: transformer_engine) picks its fused or flash "
+        "backend itself)\n"
     )
 
 

@@ -67,10 +67,11 @@ def test_the_readme_data_block_runs_as_written(tmp_path: Path) -> None:
     assert sorted(losses) == list(range(1, 21))
     assert losses[20] < losses[1] - 1.0, losses
     assert sum(" validation loss at iteration " in line for line in trained) == 2
-    events = list((tmp_path / "runs" / "tiny_gpt_data-tensorboard").glob("events.out.tfevents.*"))
+    board = tmp_path / "runs" / "tiny_gpt_data-tensorboard" / "tiny_gpt_data-dualpipev"
+    events = list(board.glob("events.out.tfevents.*"))  # the run's own folder
     assert events, "no TensorBoard event file"
     assert trained[-1].startswith(" training done: iteration 20 after ")
     assert trained[-1].endswith(
         "; outputs: timeline runs/tiny_gpt_data-dualpipev/timeline.png, TensorBoard events in "
-        "runs/tiny_gpt_data-tensorboard"
+        "runs/tiny_gpt_data-tensorboard/tiny_gpt_data-dualpipev"
     )

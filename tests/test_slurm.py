@@ -259,14 +259,22 @@ def test_a_rank_killed_mid_step_ends_the_job_within_a_minute(tmp_path: Path) -> 
 # The GPU launcher, with stand-in srun and scontrol (runs anywhere bash does).
 
 
+#: Stands in for a task's trainer (megatron-dualpipe, or python -m ...): what it ran with.
+_TASK_PROBE = """#!/usr/bin/env bash
+echo "$(basename "$0") $* | RANK=$RANK WORLD_SIZE=$WORLD_SIZE LOCAL_RANK=$LOCAL_RANK"
+"""
+
+
 def _run_gpu_script(
-    tmp_path: Path, hosts: int = 2, **slurm_env: str
-) -> tuple[subprocess.CompletedProcess, str]:
+    tmp_path: Path, hosts: int = 2, trainer: str = "megatron-dualpipe", **slurm_env: str
+) -> tuple[subprocess.CompletedProcess, str, str]:
     """Run pretrain_gpu.sbatch as a batch job's shell would, with ``hosts`` nodes gpu7,
-    gpu8, ...; return it and what srun got."""
+    gpu8, ...; return it, what srun got, and what srun's task 3 (local rank 3 of node
+    gpu7) ran. The stand-in srun runs the task's shell as Slurm would; ``trainer`` is the
+    command on the task's PATH (megatron-dualpipe, or python only)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    record = tmp_path / "srun.txt"
+    record, ran = tmp_path / "srun.txt", tmp_path / "task.txt"
     (bin_dir / "scontrol").write_text(
         f"#!/usr/bin/env bash\nfor ((i = 7; i < {7 + hosts}; i++)); do echo gpu$i; done\n"
     )
@@ -274,19 +282,23 @@ def _run_gpu_script(
         "#!/usr/bin/env bash\n"
         f"{{ printf '%s\\n' \"$@\"; env | grep -E '^(MASTER|NCCL|TORCH_NCCL|CUDA|SRUN|OMP)'; }}"
         f" > {record}\n"
+        'while [[ $1 != bash ]]; do shift; done\n'
+        f'SLURM_PROCID=3 SLURM_LOCALID=3 "$@" > {ran} 2>&1\n'
     )
-    for tool in ("scontrol", "srun"):
+    (bin_dir / trainer).write_text(_TASK_PROBE)
+    for tool in ("scontrol", "srun", trainer):
         (bin_dir / tool).chmod(0o755)
     config = tmp_path / "cfg.yaml"
     config.write_text("train_iters: 1\n")
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("SLURM_", "NCCL_", "CUDA_DEVICE_MAX_CONNECTIONS"))
+        if not k.startswith(("SLURM_", "NCCL_", "CUDA_", "TRAIN_CMD", "CONTAINER_", "SRUN_"))
     }
     env.pop("MASTER_PORT", None)
     env.update(
-        PATH=f"{bin_dir}{os.pathsep}{env['PATH']}",
+        # the task finds the trainer here only (bash and coreutils from the system)
+        PATH=f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin",
         SLURM_JOB_ID="123457",
         SLURM_JOB_NODELIST="gpu[7-8]",
         SLURM_NNODES="2",
@@ -294,7 +306,6 @@ def _run_gpu_script(
         SLURM_NTASKS_PER_NODE="8",
         SLURM_GPUS_ON_NODE="8",
         SLURM_CPUS_PER_TASK="6",
-        TRAIN_CMD="megatron-dualpipe train",
     )
     env.update(slurm_env)
     proc = subprocess.run(
@@ -304,18 +315,22 @@ def _run_gpu_script(
         text=True,
         timeout=30,
     )
-    return proc, record.read_text() if record.exists() else ""
+    read = [path.read_text() if path.exists() else "" for path in (record, ran)]
+    return proc, read[0], read[1]
 
 
 def test_gpu_launcher_hands_srun_rendezvous_nccl_and_arguments(tmp_path: Path) -> None:
-    proc, srun = _run_gpu_script(tmp_path)
+    proc, srun, ran = _run_gpu_script(tmp_path)
     assert proc.returncode == 0, proc.stderr
     lines = srun.splitlines()
-    assert lines[0] == "--kill-on-bad-exit=1"
+    assert lines[:3] == ["--kill-on-bad-exit=1", "bash", "-c"]  # no container, no SRUN_ARGS
     assert "export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID" in srun
     cfg = str(tmp_path / "cfg.yaml")
-    tail = ["megatron-dualpipe", "train", "--config", cfg, "--set", "pipeline_schedule=dualpipev"]
+    tail = ["--config", cfg, "--set", "pipeline_schedule=dualpipev"]
+    # The command is chosen inside the task (in a container, the image's), not by the batch
+    # shell: the task's arguments start with the trainer's.
     assert lines[lines.index("srun-task") + 1 :][: len(tail)] == tail, srun
+    assert ran == f"megatron-dualpipe train {' '.join(tail)} | RANK=3 WORLD_SIZE=16 LOCAL_RANK=3\n"
     env = dict(line.split("=", 1) for line in lines if re.match(r"^[A-Z_]+=", line))
     assert env["MASTER_ADDR"] == "gpu7"
     assert env["MASTER_PORT"] == str(20000 + 123457 % 10000)
@@ -328,30 +343,83 @@ def test_gpu_launcher_hands_srun_rendezvous_nccl_and_arguments(tmp_path: Path) -
     assert "NCCL_DEBUG" in env
 
 
+def test_gpu_launcher_task_falls_back_to_python_m_where_the_command_is_missing(
+    tmp_path: Path,
+) -> None:
+    proc, _, ran = _run_gpu_script(tmp_path, trainer="python")
+    assert proc.returncode == 0, proc.stderr
+    assert ran.startswith("python -m megatron_dualpipe train --config "), ran
+
+
+def test_gpu_launcher_train_cmd_is_run_by_the_task(tmp_path: Path) -> None:
+    proc, srun, ran = _run_gpu_script(tmp_path, TRAIN_CMD="megatron-dualpipe train --verbose")
+    assert proc.returncode == 0, proc.stderr
+    assert ran.startswith("megatron-dualpipe train --verbose --config "), ran
+
+
+@pytest.mark.parametrize(
+    ("visible", "local_rank"),
+    [
+        (None, "3"),  # every GPU of the node
+        ("0,1,2,3,4,5,6,7", "3"),  # every GPU, listed
+        ("5", "0"),  # Slurm bound one GPU to the task (--gpus-per-task=1, --gpu-bind)
+        ("4,5", "0"),  # two of the node's eight: the first it sees
+    ],
+)
+def test_gpu_launcher_device_is_local_rank_only_where_each_task_sees_every_gpu(
+    tmp_path: Path, visible: str | None, local_rank: str
+) -> None:
+    env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+    proc, _, ran = _run_gpu_script(tmp_path, **env)
+    assert proc.returncode == 0, proc.stderr
+    assert ran.endswith(f"LOCAL_RANK={local_rank}\n"), ran
+
+
+def test_gpu_launcher_runs_each_task_in_the_container_with_srun_args(tmp_path: Path) -> None:
+    proc, srun, ran = _run_gpu_script(
+        tmp_path,
+        CONTAINER_IMAGE="nvcr.io#nvidia/pytorch:25.09-py3",
+        CONTAINER_MOUNTS="/lustre:/lustre,/home:/home",
+        SRUN_ARGS="--cpu-bind=none --label",
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = srun.splitlines()
+    assert lines[: lines.index("bash")] == [
+        "--kill-on-bad-exit=1",
+        "--container-image=nvcr.io#nvidia/pytorch:25.09-py3",
+        f"--container-workdir={Path.cwd()}",
+        "--container-mounts=/lustre:/lustre,/home:/home",
+        "--cpu-bind=none",
+        "--label",
+    ]
+    assert "image nvcr.io#nvidia/pytorch:25.09-py3" in proc.stdout
+    assert ran.startswith("megatron-dualpipe train --config "), ran
+
+
 def test_gpu_launcher_passes_on_a_cuda_device_max_connections_the_submitter_set(
     tmp_path: Path,
 ) -> None:
-    proc, srun = _run_gpu_script(tmp_path, CUDA_DEVICE_MAX_CONNECTIONS="32")
+    proc, srun, _ = _run_gpu_script(tmp_path, CUDA_DEVICE_MAX_CONNECTIONS="32")
     assert proc.returncode == 0, proc.stderr
     assert "CUDA_DEVICE_MAX_CONNECTIONS=32" in srun.splitlines()
 
 
 def test_gpu_launcher_takes_the_first_of_many_hosts(tmp_path: Path) -> None:
     """A node list longer than a pipe buffer must not kill the script (SIGPIPE)."""
-    proc, srun = _run_gpu_script(tmp_path, hosts=20000)
+    proc, srun, _ = _run_gpu_script(tmp_path, hosts=20000)
     assert proc.returncode == 0, proc.stderr
     assert "MASTER_ADDR=gpu7" in srun.splitlines()
 
 
 def test_gpu_launcher_refuses_other_than_one_task_per_gpu(tmp_path: Path) -> None:
-    proc, srun = _run_gpu_script(tmp_path, SLURM_NTASKS_PER_NODE="4")
+    proc, srun, _ = _run_gpu_script(tmp_path, SLURM_NTASKS_PER_NODE="4")
     assert proc.returncode == 2
     assert "--ntasks-per-node (4) must equal --gpus-per-node (8)" in proc.stderr
     assert srun == ""
 
 
 def test_gpu_launcher_refuses_an_allocation_without_gpus(tmp_path: Path) -> None:
-    proc, srun = _run_gpu_script(tmp_path, SLURM_GPUS_ON_NODE="")
+    proc, srun, _ = _run_gpu_script(tmp_path, SLURM_GPUS_ON_NODE="")
     assert proc.returncode == 2
     assert "no GPUs in this allocation" in proc.stderr
     assert srun == ""

@@ -87,7 +87,8 @@ def test_dualpipev_and_1f1b_print_the_same_falling_losses_and_tensorboard_reads_
 ) -> None:
     """clip_grad 0: the same digits at every iteration (docs/training.md's table)."""
     board = corpus / "tensorboard"
-    dualpipev = train(_config(corpus, "clip_grad=0", f"tensorboard_dir={board}"))
+    boarded = _config(corpus, "clip_grad=0", f"tensorboard_dir={board}")
+    dualpipev = train(boarded)
     one_f_one_b = train(_config(corpus, "clip_grad=0", "pipeline_schedule=1f1b"))
     assert len(dualpipev.losses) == 20
     assert _losses(dualpipev) == _losses(one_f_one_b)
@@ -97,7 +98,7 @@ def test_dualpipev_and_1f1b_print_the_same_falling_losses_and_tensorboard_reads_
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(board))
+    events = EventAccumulator(boarded.tensorboard_run_dir)  # board/<the run's name>
     events.Reload()
     tags = set(events.Tags()["scalars"])
     expected = {

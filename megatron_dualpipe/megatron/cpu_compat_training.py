@@ -1,5 +1,7 @@
 """Megatron-LM's training loop (``megatron.training``: ``pretrain``, ``get_model``,
-``train_step``, checkpointing) on CPU + gloo, for tests.
+``train_step``, checkpointing) on CPU + gloo: ``scripts/pretrain_gpt_megatron_lm.py``
+enters it around ``pretrain`` on a machine without a GPU (the README's CPU command, and
+the tests of Megatron-LM's loop).
 
 megatron-core 0.17 and newer ship ``megatron/training`` in the wheel. On a machine without
 a GPU, :func:`megatron_training_on_cpu` runs it on CPU ranks: with the compatibility layer

@@ -4,8 +4,8 @@
 call where it calls ``forward_backward_pipelining_without_interleaving``. It runs this
 rank's part of the schedule with the runtime executor, each local model chunk wrapped as a
 :class:`~.stage.MegatronStage`, and honours the config hooks Megatron's schedules honour:
-``no_sync_func``, ``grad_sync_func``, ``finalize_model_grads_func``, ``grad_scale_func``,
-``timers``, ``variable_seq_lengths``, ``calculate_per_token_loss``.
+``no_sync_func``, ``finalize_model_grads_func``, ``grad_scale_func``, ``timers``,
+``variable_seq_lengths``, ``calculate_per_token_loss`` (``grad_sync_func``: see below).
 
 The object owns everything that lives longer than one step: an executor per model (held
 through weak references, so a dropped model is freed), the two-rank channel groups a
@@ -25,7 +25,14 @@ Gradient synchronisation with deferred dW: a parameter's gradient is complete af
 chunk's last backward (parameters computed with dX, e.g. norms) or after its chunk's last W
 (deferred weights). Gradient sync is enabled for exactly those two actions of each chunk, so
 that DDP's grad-ready hooks (with ``overlap_grad_reduce``) see each parameter once, when
-its gradient is final.
+its gradient is final, and launch each bucket's reduction as soon as it is complete.
+``grad_sync_func`` (Megatron-LM sets DDP's ``start_grad_sync`` there under
+``--overlap-grad-reduce``) is therefore never called: Megatron's schedules call it only for
+the chunks whose last backward ran with grad sync disabled (1F1B's first stage, whose last
+backward runs with it enabled, does not call it either), and a second ``start_grad_sync`` on
+a bucket its hooks launched fails DDP's "multiple communication calls outstanding" check.
+In DDP's first step the hooks only count the gradients; ``finish_grad_sync`` (through
+``finalize_model_grads_func``) launches that step's reductions.
 """
 
 from __future__ import annotations
@@ -404,16 +411,14 @@ class DualPipeForwardBackward:
         force_all_reduce: bool | None,
         schedule: Schedule,
     ) -> None:
-        """What Megatron's schedules do after the last backward: grad sync, finalize (data
-        parallel reduction, layer-norm and embedding sync, expert-bias update); then the sums
-        over the copies of a parameter on this rank (:mod:`.tied`) and over dualpipe's two
-        copies of every stage (whose expert-bias token counts are summed before finalize)."""
+        """What Megatron's schedules do after the last backward: finalize (data parallel
+        reduction, layer-norm and embedding sync, expert-bias update; the reductions were
+        launched by DDP's hooks, see the module docstring); then the sums over the copies of
+        a parameter on this rank (:mod:`.tied`) and over dualpipe's two copies of every stage
+        (whose expert-bias token counts are summed before finalize)."""
         mirror = schedule.placement.kind == "mirror"
         if mirror and getattr(config, "moe_router_enable_expert_bias", False):
             sync_mirror_expert_loads(model, group=groups.pipeline, timeout_s=self.timeout_s)
-        if config.grad_sync_func is not None:
-            for func, chunk in zip(_as_list(config.grad_sync_func, len(model)), model, strict=True):
-                func(chunk.parameters())
         if config.finalize_model_grads_func is not None:
             num_tokens = None
             if config.calculate_per_token_loss:

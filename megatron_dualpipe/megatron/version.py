@@ -67,6 +67,7 @@ __all__ = [
     "refuse_unsupported_at_import",
     "save_mtp_metrics",
     "unsupported_megatron_core",
+    "version_on_disk",
 ]
 
 #: The megatron-core releases the adapter supports (setup.py's extras say the same).
@@ -123,7 +124,7 @@ def unsupported_megatron_core(version: str) -> str | None:
     )
 
 
-def _version_on_disk() -> str | None:
+def version_on_disk() -> str | None:
     """The ``__version__`` of the megatron-core that ``import megatron.core`` would load, read
     from its ``package_info.py`` as text (nothing of megatron is imported or run); None when
     there is none or the file does not say."""
@@ -158,7 +159,7 @@ def refuse_unsupported_at_import() -> None:
     import sys
 
     loaded = sys.modules.get("megatron.core")
-    version = getattr(loaded, "__version__", None) if loaded is not None else _version_on_disk()
+    version = getattr(loaded, "__version__", None) if loaded is not None else version_on_disk()
     if version is not None:
         problem = unsupported_megatron_core(str(version))
         if problem is not None:

@@ -311,11 +311,24 @@ def _writer_death(err: BaseException) -> str | None:
     return None
 
 
+def _first_submission(cfg: TrainConfig) -> bool:
+    """Whether ``cfg.load`` does not exist yet and is also ``cfg.save``: the first run of a
+    config that saves where it resumes from, which starts from scratch (as Megatron-LM
+    starts when ``--load`` holds no checkpoint)."""
+    if cfg.load is None or cfg.save is None or Path(cfg.load).exists():
+        return False
+    return Path(cfg.load).resolve() == Path(cfg.save).resolve()
+
+
 def _iteration_to_load(cfg: TrainConfig) -> int | None:
     """``ckpt_step``, else the tracker's iteration; None when ``cfg.load`` holds no
-    checkpoint at all (training starts from scratch, as in Megatron-LM)."""
+    checkpoint at all (training starts from scratch, as in Megatron-LM), a ``load`` that
+    does not exist yet and is also ``save`` included. Another missing ``load`` is refused
+    (a mistyped path must not start a run from scratch)."""
     assert cfg.load is not None
     root = Path(cfg.load)
+    if _first_submission(cfg):
+        return None
     if not root.exists():
         raise CheckpointError(
             f"load: {root} does not exist: point load at a checkpoint directory (the save "

@@ -283,8 +283,20 @@ class TrainConfig:
     eval_interval: int | None = _key(None, doc="steps between evaluations (unset: none)")
     eval_iters: int = _key(0, doc="batches per evaluation")
     log_interval: int = _key(100, doc="steps between iteration lines")
+    log_throughput: bool = _key(
+        False,
+        doc="add the throughput per GPU (TFLOP/s, by Megatron-LM's FLOP count) to each "
+        "iteration line, and to TensorBoard",
+    )
+    log_memory_to_tensorboard: bool = _key(
+        False,
+        doc="write Megatron-LM's CUDA memory scalars (mem-reserved-bytes, ...) to "
+        "TensorBoard every tensorboard_log_interval (needs tensorboard_dir; none on CPU)",
+    )
     tensorboard_dir: str | None = _key(
-        None, doc="write TensorBoard scalars to this directory (needs tensorboard)"
+        None,
+        doc="write TensorBoard scalars under this directory, each run in its folder run_name "
+        "(needs tensorboard)",
     )
     tensorboard_log_interval: int = _key(
         1,
@@ -339,6 +351,15 @@ class TrainConfig:
         return self.launch_world_size // (
             self.tensor_model_parallel_size * self.pipeline_model_parallel_size
         )
+
+    @property
+    def tensorboard_run_dir(self) -> str | None:
+        """Where this run's TensorBoard events go: ``tensorboard_dir/run_name``, so that
+        each run is a run of its own in TensorBoard (``tensorboard --logdir
+        tensorboard_dir``); ``tensorboard_dir`` itself with ``run_name: null``."""
+        if self.tensorboard_dir is None or self.run_name is None:
+            return self.tensorboard_dir
+        return str(Path(self.tensorboard_dir) / self.run_name)
 
     @property
     def run_dir(self) -> str | None:
@@ -985,6 +1006,8 @@ def _check_io(cfg: TrainConfig) -> Problem:
         return "run_name", why
     if cfg.save_interval is not None and cfg.save is None:
         return "save_interval", "needs save (a checkpoint directory)"
+    if cfg.log_memory_to_tensorboard and cfg.tensorboard_dir is None:
+        return "log_memory_to_tensorboard", "needs tensorboard_dir (where the scalars go)"
     if cfg.eval_interval is not None and cfg.eval_iters == 0:
         return "eval_iters", "must be >= 1 when eval_interval is set"
     if cfg.ckpt_step is not None and cfg.load is None:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 from .config import ConfigKey, config_keys, parse_overrides
-from .megatron_lm_flags import MEGATRON_LM_FLAGS, MEGATRON_LM_TAG
+from .megatron_lm_flags import MEGATRON_LM_FLAGS, MEGATRON_LM_TAG, NO_OP_FLAGS
 
-__all__ = ["add_config_flags", "flag_values", "parse_flags", "unknown_flag_problem"]
+__all__ = ["add_config_flags", "flag_values", "no_op_note", "parse_flags", "unknown_flag_problem"]
 
 _DEST = "config."  # flag destinations are "config.<key>", apart from the parser's own
 
@@ -102,27 +103,57 @@ def flag_values(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str
     return values, origins
 
 
+def _named(flags: Sequence[str], one: str, many: str) -> str:
+    return f"{', '.join(flags)} {one if len(flags) == 1 else many}"
+
+
 def unknown_flag_problem(words: Sequence[str], known: Sequence[str]) -> str:
-    """One sentence about the first of ``words`` a parser did not take: a Megatron-LM flag
-    that is not a config key, or a misspelling of one of ``known``."""
-    word = next((w for w in words if w.startswith("-")), words[0])
-    name = word.split("=")[0]
-    if name in MEGATRON_LM_FLAGS:
-        return (
-            f"{name} is a Megatron-LM flag this script does not support (megatron-dualpipe's "
-            "training config has no such key): remove it; --help lists the flags it takes"
-        )
+    """One sentence naming every flag of ``words`` a parser did not take (a pasted
+    Megatron-LM launch line is refused once, not flag by flag): the Megatron-LM flags that
+    are not config keys, then the misspellings of ``known`` (each with its closest match)."""
+    flags = list(dict.fromkeys(w.split("=")[0] for w in words if w.startswith("--")))
+    flags = flags or [words[0]]
+    megatrons = [f for f in flags if f in MEGATRON_LM_FLAGS]
+    others = [f for f in flags if f not in MEGATRON_LM_FLAGS]
+    hinted = [_with_close_match(name, known) for name in others]
+    unknown = f"unrecognized argument{'s' if len(hinted) > 1 else ''}: {', '.join(hinted)}"
+    if not megatrons:
+        return unknown
+    sentence = _named(
+        megatrons,
+        "is a Megatron-LM flag this script does not support (megatron-dualpipe's training "
+        "config has no such key)",
+        "are Megatron-LM flags this script does not support (megatron-dualpipe's training "
+        "config has no such keys)",
+    )
+    if others:
+        sentence += f", and {unknown}"
+    them = "it" if len(flags) == 1 else "them"
+    return f"{sentence}: remove {them}; --help lists the flags it takes"
+
+
+def _with_close_match(name: str, known: Sequence[str]) -> str:
     close = [k for k in known if k.startswith(name)] or difflib.get_close_matches(name, known, n=1)
-    hint = f" (did you mean {close[0]}?)" if close else ""
-    return f"unrecognized argument: {word}{hint}"
+    return f"{name} (did you mean {close[0]}?)" if close else name
+
+
+def no_op_note(flags: Sequence[str]) -> str:
+    """The one note for Megatron-LM flags that change nothing here (:data:`NO_OP_FLAGS`)."""
+    reasons = "; ".join(dict.fromkeys(NO_OP_FLAGS[f] for f in flags))
+    return f"{_named(flags, 'changes', 'change')} nothing here, ignored ({reasons})"
 
 
 def parse_flags(
     parser: argparse.ArgumentParser, known: Sequence[str], argv: Sequence[str] | None
 ) -> argparse.Namespace:
     """``parser.parse_known_args(argv)``; anything left over ends the program with
-    :func:`unknown_flag_problem`'s sentence (exit status 2, as argparse's errors)."""
+    :func:`unknown_flag_problem`'s sentence (exit status 2, as argparse's errors), apart
+    from :data:`NO_OP_FLAGS`, accepted with one note on stderr."""
     args, rest = parser.parse_known_args(argv)
+    ignored = list(dict.fromkeys(w for w in rest if w in NO_OP_FLAGS))
+    rest = [w for w in rest if w not in NO_OP_FLAGS]
     if rest:
         parser.exit(2, f"{parser.prog}: error: {unknown_flag_problem(rest, known)}\n")
+    if ignored:
+        print(f"{parser.prog}: note: {no_op_note(ignored)}", file=sys.stderr)
     return args

@@ -25,7 +25,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+from ...schedules.megatron_flops import megatron_lm_flops
+from ...schedules.model_cost import ModelShape
 from ..loss_reports import mtp_losses
 from ..placement import embedding_ranks
 from ..registry import get_forward_backward_func
@@ -140,6 +142,7 @@ class _Run:
         self.train_data, self.valid_data = self._readers()
         self.state = TrainState()
         self.board = open_log(cfg, self.rank)
+        self.flops = _iteration_flops(cfg, self.vocab_size) if cfg.log_throughput else None
 
     def _reads_data(self) -> bool:
         """Whether a local chunk reads samples: it holds the embedding or the loss, or every
@@ -347,6 +350,8 @@ class _Run:
             return
         if self.rank == 0:
             self.bar = ProgressBar(self.cfg.train_iters)
+        if self.cfg.log_memory_to_tensorboard and self.device.type != "cuda":
+            self.say([" log_memory_to_tensorboard: CPU ranks have no CUDA memory to write"])
         window = LogWindow()
         saved_at = self.state.iteration if self.result.resumed_from is not None else None
         recorder = None
@@ -420,6 +425,8 @@ class _Run:
                 mtp_losses=self.mtp,
             )
             self.board.step(step)
+            if cfg.log_memory_to_tensorboard and self.device.type == "cuda":
+                self.board.memory(iteration, torch.cuda.memory_stats())
         if self._logs(iteration, last):
             log = window.flush(
                 iteration=iteration,
@@ -430,9 +437,14 @@ class _Run:
                 loss_scale=loss_scale,
                 grad_norm=grad_norm,
             )
+            if self.flops is not None:
+                seconds = log.elapsed_ms / 1e3
+                log = replace(log, throughput=self.flops / (seconds * 1e12 * dist.get_world_size()))
             self.say([iteration_line(log)])
             if self.board is not None:
                 self.board.iteration_time(iteration, log.elapsed_ms / 1e3)
+                if log.throughput is not None:
+                    self.board.throughput(iteration, log.throughput)
         if cfg.eval_interval and iteration % cfg.eval_interval == 0:
             value = self.evaluate()
             self.result.validation[iteration] = value
@@ -481,7 +493,14 @@ class _Run:
         found = self._overlapped_pairs()
         if found is not None:
             pairs, actions = found
-            self.say([f" overlapped FB pairs per step: {pairs} (of {actions} FB actions)"])
+            lines = [f" overlapped FB pairs per step: {pairs} (of {actions} FB actions)"]
+            if not pairs:
+                needs = "" if self.cfg.is_moe else " a MoE model with"
+                lines.append(
+                    f"   F&B overlap needs{needs} overlap_moe_expert_parallel_comm: each FB "
+                    "pair ran as its forward, then its backward"
+                )
+            self.say(lines)
 
     def summarise(self, recorder: StepRecorder) -> None:
         """Gather the measured step; rank 0 prints the summary and writes the PNG."""
@@ -498,6 +517,14 @@ class _Run:
         summary = StepSummary.of(self.state.iteration, measured, predicted, png and str(png))
         self.result.summary = summary
         self.say(summary_lines(summary))
+
+
+def _iteration_flops(cfg: TrainConfig, padded_vocab_size: int) -> float:
+    """FLOPs of one iteration of ``cfg``'s model, as Megatron-LM counts them for
+    ``--log-throughput``."""
+    values = {f.name: getattr(cfg, f.name) for f in fields(ModelShape) if hasattr(cfg, f.name)}
+    shape = ModelShape.from_values(values, "config")
+    return megatron_lm_flops(shape, cfg.global_batch_size, padded_vocab_size)
 
 
 def _seed(cfg: TrainConfig) -> None:
@@ -551,8 +578,8 @@ def _done_line(run: _Run, seconds: float) -> str:
         outputs.append(f"timeline {run.result.summary.png}")
     if run.result.saved:
         outputs.append(f"checkpoints in {run.cfg.save}")
-    if run.cfg.tensorboard_dir is not None:
-        outputs.append(f"TensorBoard events in {run.cfg.tensorboard_dir}")
+    if run.cfg.tensorboard_run_dir is not None:
+        outputs.append(f"TensorBoard events in {run.cfg.tensorboard_run_dir}")
     where = f"; outputs: {', '.join(outputs)}" if outputs else ""
     return f" training done: iteration {run.state.iteration} after {seconds:.1f} s{where}"
 

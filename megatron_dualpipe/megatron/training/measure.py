@@ -23,7 +23,9 @@ those two.
 from __future__ import annotations
 
 import functools
+import statistics
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,7 @@ from ...schedules.registry import generate
 from ...schedules.simulate import SimResult, simulate
 from ..forward_backward import DualPipeForwardBackward
 
-__all__ = ["StepRecorder", "predict", "write_side_by_side_png"]
+__all__ = ["StepRecorder", "predict", "stage_costs", "write_side_by_side_png"]
 
 
 class StepRecorder:
@@ -183,7 +185,7 @@ class _RecordingTimer:
 
 #: The line under the timeline: why the measured bubble is not the simulated one.
 CAPTION = (
-    "Why the bubbles differ: the simulation gives every action its kind's mean measured "
+    "Why the bubbles differ: the simulation gives every action its stage's mean measured "
     "time and sends messages instantly; the measured step also waits between actions "
     "(messages, Python) and its times vary."
 )
@@ -227,10 +229,43 @@ def write_side_by_side_png(measured: SimResult, predicted: SimResult, path: Path
     imsave(path, np.concatenate(padded, axis=0))
 
 
+def stage_costs(measured: SimResult) -> tuple[tuple[float, float, float], ...] | None:
+    """Each model stage's mean measured F, B (dX) and W times, in model-stage order (a full
+    backward that ran as one counts as B, its W 0); None when some stage ran no forward or
+    no backward outside FB pairs. Stages differ: the first holds the embedding, the last
+    the output layer and the loss."""
+    placement = measured.schedule.placement
+    times: dict[tuple[int, Kind], list[float]] = {}
+    for rank in measured.ranks:
+        for timed in rank.actions:
+            key = (placement.model_stage(timed.action.stage), timed.action.kind)
+            times.setdefault(key, []).append(timed.end - timed.start)
+
+    def mean(stage: int, kind: Kind) -> float | None:
+        found = times.get((stage, kind))
+        return statistics.fmean(found) if found else None
+
+    costs = []
+    for stage in range(placement.num_model_stages):
+        f, b, w = (mean(stage, kind) for kind in (Kind.F, Kind.B, Kind.W))
+        if b is None and w is None:
+            b, w = mean(stage, Kind.BW), 0.0
+        if f is None or b is None:
+            return None
+        costs.append((f, b, w or 0.0))
+    return tuple(costs)
+
+
 def predict(measured: SimResult) -> SimResult:
-    """The simulator's step for the order the ranks ran and the measured mean durations:
-    the measured schedule's, with each FB that ran as its two halves one after the other
-    (not interleaved) as those two halves, so that the prediction draws what ran."""
-    schedule = measured.schedule
+    """The simulator's step for the order the ranks ran and the measured mean durations of
+    each model stage (:func:`stage_costs`; of each kind where a stage's are not all
+    measured): the measured schedule's, with each FB that ran as its two halves one after
+    the other (not interleaved) as those two halves, so that the prediction draws what
+    ran. An FB pair that ran as one takes the measured ratio of FB to F + B."""
+    schedule, cost = measured.schedule, measured.cost
+    per_stage = stage_costs(measured)
+    if per_stage is not None:
+        overlap = 1.0 if cost.fb is None or not cost.f + cost.b else cost.fb / (cost.f + cost.b)
+        cost = replace(cost, fb=None, overlap=overlap, stage_costs=per_stage)
     ran = [[timed.action for timed in rank.actions] for rank in measured.ranks]
-    return simulate(Schedule(schedule.name, schedule.placement, ran), measured.cost)
+    return simulate(Schedule(schedule.name, schedule.placement, ran), cost)

@@ -1,11 +1,13 @@
 """Every flag of Megatron-LM's ``megatron/training/arguments.py`` at tag core_v0.16.1 (the
 spellings ``add_megatron_arguments`` registers, aliases included), so that a flag of
 Megatron-LM that ``scripts/pretrain_gpt_dualpipe.py`` does not take is refused as such
-rather than as an unknown word. Names only: what each flag means is Megatron-LM's."""
+rather than as an unknown word. Names only: what each flag means is Megatron-LM's. Also the
+switches of a Megatron-LM launch line that change nothing here, each with why
+(:data:`NO_OP_FLAGS`): accepted with one note."""
 
 from __future__ import annotations
 
-__all__ = ["MEGATRON_LM_FLAGS", "MEGATRON_LM_TAG"]
+__all__ = ["MEGATRON_LM_FLAGS", "MEGATRON_LM_TAG", "NO_OP_FLAGS"]
 
 MEGATRON_LM_TAG = "core_v0.16.1"
 
@@ -211,3 +213,12 @@ MEGATRON_LM_FLAGS: frozenset[str] = frozenset(
     --yaml-cfg
     """.split()  # noqa: SIM905 - one name per word reads better than 681 quoted items
 )
+
+#: Megatron-LM switches (no value) that would change nothing here, with why: accepted.
+NO_OP_FLAGS: dict[str, str] = {
+    "--use-mcore-models": "megatron-core's models are the only ones here, and Megatron-LM "
+    "ignores the flag too",
+    "--use-flash-attn": "Megatron-LM's megatron-core models read it nowhere: Transformer "
+    "Engine's attention (transformer_impl: transformer_engine) picks its fused or flash "
+    "backend itself",
+}

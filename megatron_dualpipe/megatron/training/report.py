@@ -41,6 +41,8 @@ class IterationLog:
     nans: int
     #: Megatron-LM's "mtp_N loss" of each MTP layer (means over the interval).
     mtp_losses: tuple[float, ...] = ()
+    #: TFLOP/s per GPU over the interval (``log_throughput``), else None.
+    throughput: float | None = None
 
 
 class LogWindow:
@@ -104,6 +106,11 @@ def iteration_line(log: IterationLog) -> str:
         f" {timestamp()} iteration {log.iteration:8d}/{log.train_iters:8d} |",
         f" consumed samples: {log.consumed_samples:12d} |",
         f" elapsed time per iteration (ms): {log.elapsed_ms:.1f} |",
+        *(
+            [f" throughput per GPU (TFLOP/s/GPU): {log.throughput:.1f} |"]
+            if log.throughput is not None
+            else []
+        ),
         f" learning rate: {log.learning_rate:.6E} |",
         f" global batch size: {log.global_batch_size:5d} |",
         f" lm loss: {log.lm_loss:.6E} |",
@@ -141,6 +148,8 @@ class StepSummary:
     bubble: tuple[float, ...]
     simulated_bubble: tuple[float, ...]
     png: str | None
+    #: Why one rank is the long one, where the placement of the end stages makes it so.
+    placement_note: str | None = None
 
     @staticmethod
     def of(
@@ -155,7 +164,45 @@ class StepSummary:
             bubble=tuple(r.bubble_ratio for r in measured.ranks),
             simulated_bubble=tuple(r.bubble_ratio for r in predicted.ranks),
             png=png,
+            placement_note=placement_note(predicted),
         )
+
+
+#: What the first and the last model stage hold beside their layers.
+_END_STAGE_PARTS = ("the embedding", "the output layer and the loss")
+#: How much longer than the mean a rank's busy time (and an end stage's time) must be to
+#: name the placement as the cause.
+_LONGER = 1.05
+
+
+def placement_note(predicted: SimResult) -> str | None:
+    """A footnote when the placement makes a rank the long one: in the simulated step (each
+    model stage its own measured times) the busiest rank is busier than the mean rank and
+    holds the first or the last model stage, whose embedding or output layer and loss make
+    it costlier than the mean stage; None otherwise."""
+    costs = predicted.cost.stage_costs
+    if costs is None:
+        return None
+    placement = predicted.schedule.placement
+    busy = [r.busy for r in predicted.ranks]
+    rank = max(range(len(busy)), key=busy.__getitem__)
+    totals = [sum(c) for c in costs]
+    mean_stage = math.fsum(totals) / len(totals)
+    if busy[rank] <= _LONGER * math.fsum(busy) / len(busy):
+        return None
+    ends = {0: _END_STAGE_PARTS[0], len(costs) - 1: _END_STAGE_PARTS[1]}
+    stages = range(placement.num_stages)
+    held = sorted({placement.model_stage(s) for s in stages if placement.rank_of(s) == rank})
+    heavy = [s for s in held if s in ends and totals[s] > _LONGER * mean_stage]
+    if not heavy:
+        return None
+    parts = " and ".join(ends[s] for s in heavy)
+    times = ", ".join(f"stage {s} {totals[s] / mean_stage:.2f}x" for s in heavy)
+    return (
+        f"pipeline rank {rank} is the long one because {predicted.schedule.name} places "
+        f"{parts} there ({times} the mean model stage's time): placement, not the schedule; "
+        "decoder_first/last_pipeline_num_layers can move layers off that rank"
+    )
 
 
 def summary_lines(summary: StepSummary) -> list[str]:
@@ -172,6 +219,9 @@ def summary_lines(summary: StepSummary) -> list[str]:
             f"   pipeline rank {rank}: busy {busy:.1f} ms, bubble {bubble:.1%} "
             f"(simulated {simulated:.1%})"
         )
+    lines.append("   (simulated: each model stage with its own measured mean times)")
+    if summary.placement_note is not None:
+        lines.append(f"   {summary.placement_note}")
     if summary.png is not None:
         lines.append(f" timeline (measured above, simulated below): {summary.png}")
     return lines

@@ -34,6 +34,8 @@ NOT_IN_NAMES = frozenset(
         "tensorboard_dir",
         "data_cache_path",
         "log_interval",
+        "log_throughput",
+        "log_memory_to_tensorboard",
         "tensorboard_log_interval",
         "eval_interval",
         "eval_iters",

@@ -21,16 +21,30 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .config import ConfigError, TrainConfig
 
-__all__ = ["TENSORBOARD_INSTALL", "StepScalars", "TensorBoardLog", "check_tensorboard"]
+__all__ = [
+    "MEMORY_SCALARS",
+    "TENSORBOARD_INSTALL",
+    "StepScalars",
+    "TensorBoardLog",
+    "check_tensorboard",
+]
 
+#: Megatron-LM's ``--log-memory-to-tensorboard`` tags and the ``torch.cuda.memory_stats()``
+#: entry each writes.
+MEMORY_SCALARS = {
+    "mem-reserved-bytes": "reserved_bytes.all.current",
+    "mem-allocated-bytes": "allocated_bytes.all.current",
+    "mem-max-allocated-bytes": "allocated_bytes.all.peak",
+    "mem-allocated-count": "allocation.all.current",
+}
 #: What to install for ``tensorboard_dir`` (setup.py's ``[tensorboard]`` extra).
-TENSORBOARD_INSTALL = "pip install 'tensorboard==2.21.0'"
+TENSORBOARD_INSTALL = "pip install 'tensorboard>=2.14'"
 
 
 def check_tensorboard(cfg: TrainConfig, source: str) -> None:
@@ -85,6 +99,16 @@ class TensorBoardLog:
         """The log line's mean seconds per iteration."""
         self.writer.add_scalar("iteration-time", seconds, iteration)
 
+    def throughput(self, iteration: int, tflops_per_gpu: float) -> None:
+        """The log line's TFLOP/s per GPU (``log_throughput``), Megatron-LM's ``throughput``."""
+        self.writer.add_scalar("throughput", tflops_per_gpu, iteration)
+
+    def memory(self, iteration: int, stats: Mapping[str, int]) -> None:
+        """Megatron-LM's memory scalars from ``torch.cuda.memory_stats()``'s ``stats``
+        (``log_memory_to_tensorboard``)."""
+        for tag, key in MEMORY_SCALARS.items():
+            self.writer.add_scalar(tag, stats[key], iteration)
+
     def validation(self, iteration: int, samples: int, lm_loss: float) -> None:
         """One evaluation's loss and perplexity, as Megatron-LM's evaluation writes them."""
         self._both("lm loss validation", lm_loss, iteration, samples)
@@ -104,8 +128,8 @@ class TensorBoardLog:
 
 
 def open_log(cfg: TrainConfig, rank: int) -> Any:
-    """The run's :class:`TensorBoardLog` on global rank 0 when ``tensorboard_dir`` is set,
-    else None."""
-    if cfg.tensorboard_dir is None or rank != 0:
+    """The run's :class:`TensorBoardLog` (in ``cfg.tensorboard_run_dir``) on global rank 0
+    when ``tensorboard_dir`` is set, else None."""
+    if cfg.tensorboard_run_dir is None or rank != 0:
         return None
-    return TensorBoardLog(cfg.tensorboard_dir)
+    return TensorBoardLog(cfg.tensorboard_run_dir)

@@ -47,7 +47,7 @@ __all__ = [
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 #: What to install for the tokenizers that need transformers (setup.py's [data] extra).
-TRANSFORMERS_INSTALL = "pip install 'transformers==4.57.6' 'tokenizers==0.22.2'"
+TRANSFORMERS_INSTALL = "pip install 'transformers>=4.40' 'tokenizers>=0.19'"
 
 
 def padded_vocab_size(size: int, divisible_by: int, tensor_parallel: int) -> int:
