@@ -86,24 +86,25 @@ def _round(sender: _Gaps, receiver: _Gaps, produced: float, consumed: float) -> 
     return best
 
 
-def _messages(action: Action, placement: Placement) -> list[tuple[str, MessageKey, int]]:
-    """What one compute action sends and receives (as :func:`.lowering.lower` has it):
-    (``"send"`` or ``"recv"``, message key, peer)."""
+def _routes(half: Action, placement: Placement) -> list[tuple[str, Kind, int, int]]:
+    """What a compute half of this kind on this stage sends and receives, as
+    :func:`.lowering.lower` has it: (``"send"`` or ``"recv"``, the message key's kind and
+    stage, the peer), the same for every micro-batch."""
+    if half.kind is Kind.W:
+        return []
+    prev_remote, next_remote = placement.remote_neighbours(half.stage)
+    forward = half.kind is Kind.F
+    comms = [
+        (Kind.RECV_F if forward else Kind.RECV_B, prev_remote if forward else next_remote),
+        (Kind.SEND_F if forward else Kind.SEND_B, next_remote if forward else prev_remote),
+    ]
     found = []
-    for half in action.computes:
-        if half.kind is Kind.W:
-            continue
-        prev_remote, next_remote = placement.remote_neighbours(half.stage)
-        forward = half.kind is Kind.F
-        comms = [
-            (Kind.RECV_F if forward else Kind.RECV_B, prev_remote if forward else next_remote),
-            (Kind.SEND_F if forward else Kind.SEND_B, next_remote if forward else prev_remote),
-        ]
-        for kind, remote in comms:
-            if remote:
-                comm = Action(kind, half.stage, half.microbatch, half.chunk)
-                way = "recv" if kind in (Kind.RECV_F, Kind.RECV_B) else "send"
-                found.append((way, message_key(comm, placement), peer_of(comm, placement)))
+    for kind, remote in comms:
+        if remote:
+            comm = Action(kind, half.stage, 0, half.chunk)
+            way = "recv" if kind in (Kind.RECV_F, Kind.RECV_B) else "send"
+            key_kind, key_stage, _ = message_key(comm, placement)
+            found.append((way, key_kind, key_stage, peer_of(comm, placement)))
     return found
 
 
@@ -119,14 +120,19 @@ def exchange_points(
         gaps.append(_Gaps([a.start for a in stats.actions], [a.end for a in stats.actions]))
     made: dict[MessageKey, tuple[int, float]] = {}
     needed: dict[MessageKey, tuple[int, float]] = {}
+    routes: dict[tuple[Kind, int], list[tuple[str, Kind, int, int]]] = {}
     for rank, actions in enumerate(computes):
-        for i, action in enumerate(actions):
-            timing = timed.ranks[rank].actions[i]
-            for kind, key, _ in _messages(action, p):
-                if kind == "send":
-                    made[key] = (rank, timing.end)
-                else:
-                    needed[key] = (rank, timing.start)
+        for action, timing in zip(actions, timed.ranks[rank].actions, strict=True):
+            for half in action.computes:
+                found = routes.get((half.kind, half.stage))
+                if found is None:
+                    found = routes[(half.kind, half.stage)] = _routes(half, p)
+                for way, kind, stage, _ in found:
+                    key = (kind, stage, half.microbatch)
+                    if way == "send":
+                        made[key] = (rank, timing.end)
+                    else:
+                        needed[key] = (rank, timing.start)
     points: list[list[list[Exchange]]] = [[[] for _ in range(len(a) + 1)] for a in computes]
     for key, (sender, produced) in made.items():
         receiver, consumed = needed[key]

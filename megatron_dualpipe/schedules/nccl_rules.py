@@ -106,15 +106,22 @@ class _Op:
 
 
 class _Batch:
-    __slots__ = ("ops", "stream")
+    __slots__ = ("left", "ops", "stream")
 
     def __init__(self, stream: tuple[int, Hashable]):
         self.ops: list[_Op] = []
         self.stream = stream
+        self.left = 0  # operations not complete yet
 
     @property
     def done(self) -> bool:
-        return all(op.done for op in self.ops)
+        return not self.left
+
+
+def _complete(op: _Op) -> None:
+    if not op.done:
+        op.done = True
+        op.batch.left -= 1
 
 
 def _stream_label(streams: Streams) -> Callable[[int, Comm], Hashable]:
@@ -180,7 +187,7 @@ class _Model:
                     raise ScheduleError(
                         f"rank {rank} waits for {key_text(unknown[0])}, which it never issued"
                     )
-                if not all(mine[k].batch.done for k in step.keys):
+                if any(mine[k].batch.left for k in step.keys):
                     break
             self.pc[rank] += 1
             moved = True
@@ -197,6 +204,7 @@ class _Model:
             if op.kind == "collective":
                 issued = _Op(op, rank, batch, 0)
                 batch.ops.append(issued)
+                batch.left += 1
                 self.by_key[rank][op.key] = issued
                 continue
             pair = (op.comm, rank, op.peer) if op.kind == "send" else (op.comm, op.peer, rank)
@@ -204,6 +212,7 @@ class _Model:
             issued = _Op(op, rank, batch, len(queue))
             queue.append(issued)
             batch.ops.append(issued)
+            batch.left += 1
             self.by_key[rank][op.key] = issued
             partner = self._partner(issued)
             if partner is not None:  # it may be waiting at the head of its stream
@@ -244,11 +253,11 @@ class _Model:
     def _try(self, op: _Op) -> bool:
         """Complete ``op`` (at the head of its stream) if the rules allow; whether it did."""
         if op.op.kind == "collective":
-            op.done = True
+            _complete(op)
             self.woken.append(op.rank)
             return True
         if op.op.kind == "send" and not self._large(op):
-            op.done = True
+            _complete(op)
             self.woken.append(op.rank)
             partner = self._partner(op)
             if partner is not None:
@@ -259,10 +268,12 @@ class _Model:
             return False
         if op.op.kind == "recv" and not self._large(partner):
             if not partner.done and self._at_head(partner):
-                partner.done = True
-            op.done = partner.done
+                _complete(partner)
+            if partner.done:
+                _complete(op)
         elif self._at_head(partner):
-            op.done = partner.done = True
+            _complete(op)
+            _complete(partner)
         if op.done:
             self.touched.append(partner.batch.stream)
             self.woken.extend((op.rank, partner.rank))
