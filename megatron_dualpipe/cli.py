@@ -34,7 +34,7 @@ from .schedules.limits import (
     schedule_size,
     size_problem,
 )
-from .schedules.nccl_rules import EAGER_LIMIT, CommDeadlockError, check_nccl
+from .schedules.nccl_rules import EAGER_LIMIT, STREAMS, CommDeadlockError, check_nccl
 from .schedules.registry import SCHEDULES, generate, spec
 from .schedules.simulate import SimResult, simulate
 from .schedules.validate import check, validate
@@ -92,21 +92,32 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--check-nccl",
         action="store_true",
-        help="also run the schedule's communication plan under NCCL's ordering rules (one "
-        "stream per communicator, receives and large sends hold it) and name any deadlock "
-        "cycle; see docs/runtime.md",
+        help="also run the schedule's communication plan under NCCL's ordering rules "
+        "(streams in issue order, receives and large sends hold theirs, the step's data- "
+        "and expert-parallel collectives on them too) and name any deadlock cycle; see "
+        "docs/runtime.md",
+    )
+    p.add_argument(
+        "--streams",
+        choices=STREAMS,
+        default="shared",
+        help="with --check-nccl: every communicator of a rank on one stream (the worst case, "
+        "as PyTorch's stream pool allows) or a stream each (default: shared)",
     )
     p.add_argument(
         "--comm-layout",
         choices=LAYOUTS,
-        default="per-channel",
-        help="with --check-nccl: one two-rank communicator per channel (what the runtime "
-        "runs) or one per message kind (the design that deadlocks) (default: per-channel)",
+        default="lock-step",
+        help="with --check-nccl: the plan the runtime runs (lock-step: one batch per "
+        "exchange point on one pipeline communicator) or a design before it (per-channel: "
+        "a two-rank communicator per channel; per-kind: one per message kind) "
+        "(default: lock-step)",
     )
     p.add_argument(
         "--no-prepost",
         action="store_true",
-        help="with --check-nccl: receives posted when needed, not one run ahead",
+        help="with --check-nccl and an older layout: receives posted when needed, not one "
+        "run ahead",
     )
     p.add_argument(
         "--message-mib",
@@ -668,14 +679,15 @@ def _check_nccl(schedules: list[Schedule], args: argparse.Namespace) -> None:
             schedule, layout=args.comm_layout, prepost=not args.no_prepost, message_bytes=size
         )
         try:
-            print(nccl_line(schedule.name, plan, size, check_nccl(plan)))
+            outcome = check_nccl(plan, streams=args.streams)
         except CommDeadlockError as err:
-            print(nccl_line(schedule.name, plan, size, err))
+            outcome = err
             failed.append(schedule.name)
+        print(nccl_line(schedule.name, plan, size, args.streams, outcome))
     if failed:
         raise ScheduleError(
-            f"{', '.join(failed)} would deadlock on NCCL with {args.comm_layout} communicators"
-            f"{'' if args.no_prepost else ' and pre-posted receives'}: see the cycle above"
+            f"{', '.join(failed)} would deadlock on NCCL with the {args.comm_layout} plan "
+            f"and {args.streams} streams: see the cycle above"
         )
 
 

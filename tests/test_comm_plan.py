@@ -1,13 +1,21 @@
 """The communication plan and the model of NCCL's ordering rules (pure Python).
 
-- The shipped plan (one two-rank communicator per channel, receives pre-posted one run
-  ahead, eager set-up in one shared order) finishes under NCCL's rules for every
-  registered schedule at PP 2..16 and micro-batches 2PP..4PP+2, whether every send waits
-  for its receive (large messages) or completes into the receiver's buffer (small ones).
-- The design before it (one communicator per message kind, over all pipeline ranks) is
-  reported as a deadlock for dualpipe and dualpipev at every PP, the cycle named.
+- The shipped lock-step plan (one pipeline communicator, one batch per exchange point,
+  waited before the next compute) finishes under NCCL's rules in the worst case (every
+  communicator of a rank and the step's data- and expert-parallel collectives on one
+  stream, every send waiting for its receive) for every registered schedule at PP 2..16
+  and micro-batches 2PP..4PP+2 (and the registry's least where lower), with small
+  messages, variable shapes and forward-only steps too.
+- Its exchange points hold the premise of that proof: each message's round lies between
+  its producer and its consumer, and every rank meets the rounds in one order.
+- The design before (a two-rank communicator per channel, receives pre-posted) finishes
+  with a stream per communicator and deadlocks, the cycle named, once a rank's
+  communicators share one: for every schedule, for one pair of channels of dualpipev,
+  and for a pipeline channel and the expert-parallel group. The design before that (one
+  communicator per message kind) deadlocks even with a stream each.
 - The model's rules, each on a hand-made plan: rendezvous and eager sends, in-order
-  matching (a mismatch is named), lazy set-up in different orders (a cycle), waits.
+  matching (a mismatch is named), lazy set-up in different orders (a cycle), waits for a
+  whole batch, streams shared or not.
 - The in-flight bound of sends, on a plan whose answer is known.
 """
 
@@ -25,22 +33,26 @@ from megatron_dualpipe.schedules.comm_plan import (
     Init,
     Issue,
     Wait,
-    channels,
     comm_plan,
+    pipeline_comm,
 )
+from megatron_dualpipe.schedules.exchange import exchange_points
 from megatron_dualpipe.schedules.ir import Kind, Placement, Schedule, ScheduleError
 from megatron_dualpipe.schedules.lowering import lower
 from megatron_dualpipe.schedules.nccl_rules import CommDeadlockError, check_nccl, inflight_bound
 from megatron_dualpipe.schedules.registry import SCHEDULES, generate, spec
+from megatron_dualpipe.schedules.simulate import simulate
 from megatron_dualpipe.schedules.validate import validate
 
 LARGE, SMALL = 2**30, 1024
 
 
 def _microbatches(name: str, pp: int) -> list[int]:
-    """The legal micro-batch counts of ``name`` at ``pp`` from 2 PP to 4 PP + 2."""
+    """The legal micro-batch counts of ``name`` at ``pp`` from 2 PP (or the registry's
+    least, where lower) to 4 PP + 2."""
     s = spec(name)
-    return [m for m in range(2 * pp, 4 * pp + 3) if s.problem(pp, m) is None]
+    least = min(2 * pp, s.min_microbatches(pp))
+    return [m for m in range(least, 4 * pp + 3) if s.problem(pp, m) is None]
 
 
 def _legal(name: str, pp: int) -> bool:
@@ -53,29 +65,129 @@ FULL = [
     for n, pp in itertools.product(SCHEDULES, range(2, 17))
     if _legal(n, pp) and (n, pp) not in FAST
 ]
+#: (variable shapes, forward-only, message size) of the worst-case check.
+VARIANTS = [(v, f, size) for v in (False, True) for f in (False, True) for size in (LARGE, SMALL)]
 
 
 @pytest.mark.parametrize(
     ("name", "pp"), [*FAST, *(pytest.param(*c, marks=pytest.mark.slow) for c in FULL)]
 )
-def test_the_shipped_plan_finishes_under_nccls_rules(name: str, pp: int) -> None:
-    """Every legal micro-batch count from 2 PP to 4 PP + 2, large messages (each send waits
-    for its receive: the stricter rule); small ones and forward-only steps at the ends."""
+def test_the_lock_step_plan_finishes_in_the_worst_case(name: str, pp: int) -> None:
+    """``validate(backend="nccl")``'s default is the worst case (one stream per rank, the
+    collectives on it). Every legal micro-batch count with large messages; at PP 2-4 every
+    variant for each, beyond at the ends of the range (the sweep's time)."""
     counts = _microbatches(name, pp)
     for m in counts:
         schedule = generate(name, pp, m)
-        validate(schedule, backend="nccl", message_bytes=LARGE)
-        if m in (counts[0], counts[-1]):
-            validate(schedule, backend="nccl", message_bytes=SMALL)
-            validate(schedule, backend="nccl", forward_only=True)
+        validate(schedule, backend="nccl", message_bytes=LARGE, eager_limit=0)
+        if pp > 4 and m not in (counts[0], counts[-1]):
+            continue
+        for variable, forward_only, size in VARIANTS[1:]:  # the same check, plan by plan
+            plan = comm_plan(
+                schedule,
+                message_bytes=None if variable else size,
+                variable_shapes=variable,
+                forward_only=forward_only,
+            )
+            check_nccl(plan, eager_limit=0 if size == LARGE else 2 * SMALL, bound=False)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_every_rank_meets_the_rounds_in_one_order(name: str) -> None:
+    """The premise of the proof (schedules/exchange.py): a message's round lies between
+    the end of its producer and the start of its consumer in the timeline, its sender
+    exchanges it after the producer and its receiver before the consumer, and along every
+    rank the rounds of the exchange points never go back."""
+    for pp in (2, 3, 4):
+        if not _legal(name, pp):
+            continue
+        schedule = generate(name, pp, _microbatches(name, pp)[-1])
+        p = schedule.placement
+        points = exchange_points(schedule, schedule.ranks)
+        timed = simulate(schedule)
+        at = {}  # (kind, stage, micro-batch) -> (index on its rank, its timing)
+        for stats in timed.ranks:
+            for i, t in enumerate(stats.actions):
+                for half in t.action.computes:
+                    kind = Kind.B if half.kind is Kind.BW else half.kind
+                    at[(kind, half.stage, half.microbatch)] = (i, t)
+        ends: dict[tuple, dict[str, tuple[int, float]]] = {}
+        for rank, boundaries in enumerate(points):
+            seen = [e.round for exchanges in boundaries for e in exchanges]
+            assert seen == sorted(seen), f"{name} PP={pp} rank {rank}"
+            for b, exchanges in enumerate(boundaries):
+                for e in exchanges:
+                    ends.setdefault(e.key, {})[e.kind] = (b, e.round)
+        for (kind, stage, mb), where in ends.items():
+            forward = kind is Kind.RECV_F
+            source = p.prev_stage(stage) if forward else p.next_stage(stage)
+            made, needed = (Kind.F, Kind.F) if forward else (Kind.B, Kind.B)
+            i, producer = at[(made, source, mb)]
+            j, consumer = at[(needed, stage, mb)]
+            (sent_at, t), (received_at, t2) = where["send"], where["recv"]
+            assert t == t2 and producer.end <= t <= consumer.start, (name, pp, kind, stage, mb)
+            assert sent_at > i and received_at <= j, (name, pp, kind, stage, mb)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_the_per_channel_plan_deadlocks_on_a_shared_stream(name: str) -> None:
+    """The design before, pipeline messages only: fine with a stream per communicator
+    (what it assumed), a cycle through a rank's own channels once they share one."""
+    schedule = generate(name, 4, 8)
+    validate(schedule, backend="nccl", layout="per-channel", streams="distinct", collectives=())
+    with pytest.raises(CommDeadlockError) as raised:
+        validate(schedule, backend="nccl", layout="per-channel", collectives=())
+    error = raised.value
+    message = str(error)
+    assert message.startswith("the plan deadlocks under NCCL's rules: ")
+    assert " again (ranks " in message and all(f"rank {r}" in message for r in error.ranks)
+    assert len(error.comms) >= 2 and all(c.channel for c in error.comms)
+    assert ", queued behind rank " in message  # two channels of one rank, one stream
+    assert error.keys
+
+
+def test_one_pair_of_channels_on_one_stream_deadlocks_dualpipev() -> None:
+    """Rank 0's F0->1 and B0->1 of dualpipev at PP=4 on one stream: rank 0's send of a
+    forward queues behind its send of a gradient that rank 1 receives only later."""
+    plan = comm_plan(generate("dualpipev", 4, 8), layout="per-channel")
+    pair = {(0, Comm("F", (0, 1))): "one", (0, Comm("B", (0, 1))): "one"}
+    with pytest.raises(CommDeadlockError) as raised:
+        check_nccl(plan, streams=pair, collectives=())
+    assert {str(c) for c in raised.value.comms} == {"F0->1", "B0->1"}
+    assert "rank 0's send of 1RECV_F6 to rank 1 on communicator F0->1" in str(raised.value)
+
+
+def test_a_collective_behind_a_pre_posted_receive_deadlocks() -> None:
+    """zb1p's per-channel plan, a stream per communicator except that ranks 2 and 3 each
+    share one between the expert-parallel group and the channel they pre-post a receive
+    on: each one's all-to-all queues behind a receive the other sends only after its own
+    all-to-all."""
+    plan = comm_plan(generate("zb1p", 4, 8), layout="per-channel")
+    ep = {r: Comm("EP", (r,), channel=False) for r in (2, 3)}
+    shared = {
+        (2, Comm("B", (3, 2))): "s",
+        (2, ep[2]): "s",
+        (3, Comm("F", (2, 3))): "s",
+        (3, ep[3]): "s",
+    }
+    check_nccl(plan, streams="distinct", collectives=("ep-all-to-all",))
+    with pytest.raises(CommDeadlockError) as raised:
+        check_nccl(plan, streams=shared, collectives=("ep-all-to-all",))
+    message = str(raised.value)
+    assert message.startswith(
+        "the plan deadlocks under NCCL's rules: rank 2's host waits for rank 2's "
+        "expert-parallel all-to-all in 2F1 on communicator expert-parallel, queued behind "
+        "rank 2's receive of 2RECV_B0 from rank 3 on communicator B3->2"
+    )
+    assert "rank 3's expert-parallel all-to-all in 3F0" in message
 
 
 @pytest.mark.parametrize("name", ["dualpipe", "dualpipev"])
 @pytest.mark.parametrize("pp", [2, 4, 8, 16])
-def test_one_communicator_per_message_kind_deadlocks_and_the_cycle_is_named(name, pp) -> None:
+def test_one_communicator_per_message_kind_deadlocks_even_with_a_stream_each(name, pp) -> None:
     schedule = generate(name, pp, 2 * pp)
     with pytest.raises(CommDeadlockError) as raised:
-        validate(schedule, backend="nccl", layout="per-kind")
+        validate(schedule, backend="nccl", layout="per-kind", streams="distinct")
     error = raised.value
     message = str(error)
     assert message.startswith("the plan deadlocks under NCCL's rules: ")
@@ -91,53 +203,60 @@ def test_one_communicator_per_message_kind_deadlocks_and_the_cycle_is_named(name
     assert message.count(" again (ranks ") == 1  # the cycle closes, once
 
 
-def test_without_preposting_only_large_messages_deadlock_the_old_design() -> None:
-    """NCCL's buffer saves small messages: without pre-posted receives the old design
+def test_without_preposting_only_large_messages_deadlock_the_per_kind_design() -> None:
+    """NCCL's buffer saves small messages: without pre-posted receives the per-kind design
     runs dualpipev at PP=4 when messages are small, and deadlocks when they are large."""
     schedule = generate("dualpipev", 4, 8)
-    options = {"layout": "per-kind", "prepost": False}
+    options = {"layout": "per-kind", "prepost": False, "streams": "distinct"}
     validate(schedule, backend="nccl", message_bytes=SMALL, **options)
     with pytest.raises(CommDeadlockError):
         validate(schedule, backend="nccl", message_bytes=LARGE, **options)
 
 
 def test_the_deepseek_v3_configuration_passes() -> None:
-    """DualPipe over PP=16 with 120 micro-batches, as in DeepSeek-V3's report."""
-    report = check_nccl(comm_plan(generate("dualpipe", 16, 120)))
-    assert len(report.comms) == 60  # 15 neighbour pairs x 4 channels
-    assert max(report.comms_per_rank) == 8 and report.comms_per_rank[0] == 4
+    """DualPipe over PP=16 with 120 micro-batches, as in DeepSeek-V3's report: one
+    communicator, in the worst case."""
+    report = check_nccl(comm_plan(generate("dualpipe", 16, 120)), eager_limit=0)
+    assert report.comms == [Comm("P", tuple(range(16)), channel=False)]
+    assert report.comms_per_rank == [1] * 16
+    assert max(report.inflight_bound) <= 2
 
 
-def test_a_per_channel_plan_has_one_sender_and_one_receiver_per_communicator() -> None:
-    for name in ("zb1p", "dualpipe", "dualpipev"):
-        plan = comm_plan(generate(name, 4, 10))
-        assert set(plan.comms) <= set(channels(plan.schedule.placement))
-        senders, receivers = {}, {}
+@pytest.mark.parametrize("variable", [False, True])
+def test_a_lock_step_plan_waits_for_each_batch_before_the_next_compute(variable: bool) -> None:
+    """One communicator; every Issue is followed by a Wait for all its messages before
+    anything else (nothing is pending during a compute); both ends of every message name
+    it in the same place of their pair's order (NCCL matches in issue order)."""
+    for name in SCHEDULES:
+        plan = comm_plan(generate(name, 4, 8), variable_shapes=variable)
+        assert plan.comms == [pipeline_comm(plan.schedule.placement)]
+        order: dict[tuple[str, int, int], list] = {}
         for rank, steps in enumerate(plan.ranks):
-            inits = [s.comm for s in steps if isinstance(s, Init)]
-            assert inits == sorted(inits, key=Comm.setup_order)  # one shared order
-            assert all(isinstance(s, Init) for s in steps[: len(inits)])
-            received, waited = [], []
-            for step in steps:
+            assert steps[0] == Init(plan.comms[0])
+            for step, after in itertools.pairwise(steps):
                 if isinstance(step, Issue):
-                    assert {op.comm for op in step.ops} == {step.comm}
+                    assert after == Wait(tuple(op.key for op in step.ops)), f"{name} {rank}"
                     for op in step.ops:
-                        side = senders if op.kind == "send" else receivers
-                        side.setdefault(op.comm, set()).add(rank)
-                        if op.kind == "recv":
-                            received.append(op.key)
-                elif isinstance(step, Wait):
-                    waited += step.keys
-            assert sorted(received) == sorted(k for k in waited if k in set(received))
-            assert len(set(waited)) == len(waited)  # each message waited on once
-        for comm in plan.comms:
-            assert senders[comm] == {comm.ranks[0]} and receivers[comm] == {comm.ranks[1]}
+                        pair = (
+                            op.kind,
+                            *((rank, op.peer) if op.kind == "send" else (op.peer, rank)),
+                        )
+                        order.setdefault(pair, []).append(op.key)
+            assert not isinstance(steps[-1], Issue)
+        for (kind, a, b), keys in order.items():
+            if kind == "send":
+                assert keys == order[("recv", a, b)], f"{name}: {a} -> {b}"
 
 
 # -- the rules, on hand-made plans -----------------------------------------------------
 PLACEMENT = Placement("loop", 2, 2, 2)
 F01, F10, B10 = Comm("F", (0, 1)), Comm("F", (1, 0)), Comm("B", (1, 0))
 KEY_A, KEY_B = (Kind.RECV_F, 1, 0), (Kind.RECV_F, 1, 1)
+
+
+def _check(plan: CommPlan, **options) -> None:
+    """The hand-made plans give each communicator its stream, unless said otherwise."""
+    check_nccl(plan, **{"streams": "distinct", "collectives": (), **options})
 
 
 def _plan(ranks: list[list], set_up: bool = True) -> CommPlan:
@@ -171,7 +290,7 @@ def test_a_send_waits_for_its_receive_unless_it_is_small(size: int) -> None:
             ],
         ]
     )
-    check_nccl(plan)  # a Wait on a send alone never needs the peer's host first
+    _check(plan)  # a Wait on a send alone never needs the peer's host first
     blocked = _plan(
         [
             [
@@ -189,10 +308,10 @@ def test_a_send_waits_for_its_receive_unless_it_is_small(size: int) -> None:
         ]
     )
     if size == SMALL:
-        check_nccl(blocked)
+        _check(blocked)
     else:
         with pytest.raises(CommDeadlockError, match="waits for its match from"):
-            check_nccl(blocked)
+            _check(blocked)
 
 
 def test_messages_between_two_ranks_match_in_issue_order() -> None:
@@ -203,7 +322,7 @@ def test_messages_between_two_ranks_match_in_issue_order() -> None:
         ]
     )
     with pytest.raises(ScheduleError, match="would get the data of rank 0's send of 1RECV_F0"):
-        check_nccl(plan)
+        _check(plan)
 
 
 def test_communicators_set_up_in_different_orders_deadlock() -> None:
@@ -211,9 +330,9 @@ def test_communicators_set_up_in_different_orders_deadlock() -> None:
     at its first use, where ranks first use different ones."""
     crossed = _plan([[Init(F01), Init(F10)], [Init(F10), Init(F01)]], set_up=False)
     with pytest.raises(CommDeadlockError, match="in the set-up of communicator") as raised:
-        check_nccl(crossed)
+        _check(crossed)
     assert raised.value.comms == [F01, F10]
-    check_nccl(_plan([[Init(F01), Init(F10)], [Init(F01), Init(F10)]], set_up=False))
+    _check(_plan([[Init(F01), Init(F10)], [Init(F01), Init(F10)]], set_up=False))
     first_use = _plan(
         [
             [Issue((_send(KEY_A, F01, 1, SMALL),)), Issue((_recv(KEY_B, F10, 1),)), Wait((KEY_B,))],
@@ -222,7 +341,7 @@ def test_communicators_set_up_in_different_orders_deadlock() -> None:
         set_up=False,
     )
     with pytest.raises(CommDeadlockError, match="in the set-up of communicator"):
-        check_nccl(first_use)
+        _check(first_use)
 
 
 def test_a_wait_blocks_the_host_until_its_messages_arrived() -> None:
@@ -245,7 +364,7 @@ def test_a_wait_blocks_the_host_until_its_messages_arrived() -> None:
         ]
     )
     with pytest.raises(CommDeadlockError) as raised:
-        check_nccl(plan)
+        _check(plan)
     assert raised.value.ranks == [0, 1]
 
 
@@ -274,6 +393,74 @@ def test_the_inflight_bound_counts_sends_not_yet_known_received() -> None:
             ],
         ]
     )
-    check_nccl(plan)
+    _check(plan)
     # Rank 0: three in flight; after the answer only the fourth. Rank 1: its answer.
     assert inflight_bound(plan) == [3, 1]
+
+
+def test_channels_on_one_stream_queue_behind_each_other() -> None:
+    """Each rank posts a receive on one channel, then sends on another: with a stream
+    each both sends go; on one stream each send waits behind its rank's receive."""
+    plan = _plan(
+        [
+            [Issue((_recv(KEY_B, F10, 1),)), Issue((_send(KEY_A, F01, 1),)), Wait((KEY_A, KEY_B))],
+            [Issue((_recv(KEY_A, F01, 0),)), Issue((_send(KEY_B, F10, 0),)), Wait((KEY_A, KEY_B))],
+        ]
+    )
+    _check(plan)
+    with pytest.raises(CommDeadlockError, match="queued behind rank 0's receive of 1RECV_F1"):
+        _check(plan, streams="shared")
+    with pytest.raises(ScheduleError, match="unknown streams 'one': use one of shared, distinct"):
+        _check(plan, streams="one")
+
+
+def test_a_wait_returns_when_the_whole_batch_completed() -> None:
+    """A batch returns one work: rank 0's Wait for a message received in a batch that also
+    sends one never received waits for ever, though its own message arrived."""
+    both = Comm("P", (0, 1), channel=False)
+    plan = _plan(
+        [
+            [Issue((_recv(KEY_A, both, 1), _send(KEY_B, both, 1))), Wait((KEY_A,))],
+            [Issue((_send(KEY_A, both, 0),)), Wait((KEY_A,))],
+        ],
+        set_up=False,
+    )
+    with pytest.raises(CommDeadlockError, match="rank 0's send of 1RECV_F1 to rank 1"):
+        _check(plan)
+
+
+def test_a_collective_completes_at_the_head_of_its_stream() -> None:
+    """A data-parallel collective (the same pipeline rank of the other pipelines reaches it
+    at the same point) needs nothing from the pipeline: it completes once nothing is
+    ahead of it on its stream."""
+    group = Comm("DP", (0,), channel=False)
+    done = ("collective", "data-parallel reduce-scatter")
+    collective = Issue((CommOp("collective", 0, group, done),))
+    ahead = _plan(
+        [
+            [Issue((_recv(KEY_A, F10, 1),)), collective, Wait((done,)), Wait((KEY_A,))],
+            [Wait(()), Issue((_send(KEY_A, F10, 0, SMALL),)), Wait((KEY_A,))],
+        ]
+    )
+    _check(ahead)
+    _check(ahead, streams="shared")  # the receive's data comes without rank 0's help
+    blocked = _plan(
+        [
+            [
+                Issue((_recv(KEY_A, F10, 1),)),
+                collective,
+                Wait((done,)),
+                Issue((_send(KEY_B, F01, 1),)),
+                Wait((KEY_A,)),
+            ],
+            [
+                Issue((_recv(KEY_B, F01, 0),)),
+                Wait((KEY_B,)),
+                Issue((_send(KEY_A, F10, 0),)),
+                Wait((KEY_A,)),
+            ],
+        ]
+    )
+    _check(blocked)
+    with pytest.raises(CommDeadlockError, match="rank 0's data-parallel reduce-scatter on comm"):
+        _check(blocked, streams="shared")

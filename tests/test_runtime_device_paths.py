@@ -8,8 +8,8 @@
 - The executor's saved-tensor hook makes no reference cycle: after a step that fails
   half-way, nothing is left holding activations, no helper thread is left, and the executor
   refuses another step (on NCCL its messages could still be in flight).
-- On a GPU the channel groups are aborted inside one NCCL group; the mirror exchange's
-  layout check travels on the gradients' device (NCCL serves CUDA tensors only).
+- On a GPU the pipeline group is aborted after a hang; the mirror exchange's layout check
+  travels on the gradients' device (NCCL serves CUDA tensors only).
 - Mirror exchange memory: summing DualPipe's two copies takes one bucket of extra memory,
   measured by every allocation made during the exchange.
 """
@@ -31,7 +31,6 @@ from megatron_dualpipe.runtime.mirror import param_buckets, param_grad, sync_mir
 from megatron_dualpipe.runtime.timeline import DeviceClock, HostClock, RankTimeline, clock_for
 from megatron_dualpipe.runtime.transport import GroupTransport
 from megatron_dualpipe.runtime.watchdog import HangMonitor, Watchdog
-from megatron_dualpipe.schedules.comm_plan import channels
 from megatron_dualpipe.schedules.ir import Action, Kind, Placement
 from megatron_dualpipe.schedules.registry import generate
 from tests.multiproc import run_workers
@@ -142,39 +141,21 @@ def test_the_hang_monitor_thread_ends_with_its_monitor() -> None:
     assert not thread.is_alive()
 
 
-class _FakeNcclBackend:
+class _FakeGroup:
+    """A process group as GroupTransport.abort uses one (``abort``)."""
+
     def __init__(self, calls: list[str]) -> None:
         self.calls = calls
 
-    def _group_start(self) -> None:
-        self.calls.append("group start")
-
-    def _group_end(self) -> None:
-        self.calls.append("group end")
-
-
-class _FakeGroup:
-    """A process group as GroupTransport.abort uses one (``_get_backend``, ``abort``)."""
-
-    def __init__(self, name: str, calls: list[str]) -> None:
-        self.name, self.calls = name, calls
-
-    def _get_backend(self, device: torch.device) -> _FakeNcclBackend:
-        assert device.type == "cuda"
-        return _FakeNcclBackend(self.calls)
-
     def abort(self) -> None:
-        self.calls.append(f"abort {self.name}")
+        self.calls.append("abort")
 
 
-def test_channel_groups_on_a_gpu_are_aborted_inside_one_nccl_group() -> None:
-    """As torch's ``_abort_process_group`` aborts every group: communicators aborted one
-    by one can hang on another's stuck kernel (pytorch issue 119797)."""
+def test_the_pipeline_group_on_a_gpu_is_aborted() -> None:
+    """After a hang, aborting the plan's one group makes every pending operation fail."""
     calls: list[str] = []
-    groups = {c: _FakeGroup(str(c), calls) for c in channels(Placement("v", 2, 4, 4))}
-    GroupTransport(groups, [0, 1], device=torch.device("cuda", 0)).abort()
-    assert calls[0] == "group start" and calls[-1] == "group end"
-    assert sorted(calls[1:-1]) == sorted(f"abort {c}" for c in groups)
+    GroupTransport(_FakeGroup(calls), [0, 1], device=torch.device("cuda", 0)).abort()
+    assert calls == ["abort"]
 
 
 def test_the_mirror_layout_travels_on_the_gradients_device(monkeypatch) -> None:

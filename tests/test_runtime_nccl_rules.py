@@ -3,13 +3,14 @@
 - It issues exactly its communication plan: every call it hands a transport (communicator,
   operations in order) and every receive it waits on, recorded on gloo for every
   registered schedule at PP 2 and 4, equal the plan built from the schedule.
-- The NCCL-rules emulation (a stream per communicator, sends that complete only once
-  their receive has started) runs the shipped plan; the design before it (one
-  communicator per message kind) hangs there, and every rank's hang monitor turns that
-  into an error naming the rank within its timeout, while plain gloo runs it.
-- Two-rank process groups per channel (what NCCL gets), issued op by op or as NCCL gets
-  them (one ``batch_isend_irecv`` per batch, peers as group ranks), give the losses and
-  gradients of the tagged single group, bit for bit.
+- The NCCL-rules emulation (all of a rank's communicators on one stream, sends that
+  complete only once their receive has started) runs the shipped lock-step plan; the
+  design before it (a two-rank communicator per channel, receives pre-posted) hangs there,
+  and every rank's hang monitor turns that into an error naming the rank within its
+  timeout, while it runs with a stream per communicator and on plain gloo.
+- The pipeline group (what NCCL gets), issued op by op or as NCCL gets it (one
+  ``batch_isend_irecv`` per batch, peers as group ranks), gives the losses and gradients
+  of the tagged single group, bit for bit.
 - The hang monitor: an operation pending past the timeout is named and the transport
   aborted; completed ones are forgotten.
 """
@@ -26,9 +27,9 @@ from torch import nn
 
 from megatron_dualpipe.runtime import PipelineExecutor, PipelineWaitError, TensorSpec
 from megatron_dualpipe.runtime.nccl_emulation import NcclRulesTransport
-from megatron_dualpipe.runtime.transport import GroupTransport, make_channel_groups
+from megatron_dualpipe.runtime.transport import GroupTransport, make_pipeline_group
 from megatron_dualpipe.runtime.watchdog import HangMonitor, Watchdog
-from megatron_dualpipe.schedules.comm_plan import Issue, Wait, channels, comm_plan
+from megatron_dualpipe.schedules.comm_plan import Issue, Wait, comm_plan
 from megatron_dualpipe.schedules.registry import SCHEDULES, generate, spec
 from tests.multiproc import run_workers
 
@@ -58,9 +59,11 @@ def _run(rank: int, name: str, microbatches: int, transport_kind: str, **executo
         transport = _Recording(GroupTransport(dist.group.WORLD, ranks))
     elif transport_kind == "recorded-emulation":
         transport = _Recording(NcclRulesTransport(dist.group.WORLD, ranks))
-    elif transport_kind.startswith("channel-groups"):  # NCCL's path: batch_isend_irecv
+    elif transport_kind == "emulation-distinct":  # a stream per communicator
+        transport = NcclRulesTransport(dist.group.WORLD, ranks, streams="distinct")
+    elif transport_kind.startswith("pipeline-group"):  # NCCL's path: batch_isend_irecv
         batched = transport_kind.endswith("batched")
-        transport = GroupTransport(make_channel_groups(channels(p)), ranks, batched=batched)
+        transport = GroupTransport(make_pipeline_group(), ranks, batched=batched)
     executor = PipelineExecutor(
         schedule,
         rank,
@@ -91,8 +94,8 @@ class _Recording:
         self.issued: list[tuple] = []
         self.waited: list[tuple] = []
 
-    def setup(self, comm, rank, watchdog):
-        self.inner.setup(comm, rank, watchdog)
+    def setup(self, comm, rank, peers, watchdog):
+        self.inner.setup(comm, rank, peers, watchdog)
 
     def start(self, comm, ops):
         self.issued.append((comm, [(o.op.kind, o.op.peer, o.op.key, o.element) for o in ops]))
@@ -170,8 +173,8 @@ def _compare(rank: int, world: int, name: str, microbatches: int, kind: str) -> 
 
 
 @pytest.mark.parametrize("name", ["dualpipe", "dualpipev"])
-@pytest.mark.parametrize("kind", ["channel-groups", "channel-groups-batched", "emulation"])
-def test_channel_groups_and_the_emulation_compute_what_one_tagged_group_does(name, kind) -> None:
+@pytest.mark.parametrize("kind", ["pipeline-group", "pipeline-group-batched", "emulation"])
+def test_the_pipeline_group_and_the_emulation_compute_what_one_tagged_group_does(name, kind):
     assert all(run_workers(_compare, 2, args=(name, 4, kind), timeout_s=120))
 
 
@@ -181,7 +184,7 @@ HANG_TIMEOUT_S = 1.0
 def _hang(rank: int, world: int, name: str, kind: str) -> tuple[str, str, float]:
     start = time.monotonic()
     try:
-        _run(rank, name, 2 * world, kind, comm_layout="per-kind", timeout_s=HANG_TIMEOUT_S)
+        _run(rank, name, 2 * world, kind, comm_layout="per-channel", timeout_s=HANG_TIMEOUT_S)
     except Exception as error:  # every rank's outcome comes back
         return type(error).__name__, str(error), time.monotonic() - start
     return "", "finished", time.monotonic() - start
@@ -191,10 +194,10 @@ def _hang(rank: int, world: int, name: str, kind: str) -> tuple[str, str, float]
     ("name", "world"),
     [("dualpipev", 2), ("dualpipe", 2), pytest.param("dualpipe", 4, marks=pytest.mark.slow)],
 )
-def test_the_old_design_hangs_under_nccls_rules_and_every_rank_says_where(name, world) -> None:
+def test_the_old_design_hangs_on_a_shared_stream_and_every_rank_says_where(name, world) -> None:
     outcomes = run_workers(_hang, world, args=(name, "emulation"), timeout_s=60)
     waiting = [o for o in outcomes if o[0]]
-    assert waiting, "the per-kind design finished under NCCL's rules"
+    assert waiting, "the per-channel design finished with a rank's channels on one stream"
     for rank, (kind, message, seconds) in enumerate(outcomes):
         if not kind:
             continue  # a rank may finish its part before the others hang
@@ -202,9 +205,11 @@ def test_the_old_design_hangs_under_nccls_rules_and_every_rank_says_where(name, 
         assert message.startswith(f"pipeline rank {rank} gave up on "), message
         assert "hang monitor" in message, message
         assert seconds < HANG_TIMEOUT_S + 5, f"rank {rank} took {seconds:.1f} s"
-    # Plain gloo buffers sends and matches tags: the same plan runs there.
-    plain = run_workers(_hang, world, args=(name, "gloo"), timeout_s=60)
-    assert [outcome[:2] for outcome in plain] == [("", "finished")] * world
+    # With a stream per channel (what that design assumed), and on plain gloo, which
+    # buffers sends and matches tags, the same plan runs.
+    for kind in ("emulation-distinct", "gloo"):
+        runs = run_workers(_hang, world, args=(name, kind), timeout_s=60)
+        assert [outcome[:2] for outcome in runs] == [("", "finished")] * world, kind
 
 
 class _Pending:

@@ -8,8 +8,9 @@ rank's part of the schedule with the runtime executor, each local model chunk wr
 ``variable_seq_lengths``, ``calculate_per_token_loss`` (``grad_sync_func``: see below).
 
 The object owns everything that lives longer than one step: an executor per model (held
-through weak references, so a dropped model is freed), the two-rank channel groups a
-tag-ignoring backend needs (made once, at the first step, collectively over the world),
+through weak references, so a dropped model is freed), the pipeline group a
+tag-ignoring backend needs for the lock-step plan (made once, at the first step, by the
+pipeline's ranks only),
 the timeout of every pipeline wait and an optional timeline sink. Keep one object per
 training run: it checks the configuration once, when it first sees a model, and reuses
 that executor every step.
@@ -18,8 +19,8 @@ Process groups: as Megatron's own schedules, either pass neither ``p2p_communica
 ``pg_collection`` (the groups come from ``parallel_state``) or both; then the pipeline
 group is the communicator's (``pg_collection.pp`` must be the same group) and tensor and
 context parallel sizes come from ``pg_collection``. Messages go through this project's
-channels on that group, never through the communicator's own send/receive calls (which
-would mix the two directions between a pair of ranks).
+communication plan on a group over that group's ranks, never through the communicator's
+own send/receive calls.
 
 Gradient synchronisation with deferred dW: a parameter's gradient is complete after its
 chunk's last backward (parameters computed with dX, e.g. norms) or after its chunk's last W
@@ -51,9 +52,9 @@ from megatron.core import parallel_state
 from megatron.core.utils import get_model_config, unwrap_model
 
 from ..runtime import DEFAULT_TIMEOUT_S, PipelineExecutor, RankTimeline, TensorSpec
-from ..runtime.transport import GroupTransport, Transport, make_channel_groups
-from ..schedules.comm_plan import channels
+from ..runtime.transport import GroupTransport, Transport, make_pipeline_group
 from ..schedules.ir import Action, Kind, Placement, Schedule
+from ..schedules.step_collectives import grad_final_points
 from .checks import DualPipeConfigError, check_run, schedule_spec
 from .deferral import te_layers_left_to_plan
 from .mirror import sync_mirror_expert_loads, sync_mirror_gradients
@@ -200,18 +201,18 @@ class DualPipeForwardBackward:
     def _transport(
         self, pipeline: dist.ProcessGroup, placement: Placement, device: torch.device
     ) -> Transport | None:
-        """For messages on a device (NCCL, which ignores tags): one two-rank group per
-        channel of the placement, made at the first step (collective over the world), with
-        a timeout beyond the executor's, kept for every executor after it; on the CPU
-        (gloo): None, the executor's tagged default."""
+        """For messages on a device (NCCL, which ignores tags): a group over the
+        pipeline's ranks, made at the first step by those ranks only, with a timeout
+        beyond the executor's, kept for every executor after it; on the CPU (gloo): None,
+        the executor's tagged default."""
         if device.type == "cpu":
             return None
         ranks = dist.get_process_group_ranks(pipeline)
         key = (tuple(ranks), placement.kind, placement.num_ranks)
         if key not in self._transports:
             timeout = timedelta(seconds=2 * self.timeout_s)
-            groups = make_channel_groups(channels(placement), pipeline, timeout=timeout)
-            self._transports[key] = GroupTransport(groups, ranks, device=device)
+            group = make_pipeline_group(pipeline, timeout=timeout)
+            self._transports[key] = GroupTransport(group, ranks, device=device)
         return self._transports[key]
 
     def _prepare(
@@ -373,7 +374,7 @@ class DualPipeForwardBackward:
             for m in range(num_microbatches)
             if schedule.placement.rank_of(schedule.placement.path(m)[0]) == rank
         }
-        grad_sync = _GradSync(config, len(model), _grad_sync_points(schedule, rank))
+        grad_sync = _GradSync(config, len(model), grad_final_points(schedule.ranks[rank]))
         if not forward_only:
             for chunk in range(len(model)):
                 grad_sync.disable(chunk)
@@ -475,19 +476,6 @@ def _chunk_data(
         iter([b for m, b in enumerate(batches) if stage.role.stage in p.path(m)])
         for stage in stages
     ]
-
-
-def _grad_sync_points(schedule: Schedule, rank: int) -> set[tuple[Kind, int, int]]:
-    """The actions after which a chunk's gradients are final: its last backward (B or BW)
-    and, when its dW is deferred, its last W."""
-    last: dict[tuple[int, str], Action] = {}
-    for action in schedule.ranks[rank]:
-        for half in action.computes:
-            if half.kind in (Kind.B, Kind.BW):
-                last[(half.chunk, "backward")] = half
-            elif half.kind is Kind.W:
-                last[(half.chunk, "weight")] = half
-    return {(a.kind, a.stage, a.microbatch) for a in last.values()}
 
 
 class _GradSync:

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..schedules.comm_plan import CommPlan, Compute, Init, Issue, Wait, channels, comm_plan
+from ..schedules.comm_plan import CommPlan, Compute, Init, Issue, Wait, comm_plan
 from ..schedules.ir import Action, Kind, Placement, Schedule
 from ..schedules.nccl_rules import check_nccl
 from ..schedules.validate import check_weight_grads_in_b_order, validate
@@ -60,7 +60,7 @@ from .nccl_emulation import NcclRulesTransport
 from .p2p import MessageKey, Payload, PipeComm, TensorSpec
 from .planned import PlannedStage
 from .timeline import RankTimeline, clock_for
-from .transport import GroupTransport, Transport, make_channel_groups
+from .transport import GroupTransport, Transport, make_pipeline_group
 from .watchdog import DEFAULT_TIMEOUT_S, Watchdog
 from .weight_grad_store import WeightGradStore
 
@@ -245,21 +245,25 @@ class PipelineExecutor:
     is its rank i. ``timeout_s`` bounds every wait (see :mod:`.watchdog`).
     ``variable_shapes`` sends each message's shapes ahead of it, so micro-batches may
     differ in shape (specs then give only the number of dimensions and the dtype).
-    ``prepost_receives`` posts the next run of receives before computing, so their data
-    lands during compute. ``comm_layout`` is the plan's layout of communicators
-    (``per-kind``, one per message kind, deadlocks on NCCL: kept to show it on gloo).
+    ``comm_layout`` is the plan's layout (:data:`~megatron_dualpipe.schedules.comm_plan.
+    LAYOUTS`): ``lock-step`` (the default), or the designs before it, which deadlock on
+    NCCL and are kept to show it on gloo (with them ``prepost_receives`` posts the next
+    run of receives before computing).
     ``free_outputs`` (Megatron's ``deallocate_pipeline_outputs``)
     frees each sent output's storage once it is sent, and then refuses outputs that are
     views.
 
     Communication follows the schedule's :func:`~megatron_dualpipe.schedules.comm_plan.
     comm_plan` and nothing else, through ``transport``: by default, on gloo one group with
-    a tag per message; on backends that ignore tags (NCCL) one two-rank group per channel,
-    made here (collective over the whole world: construct every rank's executor at the
-    same point, or pass a transport); with ``nccl_rules`` (gloo only, for tests) the
-    NCCL-rules emulation. On backends other than gloo the plan is checked under NCCL's
-    rules here (:func:`~megatron_dualpipe.schedules.nccl_rules.check_nccl`), and a plan
-    that would deadlock is refused before any work.
+    a tag per message; on backends that ignore tags (NCCL) a group over the pipeline's
+    ranks, made here by those ranks only (:func:`~.transport.make_pipeline_group`: every
+    rank of the pipeline constructs its executor at the same point, or pass a transport);
+    with ``nccl_rules`` (gloo only, for tests) the NCCL-rules emulation, all of a rank's
+    communicators on one stream. On backends other than gloo the plan is checked here
+    under NCCL's rules in the worst case (every communicator of a rank on one stream, the
+    step's data- and expert-parallel collectives on it too, every send waiting for its
+    receive; :func:`~megatron_dualpipe.schedules.nccl_rules.check_nccl`), and a plan that
+    would deadlock is refused before any work.
     """
 
     def __init__(
@@ -277,7 +281,7 @@ class PipelineExecutor:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         variable_shapes: bool = False,
         prepost_receives: bool = True,
-        comm_layout: str = "per-channel",
+        comm_layout: str = "lock-step",
         free_outputs: bool = True,
     ):
         placement = schedule.placement
@@ -315,12 +319,13 @@ class PipelineExecutor:
         }
         device = _module_device(self.modules[0]) or torch.device("cpu")
         if transport is None:
-            transport = _default_transport(placement, group, nccl_rules, device, timeout_s)
+            transport = _default_transport(group, nccl_rules, device, timeout_s)
         self.transport = transport
         self._plans: dict[bool, CommPlan] = {}
-        if device.type != "cpu":  # every send taken as large: the stricter case
+        if device.type != "cpu":  # the worst case: one stream, every send large
             for forward_only in (False, True):
-                check_nccl(self.plan(forward_only=forward_only), eager_limit=0, bound=False)
+                plan = self.plan(forward_only=forward_only)
+                check_nccl(plan, streams="shared", eager_limit=0, bound=False)
         self._failed: str | None = None
         self._comm = PipeComm(
             placement,
@@ -432,7 +437,9 @@ class PipelineExecutor:
         timeline = None
         step = _Step(inputs, training, return_outputs, None, action_context)
         try:
-            comm.setup([s.comm for s in self.plan().ranks[self.rank] if isinstance(s, Init)])
+            plan = self.plan()
+            inits = [s.comm for s in plan.ranks[self.rank] if isinstance(s, Init)]
+            comm.setup([(c, plan.peers(self.rank, c)) for c in inits])
             if record_timeline:
                 dist.barrier(group=self._group)
                 device = _module_device(self.modules[0])
@@ -478,21 +485,27 @@ class PipelineExecutor:
 
     def _issue(self, issue: Issue, step: _Step) -> None:
         """Hand one batch of the plan to the backend: sends take their payloads from the
-        outbox (checked, contiguous) and free what they computed once issued."""
+        outbox (checked, contiguous; a shape message reads its message's payload, which
+        stays for the data) and free what they computed once the data is issued."""
         payloads: dict[MessageKey, Payload] = {}
+        sent: list[tuple[MessageKey, int]] = []
         for op in issue.ops:
-            key = op.key[:3]
-            if op.kind != "send" or key in payloads:
+            if op.kind != "send":
                 continue
-            payload = step.outbox.pop(key)
-            if key[0] is Kind.RECV_F:
-                self._check_outgoing(key, payload)
-            payloads[key] = tuple(t.detach().contiguous() for t in payload)
+            key = op.key[:3]
+            if key not in payloads:
+                payloads[key] = step.outbox[key]
+                if key[0] is Kind.RECV_F:
+                    self._check_outgoing(key, payloads[key])
+            if len(op.key) == 3:  # the data, not its shape message
+                del step.outbox[key]
+                payloads[key] = tuple(t.detach().contiguous() for t in payloads[key])
+                sent.append((key, op.peer))
         if step.timeline is not None:
             now = step.timeline.now()
-            step.timeline.sent += [(key, issue.ops[0].peer, now) for key in payloads]
+            step.timeline.sent += [(key, peer, now) for key, peer in sent]
         self._comm.issue(issue, payloads)
-        for key in payloads:
+        for key, _ in sent:
             for tensor in step.freeable.pop(key, ()):
                 tensor.data = _freed(tensor)  # the graph stays; the send holds the data
 
@@ -753,23 +766,21 @@ def _sender(placement: Placement, key: MessageKey) -> int:
 
 
 def _default_transport(
-    placement: Placement,
     group: dist.ProcessGroup | None,
     nccl_rules: bool,
     device: torch.device,
     timeout_s: float,
 ) -> Transport:
     """Messages on the CPU (gloo): one group, a tag per message, or the NCCL-rules
-    emulation over it; on a device (NCCL): a two-rank group per channel of the placement,
-    whose own timeout outlasts the executor's (its hang monitor speaks first)."""
+    emulation over it; on a device (NCCL): a group over the pipeline's ranks, whose own
+    timeout outlasts the executor's (its hang monitor speaks first)."""
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
     if nccl_rules:
         return NcclRulesTransport(group or dist.group.WORLD, ranks)
     if device.type == "cpu":
         return GroupTransport(group or dist.group.WORLD, ranks)
-    timeout = timedelta(seconds=2 * timeout_s)
-    groups = make_channel_groups(channels(placement), group, timeout=timeout)
-    return GroupTransport(groups, ranks, device=device)
+    pipeline = make_pipeline_group(group, timeout=timedelta(seconds=2 * timeout_s))
+    return GroupTransport(pipeline, ranks, device=device)
 
 
 def _unpack(packed: tuple[torch.Tensor, _Token]) -> torch.Tensor:

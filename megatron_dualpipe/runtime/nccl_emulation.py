@@ -4,8 +4,11 @@ Gloo buffers sends and matches by tag, so a plan that would deadlock on NCCL run
 :class:`NcclRulesTransport` takes that away (the rules are those modelled in
 :mod:`megatron_dualpipe.schedules.nccl_rules`):
 
-- each (rank, communicator) has one stream: a worker thread that runs the batches of that
-  communicator in issue order, one at a time, each until all its operations completed;
+- each stream of a rank is a worker thread that runs its batches in issue order, one at a
+  time, each until all its operations completed; with ``streams="shared"`` (the default:
+  the worst case, as PyTorch may give all of a rank's communicators one stream) a rank
+  has one such thread for all its communicators, with ``"distinct"`` one per
+  communicator;
 - a send completes only after the peer's matching receive has started (rendezvous, what
   NCCL does for messages above its buffer size): the receiving stream, when its receive
   starts, sends the sender a small ready signal, and the sending stream waits for it
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from datetime import timedelta
 
 import torch
@@ -62,10 +65,10 @@ class _Work:
 
 
 class _Stream(threading.Thread):
-    """One communicator's stream on this rank: its batches, one after the other."""
+    """One stream of this rank: its batches, one after the other."""
 
-    def __init__(self, transport: NcclRulesTransport, comm: Comm):
-        super().__init__(name=f"nccl-rules-{comm}", daemon=True)
+    def __init__(self, transport: NcclRulesTransport, label: str):
+        super().__init__(name=f"nccl-rules-{label}", daemon=True)
         self._transport = transport
         self.batches: queue.SimpleQueue = queue.SimpleQueue()
         self.start()
@@ -102,34 +105,43 @@ class _Stream(threading.Thread):
             work.wait()
 
 
+#: How the emulation puts a rank's communicators on streams.
+STREAMS = ("shared", "distinct")
+
+
 class NcclRulesTransport:
-    """The plan's communicators emulated over ``group`` (gloo) under NCCL's rules;
-    ``ranks`` are the pipeline ranks' global ranks. For CPU tests (see the module)."""
+    """The plan's communicators emulated over ``group`` (gloo) under NCCL's rules, on
+    ``streams`` (``"shared"`` or ``"distinct"``); ``ranks`` are the pipeline ranks' global
+    ranks. For CPU tests (see the module)."""
 
     host_waits = "stream"
 
-    def __init__(self, group: dist.ProcessGroup, ranks: Sequence[int]):
+    def __init__(self, group: dist.ProcessGroup, ranks: Sequence[int], *, streams: str = "shared"):
         if dist.get_backend(group) != "gloo":
             raise ValueError("the NCCL-rules emulation runs over a gloo group")
+        if streams not in STREAMS:
+            raise ValueError(f"unknown streams {streams!r}: use one of {', '.join(STREAMS)}")
         self.group = group
+        self.streams = streams
         self._ranks = list(ranks)
-        self._streams: dict[Comm, _Stream] = {}
+        self._streams: dict[Hashable, _Stream] = {}
         self._aborted = threading.Event()
         self.error: str | None = None
 
     def group_rank(self, pipeline_rank: int) -> int:
         return dist.get_group_rank(self.group, self._ranks[pipeline_rank])
 
-    def setup(self, comm: Comm, rank: int, watchdog: Watchdog) -> None:
+    def setup(self, comm: Comm, rank: int, peers: Sequence[int], watchdog: Watchdog) -> None:
         """Nothing to set up: NCCL's set-up rule is checked by the plan's model."""
 
     def start(self, comm: Comm, ops: Sequence[ElementOp]) -> list[Handle]:
         if self._aborted.is_set():
             raise RuntimeError("the pipeline's communicators were aborted")
         works = [_Work(self._aborted) for _ in ops]
-        stream = self._streams.get(comm)
+        label = "shared" if self.streams == "shared" else comm
+        stream = self._streams.get(label)
         if stream is None:
-            stream = self._streams[comm] = _Stream(self, comm)
+            stream = self._streams[label] = _Stream(self, str(label))
         stream.batches.put((list(ops), works))
         return works
 

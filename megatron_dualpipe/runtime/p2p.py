@@ -5,8 +5,9 @@
 :class:`~.transport.Transport`, and nothing else: what is sent and received, on which
 communicator, in which batch and when the rank waits all come from the plan. A message is
 a tuple of tensors (its *elements*), each one backend operation, issued in index order on
-both sides; every element has its own tag (gloo matches by tag; NCCL, which ignores tags,
-gets a communicator per channel from the plan instead).
+both sides; every element has its own tag (gloo matches by tag; NCCL ignores tags and
+matches the messages between two ranks in issue order, which the plan keeps the same on
+both ends).
 
 Receive buffers take shape and dtype from the :class:`TensorSpec` of each element. With
 variable shapes a message is preceded by one small int64 message holding every element's
@@ -151,11 +152,12 @@ class PipeComm:
         self._reaper: _SendReaper | None = None
         self.peak_sends = 0
 
-    def setup(self, comms: Sequence[Comm]) -> None:
-        """Set up ``comms`` (this rank's, in the plan's shared order), once."""
+    def setup(self, comms: Sequence[tuple[Comm, Sequence[int]]]) -> None:
+        """Set up ``comms`` (this rank's, in the plan's shared order, each with the peers
+        this rank talks to on it), once."""
         if not self._set_up:
-            for comm in comms:
-                self.transport.setup(comm, self.rank, self.watchdog)
+            for comm, peers in comms:
+                self.transport.setup(comm, self.rank, peers, self.watchdog)
             self._set_up = True
 
     # -- issuing ----------------------------------------------------------------------

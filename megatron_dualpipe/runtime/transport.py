@@ -12,17 +12,19 @@ in order), and returns one handle per operation. Handles have ``wait()`` and
   it only makes the compute stream wait, so the host runs ahead of the GPU), and a side
   thread watches ``is_completed()`` for hangs (:class:`~.watchdog.HangMonitor`).
 
-:class:`GroupTransport` maps each communicator of the plan to a process group: one group
-for all (gloo, which matches by tag) or one two-rank group per channel (NCCL, which
-matches in issue order; see :func:`make_channel_groups`).
+:class:`GroupTransport` runs the plan on one process group: under gloo, which matches by
+tag, any plan; under NCCL, which matches the messages between two ranks in issue order,
+the lock-step plan's one communicator, a group over the pipeline's ranks made by
+:func:`make_pipeline_group` (only its members take part; on NCCL with a high-priority
+stream, see :func:`pipeline_group_options`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,7 +37,8 @@ __all__ = [
     "GroupTransport",
     "Handle",
     "Transport",
-    "make_channel_groups",
+    "make_pipeline_group",
+    "pipeline_group_options",
 ]
 
 
@@ -61,8 +64,9 @@ class Transport(Protocol):
 
     host_waits: str  # "timed" or "stream"
 
-    def setup(self, comm: Comm, rank: int, watchdog: Watchdog) -> None:
-        """Set ``comm`` up now (its members call this in the same order)."""
+    def setup(self, comm: Comm, rank: int, peers: Sequence[int], watchdog: Watchdog) -> None:
+        """Set ``comm`` up now and connect ``rank`` to the ``peers`` it talks to on it
+        (its members call this in the same order)."""
 
     def start(self, comm: Comm, ops: Sequence[ElementOp]) -> list[Handle]:
         """Issue ``ops`` (all on ``comm``) as one batch; a handle per op, in order."""
@@ -75,81 +79,76 @@ class Transport(Protocol):
 
 
 class GroupTransport:
-    """The plan's communicators on process groups: ``groups`` maps each communicator to
-    its group, or is one group for all (where the backend matches by tag). ``ranks`` are
-    the pipeline ranks' global ranks (pipeline rank ``i`` is ``ranks[i]``). ``device`` is
-    where the messages' tensors live: on the CPU (gloo) each operation is issued alone,
-    with its tag, and waited with a deadline; elsewhere (NCCL) each batch is one
-    ``batch_isend_irecv`` on its communicator's group and waits do not block the host.
-    ``batched`` forces the batch path on the CPU too (to test it over gloo)."""
+    """The plan's batches on process group ``group``. ``ranks`` are the pipeline ranks'
+    global ranks (pipeline rank ``i`` is ``ranks[i]``). ``device`` is where the messages'
+    tensors live: on the CPU (gloo) each operation is issued alone, with its tag, and
+    waited with a deadline; elsewhere (NCCL, which ignores tags: one communicator per
+    plan) each batch is one ``batch_isend_irecv`` and waits do not block the host.
+    ``batched`` forces the batch path on the CPU too (to test it over gloo, which then
+    matches messages in issue order as NCCL does)."""
 
     def __init__(
         self,
-        groups: dist.ProcessGroup | Mapping[Comm, dist.ProcessGroup],
+        group: dist.ProcessGroup,
         ranks: Sequence[int],
         *,
         device: torch.device | None = None,
         batched: bool | None = None,
     ):
-        self._one = groups if isinstance(groups, dist.ProcessGroup) else None
-        self._groups = {} if self._one is not None else dict(groups)
+        self.group = group
         self.device = device or torch.device("cpu")
         on_cpu = self.device.type == "cpu"
-        if self._one is not None and not on_cpu:
-            raise ValueError(
-                f"NCCL ignores message tags: give each communicator of the plan its own "
-                f"group (make_channel_groups) for messages on {self.device}"
-            )
         self._batched = not on_cpu if batched is None else batched
         self.host_waits = "timed" if on_cpu else "stream"
         self._ranks = list(ranks)
-        self._peers: dict[tuple[Comm, int], int] = {}
+        self._peers: dict[int, int] = {}
+        self._comm: Comm | None = None
 
-    def group(self, comm: Comm) -> dist.ProcessGroup:
-        if self._one is not None:
-            return self._one
-        try:
-            return self._groups[comm]
-        except KeyError:
-            raise ValueError(f"no process group for communicator {comm}") from None
-
-    def _peer(self, comm: Comm, pipeline_rank: int) -> int:
-        """``pipeline_rank``'s rank in ``comm``'s group (looked up once)."""
-        peer = self._peers.get((comm, pipeline_rank))
+    def _peer(self, pipeline_rank: int) -> int:
+        """``pipeline_rank``'s rank in the group (looked up once)."""
+        peer = self._peers.get(pipeline_rank)
         if peer is None:
-            peer = dist.get_group_rank(self.group(comm), self._ranks[pipeline_rank])
-            self._peers[(comm, pipeline_rank)] = peer
+            peer = dist.get_group_rank(self.group, self._ranks[pipeline_rank])
+            self._peers[pipeline_rank] = peer
         return peer
 
-    def setup(self, comm: Comm, rank: int, watchdog: Watchdog) -> None:
-        """Set a channel's communicator up and connect its two ranks: one small message
-        from sender to receiver, waited on (NCCL creates communicators and connections
-        on first use, blocking each member until the other arrives)."""
-        if self._one is not None:
+    def setup(self, comm: Comm, rank: int, peers: Sequence[int], watchdog: Watchdog) -> None:
+        """On the batch path: set the communicator up and connect ``rank`` to its
+        ``peers``, one small message each way in one batch, waited on (NCCL creates
+        communicators and connections on first use, blocking each member until the others
+        arrive). Refuses a second communicator where tags are ignored."""
+        if not self._batched:
             return
-        group = self.group(comm)
-        probe = torch.zeros(1, device=self.device)
-        send = rank == comm.ranks[0]
-        peer = comm.ranks[1] if send else comm.ranks[0]
-        op = dist.P2POp(
-            dist.isend if send else dist.irecv,
-            probe,
-            group=group,
-            group_peer=self._peer(comm, peer),
-        )
-        for work in dist.batch_isend_irecv([op]):
-            watchdog.wait(work, f"the set-up of communicator {comm}", peer)
+        if self._comm is not None and comm != self._comm:
+            raise ValueError(
+                f"the plan uses communicators {self._comm} and {comm} but messages on "
+                f"{self.device} ignore tags: run the lock-step plan (one communicator)"
+            )
+        self._comm = comm
+        order = [peer for peer in sorted(peers) for _ in range(2)]  # a send, a receive each
+        probes = [
+            dist.P2POp(
+                dist.isend if i % 2 == 0 else dist.irecv,
+                torch.zeros(1, device=self.device),
+                group=self.group,
+                group_peer=self._peer(peer),
+            )
+            for i, peer in enumerate(order)
+        ]
+        if probes:
+            # A coalesced batch returns one work: it stands for every probe.
+            for work, peer in zip(dist.batch_isend_irecv(probes), order, strict=False):
+                watchdog.wait(work, f"the set-up of communicator {comm}", peer)
 
     def start(self, comm: Comm, ops: Sequence[ElementOp]) -> list[Handle]:
-        group = self.group(comm)
         if not self._batched:
-            return [self._gloo_op(group, comm, op) for op in ops]
+            return [self._gloo_op(op) for op in ops]
         batch = [
             dist.P2POp(
                 dist.isend if op.op.kind == "send" else dist.irecv,
                 op.tensor,
-                group=group,
-                group_peer=self._peer(comm, op.op.peer),
+                group=self.group,
+                group_peer=self._peer(op.op.peer),
             )
             for op in ops
         ]
@@ -157,60 +156,46 @@ class GroupTransport:
         # A coalesced batch may return one work for all its ops.
         return works if len(works) == len(ops) else [works[-1]] * len(ops)
 
-    def _gloo_op(self, group: dist.ProcessGroup, comm: Comm, op: ElementOp) -> Handle:
-        peer = self._peer(comm, op.op.peer)
-        call = group.send if op.op.kind == "send" else group.recv
-        return call([op.tensor], peer, op.tag)
+    def _gloo_op(self, op: ElementOp) -> Handle:
+        call = self.group.send if op.op.kind == "send" else self.group.recv
+        return call([op.tensor], self._peer(op.op.peer), op.tag)
 
     def abort(self) -> None:
-        """Abort every group, on NCCL inside one NCCL group: aborting communicators one by
-        one can hang where another's kernel is stuck (as torch's ``_abort_process_group``
-        does for all groups, pytorch issue 119797)."""
-        every = [self._one] if self._one is not None else list(self._groups.values())
-        groups = list(dict.fromkeys(every))
-        backend = None
-        if groups and self.device.type == "cuda":
-            try:
-                backend = groups[0]._get_backend(self.device)
-            except RuntimeError:
-                backend = None
-        start, end = getattr(backend, "_group_start", None), getattr(backend, "_group_end", None)
-        if start is not None and end is not None:
-            start()
-        for group in groups:
-            group.abort()
-        if start is not None and end is not None:
-            end()
+        """Abort the group: every pending operation fails."""
+        self.group.abort()
 
     def close(self) -> None:
-        """Nothing to release: the groups belong to whoever made them."""
+        """Nothing to release: the group belongs to whoever made it."""
 
 
-def make_channel_groups(
-    comms: Sequence[Comm],
-    pipeline_group: dist.ProcessGroup | None = None,
-    *,
-    timeout: timedelta | None = None,
-) -> dict[Comm, dist.ProcessGroup]:
-    """A two-rank process group per communicator in ``comms`` (channels over pipeline
-    ranks of ``pipeline_group``), for every pipeline of the world.
+def pipeline_group_options(backend: str) -> Any | None:
+    """The options a pipeline group of ``backend`` is made with: on NCCL, a stream from
+    the high-priority pool (``is_high_priority_stream``), where fewer of the process's
+    streams are drawn, so it is less likely to be shared. A mitigation only: the plan
+    does not rely on it (see :mod:`~megatron_dualpipe.schedules.exchange`). None
+    elsewhere (the backend's defaults)."""
+    if backend != "nccl" or not dist.is_nccl_available():
+        return None
+    return dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
 
-    Collective over the whole world, as creating groups is: every rank learns every
-    pipeline group's ranks and creates every pipeline's channel groups in one shared
-    order; a rank keeps those of its own pipeline. Returns this rank's, by communicator.
-    ``timeout`` is the groups' own (give more than the executor's, so that its hang
-    monitor names a hang before the backend's watchdog ends the process).
-    """
-    mine = tuple(dist.get_process_group_ranks(pipeline_group or dist.group.WORLD))
-    every: list[tuple[int, ...] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    channels = [c for c in comms if c.channel]
-    if len(channels) != len(comms):
-        raise ValueError("make_channel_groups makes two-rank groups for channels only")
-    groups = {}
-    for pipeline in sorted(set(every)):
-        for comm in channels:
-            group = dist.new_group([pipeline[r] for r in comm.ranks], timeout=timeout)
-            if pipeline == mine:
-                groups[comm] = group
-    return groups
+
+def make_pipeline_group(
+    pipeline_group: dist.ProcessGroup | None = None, *, timeout: timedelta | None = None
+) -> dist.ProcessGroup:
+    """A process group over the ranks of ``pipeline_group`` (default: the world) for the
+    lock-step plan's communicator, made by those ranks only: split from the pipeline
+    group where the default group is bound to a device (there torch would otherwise
+    split the world's communicator, with every rank of the world taking part), else a
+    ``new_group`` with local synchronisation. ``timeout`` is the group's own (give more
+    than the executor's, so that its hang monitor names a hang before the backend's
+    watchdog ends the process)."""
+    parent = pipeline_group or dist.group.WORLD
+    ranks = dist.get_process_group_ranks(parent)
+    options = pipeline_group_options(dist.get_backend(parent))
+    if dist.group.WORLD.bound_device_id is not None:
+        return dist.split_group(
+            parent, [list(range(len(ranks)))], timeout=timeout, pg_options=options
+        )
+    return dist.new_group(
+        ranks, timeout=timeout, pg_options=options, use_local_synchronization=True
+    )

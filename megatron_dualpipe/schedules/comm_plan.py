@@ -1,22 +1,28 @@
 """The communication plan: what each rank hands the backend, and when it waits, as data.
 
-:func:`comm_plan` turns a (lowered) schedule into, per rank, the ordered steps the runtime
-executor performs: ``Compute(action)``, ``Issue(ops)`` (one batch of sends and receives
-handed to the backend at once, all on one communicator; the host goes on at once) and
-``Wait(keys)`` (the host blocks until those messages completed), plus the ``Init(comm)``
-steps that set communicators up before the first step. The executor runs exactly this
-plan and nothing else; :mod:`.nccl_rules` checks it under NCCL's ordering rules.
+:func:`comm_plan` turns a schedule into, per rank, the ordered steps the runtime executor
+performs: ``Compute(action)``, ``Issue(ops)`` (one batch handed to the backend at once, all
+on one communicator; the host goes on at once) and ``Wait(keys)`` (the host blocks until
+the batches holding those messages completed), plus the ``Init(comm)`` steps that set
+communicators up before the first step. The executor runs exactly this plan and nothing
+else; :mod:`.nccl_rules` checks it under NCCL's ordering rules.
 
-Two layouts of communicators:
+Layouts:
 
-- ``per-channel`` (what the runtime ships): one two-rank communicator per channel, i.e.
-  per (message kind, sender -> receiver). On each of them one rank only sends and the
-  other only receives, in the same order, so an operation that holds its communicator's
-  stream (a receive waiting for data, a large send waiting for its receive) holds nothing
-  another message needs. They are set up eagerly, in one order every rank shares.
-- ``per-kind``: one communicator for activations and one for gradients, each over all
-  pipeline ranks (the design before: it deadlocks under NCCL's rules, see
-  docs/runtime.md). Kept so the check can show why.
+- ``lock-step`` (what the runtime ships): one communicator over the pipeline's ranks and,
+  as in DeepSeek's DualPipe, one batch at each exchange point (before each compute and
+  after the last) of every message due there, sends and receives together, waited before
+  the next compute: nothing is pending while a rank computes. Which exchange point each
+  message goes to is :mod:`.exchange`'s round; with it the plan finishes under NCCL's
+  rules with all of a rank's communicators on one stream (docs/runtime.md).
+- ``per-channel`` (the design before): one two-rank communicator per channel, i.e. per
+  (message kind, sender -> receiver), each run of adjacent communication actions of the
+  lowered schedule one Issue per communicator, the next run's receives pre-posted. It
+  finishes only if every communicator has a stream of its own.
+- ``per-kind`` (the design before that): one communicator for activations and one for
+  gradients, each over all pipeline ranks, batched as ``per-channel``.
+
+The two older layouts are kept so that the check can show why they fail.
 
 Messages are named by their receive key (``(RECV_F | RECV_B, stage, micro-batch)``, as in
 :mod:`.lowering`); with variable shapes each message is preceded by a small shape message
@@ -30,7 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from .ir import COMM_KINDS, Action, Kind, Placement, Schedule, ScheduleError
+from .exchange import Exchange, exchange_points
+from .ir import COMM_KINDS, COMPUTE_KINDS, Action, Kind, Placement, Schedule, ScheduleError
 from .lowering import MessageKey, lower, message_key, peer_of
 
 __all__ = [
@@ -48,10 +55,11 @@ __all__ = [
     "channels",
     "comm_plan",
     "key_text",
+    "pipeline_comm",
 ]
 
-#: ``per-channel`` (shipped) or ``per-kind`` (one communicator per message kind).
-LAYOUTS = ("per-channel", "per-kind")
+#: ``lock-step`` (shipped), ``per-channel`` and ``per-kind`` (the designs before it).
+LAYOUTS = ("lock-step", "per-channel", "per-kind")
 #: What a shape message weighs: a few int64 dimensions, far below any eager limit.
 SHAPE_BYTES = 128
 
@@ -59,10 +67,16 @@ SHAPE_BYTES = 128
 PlanKey = tuple
 
 
+#: How communicators that are not channels are named, by kind (else ``F-all``, ``B-all``).
+_GROUP_NAMES = {"P": "pipeline", "DP": "data-parallel", "EP": "expert-parallel"}
+
+
 class Comm(NamedTuple):
-    """A communicator: the kind of message it carries (``"F"`` activations, ``"B"``
-    gradients) and its member pipeline ranks; a channel's are (sender, receiver).
-    (Plans hold tens of thousands of operations: the step types are named tuples.)"""
+    """A communicator: what it carries (``"F"`` activations, ``"B"`` gradients, ``"P"``
+    both: the lock-step plan's pipeline communicator; ``"DP"``, ``"EP"``: a data- or
+    expert-parallel group, for the NCCL model) and its member pipeline ranks; a channel's
+    are (sender, receiver). (Plans hold tens of thousands of operations: the step types
+    are named tuples.)"""
 
     kind: str
     ranks: tuple[int, ...]
@@ -71,7 +85,7 @@ class Comm(NamedTuple):
     def __str__(self) -> str:
         if self.channel:
             return f"{self.kind}{self.ranks[0]}->{self.ranks[1]}"
-        return f"{self.kind}-all"
+        return _GROUP_NAMES.get(self.kind, f"{self.kind}-all")
 
     def setup_order(self) -> tuple:
         """The order every rank sets communicators up in (any one shared order avoids a
@@ -80,10 +94,11 @@ class Comm(NamedTuple):
 
 
 class CommOp(NamedTuple):
-    """One send or receive of one message, between this rank and ``peer`` on ``comm``.
-    ``nbytes`` is the message's size where known (None: unknown, assumed large)."""
+    """One send or receive of one message, between this rank and ``peer`` on ``comm``
+    (or, for the NCCL model only, a ``collective`` of another group: ``peer`` is the rank
+    itself). ``nbytes`` is the message's size where known (None: unknown, assumed large)."""
 
-    kind: Literal["send", "recv"]
+    kind: Literal["send", "recv", "collective"]
     peer: int
     comm: Comm
     key: PlanKey
@@ -107,7 +122,8 @@ class Issue(NamedTuple):
 
 
 class Wait(NamedTuple):
-    """Block until the messages ``keys`` (sent or received by this rank) completed."""
+    """Block until the messages ``keys`` (sent or received by this rank) completed: on
+    NCCL, until the whole batch holding each completed (a batch returns one work)."""
 
     keys: tuple[PlanKey, ...]
 
@@ -140,13 +156,27 @@ class CommPlan:
         }
         return sorted(found, key=Comm.setup_order)
 
+    def peers(self, rank: int, comm: Comm) -> list[int]:
+        """The ranks ``rank`` exchanges messages with on ``comm``, in order."""
+        found = {
+            op.peer
+            for s in self.ranks[rank]
+            if isinstance(s, Issue)
+            for op in s.ops
+            if op.comm == comm
+        }
+        return sorted(found)
+
     def comm_steps(self, rank: int) -> list[Issue | Wait]:
         """Rank ``rank``'s Issue and Wait steps, in order (what it asks of the backend)."""
         return [s for s in self.ranks[rank] if isinstance(s, Issue | Wait)]
 
 
 def key_text(key: PlanKey) -> str:
-    """``2RECV_F1`` for a message, ``2RECV_F1.shape`` for its shape message."""
+    """``2RECV_F1`` for a message, ``2RECV_F1.shape`` for its shape message (a collective's
+    key is ``("collective", its text)``)."""
+    if key[0] == "collective":
+        return key[1]
     kind, stage, mb = key[:3]
     return f"{stage}{kind.value}{mb}" + (".shape" if len(key) > 3 else "")
 
@@ -165,6 +195,11 @@ def channels(placement: Placement) -> list[Comm]:
     return sorted(found, key=Comm.setup_order)
 
 
+def pipeline_comm(placement: Placement) -> Comm:
+    """The lock-step plan's one communicator, over every rank of the pipeline."""
+    return Comm("P", tuple(range(placement.num_ranks)), channel=False)
+
+
 def _comm_of(action: Action, rank: int, placement: Placement, layout: str) -> Comm:
     kind = "F" if action.kind in (Kind.SEND_F, Kind.RECV_F) else "B"
     if layout == "per-kind":
@@ -172,6 +207,16 @@ def _comm_of(action: Action, rank: int, placement: Placement, layout: str) -> Co
     peer = peer_of(action, placement)
     sender, receiver = (rank, peer) if action.kind in (Kind.SEND_F, Kind.SEND_B) else (peer, rank)
     return Comm(kind, (sender, receiver))
+
+
+Sizes = int | Callable[[MessageKey], int | None] | None
+
+
+def _size(message_bytes: Sizes, key: MessageKey, shape: bool) -> int | None:
+    """A message's size in bytes (its shape message's with ``shape``), None if unknown."""
+    if shape:
+        return SHAPE_BYTES
+    return message_bytes(key) if callable(message_bytes) else message_bytes
 
 
 def _forward_only(actions: Sequence[Action]) -> list[Action]:
@@ -211,7 +256,7 @@ class _RankPlanner:
         placement: Placement,
         layout: str,
         variable_shapes: bool,
-        message_bytes: int | Callable[[MessageKey], int | None] | None,
+        message_bytes: Sizes,
     ):
         self.rank = rank
         self.placement = placement
@@ -224,12 +269,7 @@ class _RankPlanner:
     def op(self, action: Action, *, shape: bool = False) -> CommOp:
         p = self.placement
         key = message_key(action, p)
-        if shape:
-            size = SHAPE_BYTES
-        elif callable(self.message_bytes):
-            size = self.message_bytes(key)
-        else:
-            size = self.message_bytes
+        size = _size(self.message_bytes, key, shape)
         route = self._routes.get((action.kind, action.stage))
         if route is None:
             kind = "send" if action.kind in (Kind.SEND_F, Kind.SEND_B) else "recv"
@@ -289,26 +329,70 @@ class _RankPlanner:
         return steps
 
 
+def _lock_step(
+    boundaries: list[list[Exchange]],
+    computes: Sequence[Action],
+    comm: Comm,
+    variable_shapes: bool,
+    message_bytes: Sizes,
+) -> list[Step]:
+    """One rank's lock-step plan: at each exchange point one batch of its exchanges,
+    waited before the next compute (with variable shapes, per round: a batch of shape
+    messages, waited, then one of the data)."""
+    steps: list[Step] = []
+    for point, exchanges in enumerate(boundaries):
+        rounds = [exchanges]
+        if variable_shapes:
+            rounds = [list(g) for _, g in itertools.groupby(exchanges, key=lambda e: e.round)]
+        for group in rounds if exchanges else ():
+            for shape in (True, False) if variable_shapes else (False,):
+                ops = tuple(
+                    CommOp(
+                        e.kind,
+                        e.peer,
+                        comm,
+                        (*e.key, "shape") if shape else e.key,
+                        _size(message_bytes, e.key, shape),
+                    )
+                    for e in group
+                )
+                steps += [Issue(ops), Wait(tuple(op.key for op in ops))]
+        if point < len(computes):
+            steps.append(Compute(computes[point]))
+    return steps
+
+
+def _computes(actions: Sequence[Action], forward_only: bool) -> list[Action]:
+    """A rank's compute actions in order (a forward-only step: its forwards, an FB's
+    forward half among them)."""
+    computes = [a for a in actions if a.kind in COMPUTE_KINDS]
+    return [a for a in _forward_only(computes) if a.kind is Kind.F] if forward_only else computes
+
+
 def comm_plan(
     schedule: Schedule,
     *,
-    layout: str = "per-channel",
+    layout: str = "lock-step",
     prepost: bool = True,
     variable_shapes: bool = False,
-    message_bytes: int | Callable[[MessageKey], int | None] | None = None,
+    message_bytes: Sizes = None,
     eager_init: bool = True,
     forward_only: bool = False,
 ) -> CommPlan:
     """The communication plan of ``schedule`` (lowered here if it is not yet).
 
-    Each run of adjacent communication actions becomes: one Issue per communicator of its
-    sends and of its receives not posted yet, with variable shapes a Wait for the shape
-    messages and an Issue of the data receives, then a Wait for its receives. With
-    ``prepost`` the next run's receives (their shape messages, with variable shapes) are
-    issued right after, so their data can land during compute. The step ends with a Wait
-    for every send. ``message_bytes`` gives each message's size (a number for all, or a
-    function of the message key); ``eager_init`` puts an Init of every communicator a rank
-    is a member of, in the shared set-up order, before its first step.
+    ``lock-step`` (the default) places every message at an exchange point of its sender
+    and of its receiver (:func:`~.exchange.exchange_points`; a lowered schedule's own
+    send and receive positions are not used): one Issue of the point's sends and receives,
+    then a Wait for all of them. The older layouts turn each run of adjacent communication
+    actions of the lowered schedule into one Issue per communicator of its sends and of
+    its receives not posted yet, with variable shapes a Wait for the shape messages and an
+    Issue of the data receives, then a Wait for its receives; with ``prepost`` the next
+    run's receives (their shape messages, with variable shapes) are issued right after;
+    the step ends with a Wait for every send. ``message_bytes`` gives each message's size
+    (a number for all, or a function of the message key); ``eager_init`` puts an Init of
+    every communicator a rank is a member of, in the shared set-up order, before its
+    first step.
     """
     if layout not in LAYOUTS:
         raise ScheduleError(
@@ -317,10 +401,19 @@ def comm_plan(
     lowered = schedule if schedule.is_lowered else lower(schedule)
     p = lowered.placement
     ranks = []
-    for rank, actions in enumerate(lowered.ranks):
-        planner = _RankPlanner(rank, p, layout, variable_shapes, message_bytes)
-        ranks.append(planner.steps(_forward_only(actions) if forward_only else actions, prepost))
-    plan = CommPlan(lowered, ranks, layout, prepost, variable_shapes, forward_only)
+    if layout == "lock-step":
+        computes = [_computes(actions, forward_only) for actions in lowered.ranks]
+        points = exchange_points(lowered, computes)
+        comm = pipeline_comm(p)
+        for boundaries, actions in zip(points, computes, strict=True):
+            ranks.append(_lock_step(boundaries, actions, comm, variable_shapes, message_bytes))
+    else:
+        for rank, actions in enumerate(lowered.ranks):
+            planner = _RankPlanner(rank, p, layout, variable_shapes, message_bytes)
+            own = _forward_only(actions) if forward_only else actions
+            ranks.append(planner.steps(own, prepost))
+    posted = prepost and layout != "lock-step"  # the lock-step plan posts nothing ahead
+    plan = CommPlan(lowered, ranks, layout, posted, variable_shapes, forward_only)
     if eager_init:
         comms = plan.comms
         for rank, steps in enumerate(ranks):

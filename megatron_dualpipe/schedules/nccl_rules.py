@@ -2,9 +2,19 @@
 
 The rules (those of PyTorch's ``ProcessGroupNCCL`` over NCCL):
 
-- every operation of one communicator runs on one stream of that communicator, per rank,
-  in the order the host issued it; a batch (one ``batch_isend_irecv``) is one NCCL group:
-  its operations progress together, and the stream moves on once all of them completed;
+- every operation of one communicator runs on that communicator's stream, per rank, in the
+  order the host issued it; a batch (one ``batch_isend_irecv``) is one NCCL group: its
+  operations progress together, and the stream moves on once all of them completed;
+- that stream is not the communicator's own: PyTorch draws it from a per-device pool
+  that every other stream of the process draws from too, so several communicators of a
+  rank may share one, their batches then queued in one order. ``streams`` says which:
+  ``"shared"`` (every communicator of a rank on one stream: the worst case, the default),
+  ``"distinct"`` (a stream each), or a mapping of (rank, communicator) to a stream label
+  (communicators left out get a stream each);
+- a collective of another group (data- or expert-parallel, see :mod:`.step_collectives`)
+  runs on its rank's stream like a batch and completes once it reaches that stream's
+  head: its other members are the same pipeline rank of the other pipelines, which run
+  the same plan and reach it at the same point;
 - messages between two ranks on one communicator match in issue order (tags are ignored);
 - a receive completes once its matching send has reached the head of the sender's stream
   of that communicator (for a small send, once that send has completed into the
@@ -12,9 +22,10 @@ The rules (those of PyTorch's ``ProcessGroupNCCL`` over NCCL):
 - a send larger than ``eager_limit`` bytes (NCCL's buffer; of unknown size: assumed
   large) completes only together with its matching receive, both at the heads of their
   streams (rendezvous); a smaller one completes once it reaches its stream's head (eager);
-- a ``Wait`` blocks its rank's host until its messages completed (on NCCL the host may
-  run ahead, but everything it issues later is ordered after that point by the compute
-  stream, which is the same for deadlock);
+- a ``Wait`` blocks its rank's host until the batches holding its messages completed (a
+  batch gives one work for all its operations; on NCCL the host may run ahead, but
+  everything it issues later is ordered after that point by the compute stream, which is
+  the same for deadlock);
 - setting a communicator up (``Init``, or its first use where there is none) blocks each
   member's host until every member has reached it.
 
@@ -29,15 +40,29 @@ have returned, through the messages that have reached the sender since.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .comm_plan import Comm, CommOp, CommPlan, Init, Issue, PlanKey, Wait, key_text
 from .ir import ScheduleError
+from .step_collectives import COLLECTIVES, with_collectives
 
-__all__ = ["EAGER_LIMIT", "CommDeadlockError", "NcclReport", "check_nccl", "inflight_bound"]
+__all__ = [
+    "EAGER_LIMIT",
+    "STREAMS",
+    "CommDeadlockError",
+    "NcclReport",
+    "Streams",
+    "check_nccl",
+    "inflight_bound",
+]
 
 #: NCCL's default buffer (``NCCL_BUFFSIZE``, 4 MiB): larger sends wait for their receive.
 EAGER_LIMIT = 4 * 2**20
+#: The named stream assignments: every communicator of a rank on one stream, or one each.
+STREAMS = ("shared", "distinct")
+#: Which communicators of each rank share a stream (see the module docstring).
+Streams = str | Mapping[tuple[int, Comm], Hashable]
 
 
 class CommDeadlockError(ScheduleError):
@@ -74,33 +99,59 @@ class _Op:
         self.partner: _Op | None = None
 
     def text(self) -> str:
+        if self.op.kind == "collective":
+            return f"rank {self.rank}'s {key_text(self.op.key)}"
         verb, way = ("send", "to") if self.op.kind == "send" else ("receive", "from")
         return f"rank {self.rank}'s {verb} of {key_text(self.op.key)} {way} rank {self.op.peer}"
 
 
 class _Batch:
-    __slots__ = ("ops",)
+    __slots__ = ("left", "ops", "stream")
 
-    def __init__(self) -> None:
+    def __init__(self, stream: tuple[int, Hashable]):
         self.ops: list[_Op] = []
+        self.stream = stream
+        self.left = 0  # operations not complete yet
+
+    @property
+    def done(self) -> bool:
+        return not self.left
+
+
+def _complete(op: _Op) -> None:
+    if not op.done:
+        op.done = True
+        op.batch.left -= 1
+
+
+def _stream_label(streams: Streams) -> Callable[[int, Comm], Hashable]:
+    """The stream of each (rank, communicator) under ``streams``."""
+    if streams == "shared":
+        return lambda rank, comm: "shared"
+    if streams == "distinct":
+        return lambda rank, comm: comm
+    if isinstance(streams, str):
+        raise ScheduleError(f"unknown streams {streams!r}: use one of {', '.join(STREAMS)}")
+    return lambda rank, comm: streams.get((rank, comm), comm)
 
 
 class _Model:
     """The state of one run of the rules over a plan."""
 
-    def __init__(self, plan: CommPlan, eager_limit: int):
+    def __init__(self, plan: CommPlan, eager_limit: int, streams: Streams):
         self.plan = plan
         self.eager_limit = eager_limit
+        self.stream_of = _stream_label(streams)
         n = len(plan.ranks)
         self.pc = [0] * n
-        self.streams: dict[tuple[int, Comm], deque[_Batch]] = {}
+        self.streams: dict[tuple[int, Hashable], deque[_Batch]] = {}
         self.sends: dict[tuple[Comm, int, int], list[_Op]] = {}
         self.recvs: dict[tuple[Comm, int, int], list[_Op]] = {}
         self.by_key: list[dict[PlanKey, _Op]] = [{} for _ in range(n)]
         self.ready: set[Comm] = set()
         self.arrived: dict[Comm, set[int]] = {}
         self.eager_comms = {s.comm for steps in plan.ranks for s in steps if isinstance(s, Init)}
-        self.touched: deque[tuple[int, Comm]] = deque()  # streams that may progress
+        self.touched: deque[tuple[int, Hashable]] = deque()  # streams that may progress
         self.woken: deque[int] = deque(range(n))  # hosts that may go on
 
     # -- hosts -----------------------------------------------------------------------
@@ -136,36 +187,44 @@ class _Model:
                     raise ScheduleError(
                         f"rank {rank} waits for {key_text(unknown[0])}, which it never issued"
                     )
-                if not all(mine[k].done for k in step.keys):
+                if any(mine[k].batch.left for k in step.keys):
                     break
             self.pc[rank] += 1
             moved = True
         return moved
 
     def _issue(self, rank: int, step: Issue) -> None:
-        batch = _Batch()
+        where = (rank, self.stream_of(rank, step.comm))
+        batch = _Batch(where)
         for op in step.ops:
             if op.comm != step.comm:
                 raise ScheduleError(
                     f"rank {rank}: one batch mixes communicators {op.comm} and {step.comm}"
                 )
+            if op.kind == "collective":
+                issued = _Op(op, rank, batch, 0)
+                batch.ops.append(issued)
+                batch.left += 1
+                self.by_key[rank][op.key] = issued
+                continue
             pair = (op.comm, rank, op.peer) if op.kind == "send" else (op.comm, op.peer, rank)
             queue = (self.sends if op.kind == "send" else self.recvs).setdefault(pair, [])
             issued = _Op(op, rank, batch, len(queue))
             queue.append(issued)
             batch.ops.append(issued)
+            batch.left += 1
             self.by_key[rank][op.key] = issued
             partner = self._partner(issued)
             if partner is not None:  # it may be waiting at the head of its stream
-                self.touched.append((partner.rank, op.comm))
-        stream = self.streams.setdefault((rank, step.comm), deque())
+                self.touched.append(partner.batch.stream)
+        stream = self.streams.setdefault(where, deque())
         stream.append(batch)
         if len(stream) == 1:
-            self.touched.append((rank, step.comm))
+            self.touched.append(where)
 
     # -- streams ---------------------------------------------------------------------
     def _at_head(self, op: _Op) -> bool:
-        stream = self.streams[(op.rank, op.op.comm)]
+        stream = self.streams[op.batch.stream]
         return bool(stream) and stream[0] is op.batch
 
     def _partner(self, op: _Op) -> _Op | None:
@@ -193,39 +252,47 @@ class _Model:
 
     def _try(self, op: _Op) -> bool:
         """Complete ``op`` (at the head of its stream) if the rules allow; whether it did."""
+        if op.op.kind == "collective":
+            _complete(op)
+            self.woken.append(op.rank)
+            return True
         if op.op.kind == "send" and not self._large(op):
-            op.done = True
+            _complete(op)
             self.woken.append(op.rank)
             partner = self._partner(op)
             if partner is not None:
-                self.touched.append((partner.rank, op.op.comm))
+                self.touched.append(partner.batch.stream)
             return True
         partner = self._partner(op)
         if partner is None:
             return False
         if op.op.kind == "recv" and not self._large(partner):
             if not partner.done and self._at_head(partner):
-                partner.done = True
-            op.done = partner.done
+                _complete(partner)
+            if partner.done:
+                _complete(op)
         elif self._at_head(partner):
-            op.done = partner.done = True
+            _complete(op)
+            _complete(partner)
         if op.done:
-            self.touched.append((partner.rank, partner.op.comm))
+            self.touched.append(partner.batch.stream)
             self.woken.extend((op.rank, partner.rank))
         return op.done
 
-    def progress(self, rank: int, comm: Comm) -> bool:
-        """Complete what the head batches of (``rank``, ``comm``) can; whether any did."""
-        stream = self.streams[(rank, comm)]
+    def progress(self, where: tuple[int, Hashable]) -> bool:
+        """Complete what the head batches of stream ``where`` (a rank and its stream's
+        label) can; whether any did."""
+        stream = self.streams[where]
         moved = False
         while stream:
             head = stream[0]
             for op in head.ops:
                 if not op.done:
                     moved = self._try(op) or moved
-            if not all(op.done for op in head.ops):
+            if not head.done:
                 break
             stream.popleft()
+            self.woken.append(where[0])  # a Wait for the whole batch may return now
             moved = True
         return moved
 
@@ -236,7 +303,7 @@ class _Model:
             while self.woken:
                 self.advance(self.woken.popleft())
             while self.touched:
-                self.progress(*self.touched.popleft())
+                self.progress(self.touched.popleft())
 
     # -- what went wrong -------------------------------------------------------------
     def finished(self) -> bool:
@@ -245,18 +312,22 @@ class _Model:
         ) and not any(self.streams.values())
 
     def _blocked_on(self, node: tuple) -> tuple | None:
-        """What a blocked host (``("host", rank)``) or operation (``("op", _Op)``) waits for."""
+        """What a blocked host (``("host", rank)``) or operation (``("op", _Op)``) waits for
+        (None: nothing, for a host whose step has ended)."""
         if node[0] == "host":
             rank = node[1]
+            if self._ended(rank):
+                return None
             step = self.plan.ranks[rank][self.pc[rank]]
             if isinstance(step, Wait):
-                op = next(self.by_key[rank][k] for k in step.keys if not self.by_key[rank][k].done)
+                batches = [self.by_key[rank][k].batch for k in step.keys]
+                op = next(o for b in batches for o in b.ops if not o.done)
                 return ("op", op)
             comm = step.comm
             missing = sorted(set(comm.ranks) - self.arrived.get(comm, set()))
             return ("host", missing[0]) if missing else None
         op: _Op = node[1]
-        stream = self.streams[(op.rank, op.op.comm)]
+        stream = self.streams[op.batch.stream]
         if stream[0] is not op.batch:
             return ("op", next(o for o in stream[0].ops if not o.done))
         partner = self._partner(op)
@@ -264,10 +335,15 @@ class _Model:
             return ("host", op.op.peer)
         return ("op", partner)
 
+    def _ended(self, rank: int) -> bool:
+        return self.pc[rank] == len(self.plan.ranks[rank])
+
     def _text(self, node: tuple) -> str:
         if node[0] == "op":
             return f"{node[1].text()} on communicator {node[1].op.comm}"
         rank = node[1]
+        if self._ended(rank):
+            return f"rank {rank}, whose step has ended"
         step = self.plan.ranks[rank][self.pc[rank]]
         if isinstance(step, Wait):
             return f"rank {rank}'s host"
@@ -289,22 +365,29 @@ class _Model:
         while node is not None and node not in path:
             path.append(node)
             node = self._blocked_on(node)
-        cycle = path[path.index(node) :] if node is not None else path
+        closed = node is not None  # else a chain ending at a rank that has ended its step
+        cycle = path[path.index(node) :] if closed else path
         hosts = [i for i, item in enumerate(cycle) if item[0] == "host"]
-        if hosts:
+        if hosts and closed:
             cycle = cycle[hosts[0] :] + cycle[: hosts[0]]
         words = self._text(cycle[0])
-        for a, b in zip(cycle, cycle[1:] + cycle[:1], strict=True):
+        links = cycle[1:] + cycle[:1] if closed else cycle[1:]
+        for a, b in zip(cycle, links, strict=False):
             words += self._link(a, b) + self._text(b) + (" again" if b is cycle[0] else "")
         ops = [item[1] for item in cycle if item[0] == "op"]
         ranks = sorted({item[1] if item[0] == "host" else item[1].rank for item in cycle})
-        set_up = [self.plan.ranks[r][self.pc[r]] for kind, r in cycle if kind == "host"]
+        set_up = [
+            self.plan.ranks[r][self.pc[r]]
+            for kind, r in cycle
+            if kind == "host" and not self._ended(r)
+        ]
         comms = {o.op.comm for o in ops} | {s.comm for s in set_up if not isinstance(s, Wait)}
         comms = sorted(comms, key=Comm.setup_order)
         keys = sorted({o.op.key for o in ops}, key=key_text)
+        names = ", ".join(dict.fromkeys(map(str, comms)))  # a group named once
         return CommDeadlockError(
             f"the plan deadlocks under NCCL's rules: {words} (ranks "
-            f"{', '.join(map(str, ranks))}; communicators {', '.join(map(str, comms))}"
+            f"{', '.join(map(str, ranks))}; communicators {names}"
             + (f"; messages {', '.join(map(key_text, keys))})" if keys else ")"),
             ranks,
             comms,
@@ -313,12 +396,19 @@ class _Model:
 
 
 def check_nccl(
-    plan: CommPlan, *, eager_limit: int = EAGER_LIMIT, bound: bool = True
+    plan: CommPlan,
+    *,
+    streams: Streams = "shared",
+    collectives: Sequence[str] = COLLECTIVES,
+    eager_limit: int = EAGER_LIMIT,
+    bound: bool = True,
 ) -> NcclReport:
-    """Run ``plan`` under NCCL's rules (sends above ``eager_limit`` bytes rendezvous);
-    return its report (without the in-flight bound unless ``bound``), or raise
+    """Run ``plan`` under NCCL's rules, with the step's ``collectives`` of other groups put
+    in (:func:`~.step_collectives.with_collectives`), communicators on ``streams`` (by
+    default all of a rank's on one: the worst case) and sends above ``eager_limit`` bytes
+    rendezvous; return its report (without the in-flight bound unless ``bound``), or raise
     CommDeadlockError naming the cycle."""
-    model = _Model(plan, eager_limit)
+    model = _Model(with_collectives(plan, collectives), eager_limit, streams)
     model.run()
     if not model.finished():
         raise model.cycle_error()
@@ -330,8 +420,9 @@ def check_nccl(
 def inflight_bound(plan: CommPlan) -> list[int]:
     """Per rank, the most sends it can hold in flight at one of its Issue or Wait steps
     (after releasing those surely complete, counting those it issues there), whatever
-    the timing: a send is surely complete once its receiver's Wait for it is known, by
-    vector clocks over the plan's messages, to have returned."""
+    the timing: a send is surely complete once its own rank waited for its batch, or once
+    its receiver's Wait for it is known, by vector clocks over the plan's messages, to
+    have returned."""
     n = len(plan.ranks)
     clock = [[0] * n for _ in range(n)]  # clock[r][q]: steps of rank q known done at r
     at_send: dict[PlanKey, list[int]] = {}
@@ -343,6 +434,7 @@ def inflight_bound(plan: CommPlan) -> list[int]:
                     wait_index.setdefault(key, i) if _receives(plan, rank, key) else None
     pc = [0] * n
     pending: list[list[tuple[PlanKey, int]]] = [[] for _ in range(n)]  # (key, receiver)
+    batch_of: list[dict[PlanKey, int]] = [{} for _ in range(n)]  # a key's Issue step
     bound = [0] * n
     moved = True
     while moved:
@@ -359,12 +451,17 @@ def inflight_bound(plan: CommPlan) -> list[int]:
                     pending[rank] = [(k, q) for k, q in pending[rank] if known[q] <= wait_index[k]]
                 if isinstance(step, Issue):
                     for op in step.ops:
+                        batch_of[rank][op.key] = pc[rank]
                         if op.kind == "send":
                             at_send[op.key] = clock[rank][:]
                             pending[rank].append((op.key, op.peer))
                     bound[rank] = max(bound[rank], len(pending[rank]))
                 elif isinstance(step, Wait):
                     bound[rank] = max(bound[rank], len(pending[rank]))
+                    waited = {batch_of[rank][k] for k in step.keys}
+                    pending[rank] = [
+                        (k, q) for k, q in pending[rank] if batch_of[rank][k] not in waited
+                    ]
                     for key in keys:
                         clock[rank] = [
                             max(a, b) for a, b in zip(clock[rank], at_send[key], strict=True)
@@ -376,7 +473,9 @@ def inflight_bound(plan: CommPlan) -> list[int]:
 
 
 def _receives(plan: CommPlan, rank: int, key: PlanKey) -> bool:
-    """Whether ``rank`` receives message ``key`` (else it sends it)."""
+    """Whether ``rank`` receives message ``key`` (else it sends it, or it is a collective)."""
+    if key[0] == "collective":
+        return False
     stage = key[1]
     placement = plan.schedule.placement
     return placement.rank_of(stage) == rank

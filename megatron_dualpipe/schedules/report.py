@@ -203,22 +203,38 @@ def advice_report(advice: Advice, model: str, source: str) -> str:
     return "\n".join(lines)
 
 
-def nccl_line(name: str, plan: CommPlan, size: int | None, outcome: NcclReport | Exception) -> str:
-    """One line on a plan run under NCCL's rules: its communicators and sends in flight,
-    or the deadlock cycle."""
+def nccl_line(
+    name: str, plan: CommPlan, size: int | None, streams: str, outcome: NcclReport | Exception
+) -> str:
+    """One line on a plan run under NCCL's rules (its layout, message sizes and streams):
+    its communicators and sends in flight, or the deadlock cycle."""
     sizes = "of unknown size (each send waits for its receive)"
     if size is not None:
         sizes = f"of {size / 2**20:g} MiB"
-    posting = "posted one run ahead" if plan.prepost else "posted when needed"
-    how = f"{plan.layout} communicators, receives {posting}, messages {sizes}"
+    if plan.layout == "lock-step":
+        how = "lock-step plan, one batch per exchange point"
+    else:
+        posting = "posted one run ahead" if plan.prepost else "posted when needed"
+        how = f"{plan.layout} communicators, receives {posting}"
+    where = (
+        "every communicator of a rank and its data- and expert-parallel collectives on one "
+        "stream"
+        if streams == "shared"
+        else "a stream per communicator"
+    )
+    how = f"{how}, messages {sizes}, {where}"
     if isinstance(outcome, Exception):
         return f"NCCL check of {name} ({how}): DEADLOCK: {outcome}"
     most = max(outcome.comms_per_rank, default=0)
     return (
-        f"NCCL check of {name} ({how}): ok; {len(outcome.comms)} communicators, at most "
-        f"{most} per rank; sends in flight per rank at most "
+        f"NCCL check of {name} ({how}): ok; {_count(len(outcome.comms), 'communicator')}, "
+        f"at most {most} per rank; sends in flight per rank at most "
         f"{', '.join(map(str, outcome.inflight_bound))}"
     )
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _gib(x: float) -> str:

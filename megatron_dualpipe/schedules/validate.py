@@ -1,7 +1,7 @@
 """The validator: a schedule is complete, respects its data dependencies, matches every
 send with a receive in the same order on each channel, and completes in a dry run (under
 gloo's rules, where a send never blocks its sender; with ``backend="nccl"`` its
-communication plan must also finish under NCCL's, see :mod:`.nccl_rules`).
+communication plan must also finish under NCCL's in the worst case, see :mod:`.nccl_rules`).
 
 Every failure raises :class:`ScheduleError` naming the rank, the action and what is unmet.
 """
@@ -10,15 +10,16 @@ from __future__ import annotations
 
 from array import array
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .comm_plan import comm_plan
 from .cost import CostModel
 from .ir import COMM_KINDS, COMPUTE_KINDS, Action, Kind, Placement, Schedule, ScheduleError
 from .lowering import channel_of, lower, message_key
-from .nccl_rules import EAGER_LIMIT, check_nccl
+from .nccl_rules import EAGER_LIMIT, Streams, check_nccl
 from .simulate import simulate
+from .step_collectives import COLLECTIVES
 
 __all__ = ["BACKENDS", "check", "check_weight_grads_in_b_order", "validate"]
 
@@ -382,6 +383,8 @@ def validate(
     dry_run: bool = True,
     backend: str = "gloo",
     eager_limit: int = EAGER_LIMIT,
+    streams: Streams = "shared",
+    collectives: Sequence[str] = COLLECTIVES,
     **plan_options: Any,
 ) -> Schedule:
     """:func:`check` ``schedule`` and return its lowered form.
@@ -389,13 +392,18 @@ def validate(
     ``backend="gloo"`` checks under gloo's rules (a send never blocks its sender);
     ``backend="nccl"`` also runs its communication plan (:func:`~.comm_plan.comm_plan`
     with ``plan_options``, the runtime's layout by default) under NCCL's
-    (:func:`~.nccl_rules.check_nccl`, sends above ``eager_limit`` bytes rendezvous) and
-    raises :class:`~.nccl_rules.CommDeadlockError` naming the cycle where it cannot finish.
+    (:func:`~.nccl_rules.check_nccl`: by default the worst case, every communicator of a
+    rank on one stream with the step's data- and expert-parallel ``collectives`` on it;
+    sends above ``eager_limit`` bytes rendezvous) and raises
+    :class:`~.nccl_rules.CommDeadlockError` naming the cycle where it cannot finish.
     """
     if backend not in BACKENDS:
         raise ScheduleError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
     check(schedule, dry_run=dry_run)
     lowered = schedule if schedule.is_lowered else lower(schedule)
     if backend == "nccl":
-        check_nccl(comm_plan(lowered, **plan_options), eager_limit=eager_limit, bound=False)
+        plan = comm_plan(lowered, **plan_options)
+        check_nccl(
+            plan, streams=streams, collectives=collectives, eager_limit=eager_limit, bound=False
+        )
     return lowered
