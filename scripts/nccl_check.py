@@ -18,21 +18,26 @@ pipelines of that size, each running the check.
   tests/test_runtime_executor.py) through :class:`~megatron_dualpipe.runtime.PipelineExecutor`
   on NCCL, against the same model run unpipelined on each rank: every loss and every
   parameter gradient within ``--tol`` (relative; dualpipe's two copies summed first).
-- ``shared-streams``: the dualpipev PP=2 step again after drawing 31 CUDA streams of each
-  priority (``torch.cuda.Stream()``), so that the pipeline communicator's stream, taken
-  from PyTorch's pool of 32 per priority, is shared with another stream: the lock-step
-  plan must finish and give the same losses.
+- ``shared-streams``: the dualpipev PP=2 step again after drawing 32 CUDA streams of each
+  priority (``torch.cuda.Stream()``): PyTorch's pool holds 32 per priority, handed out in
+  turn, so the pipeline communicator's stream, drawn next, is one of them (31 fill the pool
+  with the communicator's own; the 32nd makes it shared whatever drew before). The
+  lock-step plan must finish and give the same losses. The drawn streams sit idle: this
+  shows the plan finishing on a shared stream, not under contention.
 - ``rank-killed``: rank 0 starts two processes of its own (GPUs 0 and 1), kills the second
   with SIGKILL in the middle of a step, and expects the first to raise within ``--timeout``
   naming rank 1, and both processes to be gone.
 - ``mirror``: dualpipe PP=2 (partner ranks 0 and 1): after the step the two copies of each
   stage hold the same summed gradient, equal to the unpipelined one.
 - ``mirror-distributed-optimizer``: the same with every chunk wrapped in Megatron DDP with
-  the distributed optimizer (``main_grad`` in DDP's buffers, ``disable_bucketing``), summed
-  by ``megatron_dualpipe.megatron.mirror``; needs megatron-core.
-- ``nccl-memory``: the GPU's free memory (``torch.cuda.mem_get_info``, what nvidia-smi
-  shows) before the pipeline communicator is made and after its first step, beside the
-  estimate of ``schedules/nccl_memory.py`` for that rank; PASS reports both.
+  the distributed optimizer (``main_grad`` in DDP's buffers, ``disable_bucketing``) on
+  Megatron's own pipeline groups (one data-parallel rank), summed by
+  ``megatron_dualpipe.megatron.mirror``; needs megatron-core.
+- ``nccl-memory``: dualpipe PP=2; the device memory in use outside PyTorch's caching
+  allocator (``torch.cuda.mem_get_info`` less ``memory_reserved``: what nvidia-smi shows,
+  less PyTorch's own) before and after the pipeline communicator's creation and first
+  step, then after the mirror exchange's, beside the estimate of
+  ``schedules/nccl_memory.py`` for each; PASS reports both (a measurement, no bound).
 """
 
 from __future__ import annotations
@@ -174,9 +179,15 @@ def _pipeline(size: int) -> _Ctx:
 
 
 def _step(
-    schedule_name: str, pp: int, args: argparse.Namespace, ctx: _Ctx, wrap: Callable | None = None
+    schedule_name: str,
+    pp: int,
+    args: argparse.Namespace,
+    ctx: _Ctx,
+    wrap: Callable | None = None,
+    prepare: Callable | None = None,
 ) -> tuple[list[Any], Any, dict, list[Any]]:
-    """One step on this rank: (its chunk modules, the placement, its losses, what wrap made)."""
+    """One step on this rank: (its chunk modules, the placement, its losses, what ``wrap``
+    made of them; ``prepare`` sees those before the step)."""
     from megatron_dualpipe.runtime import PipelineExecutor, TensorSpec
     from megatron_dualpipe.schedules.registry import generate
 
@@ -189,11 +200,13 @@ def _step(
         module = stages[p.model_stage(p.stage_of(ctx.pipeline_rank, chunk))]
         modules.append(copy.deepcopy(module) if p.kind == "mirror" and chunk == 1 else module)
     wrapped = [wrap(m) for m in modules] if wrap else modules
+    if prepare:
+        prepare(wrapped)
     inputs, targets = _data(microbatches, ctx.device)
     executor = PipelineExecutor(
         schedule,
         ctx.pipeline_rank,
-        wrapped,
+        modules,  # a DDP wrapper's hooks sit on these modules' parameters
         specs=dict.fromkeys(range(p.num_stages), TensorSpec((BATCH, HIDDEN))),
         loss_fn=_loss_fn(targets),
         group=ctx.group,
@@ -246,24 +259,41 @@ def _schedule_check(name: str, pp: int) -> Callable[[argparse.Namespace, Any], t
 def _shared_streams(args: argparse.Namespace, _: Any) -> tuple[bool, str]:
     import torch
 
-    drawn = [torch.cuda.Stream() for _ in range(31)]
-    drawn += [torch.cuda.Stream(priority=-1) for _ in range(31)]  # the pipeline's pool
+    # PyTorch's pool holds 32 streams per priority, handed out in turn: after 32 draws of
+    # each, whatever is drawn next (the pipeline communicator's stream, high priority)
+    # is one of these, whatever drew before.
+    drawn = [torch.cuda.Stream(priority=p) for p in (0, -1) for _ in range(32)]
     ok, detail = _schedule_check("dualpipev", 2)(args, None)
-    return ok, f"{len(drawn)} streams drawn first (31 per priority); {detail}"
+    return ok, f"{len(drawn)} streams drawn first (32 per priority); {detail}"
 
 
 def _mirror_distributed(args: argparse.Namespace, _: Any) -> tuple[bool, str]:
+    import torch
+    import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
 
     from megatron_dualpipe.megatron.mirror import prepare_mirrors, sync_mirror_gradients
 
-    pp = 2
+    # Megatron's own groups, PP=2 and one data-parallel rank (the rest of the world as
+    # tensor-parallel ranks that run the same pipeline), so that the distributed
+    # optimizer's reduce-scatter leaves each rank the whole of its buffers to compare.
+    pp, tp = 2, dist.get_world_size() // 2
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        )
+    group = parallel_state.get_pipeline_model_parallel_group()
+    ctx = _pipeline(pp)
+    ctx = _Ctx(ctx.rank, parallel_state.get_pipeline_model_parallel_rank(), group, ctx.device)
     config = TransformerConfig(
-        num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, pipeline_model_parallel_size=pp
+        num_layers=2,
+        hidden_size=HIDDEN,
+        num_attention_heads=4 * tp,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32,
     )
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True, grad_reduce_in_fp32=True
@@ -272,12 +302,13 @@ def _mirror_distributed(args: argparse.Namespace, _: Any) -> tuple[bool, str]:
     def wrap(module: Any) -> Any:
         return DistributedDataParallel(config, ddp_config, module, disable_bucketing=True)
 
-    ctx = _pipeline(pp)
-    modules, p, losses, wrapped = _step("dualpipe", pp, args, ctx, wrap)
+    def prepare(wrapped: list[Any]) -> None:
+        prepare_mirrors(wrapped, group=group, timeout_s=args.timeout)
+
+    modules, p, losses, wrapped = _step("dualpipe", pp, args, ctx, wrap, prepare)
     for ddp in wrapped:
         ddp.finish_grad_sync()
-    prepare_mirrors(wrapped, group=ctx.group, timeout_s=args.timeout)
-    sync_mirror_gradients(wrapped, group=ctx.group, timeout_s=args.timeout)
+    sync_mirror_gradients(wrapped, group=group, timeout_s=args.timeout)
     ok, detail = _compare(modules, p, losses, ctx, args, lambda param: param.main_grad)
     return ok, f"Megatron DDP, distributed optimizer, main_grad: {detail}"
 
@@ -300,37 +331,44 @@ class _Blocking:
         return module
 
 
-def _rank_killed_child(rank: int, port: int, started: Any, timeout: float) -> None:
+def _rank_killed_child(rank: int, port: int, started: Any, told: Any, timeout: float) -> None:
     """One of rank-killed's two processes: a dualpipev PP=2 step whose rank 1 blocks in its
-    first forward; rank 0 prints what it raised and exits with 3."""
+    first forward; rank 0 puts what it raised (or that it finished) on ``told``."""
     import torch
     import torch.distributed as dist
 
-    torch.cuda.set_device(rank)
+    cuda = torch.cuda.is_available()  # else gloo on the CPU (to try the check's logic)
+    if cuda:
+        torch.cuda.set_device(rank)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
-    dist.init_process_group("nccl", store=store, rank=rank, world_size=2)
-    ctx = _Ctx(rank, rank, dist.new_group([0, 1]), torch.device("cuda", rank))
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=2)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    ctx = _Ctx(rank, rank, dist.new_group([0, 1]), device)
     wrap = _Blocking(started) if rank == 1 else None
     try:
         _step("dualpipev", 2, argparse.Namespace(timeout=timeout), ctx, wrap)
     except Exception as err:
-        print(f"rank-killed: rank 0 raised {type(err).__name__}: {err}", flush=True)
-        os._exit(3 if "rank 1" in str(err) else 4)
+        told.put(f"{type(err).__name__}: {err}")
+        told.close()
+        told.join_thread()
+        os._exit(3)
+    told.put("")
     os._exit(0)
 
 
 def _rank_killed(args: argparse.Namespace, _: Any) -> tuple[bool, str]:
     import multiprocessing as mp
+    import queue
 
     import torch.distributed as dist
 
     if dist.get_rank() != 0:
         return True, "run by rank 0"
     context = mp.get_context("spawn")
-    started = context.Event()
+    started, told = context.Event(), context.Queue()
     port = 29600 + os.getpid() % 1000
     procs = [
-        context.Process(target=_rank_killed_child, args=(r, port, started, args.timeout))
+        context.Process(target=_rank_killed_child, args=(r, port, started, told, args.timeout))
         for r in range(2)
     ]
     for proc in procs:
@@ -342,42 +380,58 @@ def _rank_killed(args: argparse.Namespace, _: Any) -> tuple[bool, str]:
     time.sleep(2)  # rank 0 is in the step, waiting on rank 1
     os.kill(procs[1].pid, signal.SIGKILL)
     limit = 2 * args.timeout + 60
-    procs[0].join(limit)
+    try:
+        raised = told.get(timeout=limit)
+    except queue.Empty:
+        raised = None
+    for proc in procs:
+        proc.join(30)
     alive = [r for r, proc in enumerate(procs) if proc.is_alive()]
     for proc in procs:
         if proc.is_alive():
             proc.kill()
+    if raised is None:
+        return False, f"rank 0 said nothing {limit:.0f} s after rank 1 was killed"
     if alive:
-        return False, f"ranks {alive} still running {limit:.0f} s after rank 1 was killed"
-    code = procs[0].exitcode
-    return code == 3, (
-        f"rank 0 exited with {code} (3: it raised naming rank 1; 4: without naming it; 0: "
-        "it finished), every process gone"
-    )
+        return False, f"ranks {alive} still running after rank 0 raised: {raised}"
+    if "rank 1" not in raised:
+        return False, f"rank 0 did not name rank 1: {raised or 'it finished the step'}"
+    return True, f"rank 0 raised {raised}; every process gone"
 
 
 def _nccl_memory(args: argparse.Namespace, _: Any) -> tuple[bool, str]:
     import torch
 
+    from megatron_dualpipe.runtime import sync_mirror_grads
     from megatron_dualpipe.schedules.nccl_memory import NcclBuffers, nccl_memory
     from megatron_dualpipe.schedules.registry import generate
 
-    torch.cuda.synchronize()
-    before = torch.cuda.mem_get_info()[0]
-    ctx = _pipeline(2)
-    _step("dualpipev", 2, args, ctx)
-    torch.cuda.synchronize()
-    after = torch.cuda.mem_get_info()[0]
-    estimate = sum(
-        c.bytes
-        for c in nccl_memory(generate("dualpipev", 2, 8), NcclBuffers.from_env(os.environ))[
-            ctx.pipeline_rank
-        ]
-    )
+    def taken() -> int:
+        """Device memory in use outside PyTorch's caching allocator (NCCL's, mostly)."""
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        return total - free - torch.cuda.memory_reserved()
+
+    pp = 2
+    start = taken()
+    ctx = _pipeline(pp)
+    modules, p, _, _ = _step("dualpipe", pp, args, ctx)  # makes the pipeline communicator
+    after_step = taken()
+    sync_mirror_grads(modules, p, ctx.pipeline_rank, group=ctx.group, timeout_s=args.timeout)
+    after_mirror = taken()
+    schedule = generate("dualpipe", pp, MICROBATCHES_PER_RANK * pp)
+    estimate = {
+        c.comm: c.bytes
+        for c in nccl_memory(schedule, NcclBuffers.from_env(os.environ))[ctx.pipeline_rank]
+    }
+    measured = {"pipeline": after_step - start, "mirror": after_mirror - after_step}
+    parts = [
+        f"{name} {measured[name] / MIB:.0f} MiB (estimate {estimate.get(name, 0) / MIB:.0f})"
+        for name in measured
+    ]
     return True, (
-        f"rank {ctx.rank}: free memory fell by {(before - after) / MIB:.0f} MiB over the "
-        f"pipeline communicator's creation and first step (the model and the caching "
-        f"allocator included), estimate for its NCCL buffers {estimate / MIB:.0f} MiB"
+        f"rank {ctx.rank}, memory outside the caching allocator taken by each communicator's "
+        f"creation and first use: {', '.join(parts)}"
     )
 
 
