@@ -47,12 +47,12 @@ class NotAnIndexedDataset(ValueError):
 
 @dataclass(frozen=True)
 class IndexedFiles:
-    """What a checked ``.idx`` says: its token dtype, each sequence's length in tokens and
-    the number of documents."""
+    """What a checked ``.idx`` says: its token dtype and each sequence's length in tokens
+    (Megatron-Core's GPT splits count sequences, one per document as ``preprocess`` and
+    Megatron-LM's ``preprocess_data.py`` without ``--split-sentences`` write them)."""
 
     dtype: np.dtype
     sequence_lengths: np.ndarray
-    documents: int
 
     def tokens(self, first: int, end: int) -> int:
         """Tokens in sequences ``first`` to ``end - 1``."""
@@ -98,7 +98,7 @@ def read_index(prefix: str) -> IndexedFiles:
             f"bytes) but the .bin holds {have:,} bytes"
         )
     _check_documents(documents, sequences)
-    return IndexedFiles(dtype, lengths, max(entries - 1, 0))
+    return IndexedFiles(dtype, lengths)
 
 
 def _check_sequences(lengths: np.ndarray, pointers: np.ndarray, itemsize: int) -> int:
