@@ -462,7 +462,7 @@ CHECKS = (
     ),
     _check(
         "shared-streams",
-        "dualpipev at PP 2 after 31 streams per priority were drawn",
+        "dualpipev at PP 2 after 32 streams per priority (the whole pool) were drawn",
         2,
         _shared_streams,
     ),

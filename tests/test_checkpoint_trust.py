@@ -124,3 +124,51 @@ def test_the_allow_list_is_torchs_metadata_records() -> None:
     assert ALLOWED[planner.__name__] == _record_classes(planner)
     assert ALLOWED[filesystem.__name__] == {"_StorageInfo", "_StoragePrefix"}
     assert ALLOWED[filesystem.__name__] <= _record_classes(filesystem)
+
+
+# -- storage records that point outside the checkpoint -------------------------------------
+
+
+def _repointed(directory: Path, relative_path: str) -> None:
+    """Rewrite ``directory``'s ``.metadata``, torch's own classes only, with every storage
+    record of the tensor ``weight`` naming ``relative_path``."""
+    found = read_metadata(directory / ".metadata")
+    found.storage_data = {
+        index: dataclasses.replace(info, relative_path=relative_path)
+        if index.fqn == "weight"
+        else info
+        for index, info in found.storage_data.items()
+    }
+    with (directory / ".metadata").open("wb") as stream:
+        pickle.dump(found, stream)
+
+
+@pytest.mark.parametrize("where", ["..", "absolute", "a symlink out", "a symlinked folder out"])
+def test_a_storage_record_outside_the_checkpoint_is_refused(tmp_path: Path, where: str) -> None:
+    """A crafted ``.metadata`` whose records point at another file (here a genuine shard of
+    another checkpoint) passed the check and torch's reader loaded that file's bytes into
+    the weights; now nothing is read from it."""
+    directory = _checkpoint(tmp_path / "run" / "ck")
+    outside = _checkpoint(tmp_path / "other") / "__0_0.distcp"
+    if where == "..":
+        name = "../../other/__0_0.distcp"
+    elif where == "absolute":
+        name = str(outside)
+    elif where == "a symlink out":
+        (directory / "link.distcp").symlink_to(outside)
+        name = "link.distcp"
+    else:
+        (directory / "sub").symlink_to(outside.parent, target_is_directory=True)
+        name = "sub/__0_0.distcp"
+    _repointed(directory, name)
+    assert damage(directory) == (
+        f".metadata names the storage file {name!r}, which is not inside the checkpoint "
+        "directory (nothing was read from it)"
+    )
+
+
+def test_a_symlink_that_stays_inside_the_checkpoint_reads(tmp_path: Path) -> None:
+    directory = _checkpoint(tmp_path / "ck")
+    (directory / "alias.distcp").symlink_to("__0_0.distcp")
+    _repointed(directory, "alias.distcp")
+    assert damage(directory) is None

@@ -431,3 +431,50 @@ def test_a_save_directory_turned_read_only_mid_run_is_one_sentence(tmp_path: Pat
         lines[-1],
     ), lines[-1]
     assert not any("Traceback" in line for line in lines), lines
+
+
+# -- save: another run's checkpoints -----------------------------------------------------
+
+
+def _files(root: Path) -> dict[str, tuple[int, int]]:
+    return {
+        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in root.rglob("*")
+        if p.is_file() and not p.name.startswith(".megatron-dualpipe")
+    }
+
+
+def test_a_fresh_run_into_another_runs_checkpoints_is_refused(copy: Path) -> None:
+    """It trained and overwrote iterations 1-3 of the other run, leaving the folder mixed."""
+    before = _files(copy)
+    _refused(
+        f"save: {copy} holds complete checkpoints of another run (iterations 1, 2, 3) and this "
+        f"run does not load from it, so its saves would overwrite them: resume that run with "
+        f"load: {copy} (load and save one folder), or choose another save",
+        f"save={copy}",
+        "save_interval=1",
+    )
+    assert _files(copy) == before
+
+
+def test_a_run_loading_elsewhere_into_another_runs_checkpoints_is_refused(
+    saved: Path, copy: Path
+) -> None:
+    _refused(
+        f"save: {copy} holds complete checkpoints of another run (iterations 1, 2, 3) and this "
+        f"run loads from {saved}, so its saves would overwrite them: resume that run with "
+        f"load: {copy} (load and save one folder), or choose another save",
+        f"save={copy}",
+        f"load={saved}",
+    )
+
+
+def test_an_incomplete_checkpoint_is_overwritten_as_megatron_lm_does(copy: Path) -> None:
+    """What a killed save leaves (no metadata.json, no tracker) is no run's checkpoint."""
+    for iteration in (1, 2):
+        shutil.rmtree(copy / f"iter_000000{iteration}")
+    (copy / "iter_0000003" / "metadata.json").unlink()
+    (copy / "latest_checkpointed_iteration.txt").unlink()
+    result = _run(f"train_iters={SAVED}", f"save={copy}", "save_interval=1")
+    assert result.saved == [1, 2, 3]
+    assert (copy / "latest_checkpointed_iteration.txt").read_text() == "3\n"

@@ -114,7 +114,8 @@ def test_a_second_train_on_the_same_save_is_refused(tmp_path: Path) -> None:
     finally:
         first.kill()
         first.wait()
-    third = train("train_iters=3", out="third")  # the killed run's lock went with it
+    # The killed run's lock went with it (the third resumes it: the first may have saved).
+    third = train("train_iters=3", f"load={save}", out="third")
     assert third.wait(timeout=240) == 0, _read(tmp_path, "third", "err")
 
 

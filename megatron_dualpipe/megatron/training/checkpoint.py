@@ -56,6 +56,7 @@ from .checkpoint_files import (
     TRACKER,
     CheckpointError,
     Damaged,
+    complete_iterations,
     contents,
     earlier_advice,
     failure_cause,
@@ -73,6 +74,7 @@ __all__ = [
     "CheckpointError",
     "TrainState",
     "as_mirror_replicas",
+    "check_fresh_save",
     "check_loadable",
     "load_checkpoint",
     "save_as_mirror_replicas",
@@ -381,6 +383,30 @@ def check_loadable(cfg: TrainConfig, vocab_size: int | None = None) -> None:
             )
     _check_position_table(cfg, directory, found.metadata)
     _check_scheduler(cfg, directory, common["opt_param_scheduler"])
+
+
+def check_fresh_save(cfg: TrainConfig) -> None:
+    """Raise :class:`CheckpointError` when ``cfg.save`` already holds complete checkpoints
+    and this run does not load from it (``load`` unset or elsewhere): its saves would
+    overwrite another run's checkpoints and leave the folder mixed. Incomplete iteration
+    directories (what a killed save leaves) are overwritten, as Megatron-LM overwrites them
+    (dist_checkpointing's save warns "Overwriting old incomplete / corrupted checkpoint").
+    Reads only files."""
+    if cfg.save is None:
+        return
+    root = Path(cfg.save)
+    if cfg.load is not None and Path(cfg.load).resolve() == root.resolve():
+        return
+    complete = complete_iterations(root)
+    if not complete:
+        return
+    listed = f"iteration{'s' if len(complete) > 1 else ''} {', '.join(map(str, complete))}"
+    loads = f"loads from {cfg.load}" if cfg.load is not None else "does not load from it"
+    raise CheckpointError(
+        f"save: {root} holds complete checkpoints of another run ({listed}) and this run "
+        f"{loads}, so its saves would overwrite them: resume that run with load: {root} "
+        "(load and save one folder), or choose another save"
+    )
 
 
 def _check_position_table(cfg: TrainConfig, directory: Path, metadata: Any) -> None:

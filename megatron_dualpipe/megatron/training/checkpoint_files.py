@@ -10,8 +10,9 @@ full length, and the shards' objects other than tensors load. The common state i
 ShardedObject inside the shards otherwise (:func:`~..version.common_state_in_dcp`).
 Nothing is read in a way that could run code from the files (:mod:`.checkpoint_trust`):
 the shards' objects and the index are checked before megatron-core's reader reads a common
-state kept among them. Shards with the right length but damaged tensors are only found
-when the ranks read them.
+state kept among them, and a storage file the index names outside the directory (absolute,
+with ``..``, or a symlink out) is refused before anything is read from it. Shards with the
+right length but damaged tensors are only found when the ranks read them.
 
 Every problem is one :class:`CheckpointError` sentence naming the directory, the file,
 what is wrong and what to do (load an earlier iteration with ``ckpt_step``, Megatron-LM's
@@ -143,6 +144,8 @@ def contents(directory: Path) -> Contents:
             needed[info.relative_path] = max(needed[info.relative_path], end)
     except (AttributeError, TypeError) as err:
         raise Damaged(f".metadata cannot be read ({_first_line(err)})") from None
+    for name in sorted(needed, key=str):
+        _check_inside(directory, name)
     for name, size in sorted(needed.items()):
         path = directory / name
         if not path.is_file():
@@ -155,6 +158,23 @@ def contents(directory: Path) -> Contents:
     if not isinstance(common, dict):
         raise Damaged(f"the common state holds a {type(common).__name__}, not a checkpoint's")
     return Contents(common, metadata)
+
+
+def _check_inside(directory: Path, name: object) -> None:
+    """:class:`Damaged` unless the storage file ``name`` (a ``_StorageInfo.relative_path``,
+    which torch's ``FileSystemReader`` joins to the checkpoint's path and reads) is a
+    relative path that stays in ``directory``, symlinks resolved; checked before it is
+    opened."""
+    parts = Path(name).parts if isinstance(name, str) else ()
+    inside = bool(parts) and not Path(name).is_absolute() and ".." not in parts
+    if inside:
+        root = directory.resolve()
+        inside = (directory / name).resolve().is_relative_to(root)
+    if not inside:
+        raise Damaged(
+            f".metadata names the storage file {name!r}, which is not inside the checkpoint "
+            "directory (nothing was read from it)"
+        )
 
 
 def _common_in(directory: Path) -> dict[str, Any]:

@@ -14,12 +14,17 @@ fewer samples is repeated in further shuffled epochs, as Megatron-Core does.
 
 Collective: every rank calls :func:`build_datasets` (Megatron-Core's builder synchronises
 the ranks while global rank 0 writes the index caches); only ranks with ``builds`` hold a
-dataset. Missing files are refused by :func:`check_data_files` before any work.
+dataset. :func:`check_data_files` refuses, before any work, a missing ``.bin`` or ``.idx``,
+a pair that is not one indexed dataset (:func:`~.indexed_files.read_index`), and a split
+with a weight above 0 that Megatron-Core's rounding leaves without a token (its
+``GPTDataset`` would loop for ever building it, on every rank that builds).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +33,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.utils import get_blend_from_list
 
 from .config import DATA_PATH_KEYS, ConfigError, TrainConfig
+from .indexed_files import IndexedFiles, NotAnIndexedDataset, read_index, split_ranges
 
 __all__ = ["build_datasets", "check_data_files", "dataset_prefixes"]
 
@@ -48,7 +54,8 @@ def dataset_prefixes(cfg: TrainConfig) -> list[tuple[str, str]]:
 
 def check_data_files(cfg: TrainConfig, source: str) -> None:
     """Refuse, in one sentence naming the key and the file, a dataset prefix without its
-    ``.bin`` or ``.idx``."""
+    ``.bin`` or ``.idx``, whose ``.idx`` does not index its ``.bin``, or of which a split
+    with a weight above 0 gets no token (see the module docstring)."""
     for key, prefix in dataset_prefixes(cfg):
         for suffix in (".idx", ".bin"):
             if not Path(prefix + suffix).is_file():
@@ -57,6 +64,53 @@ def check_data_files(cfg: TrainConfig, source: str) -> None:
                     "the prefix its .bin and .idx share (megatron-dualpipe preprocess "
                     "--output-prefix P writes P_text_document.bin and .idx)"
                 )
+        try:
+            index = read_index(prefix)
+        except (NotAnIndexedDataset, OSError) as err:
+            raise ConfigError(
+                f"{source}: {key}: {prefix}.idx and {prefix}.bin are not one indexed dataset "
+                f"({err}): write both again from the corpus with megatron-dualpipe preprocess "
+                "(or Megatron-LM's tools/preprocess_data.py), and name the prefix they share"
+            ) from None
+        problem = _empty_split(cfg, key, prefix, index)
+        if problem is not None:
+            raise ConfigError(f"{source}: {problem}")
+
+
+def _empty_split(cfg: TrainConfig, key: str, prefix: str, index: IndexedFiles) -> str | None:
+    """The split of ``prefix`` (all of it, under a per-split key) with a weight above 0 and
+    no token, as ``key: ...`` with what to change; None where every split has tokens."""
+    documents = len(index.sequence_lengths)
+    if key != "data_path":
+        if index.tokens(0, documents):
+            return None
+        return (
+            f"{key}: {prefix} holds no tokens ({documents} documents), and Megatron-Core's "
+            "GPTDataset loops for ever on a dataset without tokens: preprocess a corpus with "
+            f"text into it, or leave it out of {key}"
+        )
+    ranges = split_ranges(cfg.split, documents)
+    for position, found in enumerate(ranges):
+        if found is None or index.tokens(found[2].start, found[2].stop):
+            continue
+        name, weight, taken = found
+        words = [w for w in re.split(r"[,/ ]+", cfg.split.strip()) if w]
+        words += ["0"] * (3 - len(words))
+        smallest = min(r[1] for r in ranges if r is not None)
+        enough = math.floor(1 / smallest) + 1  # every positive share then exceeds a document
+        advice = f"a corpus of at least {enough:,} documents"
+        if name != "train":
+            words[position] = "0"
+            unset = " and unset eval_interval" if name == "valid" and cfg.eval_interval else ""
+            advice = f"set its weight to 0 (split: {','.join(words)}){unset}, or {advice}"
+        return (
+            f"split: {cfg.split} gives the {name} split {len(taken)} of the {documents:,} "
+            f"documents of {prefix} ({weight:.2%} of them, rounded by Megatron-Core to "
+            f"documents {taken.start} to {taken.stop}; {index.tokens(taken.start, taken.stop)} "
+            "tokens), and Megatron-Core's GPTDataset loops for ever on a split without tokens: "
+            f"{advice}"
+        )
+    return None
 
 
 def gpt_dataset_config(cfg: TrainConfig, tokenizer: Any) -> GPTDatasetConfig:

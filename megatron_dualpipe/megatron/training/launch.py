@@ -43,7 +43,7 @@ from ...runtime.watchdog import PipelineCommError, peer_lost
 from ..checks import cuda_device_max_connections
 from ..cpu_compat import apply_cpu_compat
 from ..layer_specs import te_missing
-from .checkpoint import check_loadable
+from .checkpoint import CheckpointError, check_fresh_save, check_loadable
 from .config import ConfigError, TrainConfig
 from .datasets import check_data_files
 from .errors import TrainError
@@ -308,19 +308,22 @@ def _one_line_failures(prefix: str, hint: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _save_locked(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> Iterator[None]:
-    """Hold ``save``'s lock (:mod:`.save_lock`) on global rank 0 for the block; with more
-    than one rank in this process group, collective: every rank raises rank 0's refusal."""
+    """Hold ``save``'s lock (:mod:`.save_lock`) on global rank 0 for the block, and refuse
+    (holding it) a ``save`` with another run's complete checkpoints that this run does not
+    load (:func:`~.checkpoint.check_fresh_save`); with more than one rank in this process
+    group, collective: every rank raises rank 0's refusal."""
     with contextlib.ExitStack() as held:
-        refusal: list[str | None] = [None]
+        refusal: list[TrainError | None] = [None]
         if cfg.save is not None and rank == 0:
             try:
                 held.enter_context(save_lock(cfg.save))
-            except SaveDirectoryInUse as err:
-                refusal = [str(err)]
+                check_fresh_save(cfg)
+            except (SaveDirectoryInUse, CheckpointError) as err:
+                refusal = [type(err)(str(err))]
         if world_size > 1:
             dist.broadcast_object_list(refusal, src=0)
         if refusal[0] is not None:
-            raise SaveDirectoryInUse(refusal[0])
+            raise refusal[0]
         yield
 
 
