@@ -52,12 +52,13 @@ from megatron.core import parallel_state
 from megatron.core.utils import get_model_config, unwrap_model
 
 from ..runtime import DEFAULT_TIMEOUT_S, PipelineExecutor, RankTimeline, TensorSpec
+from ..runtime.mirror import MirrorPair
 from ..runtime.transport import GroupTransport, Transport, make_pipeline_group
 from ..schedules.ir import Action, Kind, Placement, Schedule
 from ..schedules.step_collectives import grad_final_points
 from .checks import DualPipeConfigError, check_run, schedule_spec
 from .deferral import te_layers_left_to_plan
-from .mirror import sync_mirror_expert_loads, sync_mirror_gradients
+from .mirror import mirror_pair, sync_mirror_expert_loads, sync_mirror_gradients
 from .placement import config_chunk_roles
 from .schedule_plan import plan_supported
 from .stage import MegatronStage, StepInputs
@@ -161,6 +162,7 @@ class DualPipeForwardBackward:
         # Keyed by the first model chunk, held weakly: a dropped model drops its executor.
         self._prepared: weakref.WeakKeyDictionary[Any, _Prepared] = weakref.WeakKeyDictionary()
         self._transports: dict[tuple, Transport] = {}
+        self._mirror_pairs: dict[tuple[int, ...], MirrorPair] = {}
         #: The schedule run in place of the generated one (see :meth:`use_schedule`).
         self.schedule: Schedule | None = None
         #: FB overlap in the last training step (None before one).
@@ -417,9 +419,9 @@ class DualPipeForwardBackward:
         launched by DDP's hooks, see the module docstring); then the sums over the copies of
         a parameter on this rank (:mod:`.tied`) and over dualpipe's two copies of every stage
         (whose expert-bias token counts are summed before finalize)."""
-        mirror = schedule.placement.kind == "mirror"
-        if mirror and getattr(config, "moe_router_enable_expert_bias", False):
-            sync_mirror_expert_loads(model, group=groups.pipeline, timeout_s=self.timeout_s)
+        pair = self._mirror_pair(groups.pipeline) if schedule.placement.kind == "mirror" else None
+        if pair is not None and getattr(config, "moe_router_enable_expert_bias", False):
+            sync_mirror_expert_loads(model, pair)
         if config.finalize_model_grads_func is not None:
             num_tokens = None
             if config.calculate_per_token_loss:
@@ -434,8 +436,16 @@ class DualPipeForwardBackward:
                 force_all_reduce=force_all_reduce,
             )
         sum_tied_gradients(model)
-        if mirror:
-            sync_mirror_gradients(model, group=groups.pipeline, timeout_s=self.timeout_s)
+        if pair is not None:
+            sync_mirror_gradients(model, pair)
+
+    def _mirror_pair(self, pipeline: dist.ProcessGroup) -> MirrorPair:
+        """This rank and its mirror rank on a group of their own, made at the first step
+        that needs it by every rank of ``pipeline`` (each its pair's), kept after."""
+        key = tuple(dist.get_process_group_ranks(pipeline))
+        if key not in self._mirror_pairs:
+            self._mirror_pairs[key] = mirror_pair(pipeline, timeout_s=self.timeout_s)
+        return self._mirror_pairs[key]
 
 
 def _inner_type(chunk: torch.nn.Module) -> str:
