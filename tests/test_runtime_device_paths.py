@@ -3,6 +3,7 @@
 - Timelines on a GPU measure with CUDA events read after the step (kernel time, not launch
   time): a stand-in following ``torch.cuda.Event``'s API (``record``, ``synchronize``,
   ``elapsed_time``) gives known times, and the timeline reports them.
+- The barrier before a recorded step names the current GPU on NCCL (``device_ids``).
 - The per-token loss count stays on the loss's device (a ``meta`` tensor stands for a GPU
   one: copying it to the host fails, as a per-micro-batch sync would).
 - The executor's saved-tensor hook makes no reference cycle: after a step that fails
@@ -33,6 +34,7 @@ from megatron_dualpipe.runtime.timeline import (
     HostClock,
     RankTimeline,
     clock_for,
+    start_barrier,
 )
 from megatron_dualpipe.runtime.transport import GroupTransport
 from megatron_dualpipe.runtime.watchdog import HangMonitor, Watchdog
@@ -80,6 +82,22 @@ def test_a_gpu_timeline_reports_event_times_read_after_the_step() -> None:
 def test_a_cpu_timeline_uses_the_host_clock() -> None:
     assert isinstance(clock_for(torch.device("cpu")), HostClock)
     assert isinstance(clock_for(None), HostClock)
+
+
+@pytest.mark.parametrize(
+    ("backend", "expected"),
+    [("nccl", {"device_ids": [3]}), ("cpu:gloo,cuda:nccl", {"device_ids": [3]}), ("gloo", {})],
+)
+def test_the_timeline_barrier_names_the_gpu_on_nccl(monkeypatch, backend, expected) -> None:
+    """On NCCL the barrier before recording runs on the current GPU (``device_ids``), not
+    on one torch guesses; elsewhere it is the plain barrier (gloo refuses device ids)."""
+    calls = []
+    group = object()
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda g=None: backend)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.distributed, "barrier", lambda **kw: calls.append(kw))
+    start_barrier(group)
+    assert calls == [{"group": group, **expected}]
 
 
 def test_the_token_count_stays_on_the_losses_device() -> None:
