@@ -5,7 +5,8 @@ call where it calls ``forward_backward_pipelining_without_interleaving``. It run
 rank's part of the schedule with the runtime executor, each local model chunk wrapped as a
 :class:`~.stage.MegatronStage`, and honours the config hooks Megatron's schedules honour:
 ``no_sync_func``, ``finalize_model_grads_func``, ``grad_scale_func``, ``timers``,
-``variable_seq_lengths``, ``calculate_per_token_loss`` (``grad_sync_func``: see below).
+``variable_seq_lengths``, ``calculate_per_token_loss`` (``grad_sync_func`` and
+``param_sync_func``: see below).
 
 The object owns everything that lives longer than one step: an executor per model (held
 through weak references, so a dropped model is freed), the pipeline group a
@@ -34,6 +35,12 @@ backward runs with it enabled, does not call it either), and a second ``start_gr
 a bucket its hooks launched fails DDP's "multiple communication calls outstanding" check.
 In DDP's first step the hooks only count the gradients; ``finish_grad_sync`` (through
 ``finalize_model_grads_func``) launches that step's reductions.
+
+``param_sync_func`` (Megatron-LM sets DDP's ``start_param_sync`` there under
+``--overlap-param-gather`` with aligned gathers) is called in a training step once per
+chunk, with its parameters, right before its first forward, as Megatron's interleaved
+schedule launches each chunk's gather ahead of its first forward (not in forward-only
+steps, where Megatron does not either); DDP's forward pre-hooks wait for the gathers.
 """
 
 from __future__ import annotations
@@ -366,6 +373,11 @@ class DualPipeForwardBackward:
             first_val_step=first_val_step,
             cp_group_size=groups.cp_size,
             device=_device_of(model[0]),
+            param_sync_funcs=(
+                None
+                if forward_only or config.param_sync_func is None
+                else _as_list(config.param_sync_func, len(model))
+            ),
         )
         for stage, data in zip(stages, _chunk_data(data_iterator, schedule, stages), strict=True):
             stage.begin_step(step, data)
