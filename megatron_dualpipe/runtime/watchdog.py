@@ -184,7 +184,9 @@ class HangMonitor:
 
     def poll(self) -> bool:
         """Forget what completed; fail on what the rank has waited on past the timeout.
-        Whether to go on watching."""
+        Whether to go on watching (not after a failure: that is reported once)."""
+        if self.error is not None:
+            return False
         with self._lock:
             watched = list(self._watched.items())
         now = self._clock()
