@@ -274,7 +274,11 @@ def _mirror_distributed(args: argparse.Namespace, _: Any) -> tuple[bool, str]:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_dualpipe.megatron.mirror import prepare_mirrors, sync_mirror_gradients
+    from megatron_dualpipe.megatron.mirror import (
+        mirror_pair,
+        prepare_mirrors,
+        sync_mirror_gradients,
+    )
 
     # Megatron's own groups, PP=2 and one data-parallel rank (the rest of the world as
     # tensor-parallel ranks that run the same pipeline), so that the distributed
@@ -308,7 +312,7 @@ def _mirror_distributed(args: argparse.Namespace, _: Any) -> tuple[bool, str]:
     modules, p, losses, wrapped = _step("dualpipe", pp, args, ctx, wrap, prepare)
     for ddp in wrapped:
         ddp.finish_grad_sync()
-    sync_mirror_gradients(wrapped, group=group, timeout_s=args.timeout)
+    sync_mirror_gradients(wrapped, mirror_pair(group, timeout_s=args.timeout))
     ok, detail = _compare(modules, p, losses, ctx, args, lambda param: param.main_grad)
     return ok, f"Megatron DDP, distributed optimizer, main_grad: {detail}"
 

@@ -13,10 +13,12 @@ import pytest
 import torch
 from megatron.core import parallel_state
 
+from megatron_dualpipe.megatron import tiny_models as tm
 from megatron_dualpipe.megatron.checks import DualPipeConfigError
 from megatron_dualpipe.megatron.registry import get_forward_backward_func
 from tests.megatron_harness import (
     CPU_ONLY,
+    MICRO_BATCH_SIZE,
     PG_TIMEOUT_S,
     RUN_TIMEOUT_S,
     Layout,
@@ -218,3 +220,70 @@ def test_one_executor_per_model_and_a_dropped_model_is_freed() -> None:
             "dualpipev: pass both p2p_communicator and pg_collection, or neither (as "
             "Megatron's own schedules require)"
         )
+
+
+def _param_sync_worker(
+    rank: int, world_size: int, schedule: str, state: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """One training step and one forward-only step, recording each chunk's forwards (a
+    pre-hook) and each call of ``config.param_sync_func`` (one per chunk, as Megatron-LM
+    sets DDP's ``start_param_sync``)."""
+    layout = Layout(pp=2, schedule=schedule, microbatches=4)
+    _init_parallel(layout.pp, schedule=schedule)
+    try:
+        chunks = _ready_chunks(Model(), layout, state, ddp=False)
+        events: list[tuple[str, int]] = []
+        same_params = []
+
+        def sync(chunk: int, params: Any) -> None:
+            same_params.append(list(params) == list(chunks[chunk].parameters()))
+            events.append(("sync", chunk))
+
+        for chunk, module in enumerate(chunks):
+            module.register_forward_pre_hook(lambda *_, c=chunk: events.append(("forward", c)))
+        config = chunks[0].config
+        config.param_sync_func = [functools.partial(sync, c) for c in range(len(chunks))]
+        schedule_fn = get_forward_backward_func(pipeline_schedule=schedule)
+        batches = _data(parallel_state.get_data_parallel_rank(), layout.microbatches)
+        _step(schedule_fn, chunks, batches, layout)
+        training = list(events)
+        events.clear()
+        schedule_fn(
+            forward_step_func=tm.gpt_forward_step,
+            data_iterator=iter(batches),
+            model=chunks,
+            num_microbatches=layout.microbatches,
+            seq_length=tm.SEQ_LENGTH,
+            micro_batch_size=MICRO_BATCH_SIZE,
+            forward_only=True,
+        )
+        return {"training": training, "forward_only": events, "same_params": same_params}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("schedule", ["zb1p", "dualpipe", "dualpipev"])
+def test_param_sync_func_runs_once_per_chunk_before_its_first_forward(schedule: str) -> None:
+    """Under ``--overlap-param-gather`` Megatron-LM sets ``config.param_sync_func`` (DDP's
+    ``start_param_sync`` per chunk) and its interleaved schedule calls it ahead of each
+    chunk's first forward; ours call it right before, once per chunk per training step,
+    with that chunk's parameters, and not in forward-only steps (nor does Megatron)."""
+    state = _reference(Model(), 1)["state"]
+    results = run_workers(
+        _param_sync_worker,
+        2,
+        args=(schedule, state),
+        timeout_s=RUN_TIMEOUT_S,
+        pg_timeout_s=PG_TIMEOUT_S,
+    )
+    for rank, result in enumerate(results):
+        training = result["training"]
+        chunks = sorted({c for kind, c in training if kind == "forward"})
+        assert chunks == list(range(1 if schedule == "zb1p" else 2)), (rank, training)
+        for chunk in chunks:
+            at = [i for i, event in enumerate(training) if event[1] == chunk]
+            assert training[at[0]] == ("sync", chunk), (rank, training)  # before any forward
+            assert training[at[1]] == ("forward", chunk), (rank, training)
+            assert training.count(("sync", chunk)) == 1, (rank, training)
+        assert all(result["same_params"]), rank
+        assert result["forward_only"] and all(k == "forward" for k, _ in result["forward_only"])

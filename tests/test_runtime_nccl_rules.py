@@ -227,6 +227,7 @@ def test_the_hang_monitor_names_an_operation_pending_past_its_timeout() -> None:
         done, stuck = _Pending(completed=True), _Pending()
         monitor.watch(done, "2RECV_F0", 2)
         monitor.watch(stuck, "2RECV_B1", 4)
+        monitor.waiting(stuck)
         assert aborted.wait(5), "the monitor never aborted"
         assert monitor.watching == 1  # the completed one was forgotten
         with pytest.raises(PipelineWaitError) as raised:
@@ -238,12 +239,54 @@ def test_the_hang_monitor_names_an_operation_pending_past_its_timeout() -> None:
         monitor.close()
 
 
+class _Clock:
+    """Seconds that pass only when told to."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_hang_monitors_clock_starts_at_the_wait_not_at_the_issue() -> None:
+    """A receive posted early (at its Issue, long before the compute that needs it) and
+    waited within the timeout is no hang; one the rank waits on past the timeout is."""
+    aborted = threading.Event()
+    clock = _Clock()
+    # The thread never polls on its own here (poll_s: an hour): the test polls.
+    monitor = HangMonitor(Watchdog(1, 10.0), aborted.set, poll_s=3600, clock=clock)
+    try:
+        early, late = _Pending(), _Pending()
+        monitor.watch(early, "1RECV_F3", 0)  # issued at 100 s
+        clock.now += 60.0  # six timeouts of compute before its Wait
+        assert monitor.poll() and not aborted.is_set()
+        monitor.waiting(early)  # waited at 160 s
+        clock.now += 9.0
+        assert monitor.poll() and not aborted.is_set()
+        early.completed = True  # arrived 9 s into its wait: within the timeout
+        monitor.watch(late, "1RECV_B2", 2)
+        monitor.waiting(late)
+        monitor.waiting(late)  # a second wait does not restart its clock
+        clock.now += 5.0
+        assert monitor.poll() and monitor.watching == 1  # the early one is forgotten
+        clock.now += 5.0
+        assert not monitor.poll() and aborted.is_set()
+        with pytest.raises(
+            PipelineWaitError, match=r"rank 1 gave up on 1RECV_B2 \(peer: rank 2\) after 10.0 s"
+        ):
+            monitor.check()
+    finally:
+        monitor.close()
+
+
 def test_the_hang_monitor_leaves_operations_that_complete_in_time_alone() -> None:
     aborted = threading.Event()
     monitor = HangMonitor(Watchdog(0, 0.5), aborted.set, poll_s=0.01)
     try:
         work = _Pending()
         monitor.watch(work, "1RECV_F0", 1)
+        monitor.waiting(work)
         time.sleep(0.2)
         work.completed = True
         time.sleep(0.5)

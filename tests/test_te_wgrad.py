@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_dualpipe.megatron import deferral, schedule_plan, te_wgrad
 from megatron_dualpipe.megatron.deferral import (
@@ -277,6 +278,45 @@ def test_the_schedule_plans_w_nodes_are_exact_too() -> None:
         schedule_plan._exact_dw(node, node.backward_dw)
     for got, want in zip(_grads(model), expected, strict=True):
         assert (got - want).abs().max() <= REL_TOL * want.abs().max()
+
+
+class _Allocated(TorchDispatchMode):
+    """Bytes of the new storages the ops create while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        for tensor in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(tensor, torch.Tensor) and (
+                tensor.untyped_storage().data_ptr() not in inputs
+            ):
+                self.bytes += tensor.untyped_storage().nbytes()
+        return out
+
+
+@pytest.mark.usefixtures("stand_in_te")
+def test_a_fused_weights_placeholder_takes_no_weight_sized_memory() -> None:
+    """DualPipe's second ``backward_dw()`` of a fused layer finds the weight's ``.grad``
+    consumed and hands DDP's hook a zero one: one element expanded to the weight's shape,
+    not a ``zeros_like`` of the weight per call (36 floats, 144 bytes, here); the
+    gradients still equal autograd's (the equality test's ``ddp-fused`` case)."""
+    model = _model("2.8+", bias=False, fused=True, fp8=False, ddp=True)
+    layers = list(model[::2])
+    calls = 4
+    meter = _Allocated()
+    with meter:
+        for _ in range(calls):
+            with te_wgrad.exactly(layers):
+                for layer in layers:
+                    assert layer.weight.grad is not None and layer.weight.grad.shape == (SIZE, SIZE)
+                    layer.weight.grad = None  # as DDP's hook leaves it
+    assert meter.bytes == calls * len(layers) * 4  # one float per weight per call
+    assert meter.bytes < SIZE * SIZE * 4  # less than one weight-sized zeros_like
+    assert all(layer.weight.grad is None for layer in layers)
 
 
 @pytest.mark.usefixtures("stand_in_te")

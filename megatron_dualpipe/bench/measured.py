@@ -16,7 +16,8 @@ Costs: a rank's share of the model is ``layers_per_share`` layers whose F, dX an
 sleep ``share_ms / layers_per_share``; a schedule with ``S`` model stages over ``R`` ranks
 gives each stage ``layers_per_share * R / S`` of them (V shapes and interleaving: half).
 DualPipe keeps two copies of every stage (twice the parameters) and its step includes the
-gradient swap between the copies (:func:`~megatron_dualpipe.runtime.sync_mirror_grads`).
+gradient swap between the copies (:meth:`~megatron_dualpipe.runtime.MirrorPair.sync_grads`,
+on a pair group made once).
 
 Simulated counterparts use the same costs and ``latency_ms`` per hop: ours are the
 schedules the executors ran; Megatron's are our IR's ``1f1b`` and ``interleaved-1f1b``
@@ -369,6 +370,7 @@ class _OurRunner(_Runner):
         import torch
 
         from ..runtime import PipelineExecutor, TensorSpec
+        from ..runtime.mirror import MirrorPair
         from .sleep_model import SleepCosts, SleepStage
 
         p = schedule.placement
@@ -382,9 +384,11 @@ class _OurRunner(_Runner):
             torch.manual_seed(model_stage)
             costs = SleepCosts(t, t, t).scaled(config.stage_scale(p, model_stage))
             modules.append(SleepStage(layers, config.width, costs, clock))
-        self.modules, self.placement, self.rank = modules, p, rank
-        self.mirror = p.kind == "mirror"
-        self.timeout_s = config.pg_timeout_s
+        self.modules = modules
+        # DualPipe's copies exchange on a pair group of their own, made once, here.
+        self.mirror = (
+            MirrorPair(p, rank, timeout_s=config.pg_timeout_s) if p.kind == "mirror" else None
+        )
         m = config.microbatches
         self.executor = PipelineExecutor(
             schedule,
@@ -403,11 +407,9 @@ class _OurRunner(_Runner):
         self.inputs = list(x.chunk(m))
 
     def step(self, record: bool = False) -> dict[str, Any]:
-        from ..runtime import sync_mirror_grads
-
         result = self.executor.run(self.inputs, record_timeline=record)
-        if self.mirror:
-            sync_mirror_grads(self.modules, self.placement, self.rank, timeout_s=self.timeout_s)
+        if self.mirror is not None:
+            self.mirror.sync_grads(self.modules)
         return {"peak": result.peak_activations, "losses": len(result.losses), "result": result}
 
 

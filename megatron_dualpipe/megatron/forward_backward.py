@@ -5,7 +5,8 @@ call where it calls ``forward_backward_pipelining_without_interleaving``. It run
 rank's part of the schedule with the runtime executor, each local model chunk wrapped as a
 :class:`~.stage.MegatronStage`, and honours the config hooks Megatron's schedules honour:
 ``no_sync_func``, ``finalize_model_grads_func``, ``grad_scale_func``, ``timers``,
-``variable_seq_lengths``, ``calculate_per_token_loss`` (``grad_sync_func``: see below).
+``variable_seq_lengths``, ``calculate_per_token_loss`` (``grad_sync_func`` and
+``param_sync_func``: see below).
 
 The object owns everything that lives longer than one step: an executor per model (held
 through weak references, so a dropped model is freed), the pipeline group a
@@ -34,6 +35,12 @@ backward runs with it enabled, does not call it either), and a second ``start_gr
 a bucket its hooks launched fails DDP's "multiple communication calls outstanding" check.
 In DDP's first step the hooks only count the gradients; ``finish_grad_sync`` (through
 ``finalize_model_grads_func``) launches that step's reductions.
+
+``param_sync_func`` (Megatron-LM sets DDP's ``start_param_sync`` there under
+``--overlap-param-gather`` with aligned gathers) is called in a training step once per
+chunk, with its parameters, right before its first forward, as Megatron's interleaved
+schedule launches each chunk's gather ahead of its first forward (not in forward-only
+steps, where Megatron does not either); DDP's forward pre-hooks wait for the gathers.
 """
 
 from __future__ import annotations
@@ -52,12 +59,13 @@ from megatron.core import parallel_state
 from megatron.core.utils import get_model_config, unwrap_model
 
 from ..runtime import DEFAULT_TIMEOUT_S, PipelineExecutor, RankTimeline, TensorSpec
+from ..runtime.mirror import MirrorPair
 from ..runtime.transport import GroupTransport, Transport, make_pipeline_group
 from ..schedules.ir import Action, Kind, Placement, Schedule
 from ..schedules.step_collectives import grad_final_points
 from .checks import DualPipeConfigError, check_run, schedule_spec
 from .deferral import te_layers_left_to_plan
-from .mirror import sync_mirror_expert_loads, sync_mirror_gradients
+from .mirror import mirror_pair, sync_mirror_expert_loads, sync_mirror_gradients
 from .placement import config_chunk_roles
 from .schedule_plan import plan_supported
 from .stage import MegatronStage, StepInputs
@@ -161,6 +169,7 @@ class DualPipeForwardBackward:
         # Keyed by the first model chunk, held weakly: a dropped model drops its executor.
         self._prepared: weakref.WeakKeyDictionary[Any, _Prepared] = weakref.WeakKeyDictionary()
         self._transports: dict[tuple, Transport] = {}
+        self._mirror_pairs: dict[tuple[int, ...], MirrorPair] = {}
         #: The schedule run in place of the generated one (see :meth:`use_schedule`).
         self.schedule: Schedule | None = None
         #: FB overlap in the last training step (None before one).
@@ -364,6 +373,11 @@ class DualPipeForwardBackward:
             first_val_step=first_val_step,
             cp_group_size=groups.cp_size,
             device=_device_of(model[0]),
+            param_sync_funcs=(
+                None
+                if forward_only or config.param_sync_func is None
+                else _as_list(config.param_sync_func, len(model))
+            ),
         )
         for stage, data in zip(stages, _chunk_data(data_iterator, schedule, stages), strict=True):
             stage.begin_step(step, data)
@@ -417,9 +431,9 @@ class DualPipeForwardBackward:
         launched by DDP's hooks, see the module docstring); then the sums over the copies of
         a parameter on this rank (:mod:`.tied`) and over dualpipe's two copies of every stage
         (whose expert-bias token counts are summed before finalize)."""
-        mirror = schedule.placement.kind == "mirror"
-        if mirror and getattr(config, "moe_router_enable_expert_bias", False):
-            sync_mirror_expert_loads(model, group=groups.pipeline, timeout_s=self.timeout_s)
+        pair = self._mirror_pair(groups.pipeline) if schedule.placement.kind == "mirror" else None
+        if pair is not None and getattr(config, "moe_router_enable_expert_bias", False):
+            sync_mirror_expert_loads(model, pair)
         if config.finalize_model_grads_func is not None:
             num_tokens = None
             if config.calculate_per_token_loss:
@@ -434,8 +448,16 @@ class DualPipeForwardBackward:
                 force_all_reduce=force_all_reduce,
             )
         sum_tied_gradients(model)
-        if mirror:
-            sync_mirror_gradients(model, group=groups.pipeline, timeout_s=self.timeout_s)
+        if pair is not None:
+            sync_mirror_gradients(model, pair)
+
+    def _mirror_pair(self, pipeline: dist.ProcessGroup) -> MirrorPair:
+        """This rank and its mirror rank on a group of their own, made at the first step
+        that needs it by every rank of ``pipeline`` (each its pair's), kept after."""
+        key = tuple(dist.get_process_group_ranks(pipeline))
+        if key not in self._mirror_pairs:
+            self._mirror_pairs[key] = mirror_pair(pipeline, timeout_s=self.timeout_s)
+        return self._mirror_pairs[key]
 
 
 def _inner_type(chunk: torch.nn.Module) -> str:

@@ -4,7 +4,8 @@ the same model stage. They start equal and stay equal: their gradients (Megatron
 gradient norm. With MoE expert bias (``moe_router_enable_expert_bias``) each copy's routers
 count the tokens of its half of the micro-batches; the counts are summed too, before
 Megatron updates the bias from them, so both copies update it alike. The exchange itself is
-the runtime's (:mod:`megatron_dualpipe.runtime.mirror`).
+the runtime's (:mod:`megatron_dualpipe.runtime.mirror`), on a two-rank group of each pair's
+own: :func:`mirror_pair` makes it (hold it across steps, as the schedule object does).
 
 Every function is collective over the pipeline group: Megatron's (``parallel_state``)
 unless ``group`` is given.
@@ -20,28 +21,27 @@ from megatron.core import parallel_state
 from torch import nn
 
 from ..runtime import DEFAULT_TIMEOUT_S
-from ..runtime.mirror import (
-    Buckets,
-    check_mirror_layouts,
-    copy_mirror_params,
-    param_buckets,
-    param_grad,
-    sync_mirror_grads,
-)
+from ..runtime.mirror import Buckets, MirrorPair, param_buckets, param_grad
 from .checks import DualPipeConfigError
 from .placement import placement_of
 
-__all__ = ["prepare_mirrors", "sync_mirror_expert_loads", "sync_mirror_gradients"]
+__all__ = [
+    "mirror_pair",
+    "prepare_mirrors",
+    "sync_mirror_expert_loads",
+    "sync_mirror_gradients",
+]
 
 
-def _where(group: dist.ProcessGroup | None) -> dict:
+def mirror_pair(
+    group: dist.ProcessGroup | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> MirrorPair:
+    """This pipeline rank and its mirror rank on a group of their own (collective over the
+    pipeline ``group``, default Megatron's: every rank makes its pair's at once)."""
     if group is None:
         group = parallel_state.get_pipeline_model_parallel_group()
-    return {
-        "placement": placement_of("dualpipe", group.size()),
-        "rank": group.rank(),
-        "group": group,
-    }
+    placement = placement_of("dualpipe", group.size())
+    return MirrorPair(placement, group.rank(), group=group, timeout_s=timeout_s)
 
 
 def _ddp_buffers(chunk: nn.Module) -> list | None:
@@ -115,14 +115,9 @@ def prepare_mirrors(
     copies of a stage must be bucketed alike, or the sum mixes shards. Megatron's DDP
     buckets only pipeline rank 0's first chunk, so under dualpipe wrap every chunk with
     ``disable_bucketing=True``; a different layout is refused here in one sentence."""
-    where = _where(group)
+    pair = mirror_pair(group, timeout_s=timeout_s)
     try:
-        check_mirror_layouts(
-            [_bucket_layout(chunk) for chunk in model],
-            **where,
-            timeout_s=timeout_s,
-            device=_chunk_device(model[0]),
-        )
+        pair.check_layouts([_bucket_layout(chunk) for chunk in model], _chunk_device(model[0]))
     except ValueError as err:
         raise DualPipeConfigError(
             f"Megatron's DDP buckets dualpipe's two copies of a stage differently ({err}): "
@@ -130,7 +125,7 @@ def prepare_mirrors(
             "as megatron-dualpipe's train does (Megatron buckets pipeline rank 0's first "
             "chunk only), or set overlap_grad_reduce off"
         ) from err
-    copy_mirror_params(model, **where, timeout_s=timeout_s)
+    pair.copy_params(model)
     for param in model[1].parameters():
         param.shared = True
 
@@ -140,18 +135,12 @@ def _main_grad(param: nn.Parameter) -> torch.Tensor:
     return param_grad(param) if grad is None else grad
 
 
-def sync_mirror_gradients(
-    model: Sequence[nn.Module],
-    *,
-    group: dist.ProcessGroup | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> None:
+def sync_mirror_gradients(model: Sequence[nn.Module], pair: MirrorPair) -> None:
     """Sum the gradients (``main_grad`` under Megatron DDP, else ``.grad``) of the two copies
-    of every stage, one slice of a DDP bucket at a time (the only extra memory is one slice;
-    the layouts were checked by :func:`prepare_mirrors`)."""
-    sync_mirror_grads(
-        model, **_where(group), buckets=_grad_buckets, timeout_s=timeout_s, check_layout=False
-    )
+    of every stage on ``pair`` (see :func:`mirror_pair`), one slice of a DDP bucket per
+    exchange (the extra memory: the receive buffers of the two slices in flight; the
+    layouts were checked by :func:`prepare_mirrors`)."""
+    pair.sync_grads(model, buckets=_grad_buckets, check_layout=False)
 
 
 class _TokenCounts(nn.Module):
@@ -167,15 +156,10 @@ class _TokenCounts(nn.Module):
         )
 
 
-def sync_mirror_expert_loads(
-    model: Sequence[nn.Module],
-    *,
-    group: dist.ProcessGroup | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> None:
-    """Sum the expert-bias token counts of the two copies of every stage, in place on both
-    (call before Megatron's ``finalize_model_grads`` updates the bias)."""
+def sync_mirror_expert_loads(model: Sequence[nn.Module], pair: MirrorPair) -> None:
+    """Sum the expert-bias token counts of the two copies of every stage on ``pair``, in
+    place on both (call before Megatron's ``finalize_model_grads`` updates the bias)."""
     counts = [_TokenCounts(chunk) for chunk in model]
     if not any(len(c.counts) for c in counts):
         return  # no router here, nor on the mirror rank (it holds the same two stages)
-    sync_mirror_grads(counts, **_where(group), grad_of=lambda p: p.data, timeout_s=timeout_s)
+    pair.sync_grads(counts, grad_of=lambda p: p.data)

@@ -31,7 +31,8 @@ W1 finds None (FP8 bias: the failure above; fused weight: DDP's assertion).
 :func:`exact_backward_dw` makes every call behave like autograd's accumulation rule
 instead: an earlier ``.grad`` that no hook consumed is set aside and added back after the
 call (so neither release drops nor overwrites it), an FP8 bias or a fused weight whose
-``.grad`` was consumed gets a zero one (adds nothing, satisfies the hook). The per-layer
+``.grad`` was consumed gets a zero one (adds nothing, satisfies the hook; a fused weight's
+is one zero element expanded to its shape, not a weight-sized buffer per call). The per-layer
 FP8 state is TE's own ``module.fp8`` (set by every forward; Megatron keeps a layer in or
 out of FP8 for the whole run).
 """
@@ -96,9 +97,19 @@ def te_biases(module: nn.Module) -> list[nn.Parameter]:
 
 def _zero_grad_for_hook(param: nn.Parameter) -> None:
     """A zero ``.grad`` where the hook would find None: adds nothing, and DDP's hook (which
-    asserts a ``.grad`` under ``overlap_grad_reduce``) sees one."""
+    asserts a ``.grad`` under ``overlap_grad_reduce``) sees one. Autograd may accumulate
+    into it later (an FP8 bias's next main backward), so it is a tensor of its own."""
     if param.grad is None:
         param.grad = torch.zeros_like(param)
+
+
+def _zero_placeholder_for_hook(weight: nn.Parameter) -> None:
+    """A fused weight's zero ``.grad`` where the hook would find None, taking no memory of
+    the weight's size: one zero element expanded to the weight's shape (DDP's hook only
+    checks it is there, reads it at most, and clears it, in the same ``backward_dw()``;
+    were anything to write into it, torch would refuse, not corrupt it)."""
+    if weight.grad is None:
+        weight.grad = torch.zeros((), dtype=weight.dtype, device=weight.device).expand_as(weight)
 
 
 def _prepare(module: nn.Module) -> list[tuple[nn.Parameter, torch.Tensor]]:
@@ -118,7 +129,7 @@ def _prepare(module: nn.Module) -> list[tuple[nn.Parameter, torch.Tensor]]:
         if not fused:
             set_aside(weight)
         elif hasattr(weight, "grad_added_to_main_grad"):
-            _zero_grad_for_hook(weight)
+            _zero_placeholder_for_hook(weight)
             weight.grad_added_to_main_grad = True
     fp8 = bool(getattr(module, "fp8", False))
     for bias in te_biases(module):

@@ -59,7 +59,7 @@ from ..schedules.validate import check_weight_grads_in_b_order, validate
 from .nccl_emulation import NcclRulesTransport
 from .p2p import MessageKey, Payload, PipeComm, TensorSpec
 from .planned import PlannedStage
-from .timeline import RankTimeline, clock_for
+from .timeline import RankTimeline, clock_for, start_barrier
 from .transport import GroupTransport, Transport, make_pipeline_group
 from .watchdog import DEFAULT_TIMEOUT_S, Watchdog
 from .weight_grad_store import WeightGradStore
@@ -441,7 +441,7 @@ class PipelineExecutor:
             inits = [s.comm for s in plan.ranks[self.rank] if isinstance(s, Init)]
             comm.setup([(c, plan.peers(self.rank, c)) for c in inits])
             if record_timeline:
-                dist.barrier(group=self._group)
+                start_barrier(self._group)
                 device = _module_device(self.modules[0])
                 step.timeline = timeline = RankTimeline(self.rank, clock=clock_for(device))
             self._counter.restart()

@@ -3,8 +3,8 @@
 In the ``mirror`` placement model stage s lives twice: as chunk 0 of rank s (direction 0)
 and as chunk 1 of rank R-1-s (direction 1). Each copy sees half the micro-batches, so the
 stage's gradient is the sum of both copies' gradients. Partner ranks r and R-1-r hold the
-same two stages the other way round, and :func:`sync_mirror_grads` sums them bucket by
-bucket, the only memory it takes being one bucket's receive buffer:
+same two stages the other way round, and :meth:`MirrorPair.sync_grads` sums them bucket by
+bucket:
 
 1. each rank sends its chunk 0's bucket and adds the partner's (the other copy of its
    chunk 1's stage) into its chunk 1, which is then final;
@@ -14,12 +14,24 @@ bucket, the only memory it takes being one bucket's receive buffer:
 Both copies end bit-identical (the sum is formed once, on the chunk-1 side, and copied), so
 they stay identical after any deterministic optimizer step. Each exchange is one batch of a
 rank's sends and receives to its partner, the same batches in the same order on both.
+
+The exchanges run on a two-rank process group of the pair's own (:func:`make_mirror_group`,
+made by its two members only), never on the pipeline's, with at most
+:data:`IN_FLIGHT` exchanges issued and not yet waited: the rank waits for the oldest before
+it issues a third. Waits never block the host with a timeout: ``work.wait()``, which on
+NCCL only makes the current stream wait (so on the GPU, too, an exchange starts only once
+the one two before it completed: the communicator's stream waits for the current stream
+when it issues). A :class:`~.watchdog.HangMonitor` watches every exchange from the moment
+the rank waits on it; one pending past the timeout becomes a
+:class:`~.watchdog.PipelineWaitError` naming both ranks, and the pair's group is aborted.
+The memory taken is at most :data:`IN_FLIGHT` buckets' receive buffers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -27,13 +39,17 @@ from torch import nn
 
 from ..schedules.ir import Placement
 from .p2p import TAG_LIMIT
-from .watchdog import DEFAULT_TIMEOUT_S, Watchdog
+from .transport import make_member_group
+from .watchdog import DEFAULT_TIMEOUT_S, HangMonitor, PipelineCommError, Watchdog
 
 __all__ = [
     "BUCKET_BYTES",
+    "IN_FLIGHT",
     "Buckets",
+    "MirrorPair",
     "check_mirror_layouts",
     "copy_mirror_params",
+    "make_mirror_group",
     "param_buckets",
     "sync_mirror_grads",
 ]
@@ -42,9 +58,13 @@ __all__ = [
 _TAG = TAG_LIMIT
 #: The largest bucket :func:`param_buckets` makes, in bytes (one tensor may exceed it alone).
 BUCKET_BYTES = 64 * 2**20
+#: The most exchanges a rank has issued and not yet waited on.
+IN_FLIGHT = 2
 
 #: A chunk's tensors to exchange, grouped into buckets (each tensor contiguous).
 Buckets = list[list[torch.Tensor]]
+#: One exchange: the tensors sent, the buffers received into, what to run once received.
+_Exchange = tuple[list[torch.Tensor], list[torch.Tensor], Callable[[], None] | None]
 
 
 def param_grad(param: nn.Parameter) -> torch.Tensor:
@@ -85,35 +105,121 @@ def _check_pair(modules: Sequence[nn.Module], placement: Placement) -> None:
         raise ValueError(f"a mirror rank holds 2 chunks, got {len(modules)} modules")
 
 
-@dataclass(frozen=True)
-class _Partner:
-    """This rank and its mirror rank (R-1-r) in the pipeline ``group``."""
+def _align_group_names(parent: dist.ProcessGroup, members: Sequence[int]) -> None:
+    """Make the ``members`` (group ranks of ``parent``) hold as many process groups each.
 
-    rank: int
-    partner: int
-    group: dist.ProcessGroup | None
-    watchdog: Watchdog
+    Torch names a group made with local synchronisation after its ranks and how many
+    groups the calling rank already holds (``distributed_c10d._hash_ranks_to_str``), and
+    its members find each other under that name: members holding different numbers (under
+    Megatron the first pipeline rank alone holds the position-embedding group) would wait
+    for each other forever. Each member makes groups of itself alone up to the largest
+    count among the members. Collective over ``parent``."""
+    held = len(dist.distributed_c10d._world.pg_names)
+    counts: list[int | None] = [None] * parent.size()
+    dist.all_gather_object(counts, held, group=parent)
+    target = max(counts[i] or 0 for i in members)
+    for _ in range(target - held):
+        dist.new_group([dist.get_rank()], use_local_synchronization=True)
 
-    @staticmethod
-    def of(placement: Placement, rank: int, group, timeout_s: float) -> _Partner:
-        return _Partner(rank, placement.num_ranks - 1 - rank, group, Watchdog(rank, timeout_s))
 
-    def exchange(self, sends: list[torch.Tensor], receives: list[torch.Tensor], what: str):
-        """Send ``sends`` to the partner and receive its tensors into ``receives``, in one
-        batch (the partner issues the same batch)."""
-        peer, group = self.partner, self.group
+def make_mirror_group(
+    parent: dist.ProcessGroup | None = None, *, timeout: timedelta | None = None
+) -> dist.ProcessGroup:
+    """The two-rank group of this rank of ``parent`` (the pipeline group, default: the
+    world) and its mirror rank (group rank R-1-r), made by those two only (see
+    :func:`~.transport.make_member_group`; every rank of ``parent`` calls at once, each
+    making its own pair's). ``timeout`` is the group's own."""
+    parent = parent or dist.group.WORLD
+    size = parent.size()
+    pairs = [sorted({i, size - 1 - i}) for i in range((size + 1) // 2)]
+    if dist.group.WORLD.bound_device_id is None:  # new_group: the name must agree
+        me = dist.get_group_rank(parent, dist.get_rank())
+        _align_group_names(parent, sorted({me, size - 1 - me}))
+    return make_member_group(parent, pairs, timeout=timeout)
+
+
+class MirrorPair:
+    """Pipeline rank ``rank`` and its mirror rank (R-1-r) of the pipeline ``group``
+    (default: the world), exchanging on a group of their own made here (collective over
+    ``group``: every rank makes its pair's at once). Hold one for repeated exchanges;
+    ``timeout_s`` bounds each wait (see the module docstring)."""
+
+    def __init__(
+        self,
+        placement: Placement,
+        rank: int,
+        *,
+        group: dist.ProcessGroup | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ):
+        self.placement = placement
+        self.rank = rank
+        self.partner = placement.num_ranks - 1 - rank
+        self.watchdog = Watchdog(rank, timeout_s)
+        # The group's own timeout outlasts the watchdog's: the hang monitor speaks first.
+        self.group = make_mirror_group(group, timeout=timedelta(seconds=2 * timeout_s))
+        self._peer = dist.get_group_rank(
+            self.group, dist.get_global_rank(group or dist.group.WORLD, self.partner)
+        )
+        # Watches every exchange until it completes, also after the call that issued it
+        # returned (on NCCL the GPU may still be exchanging then); its thread ends with
+        # the pair, or at :meth:`close`.
+        self._monitor = HangMonitor(self.watchdog, self.group.abort)
+
+    def check(self) -> None:
+        """Raise the hang the pair's monitor saw, if any (every exchange checks first)."""
+        self._monitor.check()
+
+    def close(self) -> None:
+        """Stop watching (the pair is not used again)."""
+        self._monitor.close()
+
+    def _issue(self, sends: list[torch.Tensor], receives: list[torch.Tensor], what: str) -> list:
+        """Send ``sends`` to the partner and receive into ``receives``, one batch (the
+        partner issues the same batch); its works."""
+        group, peer = self.group, self._peer
         ops = [dist.P2POp(dist.isend, t, group=group, tag=_TAG, group_peer=peer) for t in sends]
         ops += [dist.P2POp(dist.irecv, t, group=group, tag=_TAG, group_peer=peer) for t in receives]
-        for work in dist.batch_isend_irecv(ops):
-            self.watchdog.wait(work, what, peer)
+        with self.watchdog.guard(what, self.partner):
+            return dist.batch_isend_irecv(ops)
 
-    def add_from(self, send: list[torch.Tensor], add_to: list[torch.Tensor], what: str) -> None:
-        """Send ``send``, receive the partner's bucket and add it into ``add_to``; the
-        receive buffer (one bucket) is gone on return."""
-        received = [torch.empty_like(t) for t in add_to]
-        self.exchange(send, received, what)
-        for total, other in zip(add_to, received, strict=True):
-            total.add_(other)
+    def _finish(self, works: list, then: Callable[[], None] | None, what: str) -> None:
+        """Wait for ``works`` (the current stream waits, the host does not), then ``then``."""
+        monitor = self._monitor
+        for work in works:
+            monitor.waiting(work)
+            try:
+                with self.watchdog.guard(what, self.partner):
+                    work.wait()
+            except PipelineCommError as error:
+                if monitor.error is not None:
+                    raise monitor.error from error
+                raise
+        monitor.poll()  # forget what completed (on gloo: all of it), with its buffers
+        monitor.check()
+        if then is not None:
+            then()
+
+    def run(self, exchanges: Iterable[_Exchange], what: str) -> None:
+        """Run ``exchanges`` in order, at most :data:`IN_FLIGHT` issued and not waited; each
+        one's receives are made (and ``then`` run) when the iterator yields it."""
+        self.check()
+        pending: deque[tuple[list, Callable[[], None] | None]] = deque()
+        upcoming = iter(exchanges)
+        while True:
+            if len(pending) == IN_FLIGHT:  # before the next one's buffers are made
+                self._finish(*pending.popleft(), what)
+            exchange = next(upcoming, None)
+            if exchange is None:
+                break
+            sends, receives, then = exchange
+            works = self._issue(sends, receives, what)
+            for work in works:
+                self._monitor.watch(work, what, self.partner)
+            pending.append((works, then))
+            del exchange, sends, receives, then  # held by ``pending`` only
+        while pending:
+            self._finish(*pending.popleft(), what)
 
     def swap_ints(self, values: list[int], device: torch.device) -> list[int]:
         """Send ``values`` and return the partner's list (as int64 tensors on ``device``:
@@ -121,14 +227,17 @@ class _Partner:
         what = "the mirror copy's layout"
         length = torch.tensor([len(values)], device=device)
         theirs_length = torch.empty(1, dtype=torch.int64, device=device)
-        self.exchange([length], [theirs_length], what)
+        self.run([([length], [theirs_length], None)], what)
         mine = torch.tensor(values, dtype=torch.int64, device=device)
         theirs = torch.empty(int(theirs_length.item()), dtype=torch.int64, device=device)
-        self.exchange([mine], [theirs], what)
+        self.run([([mine], [theirs], None)], what)
         return theirs.tolist()
 
-    def check_layouts(self, ours: list[list[list[int]]], device: torch.device) -> None:
-        """My chunk 0 must be bucketed as the partner's chunk 1, and the other way round."""
+    def check_layouts(self, ours: Sequence[list[list[int]]], device: torch.device) -> None:
+        """Raise ValueError unless this rank's chunk 0 is laid out as the partner's chunk 1
+        and the other way round; ``ours[c]`` describes chunk c's buckets, each a list of
+        numbers (e.g. element counts), sent on ``device`` (the backend's)."""
+        ours = [list(c) for c in ours]
         theirs = _decode(self.swap_ints(_encode(ours), device))
         if theirs != ours[::-1]:
             raise ValueError(
@@ -136,6 +245,49 @@ class _Partner:
                 f"rank {self.partner}'s {theirs}: the two copies of a stage must hold the same "
                 "parameters in the same buckets"
             )
+
+    def copy_params(self, modules: Sequence[nn.Module]) -> None:
+        """Make this rank's chunk 1 a copy of the partner's chunk 0 (see
+        :func:`copy_mirror_params`)."""
+        _check_pair(modules, self.placement)
+        mine = [param_buckets(m, lambda p: p.data) for m in modules]
+        self.check_layouts([_layout(c) for c in mine], _device(mine))
+        with torch.no_grad():
+            self.run(
+                ((send, receive, None) for send, receive in zip(mine[0], mine[1], strict=True)),
+                "the mirror copy's parameters",
+            )
+
+    def sync_grads(
+        self,
+        modules: Sequence[nn.Module],
+        *,
+        grad_of: Callable[[nn.Parameter], torch.Tensor] = param_grad,
+        buckets: Callable[[nn.Module], Buckets] | None = None,
+        check_layout: bool = True,
+    ) -> None:
+        """Sum each model stage's gradients over its two copies (see
+        :func:`sync_mirror_grads`)."""
+        _check_pair(modules, self.placement)
+        bucketing = buckets or (lambda m: param_buckets(m, grad_of))
+        mine = [bucketing(m) for m in modules]
+        if check_layout:
+            self.check_layouts([_layout(c) for c in mine], _device(mine))
+        what = "the mirror copy's gradients"
+        self.run((_add_into(s, a) for s, a in zip(mine[0], mine[1], strict=True)), what)
+        self.run(((s, o, None) for s, o in zip(mine[1], mine[0], strict=True)), what)
+
+
+def _add_into(send: list[torch.Tensor], add_to: list[torch.Tensor]) -> _Exchange:
+    """Send ``send``, receive the partner's bucket into a fresh buffer and add it into
+    ``add_to`` once received (the buffer goes with the exchange)."""
+    received = [torch.empty_like(t) for t in add_to]
+
+    def add() -> None:
+        for total, other in zip(add_to, received, strict=True):
+            total.add_(other)
+
+    return send, received, add
 
 
 def _device(chunks: list[Buckets]) -> torch.device:
@@ -178,12 +330,12 @@ def check_mirror_layouts(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     device: torch.device | None = None,
 ) -> None:
-    """Raise ValueError unless this rank's chunk 0 is laid out as its mirror rank's chunk 1
-    and the other way round; ``layouts[c]`` describes chunk c's buckets, each a list of
-    numbers (e.g. element counts). Collective over the pipeline ``group``; the layouts
-    travel on ``device`` (the gradients' device: CPU for gloo, CUDA for NCCL)."""
-    pair = _Partner.of(placement, rank, group, timeout_s)
-    pair.check_layouts([list(c) for c in layouts], device or torch.device("cpu"))
+    """:meth:`MirrorPair.check_layouts` on a pair made for this call: raise ValueError
+    unless this rank's chunk 0 is laid out as its mirror rank's chunk 1 and the other way
+    round. Collective over the pipeline ``group``; the layouts travel on ``device`` (the
+    gradients' device: CPU for gloo, CUDA for NCCL)."""
+    pair = MirrorPair(placement, rank, group=group, timeout_s=timeout_s)
+    pair.check_layouts(layouts, device or torch.device("cpu"))
 
 
 def copy_mirror_params(
@@ -195,14 +347,9 @@ def copy_mirror_params(
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> None:
     """Make this rank's chunk 1 a copy of its mirror rank's chunk 0 (direction 0's copy of
-    each stage is the original), received in place. Collective over the pipeline ``group``."""
-    _check_pair(modules, placement)
-    pair = _Partner.of(placement, rank, group, timeout_s)
-    mine = [param_buckets(m, lambda p: p.data) for m in modules]
-    pair.check_layouts([_layout(c) for c in mine], _device(mine))
-    with torch.no_grad():
-        for send, receive in zip(mine[0], mine[1], strict=True):
-            pair.exchange(send, receive, "the mirror copy's parameters")
+    each stage is the original), received in place, on a pair made for this call.
+    Collective over the pipeline ``group``."""
+    MirrorPair(placement, rank, group=group, timeout_s=timeout_s).copy_params(modules)
 
 
 def sync_mirror_grads(
@@ -215,6 +362,7 @@ def sync_mirror_grads(
     grad_of: Callable[[nn.Parameter], torch.Tensor] = param_grad,
     buckets: Callable[[nn.Module], Buckets] | None = None,
     check_layout: bool = True,
+    pair: MirrorPair | None = None,
 ) -> None:
     """Sum each model stage's gradients over its two copies, in place, on both.
 
@@ -223,16 +371,10 @@ def sync_mirror_grads(
     in buckets of :data:`BUCKET_BYTES`); the partner's chunk 1 must be bucketed as this
     rank's chunk 0, which is checked first unless ``check_layout`` is off (a caller that
     checked once, see :func:`check_mirror_layouts`). Call it on every rank of the pipeline
-    ``group`` after the step and before the optimizer.
+    ``group`` after the step and before the optimizer. ``pair``: the :class:`MirrorPair`
+    of ``placement``'s ``rank`` to exchange on (hold one across steps; ``group`` and
+    ``timeout_s`` are then its own); without it one is made for this call (its group too,
+    collective over ``group``).
     """
-    _check_pair(modules, placement)
-    pair = _Partner.of(placement, rank, group, timeout_s)
-    bucketing = buckets or (lambda m: param_buckets(m, grad_of))
-    mine = [bucketing(m) for m in modules]
-    if check_layout:
-        pair.check_layouts([_layout(c) for c in mine], _device(mine))
-    what = "the mirror copy's gradients"
-    for send, add_to in zip(mine[0], mine[1], strict=True):  # 1: chunk 1 gets the sum
-        pair.add_from(send, add_to, what)
-    for send, overwrite in zip(mine[1], mine[0], strict=True):  # 2: chunk 0 gets it too
-        pair.exchange(send, overwrite, what)
+    pair = pair or MirrorPair(placement, rank, group=group, timeout_s=timeout_s)
+    pair.sync_grads(modules, grad_of=grad_of, buckets=buckets, check_layout=check_layout)

@@ -226,6 +226,7 @@ class PipeComm:
         if self._monitor is None:
             self.watchdog.wait(work, what, peer)
             return
+        self._monitor.waiting(work)
         try:
             with self.watchdog.guard(what, peer):
                 work.wait()

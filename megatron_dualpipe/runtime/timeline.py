@@ -30,7 +30,14 @@ from ..schedules.export import to_png, write_chrome_trace
 from ..schedules.ir import Action, Kind, Schedule
 from ..schedules.simulate import Message, RankStats, SimResult, TimedAction
 
-__all__ = ["DeviceClock", "HostClock", "RankTimeline", "clock_for", "gather_timeline"]
+__all__ = [
+    "DeviceClock",
+    "HostClock",
+    "RankTimeline",
+    "clock_for",
+    "gather_timeline",
+    "start_barrier",
+]
 
 #: ``(Kind.RECV_F or Kind.RECV_B, receiving stage, micro-batch)``, as in :mod:`.p2p`.
 _Key = tuple[Kind, int, int]
@@ -81,6 +88,17 @@ def clock_for(device: torch.device | None, event: Callable[[], Any] | None = Non
     if device is not None and device.type == "cuda":
         return DeviceClock(event)
     return HostClock()
+
+
+def start_barrier(group: dist.ProcessGroup | None) -> None:
+    """The barrier the ranks pass right before they start recording, over ``group``: on
+    NCCL on the current CUDA device (``device_ids``), so that torch need not guess which
+    GPU its one-element all-reduce runs on (it would pick the bound device, else the
+    current one, with a warning)."""
+    if "nccl" in str(dist.get_backend(group)):
+        dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier(group=group)
 
 
 @dataclass

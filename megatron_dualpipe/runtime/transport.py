@@ -37,6 +37,7 @@ __all__ = [
     "GroupTransport",
     "Handle",
     "Transport",
+    "make_member_group",
     "make_pipeline_group",
     "pipeline_group_options",
 ]
@@ -183,19 +184,38 @@ def make_pipeline_group(
     pipeline_group: dist.ProcessGroup | None = None, *, timeout: timedelta | None = None
 ) -> dist.ProcessGroup:
     """A process group over the ranks of ``pipeline_group`` (default: the world) for the
-    lock-step plan's communicator, made by those ranks only: split from the pipeline
-    group where the default group is bound to a device (there torch would otherwise
-    split the world's communicator, with every rank of the world taking part), else a
-    ``new_group`` with local synchronisation. ``timeout`` is the group's own (give more
-    than the executor's, so that its hang monitor names a hang before the backend's
-    watchdog ends the process)."""
+    lock-step plan's communicator, made by those ranks only (see
+    :func:`make_member_group`). ``timeout`` is the group's own (give more than the
+    executor's, so that its hang monitor names a hang before the backend's watchdog ends
+    the process)."""
     parent = pipeline_group or dist.group.WORLD
+    ranks = dist.get_process_group_ranks(parent)
+    return make_member_group(parent, [list(range(len(ranks)))], timeout=timeout)
+
+
+def make_member_group(
+    parent: dist.ProcessGroup,
+    splits: Sequence[Sequence[int]],
+    *,
+    timeout: timedelta | None = None,
+) -> dist.ProcessGroup:
+    """The group of this rank's split of ``parent`` (``splits``: disjoint lists of
+    ``parent``'s group ranks, one holding this rank), with :func:`pipeline_group_options`,
+    made by its members only: split from ``parent`` where the default group is bound to a
+    device (every rank of ``parent`` calls, with the same ``splits``; torch would
+    otherwise split the world's communicator, with every rank of the world taking part),
+    else a ``new_group`` with local synchronisation (only the split's members call)."""
     ranks = dist.get_process_group_ranks(parent)
     options = pipeline_group_options(dist.get_backend(parent))
     if dist.group.WORLD.bound_device_id is not None:
         return dist.split_group(
-            parent, [list(range(len(ranks)))], timeout=timeout, pg_options=options
+            parent, [list(split) for split in splits], timeout=timeout, pg_options=options
         )
+    me = dist.get_group_rank(parent, dist.get_rank())
+    mine = next(split for split in splits if me in split)
     return dist.new_group(
-        ranks, timeout=timeout, pg_options=options, use_local_synchronization=True
+        [ranks[i] for i in mine],
+        timeout=timeout,
+        pg_options=options,
+        use_local_synchronization=True,
     )

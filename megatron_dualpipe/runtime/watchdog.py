@@ -136,18 +136,30 @@ class HangMonitor:
     """Turns a hang into an error where the host never waits with a deadline (NCCL:
     ``work.wait()`` only makes the compute stream wait, so the host runs ahead).
 
-    Every operation the rank issues is :meth:`watch` ed from then on; a side thread polls
-    ``is_completed()``, and one still pending ``watchdog.timeout_s`` after it was issued
-    makes it log a :class:`PipelineWaitError` naming the rank, the message and the peer,
-    keep it as :attr:`error` and call ``abort`` (which makes the pending operations fail,
-    so nothing waits forever). :meth:`check` raises that error on the rank's thread.
+    Every operation the rank issues is :meth:`watch` ed from then on, and its clock starts
+    when the rank waits on it (:meth:`waiting`): a receive posted early, long before it is
+    needed, is no hang. A side thread polls ``is_completed()``, and one still pending
+    ``watchdog.timeout_s`` after the rank began to wait on it makes it log a
+    :class:`PipelineWaitError` naming the rank, the message and the peer, keep it as
+    :attr:`error` and call ``abort`` (which makes the pending operations fail, so nothing
+    waits forever). :meth:`check` raises that error on the rank's thread. ``clock``: the
+    monotonic seconds it measures with.
     """
 
-    def __init__(self, watchdog: Watchdog, abort: Callable[[], None], *, poll_s: float = 0.05):
+    def __init__(
+        self,
+        watchdog: Watchdog,
+        abort: Callable[[], None],
+        *,
+        poll_s: float = 0.05,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._watchdog = watchdog
         self._abort = abort
+        self._clock = clock
         self._lock = threading.Lock()
-        self._watched: dict[int, tuple[_Watchable, str, int, float]] = {}
+        # Per work: the work, what it is, its peer, when the rank began to wait (or None).
+        self._watched: dict[int, tuple[_Watchable, str, int, float | None]] = {}
         self.error: PipelineWaitError | None = None
         self._stop = threading.Event()
         # The thread holds the monitor weakly: a monitor nobody closed ends with its owner.
@@ -158,21 +170,31 @@ class HangMonitor:
         self._thread.start()
 
     def watch(self, work: _Watchable, what: str, peer: int) -> None:
-        """Watch ``work`` (``what``, exchanged with rank ``peer``) from now on."""
+        """Watch ``work`` (``what``, exchanged with rank ``peer``) from now on; its clock
+        starts at :meth:`waiting`."""
         with self._lock:
-            self._watched.setdefault(id(work), (work, what, peer, time.monotonic()))
+            self._watched.setdefault(id(work), (work, what, peer, None))
+
+    def waiting(self, work: _Watchable) -> None:
+        """The rank waits on ``work`` (watched) from now on: its clock starts, once."""
+        with self._lock:
+            entry = self._watched.get(id(work))
+            if entry is not None and entry[3] is None:
+                self._watched[id(work)] = (*entry[:3], self._clock())
 
     def poll(self) -> bool:
-        """Forget what completed; fail on what is pending past the timeout. Whether to go
-        on watching."""
+        """Forget what completed; fail on what the rank has waited on past the timeout.
+        Whether to go on watching (not after a failure: that is reported once)."""
+        if self.error is not None:
+            return False
         with self._lock:
             watched = list(self._watched.items())
-        now = time.monotonic()
+        now = self._clock()
         for key, (work, what, peer, since) in watched:
             if work.is_completed():
                 with self._lock:
                     self._watched.pop(key, None)
-            elif now - since >= self._watchdog.timeout_s:
+            elif since is not None and now - since >= self._watchdog.timeout_s:
                 self._fail(what, peer, now - since)
                 return False
         return True

@@ -30,11 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch.distributed as dist
 from megatron.core import parallel_state
 
 from ...runtime import RankTimeline, gather_timeline
-from ...runtime.timeline import clock_for
+from ...runtime.timeline import clock_for, start_barrier
 from ...schedules.export import figure_width, to_png
 from ...schedules.ir import Action, Kind, Schedule
 from ...schedules.registry import generate
@@ -83,7 +82,7 @@ class StepRecorder:
         chunks = len(self.model)
         options = {"chunks": chunks} if chunks > 1 else {}
         self.schedule = generate(self.schedule_name, self.pp_size, self.num_microbatches, **options)
-        dist.barrier(group=self.group)
+        start_barrier(self.group)
         device = next(self.model[0].parameters()).device
         self.timeline = RankTimeline(self.pp_rank, clock=clock_for(device))
         timers = _RecordingTimers(self, self.config.timers)
