@@ -76,10 +76,10 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--cost-per",
         choices=["rank", "stage"],
-        default="rank",
+        default=None,
         help="costs are for one rank's share of the model (compare schedules at equal model "
         "size; schedules with more, smaller stages scale them down) or for one stage as given "
-        "(default: rank)",
+        "(default: rank; with --profile: stage, the profile's layer or action)",
     )
     p.add_argument("--latency", type=float, default=0.0, help="time of one P2P hop (default: 0)")
     p.add_argument("--load", type=Path, help="simulate a schedule from a text or JSON file")
@@ -224,6 +224,14 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         metavar="KEY=VALUE",
         help="override a config key (repeatable), e.g. --set pipeline_schedule=1f1b",
     )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile with torch.profiler as Megatron-LM's --profile --use-pytorch-profiler "
+        "(the steps after profile_step_start up to profile_step_end, on profile_ranks; set "
+        "them with --set): one Chrome trace per profiled rank, a span per pipeline action, "
+        "for simulate --profile",
+    )
 
 
 def _add_preprocess(sub: argparse._SubParsersAction) -> None:
@@ -326,7 +334,9 @@ def _run_train(args: argparse.Namespace) -> None:
         if handler != signal.SIG_IGN:  # nohup's SIGHUP stays ignored: the run goes on
             signal.signal(signum, _terminate)
     try:
-        train(load_config(args.config, args.overrides), source=str(args.config))
+        profiling = ["profile=true", "use_pytorch_profiler=true"] if args.profile else []
+        cfg = load_config(args.config, [*profiling, *args.overrides])
+        train(cfg, source=str(args.config))
     finally:  # a signal while the error is printed must not interrupt the printing
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -394,7 +404,7 @@ def _check_size(args: argparse.Namespace, mbs: int) -> None:
 def _cost_for(schedule: Schedule, args: argparse.Namespace) -> CostModel:
     """The cost model of ``--cost`` and ``--latency`` for ``schedule``'s stages."""
     cost = CostModel.parse(args.cost, latency=args.latency)
-    if args.cost_per == "rank":
+    if (args.cost_per or ("stage" if args.profile else "rank")) == "rank":
         p = schedule.placement
         cost = cost.per_stage(p.num_ranks, p.num_model_stages)
     return cost

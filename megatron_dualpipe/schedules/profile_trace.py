@@ -348,11 +348,19 @@ def _deepseek(path: str, spans: list[_Span], on_gpu: bool, phases: dict[str, Pha
 
 def _executor(path: str, spans: list[_Span], on_gpu: bool, phases: dict[str, Phase]) -> TraceCosts:
     times: dict[str, list[float]] = defaultdict(list)
+    halves = [s for s in spans if s.name.startswith("FB/")]
+    pair_parts: list[float] = []
     for span in spans:
         m = _ACTION.match(span.name)
-        if m:
-            pair = m["kind"] == "FB"
-            times[m["kind"]].append(_wall_ms(span, on_gpu) if pair else _time(span, on_gpu))
+        if not m:
+            continue
+        if m["kind"] == "FB":
+            times["FB"].append(_wall_ms(span, on_gpu))
+            inside = [h for h in halves if span.start <= h.start and h.end <= span.end]
+            if inside:  # the halves ran one after the other: the pair's own parts
+                pair_parts.append(sum(_time(h, on_gpu) for h in inside))
+        else:
+            times[m["kind"]].append(_time(span, on_gpu))
     mean = {k: statistics.fmean(v) for k, v in times.items()}
     notes = []
     f = mean.get("F", mean.get("FB/F", 0.0))
@@ -361,11 +369,15 @@ def _executor(path: str, spans: list[_Span], on_gpu: bool, phases: dict[str, Pha
     else:
         b, w = mean.get("BW", mean.get("FB/BW", 0.0)), 0.0
         notes.append("no separate dX and dW actions (full backwards only): W is 0, B is dX+dW")
-    full = mean.get("BW", b + w)
     wall = mean.get("FB")
-    parts = None if wall is None else f + full
+    parts = None
     if wall is None:
-        notes.append("no FB action ran overlapped, so no F&B pair to measure")
+        notes.append("no FB action in the trace, so no F&B pair to measure")
+    elif len(pair_parts) == len(times["FB"]):
+        parts = statistics.fmean(pair_parts)
+        notes.append("the FB pairs ran as a forward, then a backward (not overlapped)")
+    else:
+        parts = f + mean.get("BW", b + w)
     return TraceCosts(
         path,
         "GPU" if on_gpu else "CPU",
