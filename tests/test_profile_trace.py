@@ -229,3 +229,19 @@ def test_train_profile_writes_a_trace_per_rank_that_simulate_reads(
     assert costs.f > 0 and costs.b > 0 and costs.w > 0 and costs.pair_wall is not None
     assert main(["simulate", "--profile", str(traces[0]), "--pp", "2", "--microbatches", "8"]) == 0
     assert "ms per stage" in capsys.readouterr().out
+
+
+def test_the_bench_suite_keeps_the_deepseek_section_when_it_rewrites_the_page() -> None:
+    from megatron_dualpipe.bench.suite import DEEPSEEK_TITLE, _document, replace_section
+
+    page = "# Benchmarks\n\nhead\n\n## Simulated\n\nold table\n\n## GPU checks\n\nnot run\n"
+    page = replace_section(page, DEEPSEEK_TITLE, "per layer: F 24.3 ms")
+    titles = [line for line in page.splitlines() if line.startswith("## ")]
+    assert titles == ["## Simulated", f"## {DEEPSEEK_TITLE}", "## GPU checks"]
+    # Written again: replaced in place, not added twice.
+    again = replace_section(page, DEEPSEEK_TITLE, "per layer: F 25.0 ms")
+    assert again.count(DEEPSEEK_TITLE) == 1 and "25.0 ms" in again and "24.3" not in again
+    rewritten = _document([], quick=True, elapsed=1.0, kept=page)
+    assert f"## {DEEPSEEK_TITLE}\n\nper layer: F 24.3 ms\n" in rewritten
+    assert rewritten.index(DEEPSEEK_TITLE) < rewritten.index("## GPU checks")
+    assert DEEPSEEK_TITLE not in _document([], quick=True, elapsed=1.0)
