@@ -245,3 +245,57 @@ def test_the_bench_suite_keeps_the_deepseek_section_when_it_rewrites_the_page() 
     assert f"## {DEEPSEEK_TITLE}\n\nper layer: F 24.3 ms\n" in rewritten
     assert rewritten.index(DEEPSEEK_TITLE) < rewritten.index("## GPU checks")
     assert DEEPSEEK_TITLE not in _document([], quick=True, elapsed=1.0)
+
+
+def _profiled_span_names(rank: int, world_size: int) -> tuple[list[str], list[str]]:
+    """One dualpipev step on two gloo ranks under torch.profiler, with the executor's spans
+    off, then on: the spans of this rank's actions each time."""
+    import torch
+    from torch import nn
+
+    from megatron_dualpipe.runtime import PipelineExecutor, TensorSpec
+
+    torch.manual_seed(0)
+    schedule = generate("dualpipev", world_size, 4)
+    modules = [nn.Linear(4, 4) for _ in range(2)]
+    spec = TensorSpec((2, 4), torch.float32)
+    executor = PipelineExecutor(
+        schedule,
+        rank,
+        modules,
+        specs=dict.fromkeys(range(schedule.placement.num_stages), spec),
+        loss_fn=lambda out, mb: out.sum(),
+        timeout_s=30.0,
+    )
+    inputs = {mb: torch.randn(2, 4) for mb in range(4)} if rank == 0 else {}
+    names = []
+    for on in (False, True):
+        executor.record_spans = on
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            executor.run(inputs)
+        names.append(sorted(e.name for e in prof.events() if " stage=" in e.name))
+    executor.close()
+    return names[0], names[1]
+
+
+@pytest.mark.multiproc
+def test_the_executor_spans_each_action_only_when_asked() -> None:
+    from tests.multiproc import run_workers
+
+    schedule = generate("dualpipev", 2, 4)
+    for rank, (off, on) in enumerate(run_workers(_profiled_span_names, 2)):
+        assert off == []
+        expected = []
+        for action in schedule.ranks[rank]:
+            if action.kind.value == "FB":
+                forward, backward = action.sub
+                expected.append(
+                    f"FB stage={forward.stage} mb={forward.microbatch} + "
+                    f"stage={backward.stage} mb={backward.microbatch}"
+                )
+                expected += [
+                    f"FB/{h.kind.value} stage={h.stage} mb={h.microbatch}" for h in action.sub
+                ]
+            else:
+                expected.append(f"{action.kind.value} stage={action.stage} mb={action.microbatch}")
+        assert on == sorted(expected)
