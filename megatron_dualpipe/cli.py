@@ -506,7 +506,8 @@ def _run_advisor(args: argparse.Namespace) -> None:
     from .schedules.config_values import override_origins, read_values
     from .schedules.memory import MemorySettings
     from .schedules.model_cost import ModelShape
-    from .schedules.report import advice_report, memory_report
+    from .schedules.nccl_memory import NcclBuffers
+    from .schedules.report import advice_report, memory_report, nccl_memory_report
 
     others = {"--load": args.load, "--grid": args.grid, "--trace": args.trace, "--save": args.save}
     given = [flag for flag, value in others.items() if value]
@@ -536,6 +537,7 @@ def _run_advisor(args: argparse.Namespace) -> None:
         status.clear()
     print(advice_report(advice, shape.summary(), source))
     print(memory_report(advice, setup, settings))
+    print(nccl_memory_report(advice.schedule, NcclBuffers.from_env(os.environ)))
     problem = _train_refuses(args, advice.changes())
     if problem:
         print(f"note: megatron-dualpipe train does not take the config with these lines: {problem}")

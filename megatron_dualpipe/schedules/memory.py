@@ -25,8 +25,9 @@ stage), ``selective`` drops what each of ``recompute_modules`` rebuilds: ``layer
 two norms' outputs, ``mla_up_proj`` MLA's query, key and value, ``moe_act`` the experts'
 activation outputs, ``moe`` / ``mlp`` the whole MoE or MLP block but its input,
 ``shared_experts`` the shared expert's; ``core_attn`` saves nothing with flash attention.
-Not modelled: FP8 activation storage, temporary buffers (all-to-all, NCCL, the loss's
-logits before the softmax), the CUDA context and allocator fragmentation: leave headroom.
+Not modelled: FP8 activation storage, temporary buffers (all-to-all, the loss's logits
+before the softmax), the CUDA context and allocator fragmentation: leave headroom. NCCL's
+connection buffers per communicator are estimated apart, by :mod:`.nccl_memory`.
 """
 
 from __future__ import annotations

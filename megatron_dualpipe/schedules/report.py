@@ -6,8 +6,10 @@ from collections.abc import Sequence
 
 from .advisor import Advice, PipelineSetup
 from .comm_plan import CommPlan
+from .ir import Schedule
 from .layout import format_layout
 from .memory import MemorySettings, RankMemory
+from .nccl_memory import NcclBuffers, nccl_memory
 from .nccl_rules import NcclReport
 from .simulate import SimResult
 
@@ -17,6 +19,7 @@ __all__ = [
     "markdown_table",
     "memory_report",
     "memory_table",
+    "nccl_memory_report",
     "nccl_line",
     "rank_table",
     "text_table",
@@ -296,6 +299,45 @@ def memory_report(advice: Advice, setup: PipelineSetup, settings: MemorySettings
             "activations: the schedule's peak of what micro-batches hold from F to B (saved "
             "for the backward) and from B to W (the deferred weight gradients' inputs); "
             "recompute: the largest layer rebuilt inside a B; not counted: temporary buffers "
-            "(all-to-all, NCCL, logits before the softmax), the CUDA context, fragmentation",
+            "(all-to-all, logits before the softmax), the CUDA context, fragmentation; NCCL's "
+            "buffers: the estimate below",
         ]
     )
+
+
+def nccl_memory_report(schedule: Schedule, buffers: NcclBuffers) -> str:
+    """Per rank, the estimated NCCL buffers of each communicator our plan uses
+    (:mod:`.nccl_memory`), in MiB, and the most on any rank; labelled an estimate."""
+    ranks = nccl_memory(schedule, buffers)
+    rows = [
+        [
+            str(c.rank),
+            c.comm,
+            _ranks_text(c.members),
+            ", ".join(map(str, c.peers)),
+            f"{c.bytes / 2**20:.0f}",
+        ]
+        for comms in ranks
+        for c in comms
+    ]
+    totals = [sum(c.bytes for c in comms) for comms in ranks]
+    worst = max(range(len(totals)), key=totals.__getitem__)
+    return "\n".join(
+        [
+            "",
+            f"NCCL memory per rank under {schedule.name}, an estimate from NCCL's buffer rules "
+            f"(not measured): {buffers.describe()}",
+            text_table(["rank", "communicator", "ranks", "peers", "estimate (MiB)"], rows),
+            f"most (estimate): {totals[worst] / 2**20:.0f} MiB on rank {worst}; not counted: "
+            "Megatron-Core's own groups (tensor-, data-, expert-parallel), NCCL's fixed "
+            "structures per communicator; a peer in the same node over NVLink may get more "
+            "channels (set NCCL_NCHANNELS_PER_NET_PEER / NCCL_MAX_P2P_NCHANNELS to match)",
+        ]
+    )
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    """``0-3`` for a run of ranks, else the ranks listed."""
+    if len(ranks) > 2 and list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))
