@@ -317,3 +317,10 @@ def test_simulate_profile_optimises_on_the_profiles_costs(
         generate("dualpipev", 2, 4), CostModel(f=0.5, b=0.75, w=0.25, overlap=1.15 / 1.5)
     )
     assert figures["lower_bound"] <= figures["makespan"] <= hand.makespan * (1 + 1e-5)
+
+
+def test_a_broken_event_is_one_sentence(tmp_path: Path) -> None:
+    data = _trace()
+    del data["traceEvents"][0]["dur"]
+    with pytest.raises(ScheduleError, match="has an event without a readable 'dur'"):
+        read_profile(_write(tmp_path / "broken.json", data))

@@ -212,7 +212,7 @@ def _spans_with_work(events: list[dict]) -> tuple[list[_Span], bool]:
     launches: dict[object, list[tuple[float, object]]] = defaultdict(list)
     spans = []
     for e in events:
-        cat, args = e.get("cat"), e.get("args") or {}
+        cat, args = str(e.get("cat", "")).lower(), e.get("args") or {}
         if e.get("ph") != "X":
             continue
         if cat in _GPU_CATEGORIES and "correlation" in args:
@@ -402,7 +402,13 @@ def read_profile(path: str | Path) -> TraceCosts:
     model; :class:`ScheduleError` in one sentence where it is not such a trace or holds no
     phases this module understands."""
     path = Path(path)
-    spans, on_gpu = _spans_with_work(_load(path))
+    try:
+        spans, on_gpu = _spans_with_work(_load(path))
+    except (KeyError, TypeError, ValueError) as err:
+        raise ScheduleError(
+            f"--profile: {path} has an event without a readable {err}: give the trace as "
+            "the PyTorch profiler wrote it"
+        ) from None
     phases = _phases(spans, on_gpu)
     if any(_DEEPSEEK.match(n) for n in phases):
         costs = _deepseek(str(path), spans, on_gpu, phases)
