@@ -35,6 +35,7 @@ from .schedules.limits import (
     size_problem,
 )
 from .schedules.nccl_rules import EAGER_LIMIT, STREAMS, CommDeadlockError, check_nccl
+from .schedules.profile_trace import TraceCosts
 from .schedules.registry import SCHEDULES, generate, spec
 from .schedules.simulate import SimResult, simulate
 from .schedules.validate import check, validate
@@ -75,14 +76,12 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--cost-per",
         choices=["rank", "stage"],
-        default="rank",
+        default=None,
         help="costs are for one rank's share of the model (compare schedules at equal model "
         "size; schedules with more, smaller stages scale them down) or for one stage as given "
-        "(default: rank)",
+        "(default: rank; with --profile: stage, the profile's layer or action)",
     )
-    p.add_argument(
-        "--latency", type=float, default=0.0, help="time of one P2P hop (default: 0)"
-    )
+    p.add_argument("--latency", type=float, default=0.0, help="time of one P2P hop (default: 0)")
     p.add_argument("--load", type=Path, help="simulate a schedule from a text or JSON file")
     p.add_argument("--grid", action="store_true", help="print a text timeline")
     p.add_argument("--png", type=Path, help="write a PNG timeline")
@@ -164,6 +163,16 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         default=10.0,
         help="with --optimize: seconds to search (default 10)",
     )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        metavar="TRACE",
+        help="take the costs from a PyTorch profiler trace (Chrome JSON, plain or .gz): print "
+        "per layer the F, B and W compute, the all-to-all of each direction, an F&B pair's "
+        "wall time against its parts and the compute streams' busy share, then simulate on "
+        "the cost model they give (in ms; with --config, over the config's split); see "
+        "docs/BENCHMARKS.md",
+    )
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -215,13 +224,21 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         metavar="KEY=VALUE",
         help="override a config key (repeatable), e.g. --set pipeline_schedule=1f1b",
     )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile with torch.profiler as Megatron-LM's --profile --use-pytorch-profiler "
+        "(the steps after profile_step_start up to profile_step_end, on profile_ranks; set "
+        "them with --set): one Chrome trace per profiled rank, a span per pipeline action, "
+        "for simulate --profile",
+    )
 
 
 def _add_preprocess(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "preprocess",
         help="tokenize a jsonl corpus into Megatron's indexed dataset (.bin/.idx)",
-        description="Tokenize every line's \"text\" of a jsonl file with a Hugging Face "
+        description='Tokenize every line\'s "text" of a jsonl file with a Hugging Face '
         "tokenizer directory, append the end-of-document token, and write Megatron's indexed "
         "dataset PREFIX_text_document.bin/.idx (what Megatron-LM's tools/preprocess_data.py "
         "writes); train on it with data_path: PREFIX_text_document.",
@@ -317,7 +334,9 @@ def _run_train(args: argparse.Namespace) -> None:
         if handler != signal.SIG_IGN:  # nohup's SIGHUP stays ignored: the run goes on
             signal.signal(signum, _terminate)
     try:
-        train(load_config(args.config, args.overrides), source=str(args.config))
+        profiling = ["profile=true", "use_pytorch_profiler=true"] if args.profile else []
+        cfg = load_config(args.config, [*profiling, *args.overrides])
+        train(cfg, source=str(args.config))
     finally:  # a signal while the error is printed must not interrupt the printing
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -385,7 +404,7 @@ def _check_size(args: argparse.Namespace, mbs: int) -> None:
 def _cost_for(schedule: Schedule, args: argparse.Namespace) -> CostModel:
     """The cost model of ``--cost`` and ``--latency`` for ``schedule``'s stages."""
     cost = CostModel.parse(args.cost, latency=args.latency)
-    if args.cost_per == "rank":
+    if (args.cost_per or ("stage" if args.profile else "rank")) == "rank":
         p = schedule.placement
         cost = cost.per_stage(p.num_ranks, p.num_model_stages)
     return cost
@@ -452,7 +471,9 @@ def _write_outputs(
             print(f"wrote {_suffixed(args.trace, name, many)}")
     if args.json:
         payload = [r.to_json() for r in results]
-        if extra:
+        if extra and many:
+            payload = {**extra, "schedules": payload}
+        elif extra:
             payload[0].update(extra)
         args.json.write_text(json.dumps(payload if many else payload[0]), encoding="utf-8")
         print(f"wrote {args.json}")
@@ -566,7 +587,7 @@ def _write_advice(advice, args: argparse.Namespace) -> None:
         print(f"wrote {args.json}")
 
 
-def _run_optimize(args: argparse.Namespace) -> None:
+def _run_optimize(args: argparse.Namespace, extra: dict | None = None) -> None:
     """``simulate --optimize``: optimise one schedule's placement and report it."""
     from .schedules.optimize import optimize, summary, summary_json  # imports SciPy
 
@@ -608,10 +629,83 @@ def _run_optimize(args: argparse.Namespace) -> None:
     reference = simulate(one_f_one_b, _cost_for(one_f_one_b, args))
     print(summary(result, reference))
     print(rank_table(result.result))
-    _write_outputs([result.result], args, summary_json(result, reference))
+    _write_outputs([result.result], args, {**summary_json(result, reference), **(extra or {})})
     if args.save:
         args.save.write_text(result.schedule.to_text(), encoding="utf-8")
         print(f"wrote {args.save}")
+
+
+def _read_profile(args: argparse.Namespace) -> TraceCosts:
+    """``--profile``: read the trace, print its figures, and make its cost model the
+    ``--cost`` of what follows."""
+    from .schedules.profile_trace import read_profile
+
+    if args.cost != _DEFAULT_COST:
+        raise ScheduleError("--cost and --profile both give the costs: drop one")
+    if args.load and args.config:
+        raise ScheduleError("--load does not apply with --profile and --config: drop it")
+    profile = read_profile(args.profile)
+    print(profile.report())
+    args.cost = profile.cost_text()
+    return profile
+
+
+def _run_profile_config(args: argparse.Namespace, profile: TraceCosts) -> None:
+    """``simulate --profile --config``: the profile's costs over the config's split, for
+    the config's schedule or every schedule (ours, Megatron's, torch's), in ms."""
+    from .bench.catalog import SCHEDULES as ENTRIES
+    from .schedules.advisor import PipelineSetup
+    from .schedules.config_values import override_origins, read_values
+    from .schedules.model_cost import ModelShape
+    from .schedules.profile_config import config_costs
+    from .schedules.profile_report import ProfileRow, deepseek_bubble, profile_table
+
+    if args.optimize or args.memory_cap is not None:
+        raise ScheduleError(
+            "--optimize and --memory-cap do not apply with --profile and --config: drop them "
+            "(or --config, to optimise on the profile's costs)"
+        )
+    source, origins = override_origins(args.config, args.overrides)
+    values = {**_train_defaults(), **read_values(args.config, args.overrides)}
+    shape = ModelShape.from_values(values, source, origins)
+    setup = PipelineSetup.from_values(values, source, origins)
+    pp = setup.pipeline_model_parallel_size
+    mbs = args.microbatches or setup.num_microbatches
+    wanted = [args.schedule or setup.pipeline_schedule] if args.schedule != "all" else None
+    rows = []
+    for entry in ENTRIES:
+        if wanted is not None and entry.name not in wanted:
+            continue
+        try:
+            schedule = entry.build(pp, mbs)
+            validate(schedule)
+        except ScheduleError as err:
+            rows.append(ProfileRow(entry.name, entry.source, note=str(err)))
+            continue
+        except ModuleNotFoundError as err:  # torch's schedules, where torch is not installed
+            rows.append(ProfileRow(entry.name, entry.source, note=f"needs {err.name}"))
+            continue
+        costs = config_costs(profile, shape, setup, schedule.placement, args.latency)
+        result = simulate(schedule, costs.cost)
+        rows.append(ProfileRow.of(entry.name, entry.source, result, costs))
+    if not rows:
+        raise ScheduleError(f"{wanted[0]} is not a schedule here: see --schedule's choices")
+    print(f"{source}: PP={pp}, {mbs} micro-batches, the profile's costs in ms")
+    print(profile_table(rows))
+    formula = deepseek_bubble(rows, pp)
+    if formula:
+        print(formula["line"])
+    if args.json:
+        payload = {
+            **profile.to_json(),
+            "pp": pp,
+            "microbatches": mbs,
+            "schedules": [r.to_json() for r in rows],
+        }
+        if formula:
+            payload["deepseek_formula"] = {k: v for k, v in formula.items() if k != "line"}
+        args.json.write_text(json.dumps(payload), encoding="utf-8")
+        print(f"wrote {args.json}")
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -645,6 +739,11 @@ def _run_simulate(args: argparse.Namespace) -> None:
     _check_numbers(args)
     _check_distinct_outputs(args)
     _check_outputs({f"--{n}": getattr(args, n) for n in ("png", "trace", "json", "save")})
+    profile = _read_profile(args) if args.profile else None
+    extra = None if profile is None else profile.to_json()
+    if profile is not None and args.config:
+        _run_profile_config(args, profile)
+        return
     if args.config:
         if args.optimize:
             raise ScheduleError(
@@ -654,7 +753,7 @@ def _run_simulate(args: argparse.Namespace) -> None:
         _run_advisor(args)
         return
     if args.optimize:
-        _run_optimize(args)
+        _run_optimize(args, extra)
         return
     if args.overrides or args.memory_cap is not None:
         raise ScheduleError(
@@ -665,7 +764,7 @@ def _run_simulate(args: argparse.Namespace) -> None:
     with _no_cyclic_gc(), Progress() as bar:
         schedules, skipped = _schedules(args, bar)
         results = [_simulate_one(s, args, bar) for s in schedules]
-    _report(results, skipped, schedules, args)
+    _report(results, skipped, schedules, args, extra)
     if args.check_nccl:
         _check_nccl(schedules, args)
 
@@ -730,15 +829,16 @@ def _report(
     skipped: dict[str, str],
     schedules: list[Schedule],
     args: argparse.Namespace,
+    extra: dict | None = None,
 ) -> None:
-    """Print the table and write the files asked for."""
+    """Print the table and write the files asked for (``extra``: more figures for --json)."""
     from .schedules.report import comparison_table, rank_table
 
     if len(results) == 1:
         print(rank_table(results[0]))
     else:
         print(comparison_table(results, skipped))
-    _write_outputs(results, args)
+    _write_outputs(results, args, extra)
     if args.save:
         args.save.write_text(schedules[0].to_text(), encoding="utf-8")
         print(f"wrote {args.save}")

@@ -174,6 +174,8 @@ class DualPipeForwardBackward:
         self.schedule: Schedule | None = None
         #: FB overlap in the last training step (None before one).
         self.last_overlap: OverlapReport | None = None
+        #: Put every action of a step in a profiler span (see :meth:`profiling`).
+        self.record_spans = False
 
     def __repr__(self) -> str:
         return f"DualPipeForwardBackward({self.schedule_name!r})"
@@ -187,6 +189,17 @@ class DualPipeForwardBackward:
             yield
         finally:
             self.timeline_sink = previous
+
+    @contextlib.contextmanager
+    def profiling(self) -> Iterator[None]:
+        """Within the block, every step runs each action in a ``torch.profiler``
+        ``record_function`` span (``F stage=S mb=M``, ...) for a profiler to record;
+        outside it the executors make no profiler call."""
+        previous, self.record_spans = self.record_spans, True
+        try:
+            yield
+        finally:
+            self.record_spans = previous
 
     def use_schedule(self, schedule: Schedule | None) -> None:
         """Run ``schedule`` (a reordering of the generated schedule's work, such as an
@@ -349,8 +362,7 @@ class DualPipeForwardBackward:
             raise DualPipeConfigError(f"{name} does not support adjust_tensor_shapes_fn")
         if decoder_seq_length is not None and decoder_seq_length != seq_length:
             raise DualPipeConfigError(
-                f"{name} runs decoder-only models: decoder_seq_length must be None or "
-                "seq_length"
+                f"{name} runs decoder-only models: decoder_seq_length must be None or seq_length"
             )
         model = list(model) if isinstance(model, list | tuple) else [model]
         config = get_model_config(model[0])
@@ -382,6 +394,7 @@ class DualPipeForwardBackward:
         for stage, data in zip(stages, _chunk_data(data_iterator, schedule, stages), strict=True):
             stage.begin_step(step, data)
         executor.loss_fn = _loss_root(config, forward_only)
+        executor.record_spans = self.record_spans
 
         entering = {
             m: torch.empty(0)

@@ -55,6 +55,7 @@ from torch import nn
 from ..schedules.comm_plan import CommPlan, Compute, Init, Issue, Wait, comm_plan
 from ..schedules.ir import Action, Kind, Placement, Schedule
 from ..schedules.nccl_rules import check_nccl
+from ..schedules.profile_trace import action_span_name
 from ..schedules.validate import check_weight_grads_in_b_order, validate
 from .nccl_emulation import NcclRulesTransport
 from .p2p import MessageKey, Payload, PipeComm, TensorSpec
@@ -251,7 +252,8 @@ class PipelineExecutor:
     run of receives before computing).
     ``free_outputs`` (Megatron's ``deallocate_pipeline_outputs``)
     frees each sent output's storage once it is sent, and then refuses outputs that are
-    views.
+    views. ``record_spans`` (settable between steps) puts each compute action in a profiler
+    span, ``F stage=S mb=M`` and so on, one per action and FB half.
 
     Communication follows the schedule's :func:`~megatron_dualpipe.schedules.comm_plan.
     comm_plan` and nothing else, through ``transport``: by default, on gloo one group with
@@ -283,6 +285,7 @@ class PipelineExecutor:
         prepost_receives: bool = True,
         comm_layout: str = "lock-step",
         free_outputs: bool = True,
+        record_spans: bool = False,
     ):
         placement = schedule.placement
         if not 0 <= rank < placement.num_ranks:
@@ -304,6 +307,9 @@ class PipelineExecutor:
         self.loss_fn = loss_fn
         self.defer_weight_grads = defer_weight_grads
         self.free_outputs = free_outputs
+        #: Run each compute action in a ``torch.profiler.record_function`` span (for
+        #: ``train --profile``); off, the executor makes no profiler call.
+        self.record_spans = record_spans
         self.store = WeightGradStore()
         self._counter = _Counter()
         self._watchdog = Watchdog(rank, timeout_s)
@@ -538,13 +544,21 @@ class PipelineExecutor:
                     "pass variable_shapes=True if shapes differ per micro-batch"
                 )
 
-    def _compute(self, action: Action, step: _Step) -> None:
+    def _compute(self, action: Action, step: _Step, half: bool = False) -> None:
         """Run one compute action, timed into the step's timeline when it records one. An
         FB that cannot run interleaved runs, and is recorded, as what it is then: its
-        forward half, then its backward half."""
+        forward half, then its backward half. With :attr:`record_spans`, the action runs
+        inside a profiler span named :func:`_span_name` (``half``: one half of an FB)."""
+        if not self.record_spans:
+            self._compute_action(action, step)
+            return
+        with torch.profiler.record_function(_span_name(action, half)):
+            self._compute_action(action, step)
+
+    def _compute_action(self, action: Action, step: _Step) -> None:
         if action.kind is Kind.FB and not self._interleaves(action, step):
             for half in action.sub:
-                self._compute(half, step)
+                self._compute(half, step, half=True)
             return
         if step.timeline is None:
             self._execute(action, step)
@@ -756,6 +770,16 @@ class PipelineExecutor:
         step.units[(stage, mb)] = _Unit(grad_inputs, forward_roots, token, handle)
         self._send_input_grads(backward, backward_unit, step)
         step.result.overlapped += 1
+
+
+def _span_name(action: Action, half: bool) -> str:
+    """The profiler span of ``action`` (``simulate --profile`` reads these names back)."""
+    if action.kind is Kind.FB:
+        forward, backward = action.sub
+        other = (backward.stage, backward.microbatch)
+        return action_span_name("FB", forward.stage, forward.microbatch, other)
+    kind = f"FB/{action.kind.value}" if half else action.kind.value
+    return action_span_name(kind, action.stage, action.microbatch)
 
 
 def _sender(placement: Placement, key: MessageKey) -> int:

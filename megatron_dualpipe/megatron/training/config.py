@@ -108,8 +108,7 @@ class TrainConfig:
     sequence_parallel: bool = _key(False, doc="split the sequence over tensor-parallel ranks")
     world_size: int | None = _key(
         None,
-        doc="ranks to fork without a launcher (default: TP x PP; torchrun or srun set their "
-        "own)",
+        doc="ranks to fork without a launcher (default: TP x PP; torchrun or srun set their own)",
         megatron_lm=False,
     )
     optimize_schedule: bool = _key(
@@ -303,6 +302,22 @@ class TrainConfig:
         doc="steps between TensorBoard's scalars of one step (loss, learning rate, grad "
         "norm, ...); the timings go every log_interval",
     )
+    profile: bool = _key(
+        False,
+        doc="profile the steps after profile_step_start up to profile_step_end (Megatron-LM's "
+        "--profile; here with use_pytorch_profiler, the profiler this trainer runs)",
+    )
+    profile_step_start: int = _key(10, doc="with profile: the iteration profiling starts at")
+    profile_step_end: int = _key(12, doc="with profile: the iteration profiling stops at")
+    profile_ranks: str | None = _key(
+        None, doc="with profile: the global ranks to profile, a list (unset: every rank)"
+    )
+    use_pytorch_profiler: bool = _key(
+        False,
+        doc="with profile: torch.profiler, one Chrome trace per profiled rank "
+        "(rank-N.json.gz, a span per pipeline action, read by simulate --profile) in "
+        "tensorboard_dir/../torch_profile as Megatron-LM writes them, else the run's folder",
+    )
     save: str | None = _key(None, doc="checkpoint directory to save to")
     save_interval: int | None = _key(
         None, doc="steps between checkpoints (the last step is saved too)"
@@ -360,6 +375,21 @@ class TrainConfig:
         if self.tensorboard_dir is None or self.run_name is None:
             return self.tensorboard_dir
         return str(Path(self.tensorboard_dir) / self.run_name)
+
+    @property
+    def profile_dir(self) -> str | None:
+        """Where ``use_pytorch_profiler`` traces go: Megatron-LM's
+        ``tensorboard_dir/../torch_profile``, else ``run_dir/torch_profile``."""
+        if self.tensorboard_dir is not None:
+            return str(Path(self.tensorboard_dir).parent / "torch_profile")
+        base = self.run_dir
+        return None if base is None else str(Path(base) / "torch_profile")
+
+    def profiled_ranks(self) -> tuple[int, ...] | None:
+        """``profile_ranks`` as numbers (None: every rank)."""
+        if not self.profile_ranks:
+            return None
+        return tuple(int(word) for word in self.profile_ranks.replace(",", " ").split())
 
     @property
     def run_dir(self) -> str | None:
@@ -472,6 +502,7 @@ WORD_LISTS = (
     "valid_data_path",
     "test_data_path",
     "recompute_modules",
+    "profile_ranks",
 )
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _TYPES = typing.get_type_hints(TrainConfig)
@@ -1016,6 +1047,31 @@ def _check_io(cfg: TrainConfig) -> Problem:
         return "override_opt_param_scheduler", (
             "and use_checkpoint_opt_param_scheduler are both set: choose one (override: the "
             "config's learning-rate schedule wins; use_checkpoint: the checkpoint's)"
+        )
+    return _profile_problem(cfg) if cfg.profile else None
+
+
+def _profile_problem(cfg: TrainConfig) -> Problem:
+    """Megatron-LM's profiling keys, as far as this trainer runs them."""
+    if not cfg.use_pytorch_profiler:
+        return "profile", (
+            "needs use_pytorch_profiler: true here (Megatron-LM's other profiler is nsys, "
+            "which this trainer does not start)"
+        )
+    if not 0 <= cfg.profile_step_start < cfg.profile_step_end:
+        return "profile_step_end", (
+            f"must be above profile_step_start ({cfg.profile_step_start}), and both >= 0"
+        )
+    if cfg.profile_step_start >= cfg.train_iters:
+        return "profile_step_start", (
+            f"is at or after train_iters ({cfg.train_iters}): no step would be profiled"
+        )
+    words = (cfg.profile_ranks or "").replace(",", " ").split()
+    if not all(w.isdigit() for w in words):
+        return "profile_ranks", f"must be global rank numbers, got {cfg.profile_ranks!r}"
+    if cfg.profile_dir is None:
+        return "use_pytorch_profiler", (
+            "has nowhere to write its traces: set tensorboard_dir or output_dir"
         )
     return None
 

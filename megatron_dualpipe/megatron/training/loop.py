@@ -50,6 +50,7 @@ from .errors import TrainError
 from .measure import StepRecorder, predict, write_side_by_side_png
 from .model import build_model, transformer_config
 from .optim import build_optimizer
+from .profiling import StepProfiler
 from .report import (
     LogWindow,
     ProgressBar,
@@ -354,16 +355,38 @@ class _Run:
             self.say([" log_memory_to_tensorboard: CPU ranks have no CUDA memory to write"])
         window = LogWindow()
         saved_at = self.state.iteration if self.result.resumed_from is not None else None
-        recorder = None
         # optimize_schedule: measure this iteration, then switch (when iterations follow).
         switch_at = self.state.iteration + OPTIMIZE_AFTER if self.cfg.optimize_schedule else None
+        profiler = StepProfiler(self.cfg, self.rank, self.forward_backward)
+        try:
+            recorder = self._iterate(last, window, saved_at, switch_at, profiler)
+        finally:
+            profiler.close()
+        if profiler.path is not None:
+            print(f" wrote the profile of rank {self.rank}: {profiler.path}", flush=True)
+        if recorder is not None:
+            self.summarise(recorder)
+        self.report_overlap()
+
+    def _iterate(
+        self,
+        last: int,
+        window: LogWindow,
+        saved_at: int | None,
+        switch_at: int | None,
+        profiler: StepProfiler,
+    ) -> StepRecorder | None:
+        """The iterations of :meth:`train`; the last measured step's recorder."""
+        recorder = None
         while self.state.iteration < last:
             start = time.perf_counter()
             upcoming = self.state.iteration + 1
             switching = upcoming == switch_at and upcoming < last
             boarded = self.board is not None and self._logs(upcoming, last)
             measure = upcoming == last or switching or self._board_measures(upcoming, last)
+            profiler.before_step(self.state.iteration)
             loss, success, grad_norm, recorder = self.train_step(measure)
+            profiler.after_step(self.state.iteration)
             window.add(loss, time.perf_counter() - start, success, self.mtp)
             self.result.losses[self.state.iteration] = loss
             if self.mtp:
@@ -383,9 +406,7 @@ class _Run:
             self.save()
         if self.state.iteration < self.cfg.train_iters:
             self.say([f" exiting program at iteration {self.state.iteration:8d}"])
-        if recorder is not None:
-            self.summarise(recorder)
-        self.report_overlap()
+        return recorder
 
     def _logs(self, iteration: int, last: int) -> bool:
         """Whether ``iteration`` prints a log line (every ``log_interval``, and the last)."""

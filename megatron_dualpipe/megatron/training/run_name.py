@@ -42,6 +42,11 @@ NOT_IN_NAMES = frozenset(
         "save_interval",
         "exit_interval",
         "distributed_timeout_minutes",
+        "profile",
+        "profile_step_start",
+        "profile_step_end",
+        "profile_ranks",
+        "use_pytorch_profiler",
     }
 )
 #: Longest suffix of settings spelled out; a longer one is a hash of the settings.

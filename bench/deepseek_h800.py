@@ -1,0 +1,172 @@
+"""The "On DeepSeek's H800 costs" section of docs/BENCHMARKS.md, from DeepSeek's published
+training profile, by this project's own commands.
+
+    git clone https://github.com/deepseek-ai/profile-data    # train.json: no licence, so
+    python bench/deepseek_h800.py profile-data/train.json    # it is read, never committed
+
+runs ``megatron-dualpipe simulate --profile TRACE`` (the per-layer figures) and
+``simulate --profile TRACE --config configs/deepseek_v3_pp16.yaml --schedule all`` at the
+config's 120 micro-batches and at 32, and writes their output into the section (replacing
+the one there; ``megatron-dualpipe bench --out docs`` keeps it). ``--print`` writes the
+section to stdout instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from megatron_dualpipe.bench.suite import DEEPSEEK_TITLE, replace_section  # noqa: E402
+
+CONFIG = "configs/deepseek_v3_pp16.yaml"
+MICROBATCHES = (120, 32)
+#: Layers in one of DeepSeek's profiled chunks, and in a middle stage of the config's split.
+LAYERS_PER_CHUNK = 4
+
+
+def _run(args: list[str], trace: Path) -> tuple[str, dict]:
+    """One ``megatron-dualpipe`` command with ``$TRACE`` for the trace: its stdout (less
+    the ``wrote`` line) and its ``--json`` figures."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "figures.json"
+        argv = [str(trace) if a == "$TRACE" else a for a in args] + ["--json", str(out)]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        done = subprocess.run(
+            [sys.executable, "-m", "megatron_dualpipe", *argv],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        figures = json.loads(out.read_text(encoding="utf-8"))
+    lines = [line for line in done.stdout.splitlines() if not line.startswith("wrote ")]
+    return "\n".join(lines).replace(str(trace), "$TRACE"), figures
+
+
+def _command(args: list[str]) -> str:
+    return "megatron-dualpipe " + " ".join(args)
+
+
+def _phase_table(phases: dict) -> str:
+    rows = ["| phase | GPU ms | count | by stream | CPU ms |", "|:--|--:|--:|:--|--:|"]
+    for name, p in phases.items():
+        streams = ", ".join(f"{k}: {v:.3f}" for k, v in p["streams"].items())
+        rows.append(f"| {name} | {p['ms']:.3f} | {p['count']} | {streams} | {p['cpu_ms']:.3f} |")
+    return "\n".join(rows)
+
+
+def section(trace: Path) -> str:
+    """The section's markdown."""
+    layer_args = ["simulate", "--profile", "$TRACE", "--schedule", "dualpipe", "--pp", "16"]
+    layer_args += ["--microbatches", "32"]
+    layer_text, layer = _run(layer_args, trace)
+    report = layer_text.split("\ndualpipe:")[0]
+    parts = [
+        "DeepSeek published a PyTorch profiler trace of DualPipe's overlapped forward and "
+        "backward pair on an H800 (github deepseek-ai/profile-data, `train.json`: two 4-layer "
+        "MoE chunks of DeepSeek-V3, EP64, TP1, 4K sequence, balanced routing, no pipeline "
+        "communication). `simulate --profile` reads its phase spans (`attn(F)`, `mlp(B)`, "
+        "`dispatch(F)`, `combine(B)`, ...), and for each the GPU kernels its launches started, "
+        "stream by stream. The trace is not in this repository (it has no licence); this "
+        "section is written by `python bench/deepseek_h800.py TRACE` with "
+        "TRACE=profile-data/train.json.",
+        f"**Per layer**, `{_command(layer_args)}` (its profile figures):",
+        f"```\n{report}\n```",
+        "Each phase as the trace spells it (its `--json` `phases`): GPU ms per occurrence, "
+        "occurrences, ms by stream, the span's own CPU ms:",
+        _phase_table(layer["phases"]),
+    ]
+    per = layer["per_unit"]
+    parts.append(
+        f"F is the forward's compute ({per['F']:.2f} ms) with its all-to-all "
+        f"({per['a2a_forward']:.2f} ms: a lone forward waits for its own), B the input "
+        f"gradient's ({per['B']:.2f} ms) with its all-to-all ({per['a2a_backward']:.2f} ms), "
+        f"W the weight gradient's. The pair takes {per['pair_wall']:.2f} ms a layer against "
+        f"{per['pair_parts']:.2f} ms of parts: the all-to-all hides behind compute entirely "
+        f"(the pair is no longer than its compute alone, "
+        f"{per['F'] + per['B'] + per['W']:.2f} ms), and the compute streams are busy "
+        f"{100 * per['compute_busy']:.0f}% of it. Kernel times of DeepEP's kernels include "
+        "their waits for the other ranks, so the all-to-all figures are upper bounds."
+    )
+    formulas = []
+    for m in MICROBATCHES:
+        args = ["simulate", "--profile", "$TRACE", "--config", CONFIG, "--schedule", "all"]
+        args += ["--microbatches", str(m)]
+        text, figures = _run(args, trace)
+        table = text[text.index(f"{CONFIG}:") :].split("\n", 1)[1]
+        table, formula = table.rsplit("\n", 1)
+        title = f"**DeepSeek-V3 at PP=16, {m} micro-batches** (ms), `{_command(args)}`:"
+        parts += [title, table, f"`{formula}`"]
+        formulas.append((m, figures["deepseek_formula"]))
+    f = formulas[0][1]
+    chunk = f["chunk_ms"]
+    idle = {m: x["simulated_idle_ms"] for m, x in formulas}
+    parts.append(
+        "How to read it. Stages are timed by their FLOPs at the profiled layer's ms per FLOP "
+        "(a middle stage of four MoE layers is four profiled layers; the embedding, the "
+        "output layer, the MTP block and the loss at the same rate), with the profile's F&B "
+        "overlap. Under dualpipe the config's split (4 + 14 x 4 + 1 layers) applies; the "
+        "32-stage schedules (interleaved, V) have no such split in the config, so they run "
+        "the most even one, which leaves the embedding, the output layer and both heads "
+        "(MTP) on one rank: that rank is the long one and the others idle (the idle ranges "
+        "above), which the balance advisor (`simulate --config`) would move layers to fix. "
+        "Megatron's interleaved 1F1B needs the micro-batches to be a multiple of PP, so at "
+        "120 it is n/a and its comparisons are at 32."
+    )
+    # The per-layer run is dualpipe on equal one-layer stages: x 4 for equal 4-layer chunks.
+    equal = [LAYERS_PER_CHUNK * (layer["makespan"] - r["busy"]) for r in layer["ranks"]]
+    spread = "; ".join(
+        f"{x['mean']:.0f} ms on average ({x['min']:.0f} to {x['max']:.0f}) at {m} micro-batches"
+        for m, x in idle.items()
+    )
+    lone = chunk["F"] + chunk["dX"]
+    parts.append(
+        f"DeepSeek's formula for DualPipe's bubble, (PP/2-1)(F&B+B-3W) with B the full "
+        f"backward, on a middle chunk (F={chunk['F']:.1f}, B={chunk['B_full']:.1f}, "
+        f"W={chunk['W']:.1f}, F&B={chunk['F&B']:.1f} ms) gives {f['formula_ms']:.0f} ms of "
+        f"idle per rank. The simulation, on equal chunks of those costs (the per-layer run "
+        f"above, x {LAYERS_PER_CHUNK}), idles {sum(equal) / len(equal):.0f} ms on average "
+        f"({min(equal):.0f} to {max(equal):.0f}); on the config's split, {spread}. Why they "
+        "differ: (1) the formula is exact where the pair is at least as long as a lone "
+        "forward and a lone input gradient (docs/schedules.md, tested at F = dX = dW: every "
+        "rank when F&B = F+B+W, the most idle rank down to F&B = F+dX); here the pair "
+        f"({chunk['F&B']:.1f} ms) is "
+        f"far shorter than F+dX ({lone:.1f} ms), because the pair hides both all-to-alls "
+        "and a lone pass waits for its own. The warm-up and cool-down run lone passes, so "
+        "ranks differ: the ends idle less than the formula says, the middle ranks more. "
+        "(2) The config's stages are not equal: the first holds the embedding, the last one "
+        "layer with the output layer, the MTP block and the loss, so the ranks holding them "
+        "idle less and the others more, the more so the more micro-batches, and the step "
+        "is longer than on equal chunks. The "
+        "formula is a closed form for equal chunks with little overlap; the simulation "
+        "times this split with this overlap."
+    )
+    return "\n\n".join(parts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace", type=Path, help="DeepSeek's train.json")
+    parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "BENCHMARKS.md")
+    parser.add_argument("--print", action="store_true", help="print the section instead")
+    args = parser.parse_args()
+    text = section(args.trace.resolve())
+    if args.print:
+        print(f"## {DEEPSEEK_TITLE}\n\n{text}")
+        return
+    doc = args.doc.read_text(encoding="utf-8")
+    args.doc.write_text(replace_section(doc, DEEPSEEK_TITLE, text), encoding="utf-8")
+    print(f"wrote the section {DEEPSEEK_TITLE!r} into {args.doc}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""The table ``simulate --profile --config`` prints: every schedule's step on a profile's
+costs, against Megatron's interleaved 1F1B with its all-to-all overlap and torch's ZBV and
+DualPipeV, and DualPipe's simulated bubble against DeepSeek's published formula. Pure
+Python.
+
+DeepSeek's DualPipe paper (Table 2) gives DualPipe's bubble as (PP/2 - 1)(F&B + B - 3W) for
+one chunk's F, full backward B (dX + dW: the simulator's B + W), W (dW) and F&B (an
+overlapped forward and full backward pair); the figure set beside it here is each rank's
+simulated idle time (the step minus the rank's compute), on the same chunk costs.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from .profile_config import ConfigCosts
+from .report import markdown_table
+from .simulate import SimResult
+
+__all__ = ["PEERS", "ProfileRow", "deepseek_bubble", "profile_table"]
+
+#: The schedules every row is set against.
+PEERS = ("interleaved-1f1b-a2a", "torch-zbv", "torch-dualpipev")
+
+
+@dataclass(frozen=True)
+class ProfileRow:
+    """One schedule's simulated step (ms) on the profile's costs; ``note`` where it does
+    not apply. ``idle`` is each rank's idle time, ``chunk`` a middle stage's (F, B, W)."""
+
+    schedule: str
+    source: str
+    stages: int | None = None
+    config_split: bool | None = None
+    step: float | None = None
+    bubble: float | None = None
+    idle: tuple[float, ...] = ()
+    chunk: tuple[float, float, float] | None = None
+    overlap: float | None = None
+    note: str = ""
+
+    @staticmethod
+    def of(name: str, source: str, result: SimResult, costs: ConfigCosts) -> ProfileRow:
+        stage_costs = costs.cost.stage_costs or ()
+        middle = stage_costs[len(stage_costs) // 2] if stage_costs else None
+        return ProfileRow(
+            name,
+            source,
+            stages=result.schedule.placement.num_model_stages,
+            config_split=costs.config_split,
+            step=result.makespan,
+            bubble=result.bubble_ratio,
+            idle=tuple(r.idle for r in result.ranks),
+            chunk=middle,
+            overlap=costs.cost.overlap,
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "schedule": self.schedule,
+            "source": self.source,
+            "model_stages": self.stages,
+            "config_split": self.config_split,
+            "step_ms": self.step,
+            "bubble_ratio": self.bubble,
+            "idle_ms": list(self.idle),
+            "note": self.note,
+        }
+
+
+def profile_table(rows: list[ProfileRow]) -> str:
+    """A markdown table: a row per schedule, its step, bubble, idle per rank and its step
+    over each of :data:`PEERS`'."""
+    steps = {r.schedule: r.step for r in rows if r.step is not None}
+    header = ["schedule", "from", "stages", "split", "step (ms)", "bubble", "idle/rank (ms)"]
+    header += [f"vs {p}" for p in PEERS if p in steps]
+    body = []
+    for r in rows:
+        if r.step is None:
+            body.append(
+                [r.schedule, r.source, "-", "-", "n/a", "-", "-"] + ["-"] * (len(header) - 7)
+            )
+            continue
+        split = "config's" if r.config_split else "most even"
+        idle = f"{statistics.fmean(r.idle):.0f} ({min(r.idle):.0f}-{max(r.idle):.0f})"
+        line = [r.schedule, r.source, str(r.stages), split, f"{r.step:.1f}"]
+        line += [f"{100 * (r.bubble or 0.0):.1f}%", idle]
+        line += [f"{r.step / steps[p]:.3f}" for p in PEERS if p in steps]
+        body.append(line)
+    text = markdown_table(header, body)
+    notes = [f"- n/a: {r.schedule}: {r.note}" for r in rows if r.note]
+    return text + ("\n\n" + "\n".join(notes) if notes else "")
+
+
+def deepseek_bubble(rows: list[ProfileRow], pp: int) -> dict | None:
+    """DualPipe's bubble by DeepSeek's formula on a middle chunk's costs, beside its
+    simulated idle per rank; None without a simulated dualpipe row."""
+    row = next((r for r in rows if r.schedule == "dualpipe" and r.step is not None), None)
+    if row is None or row.chunk is None:
+        return None
+    f, b, w = row.chunk
+    full = b + w  # the paper's B is the full backward
+    pair = (row.overlap or 1.0) * (f + full)
+    formula = (pp / 2 - 1) * (pair + full - 3 * w)
+    mean = statistics.fmean(row.idle)
+    line = (
+        f"dualpipe bubble: DeepSeek's (PP/2-1)(F&B+B-3W) = ({pp}/2-1) x ({pair:.1f} + {full:.1f}"
+        f" - 3 x {w:.1f}) = {formula:.1f} ms, on a middle chunk's F={f:.1f} B={full:.1f} (dX "
+        f"{b:.1f} + dW) W={w:.1f} F&B={pair:.1f}; simulated idle per rank {mean:.1f} ms "
+        f"({min(row.idle):.1f} to {max(row.idle):.1f})"
+    )
+    return {
+        "pp": pp,
+        "chunk_ms": {"F": f, "B_full": full, "dX": b, "W": w, "F&B": pair},
+        "formula_ms": formula,
+        "simulated_idle_ms": {"mean": mean, "min": min(row.idle), "max": max(row.idle)},
+        "line": line,
+    }

@@ -1,0 +1,326 @@
+"""``simulate --profile``: costs read from a PyTorch profiler trace. The traces here are
+written by the tests in the format of DeepSeek's published profile (github
+deepseek-ai/profile-data, train.json: record_function spans ``attn(F)``, ..., the launches'
+``cudaLaunchKernel`` events matched to kernels by ``args.correlation``, kernels on streams),
+with times chosen so that every figure is known; the last test makes a trace with
+``train --profile`` on CPU and reads it back."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_dualpipe.cli import main
+from megatron_dualpipe.schedules import CostModel, ScheduleError, generate, simulate
+from megatron_dualpipe.schedules.profile_report import ProfileRow, deepseek_bubble
+from megatron_dualpipe.schedules.profile_trace import read_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPUTE, COMM = 7, 27
+#: Per layer, each phase's kernel time (us) and its stream. Compute F 300 (attn 100 + mlp
+#: 200), B 600, W 250; all-to-all F 120 + 80, B 90 + 60.
+PHASES = (
+    ("attn(F)", 100, COMPUTE),
+    ("dispatch(F)", 120, COMM),
+    ("mlp(F)", 200, COMPUTE),
+    ("combine(F)", 80, COMM),
+    ("combine(B)", 60, COMM),
+    ("mlp(B)", 400, COMPUTE),
+    ("mlp(W)", 150, COMPUTE),
+    ("dispatch(B)", 90, COMM),
+    ("attn(B)", 200, COMPUTE),
+    ("attn(W)", 100, COMPUTE),
+)
+LAYERS = 2
+
+
+def _trace(gpu: bool = True) -> dict:
+    """One overlapped F&B pair (span ``1F1B``) of LAYERS layers. Each phase's CPU span is
+    10 us and launches one kernel; each stream runs its kernels back to back from t=1000, so
+    the compute stream (1,150 us a layer) is the long one: the pair's wall time is 2,300
+    us, its parts sum to 3,000 us (all-to-all 350 us a layer)."""
+    events: list[dict] = []
+    clock = {COMPUTE: 1000.0, COMM: 1000.0}
+    t, correlation = 0.0, 100
+    pid, tid = 11, 11
+    for _ in range(LAYERS):
+        for name, dur, stream in PHASES:
+            events.append(_x("user_annotation", name, pid, tid, t, 10.0))
+            correlation += 1
+            launch = _x("cuda_runtime", "cudaLaunchKernel", pid, tid, t + 2, 3.0)
+            launch["args"] = {"correlation": correlation}
+            if gpu:
+                events.append(launch)
+                kernel = _x("kernel", f"k_{name}", 0, stream, clock[stream], float(dur))
+                kernel["args"] = {"correlation": correlation, "stream": stream}
+                events.append(kernel)
+            clock[stream] += dur
+            t += 10.0
+    events.append(_x("user_annotation", "1F1B", pid, tid, -1.0, t + 2.0))
+    events.append(_x("user_annotation", "ProfilerStep#1", pid, tid, -2.0, t + 4.0))
+    if not gpu:  # a CPU run: the spans take the times the kernels took above
+        events = [e for e in events if e["cat"] == "user_annotation"]
+        start = 0.0
+        for e, (_, dur, _) in zip(events, PHASES * LAYERS, strict=False):
+            e["ts"], e["dur"] = start, float(dur)
+            start += dur
+    return {"schemaVersion": 1, "traceEvents": events}
+
+
+def _x(cat: str, name: str, pid: int, tid: int, ts: float, dur: float) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur}
+
+
+def _write(path: Path, data: dict) -> Path:
+    text = json.dumps(data).encode()
+    path.write_bytes(gzip.compress(text) if path.suffix == ".gz" else text)
+    return path
+
+
+@pytest.mark.parametrize("name", ["trace.json", "trace.json.gz"])
+def test_deepseek_phases_give_the_per_layer_figures(tmp_path: Path, name: str) -> None:
+    costs = read_profile(_write(tmp_path / name, _trace()))
+    assert costs.device == "GPU" and costs.unit == "layer"
+    assert (costs.f, costs.b, costs.w) == pytest.approx((0.3, 0.6, 0.25))
+    assert (costs.a2a_forward, costs.a2a_backward) == pytest.approx((0.2, 0.15))
+    # Wall: the compute stream's 2 x 1,150 us; parts: every kernel, 1,500 us a layer.
+    assert costs.pair_wall == pytest.approx(1.15)
+    assert costs.pair_parts == pytest.approx(1.5)
+    assert costs.compute_streams == ("7",)
+    assert costs.compute_busy == pytest.approx(1.0)
+    model = costs.cost_model()
+    assert (model.f, model.b, model.w, model.overlap) == pytest.approx(
+        (0.5, 0.75, 0.25, 1.15 / 1.5)
+    )
+    phase = costs.phases["mlp(B)"]
+    assert (phase.count, phase.ms, phase.streams) == (2, pytest.approx(0.4), {"7": 0.4})
+    assert "ProfilerStep#1" not in costs.phases
+    # The pair's span holds every kernel of the step, on both streams.
+    assert costs.phases["1F1B"].streams == pytest.approx({"27": 0.7, "7": 2.3})
+
+
+def test_a_cpu_trace_takes_the_spans_own_times_and_says_so(tmp_path: Path) -> None:
+    costs = read_profile(_write(tmp_path / "cpu.json", _trace(gpu=False)))
+    assert costs.device == "CPU"
+    assert costs.notes[0].startswith("no GPU work in the trace")
+    assert (costs.f, costs.b, costs.w) == pytest.approx((0.3, 0.6, 0.25))
+    assert costs.phases["attn(F)"].streams == {}
+
+
+def test_simulate_profile_prints_the_figures_and_simulates_on_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = _write(tmp_path / "t.json", _trace())
+    out = tmp_path / "figures.json"
+    argv = ["simulate", "--profile", str(trace), "--schedule", "dualpipev", "--pp", "4"]
+    assert main([*argv, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "F&B pair: wall 1.150 ms vs its parts' sum 1.500 ms (overlap 0.767)" in text
+    assert "--cost F=0.5,B=0.75,W=0.25,overlap=0.766667 --cost-per stage" in text
+    figures = json.loads(out.read_text())
+    assert figures["phases"]["dispatch(F)"] == {
+        "ms": pytest.approx(0.12),
+        "count": 2,
+        "streams": {"27": pytest.approx(0.12)},
+        "cpu_ms": pytest.approx(0.01),
+    }
+    # The simulated step is the one on those costs, one layer per stage.
+    expected = simulate(
+        generate("dualpipev", 4, 10), CostModel(f=0.5, b=0.75, w=0.25, overlap=1.15 / 1.5)
+    )
+    assert figures["makespan"] == pytest.approx(expected.makespan, rel=1e-5)
+
+
+def test_profile_refusals_are_one_sentence(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = _write(tmp_path / "t.json", _trace())
+    assert main(["simulate", "--profile", str(trace), "--cost", "F=1"]) == 2
+    assert "--cost and --profile both give the costs: drop one" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{not json", encoding="utf-8")
+    assert main(["simulate", "--profile", str(tmp_path / "bad.json")]) == 2
+    assert "is not a Chrome trace" in capsys.readouterr().err
+    # Megatron-LM's own traces hold only the profiler's step spans: nothing to read.
+    steps = {"traceEvents": [_x("user_annotation", "ProfilerStep#3", 1, 1, 0.0, 5.0)]}
+    assert main(["simulate", "--profile", str(_write(tmp_path / "lm.json", steps))]) == 2
+    assert "has no phases this reader knows" in capsys.readouterr().err
+
+
+def test_deepseeks_dualpipe_formula_is_the_simulated_bubble_where_it_holds() -> None:
+    """DeepSeek's (PP/2-1)(F&B+B-3W) counts B as the full backward: on even chunks with
+    F&B = F+B+W (where the closed form holds on every rank) it is the simulated idle."""
+    pp = 8
+    result = simulate(generate("dualpipe", pp, 2 * pp), CostModel(f=1, b=1, w=1))
+    row = ProfileRow(
+        "dualpipe",
+        "ours",
+        step=result.makespan,
+        idle=tuple(r.idle for r in result.ranks),
+        chunk=(1.0, 1.0, 1.0),
+        overlap=1.0,
+    )
+    formula = deepseek_bubble([row], pp)
+    assert formula["formula_ms"] == pytest.approx((pp / 2 - 1) * (3 + 2 - 3))
+    assert formula["simulated_idle_ms"]["max"] == pytest.approx(formula["formula_ms"])
+
+
+def test_profile_beside_a_config_times_its_split(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = _write(tmp_path / "t.json", _trace())
+    out = tmp_path / "table.json"
+    config = ROOT / "configs" / "deepseek_v3_pp16.yaml"
+    argv = ["simulate", "--profile", str(trace), "--config", str(config), "--schedule", "all"]
+    assert main([*argv, "--microbatches", "32", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "PP=16, 32 micro-batches" in text and "dualpipe bubble: DeepSeek's" in text
+    figures = json.loads(out.read_text())
+    rows = {r["schedule"]: r for r in figures["schedules"]}
+    assert rows["dualpipe"]["config_split"] is True and rows["dualpipe"]["model_stages"] == 16
+    assert rows["dualpipev"]["config_split"] is False  # 4 + 14 x 4 + 1 has no 32-stage form
+    assert rows["interleaved-1f1b-a2a"]["step_ms"] is not None
+    # A middle stage holds four MoE layers: four profiled layers.
+    chunk = figures["deepseek_formula"]["chunk_ms"]
+    assert (chunk["F"], chunk["dX"], chunk["W"]) == pytest.approx((2.0, 3.0, 1.0))
+    with pytest.raises(ScheduleError, match="no phases this reader knows"):
+        read_profile(_write(tmp_path / "empty.json", {"traceEvents": []}))
+
+
+@pytest.mark.slow
+@pytest.mark.megatron
+@pytest.mark.multiproc
+def test_train_profile_writes_a_trace_per_rank_that_simulate_reads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from megatron_dualpipe.megatron.training import load_config, train
+
+    tiny = ROOT / "configs" / "tiny_gpt_cpu.yaml"
+    settings = [
+        "train_iters=3",
+        "eval_interval=null",
+        f"output_dir={tmp_path}",
+        "profile=true",
+        "use_pytorch_profiler=true",
+        "profile_step_start=1",
+        "profile_step_end=2",
+    ]
+    cfg = load_config(tiny, settings)
+    train(cfg, source=str(tiny))
+    traces = sorted(Path(cfg.profile_dir).iterdir())
+    assert [t.name for t in traces] == ["rank-0.json.gz", "rank-1.json.gz"]
+    costs = read_profile(traces[0])
+    assert costs.device == "CPU" and costs.spelling == "executor"
+    # dualpipev at PP=2, 8 micro-batches, one profiled step: rank 0's actions, by kind.
+    kinds: dict[str, int] = {}
+    for name, phase in costs.phases.items():
+        if " stage=" in name:  # the profiler's own spans (gloo:send, ...) are there too
+            kinds[name.split(" ")[0]] = kinds.get(name.split(" ")[0], 0) + phase.count
+    schedule = generate("dualpipev", 2, 8)
+    expected: dict[str, int] = {}
+    for action in schedule.ranks[0]:
+        kind = action.kind.value
+        expected[kind] = expected.get(kind, 0) + 1
+        for half in action.sub:
+            expected[f"FB/{half.kind.value}"] = expected.get(f"FB/{half.kind.value}", 0) + 1
+    assert kinds == expected
+    assert costs.f > 0 and costs.b > 0 and costs.w > 0 and costs.pair_wall is not None
+    assert main(["simulate", "--profile", str(traces[0]), "--pp", "2", "--microbatches", "8"]) == 0
+    assert "ms per stage" in capsys.readouterr().out
+
+
+def test_the_bench_suite_keeps_the_deepseek_section_when_it_rewrites_the_page() -> None:
+    from megatron_dualpipe.bench.suite import DEEPSEEK_TITLE, _document, replace_section
+
+    page = "# Benchmarks\n\nhead\n\n## Simulated\n\nold table\n\n## GPU checks\n\nnot run\n"
+    page = replace_section(page, DEEPSEEK_TITLE, "per layer: F 24.3 ms")
+    titles = [line for line in page.splitlines() if line.startswith("## ")]
+    assert titles == ["## Simulated", f"## {DEEPSEEK_TITLE}", "## GPU checks"]
+    # Written again: replaced in place, not added twice.
+    again = replace_section(page, DEEPSEEK_TITLE, "per layer: F 25.0 ms")
+    assert again.count(DEEPSEEK_TITLE) == 1 and "25.0 ms" in again and "24.3" not in again
+    rewritten = _document([], quick=True, elapsed=1.0, kept=page)
+    assert f"## {DEEPSEEK_TITLE}\n\nper layer: F 24.3 ms\n" in rewritten
+    assert rewritten.index(DEEPSEEK_TITLE) < rewritten.index("## GPU checks")
+    assert DEEPSEEK_TITLE not in _document([], quick=True, elapsed=1.0)
+
+
+def _profiled_span_names(rank: int, world_size: int) -> tuple[list[str], list[str]]:
+    """One dualpipev step on two gloo ranks under torch.profiler, with the executor's spans
+    off, then on: the spans of this rank's actions each time."""
+    import torch
+    from torch import nn
+
+    from megatron_dualpipe.runtime import PipelineExecutor, TensorSpec
+
+    torch.manual_seed(0)
+    schedule = generate("dualpipev", world_size, 4)
+    modules = [nn.Linear(4, 4) for _ in range(2)]
+    spec = TensorSpec((2, 4), torch.float32)
+    executor = PipelineExecutor(
+        schedule,
+        rank,
+        modules,
+        specs=dict.fromkeys(range(schedule.placement.num_stages), spec),
+        loss_fn=lambda out, mb: out.sum(),
+        timeout_s=30.0,
+    )
+    inputs = {mb: torch.randn(2, 4) for mb in range(4)} if rank == 0 else {}
+    names = []
+    for on in (False, True):
+        executor.record_spans = on
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            executor.run(inputs)
+        names.append(sorted(e.name for e in prof.events() if " stage=" in e.name))
+    executor.close()
+    return names[0], names[1]
+
+
+@pytest.mark.multiproc
+def test_the_executor_spans_each_action_only_when_asked() -> None:
+    from tests.multiproc import run_workers
+
+    schedule = generate("dualpipev", 2, 4)
+    for rank, (off, on) in enumerate(run_workers(_profiled_span_names, 2)):
+        assert off == []
+        expected = []
+        for action in schedule.ranks[rank]:
+            if action.kind.value == "FB":
+                forward, backward = action.sub
+                expected.append(
+                    f"FB stage={forward.stage} mb={forward.microbatch} + "
+                    f"stage={backward.stage} mb={backward.microbatch}"
+                )
+                expected += [
+                    f"FB/{h.kind.value} stage={h.stage} mb={h.microbatch}" for h in action.sub
+                ]
+            else:
+                expected.append(f"{action.kind.value} stage={action.stage} mb={action.microbatch}")
+        assert on == sorted(expected)
+
+
+def test_simulate_profile_optimises_on_the_profiles_costs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = _write(tmp_path / "t.json", _trace())
+    out = tmp_path / "opt.json"
+    argv = ["simulate", "--profile", str(trace), "--optimize", "--schedule", "dualpipev"]
+    argv += ["--pp", "2", "--microbatches", "4", "--time-limit", "5", "--json", str(out)]
+    assert main(argv) == 0
+    assert "overlap 0.767" in capsys.readouterr().out
+    figures = json.loads(out.read_text())
+    assert figures["optimized"] is True and figures["phases"]["attn(F)"]["count"] == 2
+    # No better than the hand-made schedule's bound on these costs, no worse than it.
+    hand = simulate(
+        generate("dualpipev", 2, 4), CostModel(f=0.5, b=0.75, w=0.25, overlap=1.15 / 1.5)
+    )
+    assert figures["lower_bound"] <= figures["makespan"] <= hand.makespan * (1 + 1e-5)
+
+
+def test_a_broken_event_is_one_sentence(tmp_path: Path) -> None:
+    data = _trace()
+    del data["traceEvents"][0]["dur"]
+    with pytest.raises(ScheduleError, match="has an event without a readable 'dur'"):
+        read_profile(_write(tmp_path / "broken.json", data))
