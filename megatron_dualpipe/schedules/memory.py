@@ -475,11 +475,10 @@ def _replicated_params(shape: ModelShape, layer: int) -> float:
 
 
 def _non_linear_params(shape: ModelShape, layer: int) -> float:
-    """Of decoder layer ``layer``'s parameters, those outside linear layers (norms, MLA's
-    low-rank norms, the router): no FP8 copy."""
+    """Of decoder layer ``layer``'s parameters, those outside linear layers (norms, the
+    query and key norms, the router): no FP8 copy."""
     h = shape.hidden_size
     norms = 2 * h * (1 if shape.normalization == "RMSNorm" else 2)
-    if shape.multi_latent_attention:
-        norms += (shape.q_lora_rank or 0) + shape.kv_lora_rank
+    norms += shape.qk_norm_params()
     router = (shape.num_experts or 0) * h if shape.is_moe(layer) else 0
     return norms + router

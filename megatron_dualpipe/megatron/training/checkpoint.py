@@ -107,6 +107,7 @@ MODEL_KEYS = (
     "qk_head_dim",
     "qk_pos_emb_head_dim",
     "v_head_dim",
+    "qk_layernorm",
 )
 #: dist_checkpointing metadata for the optimizer: keys without a per-optimizer prefix.
 _OPTIMIZER_METADATA = {"chained_optim_avoid_prefix": True}

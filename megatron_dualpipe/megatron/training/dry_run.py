@@ -504,13 +504,13 @@ def _model_lines(r: RankReport, cfg: TrainConfig) -> list[str]:
     m = r.model
     verdict = "agree exactly" if r.agrees else "DIFFER"
     built_bytes = sum(b for c in r.chunks for _, b in c.by_dtype.values())
-    extra = m.weights - built_bytes
+    fp8 = m.weights - m.params * (2 if cfg.bf16 else 4)
     lines = [
         f"  memory model: {_n(round(m.params))} parameters, experts "
         f"{_n(round(m.expert_params))}: {verdict} with the built modules"
         + ("" if r.agrees else f" (built {_n(r.params)}, experts {_n(r.expert_params)})"),
         f"  memory model beside the build: weights {_b(m.weights)} (built {_b(built_bytes)}"
-        + (f"; {_b(extra)} more: TE's two FP8 copies of each linear weight" if extra > 0.5 else "")
+        + (f", and {_b(fp8)} of TE's two FP8 copies of each linear weight" if fp8 > 0.5 else "")
         + f"), gradients {_b(m.gradients)}, optimizer states {_b(m.optimizer)}, activations "
         f"{_b(m.activations)}, recompute {_b(m.recompute)}: not built by the dry run",
     ]

@@ -100,6 +100,7 @@ def transformer_config(cfg: TrainConfig, *, on_gpu: bool) -> TransformerConfig:
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_query_groups,
+        qk_layernorm=cfg.qk_layernorm,
         ffn_hidden_size=cfg.ffn_hidden_size,
         normalization=cfg.normalization,
         add_bias_linear=cfg.add_bias_linear,
