@@ -4,8 +4,8 @@ world (megatron_dualpipe/megatron/training/dry_run.py).
 - The tiny configs' dry run builds, chunk by chunk, the parameters (counts by dtype,
   expert parameters) that ``train`` builds for real on forked gloo ranks with
   ``build_model`` (DDP, initialised weights), and counts the model's parameters once as
-  the real ranks' union of (global name, tensor-parallel rank) does; the memory model
-  agrees exactly with every built rank.
+  the real ranks' union of global names does (at TP=2: as the same model at TP=1); the
+  memory model agrees exactly with every built rank.
 - DeepSeek-V3 (configs/deepseek_v3_pp16.yaml, world 2,048) under dualpipe and dualpipev
   (slow): every rank agrees with the memory model, the model without its MTP block is
   DeepSeek's published 671B, every rank joins the same 9,859 group creations of the world.
@@ -58,7 +58,7 @@ def _config(name: str):
 
 def _real_build(rank: int, world_size: int, name: str) -> dict:
     """What ``train`` builds on this rank: per chunk its parameter counts by dtype and its
-    expert parameters; every parameter by (global name, tensor-parallel rank)."""
+    expert parameters; its parameters' elements by global name."""
     from megatron.core import parallel_state
     from megatron.core.utils import unwrap_model
 
@@ -72,7 +72,6 @@ def _real_build(rank: int, world_size: int, name: str) -> dict:
     initialize_parallel_state(cfg)
     try:
         model = build_model(cfg, transformer_config(cfg, on_gpu=False))
-        tp = parallel_state.get_tensor_model_parallel_rank()
         chunks = []
         for chunk in model:
             params = list(unwrap_model(chunk).parameters())
@@ -81,13 +80,11 @@ def _real_build(rank: int, world_size: int, name: str) -> dict:
                 by_dtype[str(p.dtype).removeprefix("torch.")] += p.numel()
             expert = sum(p.numel() for p in params if not getattr(p, "allreduce", True))
             chunks.append((dict(by_dtype), expert))
-        named = {
-            (n, tp): p.numel() for chunk in model for n, p in global_named_parameters(chunk).items()
-        }
+        named = {n: p.numel() for chunk in model for n, p in global_named_parameters(chunk).items()}
         return {
             "at_origin": parallel_state.get_data_parallel_rank() == 0
             and parallel_state.get_expert_model_parallel_rank() == 0
-            and tp == 0,
+            and parallel_state.get_tensor_model_parallel_rank() == 0,
             "pipeline_rank": parallel_state.get_pipeline_model_parallel_rank(),
             "chunks": chunks,
             "named": named,
@@ -112,12 +109,19 @@ def test_the_dry_run_builds_what_train_builds(name: str) -> None:
         ]
         assert built == [(dict(d), e) for d, e in origin[report.pipeline_rank]]
         assert report.agrees, f"pipeline rank {report.pipeline_rank}: {report.model}"
-    union: dict = {}
-    for r in real:
-        union.update(r["named"])
-    assert result.unique_params == sum(union.values())
-    mtp = sum(n for (key, _), n in union.items() if key.startswith("mtp."))
-    assert result.unique_mtp_params == mtp
+    if cfg.tensor_model_parallel_size == 1:  # the ranks' union of global names: each once
+        union: dict = {}
+        for r in real:
+            union.update(r["named"])
+        assert result.unique_params == sum(union.values())
+        mtp = sum(n for key, n in union.items() if key.startswith("mtp."))
+        assert result.unique_mtp_params == mtp
+    else:  # the same model as one tensor-parallel rank holds it
+        whole = dry_run(load_config(CONFIGS / TINY[name][0], ["pipeline_schedule=1f1b"]))
+        assert (result.unique_params, result.unique_mtp_params) == (
+            whole.unique_params,
+            whole.unique_mtp_params,
+        )
 
 
 @pytest.mark.slow

@@ -28,7 +28,8 @@ It reports per rank (:class:`RankReport`):
 Last, the model's parameters each counted once (:func:`count_once`): by global parameter
 name (:func:`..names.global_named_parameters`: dualpipe's mirrored copies, the MTP block's
 copy of the embedding and a tied output layer share a name), expert parameters times the
-expert-parallel size, tensor-parallel shards times the tensor-parallel size.
+expert-parallel size, tensor-parallel shards (Megatron's parallel linears and embedding)
+times the tensor-parallel size.
 
 Without Transformer Engine the chunks are built from Megatron-Core's local layers (the
 same parameters: TE fuses each norm into the following linear layer and the experts into
@@ -49,6 +50,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.utils import unwrap_model
 from torch.distributed import distributed_c10d
@@ -394,17 +400,39 @@ def _rank(
     return report, named
 
 
+def _tensor_parallel_split(chunk: torch.nn.Module) -> set[int]:
+    """Ids of the parameters of ``chunk`` that tensor parallelism splits: the weights of
+    Megatron's column- and row-parallel linears and vocabulary-parallel embeddings, a
+    column-parallel linear's bias, and whatever else carries Megatron's
+    ``tensor_model_parallel`` mark. (Megatron sets that mark on a weight only while
+    initialising it, and ``train`` builds with ``perform_initialization`` off, so the mark
+    alone misses the weights.)"""
+    split = set()
+    for module in chunk.modules():
+        if isinstance(module, ColumnParallelLinear | VocabParallelEmbedding):
+            split |= {id(p) for p in module.parameters(recurse=False)}
+        elif isinstance(module, RowParallelLinear):
+            split.add(id(module.weight))
+        split |= {
+            id(p)
+            for p in module.parameters(recurse=False)
+            if getattr(p, "tensor_model_parallel", False)
+        }
+    return split
+
+
 def _shards(chunks: Sequence[torch.nn.Module], cfg: TrainConfig) -> dict[str, tuple[int, int]]:
     """Every parameter of ``chunks`` by global name: (elements, shards the model has of
     it: the expert-parallel size for an expert's, times the tensor-parallel size where
-    Megatron marks it split over tensor-parallel ranks)."""
+    tensor parallelism splits it, :func:`_tensor_parallel_split`)."""
     out = {}
     for chunk in chunks:
+        split = _tensor_parallel_split(chunk)
         for name, param in global_named_parameters(chunk).items():
             shards = 1
             if not getattr(param, "allreduce", True):
                 shards *= cfg.expert_model_parallel_size
-            if getattr(param, "tensor_model_parallel", False):
+            if id(param) in split:
                 shards *= cfg.tensor_model_parallel_size
             out[name] = (param.numel(), shards)
     return out
