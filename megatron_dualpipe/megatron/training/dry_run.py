@@ -120,12 +120,14 @@ class GroupReport:
 @dataclass(frozen=True)
 class MessageLine:
     """Messages of one kind between the rank and one peer in one step: ``direction``
-    send or recv, ``what`` activation or gradient, of ``stage``'s input."""
+    send or recv, ``what`` activation or gradient, of the input of the schedule's
+    ``stage`` (which is ``model_stage`` of the model)."""
 
     direction: str
     what: str
     peer: int
     stage: int
+    model_stage: int
     count: int
     nbytes: int
 
@@ -329,8 +331,9 @@ def _messages(cfg: TrainConfig, config: Any, rank: int) -> tuple[list[MessageLin
         for op in issue.ops:
             what = "activation" if op.key[0] is Kind.RECV_F else "gradient"
             found_lines[(op.kind, what, op.peer, op.key[1])] += 1
+    model_stage = schedule.placement.model_stage
     lines = [
-        MessageLine(direction, what, peer, stage, count, size)
+        MessageLine(direction, what, peer, stage, model_stage(stage), count, size)
         for (direction, what, peer, stage), count in sorted(found_lines.items())
     ]
     return lines, len(issues), spec
@@ -572,8 +575,9 @@ def _rank_lines(r: RankReport, cfg: TrainConfig) -> list[str]:
     )
     for m in r.messages:
         arrow = "to" if m.direction == "send" else "from"
+        model = f" (model stage {m.model_stage})" if m.model_stage != m.stage else ""
         lines.append(
-            f"    {m.direction} {m.count:>4} x {m.what} of stage {m.stage}'s input "
+            f"    {m.direction} {m.count:>4} x {m.what} of stage {m.stage}'s input{model} "
             f"{arrow} pipeline rank {m.peer}"
         )
     return lines
