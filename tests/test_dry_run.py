@@ -8,7 +8,8 @@ world (megatron_dualpipe/megatron/training/dry_run.py).
   memory model agrees exactly with every built rank.
 - DeepSeek-V3 (configs/deepseek_v3_pp16.yaml, world 2,048) under dualpipe and dualpipev
   (slow): every rank agrees with the memory model, the model without its MTP block is
-  DeepSeek's published 671B, every rank joins the same 9,859 group creations of the world.
+  DeepSeek's published 671B, every rank joins the same group creations of the world
+  (9,859 on megatron-core 0.16, 13,957 on 0.19).
 - Bad ``--ranks`` and ``--ranks`` without ``--dry-run`` are refused in one sentence.
 """
 
@@ -23,11 +24,15 @@ import pytest
 
 from megatron_dualpipe.cli import main
 from megatron_dualpipe.megatron.training import ConfigError, load_config
+from megatron_dualpipe.megatron.version import installed_megatron_core
 from tests.multiproc import run_workers, slow_unless
 
 pytestmark = pytest.mark.megatron
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+#: Group creations of the whole world each DeepSeek-V3 rank takes part in, by release
+#: (Megatron's initialize_model_parallel makes more groups from 0.19 on).
+WORLD_CREATIONS = {"0.16": 9_859, "0.19": 13_957}
 #: (config, overrides): what the tiny configs build under our placements and Megatron's.
 TINY = {
     "gpt-dualpipev": ("tiny_gpt_cpu.yaml", []),
@@ -148,7 +153,11 @@ def test_deepseek_v3_at_full_size(overrides: list[str]) -> None:
     # DeepSeek-V3: 671B parameters without the MTP module (the published size).
     assert result.unique_params - result.unique_mtp_params == 671_026_404_352
     assert result.unique_mtp_params == 11_610_067_968
-    assert {r.world_creations for r in result.ranks} == {9_859}
+    creations = {r.world_creations for r in result.ranks}
+    minor = ".".join(installed_megatron_core().split(".")[:2])
+    assert len(creations) == 1
+    if minor in WORLD_CREATIONS:
+        assert creations == {WORLD_CREATIONS[minor]}
     assert all(r.member_creations == 1 for r in result.ranks)
     message = 4096 * 1 * 7168 * 2  # bf16 (seq, micro-batch, hidden)
     first = result.ranks[0]
