@@ -228,11 +228,17 @@ def _memory_ranks(cfg: TrainConfig, vocab_size: int, notes: list[str]) -> list[R
     """The memory model's figures of every pipeline rank (empty, with a note, where the
     model does not take the config)."""
     values = _values(cfg, vocab_size)
+    found = schedule_spec(cfg.pipeline_schedule)
+    if found.chunks is None:
+        notes.append(
+            f"the memory model takes schedules with a fixed number of stages per rank, not "
+            f"{found.name}: its figures are left out"
+        )
+        return []
     try:
         shape = ModelShape.from_values(values, "config")
         setup = PipelineSetup.from_values(values, "config")
         settings = MemorySettings.from_values(values, "config")
-        found = schedule_spec(cfg.pipeline_schedule)
         pp = cfg.pipeline_model_parallel_size
         schedule = found.generate(pp, cfg.num_microbatches)
         stages = stages_for(shape, setup, found.model_stages(pp))
@@ -372,12 +378,10 @@ def _rank(
             with torch.device("meta"):
                 chunks, ends = build_chunks_here(build_cfg, config, vocab_size, initialise=False)
                 chunks = in_precision(build_cfg, config, chunks, ends)
-            roles = config_chunk_roles(
-                config, cfg.pipeline_schedule, cfg.pipeline_model_parallel_size, pipeline_rank
-            )
+            stages = _model_stages(cfg, config, pipeline_rank, len(chunks))
             reports = tuple(
-                _chunk_report(c, i, role.model_stage)
-                for i, (c, role) in enumerate(zip(chunks, roles, strict=True))
+                _chunk_report(c, i, stage)
+                for i, (c, stage) in enumerate(zip(chunks, stages, strict=True))
             )
             named = _shards(chunks, cfg)
             if schedule_spec(cfg.pipeline_schedule).runs_ours:
@@ -401,6 +405,16 @@ def _rank(
         finally:
             parallel_state.destroy_model_parallel()
     return report, named
+
+
+def _model_stages(cfg: TrainConfig, config: Any, rank: int, chunks: int) -> list[int]:
+    """Each local chunk's model stage: our placements' roles, else Megatron's order (chunk
+    ``c`` of rank ``r`` is stage ``c * PP + r``)."""
+    pp = cfg.pipeline_model_parallel_size
+    if schedule_spec(cfg.pipeline_schedule).places_chunks:
+        roles = config_chunk_roles(config, cfg.pipeline_schedule, pp, rank)
+        return [role.model_stage for role in roles]
+    return [chunk * pp + rank for chunk in range(chunks)]
 
 
 def _tensor_parallel_split(chunk: torch.nn.Module) -> set[int]:
