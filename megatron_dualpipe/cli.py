@@ -232,6 +232,18 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "them with --set): one Chrome trace per profiled rank, a span per pipeline action, "
         "for simulate --profile",
     )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="build the pipeline ranks' model chunks at full size on the meta device in a "
+        "fake world of the config's size (nothing allocated, no GPU) and print per rank the "
+        "layers, parameters beside the memory model, process groups and messages",
+    )
+    p.add_argument(
+        "--ranks",
+        metavar="R,...",
+        help="with --dry-run: the pipeline ranks to build (default: every one)",
+    )
 
 
 def _add_preprocess(sub: argparse._SubParsersAction) -> None:
@@ -326,8 +338,26 @@ def _terminate(signum: int, frame: object) -> None:
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
+def _run_dry_run(args: argparse.Namespace) -> None:
+    from .megatron.known_warnings import silence_known_warnings
+
+    silence_known_warnings()
+    from .megatron.training import load_config
+    from .megatron.training.dry_run import dry_run, dry_run_lines, parse_ranks
+
+    cfg = load_config(args.config, args.overrides)
+    ranks = parse_ranks(args.ranks, cfg.pipeline_model_parallel_size)
+    print("\n".join(dry_run_lines(dry_run(cfg, ranks, source=str(args.config)))))
+
+
 def _run_train(args: argparse.Namespace) -> None:
-    from .megatron.training import load_config, train  # train imports torch and megatron
+    if args.dry_run:
+        _run_dry_run(args)
+        return
+    from .megatron.training import ConfigError, load_config, train  # train imports torch
+
+    if args.ranks is not None:
+        raise ConfigError("--ranks chooses the ranks of a dry run: add --dry-run")
 
     previous = {signum: signal.getsignal(signum) for signum in _STOP_SIGNALS}
     for signum, handler in previous.items():

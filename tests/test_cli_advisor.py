@@ -93,7 +93,10 @@ def test_deepseek_v3_proposal(schedule: str, layout: str, line: str, tmp_path: P
 
 
 def test_tiny_deepseek_proposal_loads_back(tmp_path: Path) -> None:
-    advice, text = _advise(TINY, tmp_path)
+    # The proposal holds about 1 KiB more than the most even split on rank 1 (the final norm
+    # sits with the last decoder layer, stage 2, when the loss's stage holds MTP only): a
+    # cap just above the even split's peak lets it in.
+    advice, text = _advise(TINY, tmp_path, "--memory-cap", "0.00336")
     assert advice["after"]["layout"] == "Ett|tt|tt|mL"
     assert (advice["schedule"], advice["pp"], advice["model_stages"]) == ("dualpipev", 2, 4)
     assert advice["after"]["step"] <= advice["before"]["step"]

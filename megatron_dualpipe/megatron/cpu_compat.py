@@ -92,6 +92,12 @@ _TORCH_ON_CPU_SITES: tuple[tuple[str, str], ...] = (
         "RotaryEmbedding.get_emb moves inv_freq to torch.cuda.current_device()",
     ),
     (
+        "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
+        "YarnRotaryEmbedding.__init__ makes inv_freq on torch.cuda.current_device() unless "
+        "use_cpu_initialization, which MLASelfAttention does not pass (rope_type yarn); "
+        "forward moves it there",
+    ),
+    (
         "megatron.core.transformer.utils",
         "get_default_causal_mask and get_sliding_window_causal_mask on device='cuda' "
         "(FusedScaleMaskSoftmax.forward_torch_softmax when no attention mask is passed)",

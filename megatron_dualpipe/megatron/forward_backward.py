@@ -71,12 +71,27 @@ from .schedule_plan import plan_supported
 from .stage import MegatronStage, StepInputs
 from .tied import sum_tied_gradients
 
-__all__ = ["DualPipeForwardBackward", "OverlapReport", "TimelineSink"]
+__all__ = ["DualPipeForwardBackward", "OverlapReport", "TimelineSink", "stage_input_spec"]
 
 logger = logging.getLogger(__name__)
 
 #: Receives each recorded step: this rank's timeline and the schedule it ran.
 TimelineSink = Callable[[RankTimeline, Schedule], None]
+
+
+def stage_input_spec(
+    config: Any,
+    seq_length: int,
+    micro_batch_size: int,
+    tp_size: int,
+    device: torch.device | None = None,
+) -> TensorSpec:
+    """What every stage receives and sends (an activation forward, its gradient backward):
+    Megatron's hidden states, ``(sequence, micro-batch, hidden)`` with the sequence split
+    over the tensor-parallel ranks under sequence parallelism, in ``pipeline_dtype``."""
+    seq = seq_length // tp_size if config.sequence_parallel else seq_length
+    shape = (seq, micro_batch_size, config.hidden_size)
+    return TensorSpec(shape, config.pipeline_dtype or torch.float32, device)
 
 
 @dataclass(frozen=True)
@@ -248,13 +263,9 @@ class DualPipeForwardBackward:
     ) -> _Prepared:
         """This model's executor: checked, generated and built on first use, then reused
         while the model, the micro-batch count and the activation shape stay the same."""
-        seq = seq_length // groups.tp_size if config.sequence_parallel else seq_length
-        key = (
-            tuple(id(m) for m in model),
-            num_microbatches,
-            (seq, micro_batch_size, config.hidden_size),
-            groups.pp_size,
-        )
+        device = _device_of(model[0])
+        spec = stage_input_spec(config, seq_length, micro_batch_size, groups.tp_size, device)
+        key = (tuple(id(m) for m in model), num_microbatches, spec.shape, groups.pp_size)
         prepared = self._prepared.get(model[0])
         if prepared is not None and prepared.key == key:
             return prepared
@@ -273,8 +284,6 @@ class DualPipeForwardBackward:
         stages = [
             MegatronStage(m, role, overlap=overlap) for m, role in zip(model, roles, strict=True)
         ]
-        device = _device_of(model[0])
-        spec = TensorSpec(key[2], config.pipeline_dtype or torch.float32, device)
         executor = PipelineExecutor(
             schedule,
             groups.pp_rank,

@@ -4,7 +4,8 @@ pipeline rank of a config under its schedule, part by part, in bytes. Pure Pytho
 - **weights**: every parameter the rank's chunks hold, each copy counted (dualpipe's
   mirrored stages; an embedding table in every chunk that has the embedding or an MTP
   block, an output table in every chunk with the loss unless tied to that chunk's
-  embedding, as Megatron-Core builds them), 2 bytes (bf16) or 4.
+  embedding, the final norm with the loss or, with MTP layers, with the last decoder
+  layer, as Megatron-Core builds them), 2 bytes (bf16) or 4.
 - **gradients**: Megatron DDP's ``main_grad`` buffer, fp32 (4 bytes: ``train`` reduces
   bf16 gradients in fp32).
 - **optimizer states**: the fp32 master copy (bf16 only) and Adam's two fp32 moments (SGD:
@@ -381,6 +382,10 @@ class MemoryModel:
                     saved += kept
                     rebuilt = max(rebuilt, full - kept)
                 if part == DECODER:
+                    if s.mtp_layers and layer == s.num_layers - 1:
+                        # With MTP, Megatron puts the final norm with the last decoder layer
+                        # (TransformerBlock.has_final_layernorm_in_this_stage).
+                        dense, replicated = dense + norm * h, replicated + norm * h
                     layer, decoder_index = layer + 1, decoder_index + 1
                 else:  # the MTP block: its two norms' inputs and outputs, and eh_proj
                     dense += 2 * h * h + 3 * norm * h
@@ -390,8 +395,9 @@ class MemoryModel:
                     held += self._bytes(_linear(2 * h, False, h, False))
             elif part == LOSS:  # per head: the final norm's input and output, fp32 softmax
                 heads = 1 + s.mtp_layers
-                dense += norm * h
-                replicated += norm * h
+                if not s.mtp_layers:  # the final norm; with MTP, on the last decoder layer's
+                    dense += norm * h
+                    replicated += norm * h
                 saved += heads * self._bytes([Held(2 * h, False, "act"), Held(v, True, "fp32")])
                 held += heads * self._bytes([Held(h, False, "act"), Held(v, True, "act")])
         saved += kept_inputs * self._bytes([Held(h, False, "act")])
@@ -476,11 +482,10 @@ def _replicated_params(shape: ModelShape, layer: int) -> float:
 
 
 def _non_linear_params(shape: ModelShape, layer: int) -> float:
-    """Of decoder layer ``layer``'s parameters, those outside linear layers (norms, MLA's
-    low-rank norms, the router): no FP8 copy."""
+    """Of decoder layer ``layer``'s parameters, those outside linear layers (norms, the
+    query and key norms, the router): no FP8 copy."""
     h = shape.hidden_size
     norms = 2 * h * (1 if shape.normalization == "RMSNorm" else 2)
-    if shape.multi_latent_attention:
-        norms += (shape.q_lora_rank or 0) + shape.kv_lora_rank
+    norms += shape.qk_norm_params()
     router = (shape.num_experts or 0) * h if shape.is_moe(layer) else 0
     return norms + router

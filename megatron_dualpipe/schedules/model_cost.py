@@ -176,7 +176,10 @@ class ModelShape:
     the trainer builds with: ``ffn_hidden_size`` 4 x hidden, ``kv_channels`` hidden / heads,
     ``moe_ffn_hidden_size`` = ``ffn_hidden_size``; MLA dimensions: Megatron-LM's flag
     defaults). ``moe_layer_freq`` is Megatron's: an integer N (every N-th layer is MoE,
-    from layer 0), a list of 0/1, or its string form such as ``"[0]*3+[1]*58"``."""
+    from layer 0), a list of 0/1, or its string form such as ``"[0]*3+[1]*58"``.
+    ``qk_layernorm`` (Megatron's): under MLA its two low-rank norms (of the query's
+    ``q_lora_rank`` when set and the key-value ``kv_lora_rank``, as DeepSeek-V3 has them),
+    otherwise one norm of the head size for the queries and one for the keys."""
 
     num_layers: int
     hidden_size: int
@@ -203,6 +206,7 @@ class ModelShape:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    qk_layernorm: bool = False
     mtp_num_layers: int | None = None
 
     def __post_init__(self) -> None:
@@ -284,6 +288,15 @@ class ModelShape:
     def _norm_params(self) -> int:
         return self.hidden_size * (1 if self.normalization == "RMSNorm" else 2)
 
+    def qk_norm_params(self) -> int:
+        """Parameters of the query and key norms (``qk_layernorm``; 0 without)."""
+        if not self.qk_layernorm:
+            return 0
+        per = 1 if self.normalization == "RMSNorm" else 2
+        if self.multi_latent_attention:
+            return per * (self.kv_lora_rank + (self.q_lora_rank or 0))
+        return per * 2 * self.head_dim
+
     def _attention(self) -> tuple[Work, int, int, int]:
         """Per token: the attention block's work, its parameters, and its saved activations
         as (replicated elements, tensor-parallel elements, fp32 softmax statistics)."""
@@ -293,14 +306,14 @@ class ModelShape:
             lq, lkv = self.q_lora_rank, self.kv_lora_rank
             q_params = h * n * (dn + r) if lq is None else lq * (h + n * (dn + r))
             weights = q_params + h * (lkv + r) + lkv * n * (dn + v) + n * v * h
-            params = weights + self._norm_params() + lkv + (lq or 0)
+            params = weights + self._norm_params() + self.qk_norm_params()
             replicated = 2 * h + (0 if lq is None else 2 * lq) + (lkv + r) + lkv
             sharded = 2 * n * (dn + r) + 2 * n * v
         else:
             d, g = self.head_dim, self.num_query_groups or n
             weights = h * (n * d + 2 * g * d) + n * d * h
             bias = (n * d + 2 * g * d + h) if self.add_bias_linear else 0
-            params = weights + bias + self._norm_params()
+            params = weights + bias + self._norm_params() + self.qk_norm_params()
             replicated, sharded = 2 * h, 2 * n * d + 2 * g * d
         return Work.gemm(2 * weights) + self.core_attention(), params, replicated, sharded
 

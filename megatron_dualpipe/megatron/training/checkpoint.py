@@ -109,7 +109,10 @@ MODEL_KEYS = (
     "qk_head_dim",
     "qk_pos_emb_head_dim",
     "v_head_dim",
+    "qk_layernorm",
 )
+#: Model keys added after checkpoints were written: their value in a checkpoint without them.
+_ADDED_KEYS = {"qk_layernorm": False}
 #: dist_checkpointing metadata for the optimizer: keys without a per-optimizer prefix.
 _OPTIMIZER_METADATA = {"chained_optim_avoid_prefix": True}
 
@@ -376,9 +379,10 @@ def check_loadable(cfg: TrainConfig, vocab_size: int | None = None) -> None:
     saved = common["model_config"]
     ours = model_settings(cfg, vocab_size)
     for key in MODEL_KEYS:
-        if saved.get(key) != ours[key]:
+        value = saved.get(key, _ADDED_KEYS.get(key))
+        if value != ours[key]:
             raise CheckpointError(
-                f"{directory}: the checkpoint was saved with {key} {saved.get(key)!r} but the "
+                f"{directory}: the checkpoint was saved with {key} {value!r} but the "
                 f"config has {ours[key]!r}: a checkpoint only loads into the same model"
             )
     _check_position_table(cfg, directory, found.metadata)

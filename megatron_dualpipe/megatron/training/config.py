@@ -206,6 +206,9 @@ class TrainConfig:
     qk_pos_emb_head_dim: int = _key(64, doc="MLA: query/key head size of the position part")
     v_head_dim: int = _key(128, doc="MLA: value head size")
     rope_type: str | None = _key(None, doc="MLA: rotary embedding variant")
+    qk_layernorm: bool = _key(
+        False, doc="normalise queries and keys (MLA: its two low-rank norms, as in DeepSeek-V3)"
+    )
     # Optimizer and learning-rate schedule.
     optimizer: str = _key("adam", doc="the optimizer")
     min_lr: float = _key(0.0, doc="learning rate at the end of the decay")

@@ -64,7 +64,13 @@ from .schedule_order import optimise_from_measured, saved_schedule
 from .tensorboard import StepScalars, open_log
 from .tokenizer import build_tokenizer, model_vocab_size
 
-__all__ = ["TrainResult", "eager_on_cpu", "forward_step", "run_rank"]
+__all__ = [
+    "TrainResult",
+    "eager_on_cpu",
+    "forward_step",
+    "initialize_parallel_state",
+    "run_rank",
+]
 
 LOSS_KEY = "lm loss"
 
@@ -624,17 +630,29 @@ def run_rank(cfg: TrainConfig) -> TrainResult:
         return _train_here(cfg)
 
 
-def _train_here(cfg: TrainConfig) -> TrainResult:
-    """:func:`run_rank`'s work: Megatron's parallel state around one :class:`_Run`."""
+def initialize_parallel_state(cfg: TrainConfig, *, gloo_groups: bool | None = None) -> None:
+    """Megatron's ``parallel_state`` for ``cfg`` (the default process group must exist),
+    with the embedding ranks our placements use; ``gloo_groups``: whether Megatron makes
+    gloo twins of its data-parallel groups (None: the release's default, on in 0.16, off
+    from 0.19; False on torch's fake backend, as under Megatron-LM's
+    ``--fake-process-group``). Collective: every rank of the world takes part in each
+    group's creation."""
     ranks = embedding_ranks(cfg.pipeline_schedule)  # where our placements keep them
+    gloo = {} if gloo_groups is None else {"create_gloo_process_groups": gloo_groups}
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=cfg.expert_model_parallel_size,
         distributed_timeout_minutes=cfg.distributed_timeout_minutes,
+        **gloo,
         **({"get_embedding_ranks": ranks} if ranks else {}),
     )
+
+
+def _train_here(cfg: TrainConfig) -> TrainResult:
+    """:func:`run_rank`'s work: Megatron's parallel state around one :class:`_Run`."""
+    initialize_parallel_state(cfg)
     try:
         _check_writable(cfg)
         _seed(cfg)

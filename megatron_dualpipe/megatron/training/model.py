@@ -54,7 +54,13 @@ from ..precision import StageFloat16Module
 from ..version import mtp_block_on_any_chunk
 from .config import TrainConfig
 
-__all__ = ["build_model", "transformer_config", "transformer_impl"]
+__all__ = [
+    "build_chunks_here",
+    "build_model",
+    "in_precision",
+    "transformer_config",
+    "transformer_impl",
+]
 
 _SCALED_OUTPUTS = ("linear_proj.weight", "linear_fc2.weight")
 
@@ -94,6 +100,7 @@ def transformer_config(cfg: TrainConfig, *, on_gpu: bool) -> TransformerConfig:
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_query_groups,
+        qk_layernorm=cfg.qk_layernorm,
         ffn_hidden_size=cfg.ffn_hidden_size,
         normalization=cfg.normalization,
         add_bias_linear=cfg.add_bias_linear,
@@ -228,19 +235,20 @@ def init_weights(chunk: torch.nn.Module, cfg: TrainConfig) -> None:
         param.normal_(0.0, std, generator=generator)
 
 
-def build_model(
-    cfg: TrainConfig, config: TransformerConfig, vocab_size: int | None = None
-) -> list[DistributedDataParallel]:
-    """This rank's chunks, initialised and wrapped in DDP; ``config`` gets the hooks
-    (``no_sync_func``, ``finalize_model_grads_func``). Needs ``parallel_state``.
-    ``vocab_size``: the embedding's rows (default ``cfg.vocab_size``; a tokenizer's padded
-    vocabulary, :mod:`.tokenizer`).
-
-    Under schedules that split the backward every linear layer defers its weight gradient
-    (dW) to the W actions (local layers built so from the layer spec, the output layer
-    converted, TE layers hooked: :func:`..chunks.build_chunks`); dualpipe's mirrored copies
-    are made equal.
-    """
+def build_chunks_here(
+    cfg: TrainConfig,
+    config: TransformerConfig,
+    vocab_size: int | None = None,
+    *,
+    initialise: bool = True,
+) -> tuple[list[torch.nn.Module], list[ChunkEnds]]:
+    """This rank's chunks as Megatron-Core builds them, before any wrapper, and where each
+    sits (chunk 0 first): GPTModels from the layer specs, assembled by
+    :func:`..chunks.build_chunks`, the MTP block's position-table copy marked. Needs
+    ``parallel_state``. ``initialise``: draw the weights (:func:`init_weights`; off for a
+    build on the meta device, which holds no values). Modules are made on the current
+    default device (under ``torch.device("meta")``: nothing is allocated), then moved to
+    the GPU where there is one and ``initialise`` is set."""
     found = schedule_spec(cfg.pipeline_schedule)
     impl = transformer_impl(cfg)
 
@@ -265,21 +273,53 @@ def build_model(
                 mtp_block_spec=mtp,
                 vp_stage=ends.vp_stage,
             )
-        if torch.cuda.is_available():
-            chunk.cuda(torch.cuda.current_device())
-        init_weights(chunk, cfg)  # copies of one parameter get its values: same name
+        if initialise:
+            if torch.cuda.is_available():
+                chunk.cuda(torch.cuda.current_device())
+            init_weights(chunk, cfg)  # copies of one parameter get its values: same name
         return chunk
 
     ends = _chunk_ends(cfg, config)
     chunks = build_chunks(build, ends, cfg.pipeline_schedule)
     mark_position_copies(chunks)  # the MTP block's position table on another rank
-    if cfg.bf16:  # Megatron-LM's Float16Module, with the ends our placement gives
-        chunks = [
-            StageFloat16Module(config, c, pre_process=e.pre_process, post_process=e.post_process)
-            if found.places_chunks
-            else Float16Module(config, c)
-            for c, e in zip(chunks, ends, strict=True)
-        ]
+    return chunks, ends
+
+
+def in_precision(
+    cfg: TrainConfig,
+    config: TransformerConfig,
+    chunks: list[torch.nn.Module],
+    ends: list[ChunkEnds],
+) -> list[torch.nn.Module]:
+    """``chunks`` as training runs them: with ``bf16`` each in Megatron-LM's
+    ``Float16Module`` (our placements: :class:`~..precision.StageFloat16Module`, with the
+    ends the placement gives), which casts every parameter to bf16; else as they are."""
+    if not cfg.bf16:
+        return chunks
+    places = schedule_spec(cfg.pipeline_schedule).places_chunks
+    return [
+        StageFloat16Module(config, c, pre_process=e.pre_process, post_process=e.post_process)
+        if places
+        else Float16Module(config, c)
+        for c, e in zip(chunks, ends, strict=True)
+    ]
+
+
+def build_model(
+    cfg: TrainConfig, config: TransformerConfig, vocab_size: int | None = None
+) -> list[DistributedDataParallel]:
+    """This rank's chunks, initialised and wrapped in DDP; ``config`` gets the hooks
+    (``no_sync_func``, ``finalize_model_grads_func``). Needs ``parallel_state``.
+    ``vocab_size``: the embedding's rows (default ``cfg.vocab_size``; a tokenizer's padded
+    vocabulary, :mod:`.tokenizer`).
+
+    Under schedules that split the backward every linear layer defers its weight gradient
+    (dW) to the W actions (local layers built so from the layer spec, the output layer
+    converted, TE layers hooked: :func:`..chunks.build_chunks`); dualpipe's mirrored copies
+    are made equal.
+    """
+    found = schedule_spec(cfg.pipeline_schedule)
+    chunks = in_precision(cfg, config, *build_chunks_here(cfg, config, vocab_size))
     ddp = ddp_config(
         cfg.pipeline_schedule,
         overlap_grad_reduce=cfg.overlap_grad_reduce,
