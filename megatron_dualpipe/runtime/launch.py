@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DualPipeError
+from ..lifetime import die_with_parent
 from .openmp import release_thread_pool
 
 __all__ = ["GUARD_NAME", "LaunchFailure", "pick_port", "run_ranks"]
@@ -416,7 +417,7 @@ def _rank_main(
     exit_code = 1
     try:
         group.join(0)
-        _die_with_parent(parent_pid)
+        die_with_parent(parent_pid)
         # What multiprocessing leaves in the temporary directory goes with the run's.
         tempfile.tempdir = group.tmpdir
         try:
@@ -490,14 +491,3 @@ def _name_process(name: str) -> None:
         with contextlib.suppress(OSError, AttributeError):
             pr_set_name = 15
             ctypes.CDLL(None, use_errno=True).prctl(pr_set_name, name.encode()[:15])
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """On Linux, have the kernel SIGKILL this rank when the parent dies; the rank runs in
-    the run's process group, out of reach of a kill aimed at the parent's group."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            pr_set_pdeathsig = 1
-            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the parent died before the request took effect
-        os._exit(1)
