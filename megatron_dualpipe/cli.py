@@ -30,6 +30,7 @@ from .schedules.cost import CostModel
 from .schedules.ir import Schedule, ScheduleError
 from .schedules.limits import (
     MAX_TIMELINE_SIZE,
+    nccl_check_size_problem,
     optimize_size_problem,
     schedule_size,
     size_problem,
@@ -675,6 +676,10 @@ def _run_simulate(args: argparse.Namespace) -> None:
             "--memory-cap, --optimize)"
         )
     args.schedule = args.schedule or "dualpipev"
+    if args.check_nccl and not args.load:
+        too_large = nccl_check_size_problem(args.pp, _microbatches(args), args.chunks)
+        if too_large is not None:
+            raise ScheduleError(f"{too_large}: lower --pp or --microbatches")
     with _no_cyclic_gc(), Progress() as bar:
         schedules, skipped = _schedules(args, bar)
         results = [_simulate_one(s, args, bar) for s in schedules]

@@ -20,11 +20,14 @@ __all__ = [
     "MAX_OPTIMIZE_SIZE",
     "MAX_SIZE",
     "MAX_TIMELINE_SIZE",
+    "MAX_NCCL_CHECK_SIZE",
     "MAX_TRAIN_SIZE",
+    "NCCL_CHECK_BYTES_PER_UNIT",
     "OPTIMIZE_BYTES_PER_UNIT",
     "TRAIN_BUILD_NOTICE_S",
     "TRAIN_BYTES_PER_UNIT",
     "TRAIN_SECONDS_PER_UNIT",
+    "nccl_check_size_problem",
     "optimize_size_problem",
     "schedule_size",
     "size_problem",
@@ -120,4 +123,30 @@ def train_size_problem(
         f"each rank (about {need / 2**30:.1f} GB and {seconds:.0f} s before the first step, at "
         "3.2 KB and 0.1 ms per PP x micro-batch): train builds PP x micro-batches up to "
         f"{MAX_TRAIN_SIZE:,} (about 1 GB and 30 s)"
+    )
+
+
+#: What ``simulate --check-nccl`` adds per PP x micro-batch (x chunks / 2): the plan and
+#: NCCL's stream model of every rank, peak resident memory; dualpipev at PP=50 x 200 and
+#: PP=100 x 400: 12.7 and 12.8 KB, 2.6 and 11.9 s (about 0.3 ms per unit, on a shared
+#: 2-core machine; PP=200 x 1000 took 127 s and 2.8 GB).
+NCCL_CHECK_BYTES_PER_UNIT = 13 * 1024
+#: The largest PP x micro-batches checked under NCCL's rules: about 1.2 GB and 30-60 s.
+MAX_NCCL_CHECK_SIZE = 100_000
+
+
+def nccl_check_size_problem(
+    num_ranks: int, num_microbatches: int, chunks: int | None = None
+) -> str | None:
+    """Why ``--check-nccl`` does not take a schedule of this size (a clause with its memory
+    estimate and the bound), or None."""
+    size = schedule_size(num_ranks, num_microbatches, chunks)
+    if size <= MAX_NCCL_CHECK_SIZE:
+        return None
+    need = size * NCCL_CHECK_BYTES_PER_UNIT / 2**30
+    return (
+        f"checking PP={num_ranks} x {num_microbatches} micro-batches under NCCL's rules would "
+        f"take about {need:.1f} GB and {size * 0.3e-3:.0f} s (about 13 KB and 0.3 ms per PP x "
+        f"micro-batch): --check-nccl takes PP x micro-batches up to {MAX_NCCL_CHECK_SIZE:,} "
+        "(about 1.2 GB)"
     )
