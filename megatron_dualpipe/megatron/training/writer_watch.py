@@ -13,8 +13,8 @@ The other way round, :func:`writer_queue_dies_with_rank` (called before each sav
 dist_checkpointing the results queue it would make itself on the first save
 (``filesystem_async``'s ``_get_write_results_queue`` in 0.16.1, ``get_write_results_queue``
 from 0.19: one manager process per rank, kept for every later save, in its cache
-``_results_queue``, the same in each release): the same kind of queue, from a manager
-started here whose initializer makes it die with the rank
+``_results_queue``, so named in both; read in 0.16.1 and 0.19.2): the same kind of queue,
+from a manager started here whose initializer makes it die with the rank
 (:func:`~megatron_dualpipe.lifetime.die_with_parent`). Without it a ``kill -9`` of the
 whole run leaves each rank's manager, and the resource tracker that waits on the manager's
 end of its pipe, running under PID 1. dist_checkpointing takes no queue from its caller;
