@@ -30,6 +30,7 @@ from .schedules.cost import CostModel
 from .schedules.ir import Schedule, ScheduleError
 from .schedules.limits import (
     MAX_TIMELINE_SIZE,
+    nccl_check_size_problem,
     optimize_size_problem,
     schedule_size,
     size_problem,
@@ -43,6 +44,8 @@ from .schedules.validate import check, validate
 __all__ = ["main"]
 
 _DEFAULT_COST = "F=1,B=1,W=1"
+#: ``simulate --pp`` without --config when not given.
+_DEFAULT_PP = 4
 
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:
@@ -60,7 +63,13 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         help="the schedule to simulate, or all side by side (default: dualpipev; with "
         "--config, the config's pipeline_schedule)",
     )
-    p.add_argument("--pp", type=int, default=4, help="pipeline-parallel ranks (default: 4)")
+    p.add_argument(
+        "--pp",
+        type=int,
+        default=None,
+        help="pipeline-parallel ranks (default: 4; with --config, the config's "
+        "pipeline_model_parallel_size, changed with --set)",
+    )
     p.add_argument(
         "--microbatches", type=int, default=None, help="micro-batches (default: 2 x PP + 2)"
     )
@@ -539,6 +548,12 @@ def _run_advisor(args: argparse.Namespace) -> None:
     from .schedules.nccl_memory import NcclBuffers
     from .schedules.report import advice_report, memory_report, nccl_memory_report
 
+    if args.pp is not None:
+        raise ScheduleError(
+            f"--pp does not apply with --config (the advisor runs the config's "
+            f"pipeline_model_parallel_size): drop it, or set --set "
+            f"pipeline_model_parallel_size={args.pp}"
+        )
     others = {"--load": args.load, "--grid": args.grid, "--trace": args.trace, "--save": args.save}
     given = [flag for flag, value in others.items() if value]
     if given or args.latency or args.cost != _DEFAULT_COST or args.schedule == "all":
@@ -782,6 +797,7 @@ def _run_simulate(args: argparse.Namespace) -> None:
             )
         _run_advisor(args)
         return
+    args.pp = _DEFAULT_PP if args.pp is None else args.pp
     if args.optimize:
         _run_optimize(args, extra)
         return
@@ -791,6 +807,10 @@ def _run_simulate(args: argparse.Namespace) -> None:
             "--memory-cap, --optimize)"
         )
     args.schedule = args.schedule or "dualpipev"
+    if args.check_nccl and not args.load:
+        too_large = nccl_check_size_problem(args.pp, _microbatches(args), args.chunks)
+        if too_large is not None:
+            raise ScheduleError(f"{too_large}: lower --pp or --microbatches")
     with _no_cyclic_gc(), Progress() as bar:
         schedules, skipped = _schedules(args, bar)
         results = [_simulate_one(s, args, bar) for s in schedules]

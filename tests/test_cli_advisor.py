@@ -174,6 +174,8 @@ def test_a_split_that_does_not_load_is_named_and_replaced(tmp_path: Path) -> Non
         (["--config", str(TINY), "--set", "moe_layer_freq=[0]*2"], "must list num_layers = 6"),
         (["--config", str(TINY), "--set", "world_size=3"], "--set world_size=3: world_size: 3"),
         (["--config", str(TINY), "--grid"], "--grid does not apply with --config"),
+        (["--config", str(TINY), "--pp", "4"], "--pp does not apply with --config (the advisor "),
+        (["--config", str(TINY), "--pp", "4"], "or set --set pipeline_model_parallel_size=4"),
         (["--config", str(TINY), "--schedule", "all"], "--schedule all does not apply"),
         (["--config", str(TINY), "--schedule", "interleaved-1f1b"], "interleaved-1f1b reads"),
         (["--config", str(TINY), "--memory-cap", "0"], "--memory-cap must be a finite number > 0"),

@@ -1,6 +1,7 @@
 """`megatron-dualpipe simulate`: tables, the stable --json shape, pictures, hand-written input."""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -247,3 +248,22 @@ def test_check_nccl_passes_the_lock_step_plan_and_names_the_old_designs_cycle(
         "megatron-dualpipe: error: 1f1b, interleaved-1f1b, zb1p, dualpipe, dualpipev would "
         "deadlock on NCCL with the per-channel plan and shared streams: see the cycle above"
     )
+
+
+def test_check_nccl_beyond_its_bound_is_refused_before_any_work(capsys) -> None:
+    """``--check-nccl`` at PP=200 x 1000 took 127 s and 2.8 GB, and 1000 x 2000 ran past
+    300 s: it now stops where the optimiser does, at a bound from its measured memory."""
+    started = time.monotonic()
+    argv = ["simulate", "--schedule", "all", "--pp", "200", "--microbatches", "1000"]
+    assert main([*argv, "--check-nccl"]) == 2
+    assert time.monotonic() - started < 2.0
+    assert capsys.readouterr().err == (
+        "megatron-dualpipe: error: checking PP=200 x 1000 micro-batches under NCCL's rules "
+        "would take about 2.5 GB and 60 s (about 13 KB and 0.3 ms per PP x micro-batch): "
+        "--check-nccl takes PP x micro-batches up to 100,000 (about 1.2 GB): lower --pp or "
+        "--microbatches\n"
+    )
+    from megatron_dualpipe.schedules.limits import nccl_check_size_problem
+
+    assert nccl_check_size_problem(100, 1000) is None  # at the bound (about 30 s): checked
+    assert nccl_check_size_problem(100, 1001) is not None

@@ -16,11 +16,13 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -260,3 +262,76 @@ def test_a_run_leaves_no_multiprocessing_directory_behind() -> None:
     directories = run_ranks(_manager_directory, 2, timeout_s=120)
     assert all(Path(d).name.startswith("pymp-") for d in directories), directories
     assert [d for d in directories if os.path.exists(d)] == []
+
+
+def _kill_the_guard(rank: int, world_size: int) -> int:
+    """Rank 0 kills the run's guard (its process group's leader); both ranks then wait far
+    longer than the test allows."""
+    if rank == 0:
+        os.kill(os.getpgid(0), signal.SIGKILL)
+    time.sleep(120)
+    return rank
+
+
+def test_a_dead_guard_fails_the_launch_naming_it() -> None:
+    """A guard killed alone used to go unnoticed (the run went on and exited 0, and a later
+    ``kill -9`` of the launcher left every rank behind): now the launch fails at once."""
+    from megatron_dualpipe.runtime.launch import GUARD_NAME, LaunchFailure, run_ranks
+
+    started = time.monotonic()
+    with pytest.raises(LaunchFailure) as info:
+        run_ranks(_kill_the_guard, 2, timeout_s=60, pg_timeout_s=60)
+    assert time.monotonic() - started < 30
+    failure = info.value
+    assert failure.guard is not None and failure.first == failure.guard == str(failure)
+    assert f"the run's guard process ({GUARD_NAME}, pid " in failure.first
+    assert ") was killed by SIGKILL, signal 9 while the ranks ran; " in failure.first
+    assert failure.unfinished == [0, 1]
+
+
+def _safely(read: Callable[[], Any]) -> Any:
+    """``read()`` of a process, or None when the process is gone (or not readable)."""
+    try:
+        return read()
+    except psutil.Error:
+        return None
+
+
+def _run_directory(launcher: int) -> Path:
+    """The run's temporary directory: named after the launcher's pid, in the temporary folder."""
+    (found,) = Path(tempfile.gettempdir()).glob(f"megatron-dualpipe-run-{launcher}-*")
+    return found
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_whole_run_at_once_leaves_nothing(tmp_path: Path) -> None:
+    """The issue's reproduction of ``pkill -9 -f``: the launcher, its guard and the ranks
+    killed together after a save (so each rank holds its writer's queue manager and the
+    resource tracker). Nothing of the run may be left running five seconds later (they
+    used to run on under PID 1), and the next launch removes the temporary directory
+    nobody was left to remove."""
+    from megatron_dualpipe.runtime.launch import run_ranks
+
+    tag, save = uuid.uuid4().hex, tmp_path / "ck"
+    with _train(tmp_path, tag, f"save={save}", "save_interval=2", "train_iters=300") as proc:
+        out = tmp_path / "stdout"
+        wait_for(
+            "iteration 3 after a save",
+            lambda: (
+                " iteration        3/" in out.read_text() and {"spawn", "tracker"} <= _kinds(tag)
+            ),
+            proc,
+        )
+        line = psutil.Process(proc.pid).cmdline()
+        # What pkill -f matches: the launcher, its guard, the ranks, a save's forked writers.
+        known = [p for p in _tagged(tag) if _safely(p.cmdline) == line]
+        guards = [p for p in known if _safely(p.name) == "dualpipe-guard"]
+        ranks = [p for p in known if p not in guards and _safely(p.ppid) == proc.pid]
+        assert len(guards) == 1 and len(ranks) == 2, [_safely(p.name) for p in known]
+        for victim in known:
+            with contextlib.suppress(psutil.NoSuchProcess):  # a writer that just finished
+                victim.kill()
+        assert _survivors(tag) == []
+    directory = _run_directory(proc.pid)  # nobody was left to remove it ...
+    run_ranks(_manager_directory, 1, timeout_s=120)
+    assert not directory.exists()  # ... so the next launch did

@@ -22,7 +22,14 @@ small guard process forked first. The guard only waits for the parent to exit; t
 removes the run's temporary directory (where multiprocessing puts its ``pymp-*``
 directories, which SIGKILLed processes cannot remove) and kills the group, itself included.
 The ranks also die with the parent through the parent-death signal. Rank 0's rendezvous
-store listens on the loopback address alone.
+store listens on the loopback address alone. The guard's own death (killed alone, by a
+``kill -9`` or the out-of-memory killer) fails the launch at once, naming the guard: the
+parent watches it as it watches the ranks, and kills the ranks, since nothing would clean
+up after them any more.
+
+When everything is killed at once (``pkill -9 -f``: the parent, the guard and the ranks
+together) nobody is left to remove the temporary directory; its name carries the parent's
+pid, and the next launch by the same user removes every such directory whose parent is gone.
 
 The parent's OpenMP worker pool is released before the ranks are forked
 (:mod:`.openmp`): with libgomp, a rank forked from a process that had run a parallel
@@ -55,6 +62,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DualPipeError
+from ..lifetime import die_with_parent
 from .openmp import release_thread_pool
 
 __all__ = ["GUARD_NAME", "LaunchFailure", "pick_port", "run_ranks"]
@@ -72,6 +80,8 @@ _EXIT_WAIT_S = 1.0
 _LAUNCH_ATTEMPTS = 3
 #: The process name of a launch's guard (see the module docstring), as ``ps`` shows it.
 GUARD_NAME = "dualpipe-guard"
+#: The run's temporary directory: this, the parent's pid, a dash, a random tail.
+_TMPDIR_PREFIX = "megatron-dualpipe-run-"
 _ports_handed_out: set[int] = set()
 
 
@@ -82,7 +92,9 @@ class LaunchFailure(DualPipeError, RuntimeError):
     without reporting) or "error": ranks that died first (their peers' errors follow from
     the death), then in the order the ranks failed, so the root cause comes first;
     ``unfinished`` are the ranks killed at the deadline or after the first failure, and
-    ``stopped`` those of them that were stopped (SIGSTOP, a debugger) when killed."""
+    ``stopped`` those of them that were stopped (SIGSTOP, a debugger) when killed;
+    ``guard``, where the run's guard process died while the ranks ran, how it ended (then
+    every rank still running was killed at once, and that is the failure)."""
 
     def __init__(
         self,
@@ -91,10 +103,13 @@ class LaunchFailure(DualPipeError, RuntimeError):
         unfinished: list[int],
         timeout_s: float | None,
         stopped: Sequence[int] = (),
+        guard: str | None = None,
     ) -> None:
         self.world_size, self.errors, self.unfinished = world_size, errors, unfinished
-        self.stopped = list(stopped)
-        if errors:
+        self.stopped, self.guard = list(stopped), guard
+        if guard is not None:
+            message = guard
+        elif errors:
             rank, _, text = errors[0]
             parts = [f"--- rank {r} ({kind}) ---\n{t}" for r, kind, t in errors]
             if unfinished:
@@ -113,7 +128,9 @@ class LaunchFailure(DualPipeError, RuntimeError):
     @property
     def first(self) -> str:
         """One line for the root cause: ``rank R of N failed: <its text>``, or the ranks
-        that overran the deadline."""
+        that overran the deadline, or the guard's death."""
+        if self.guard is not None:
+            return self.guard
         if not self.errors:
             return str(self) + self._stopped_note()
         rank, _, text = self.errors[0]
@@ -154,7 +171,7 @@ def run_ranks(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     deadline = float("inf") if timeout_s is None else time.monotonic() + timeout_s
     for attempt in range(1, _LAUNCH_ATTEMPTS + 1):
-        results, errors, unfinished, stopped = _launch(
+        results, errors, unfinished, stopped, guard = _launch(
             fn, world_size, tuple(args), deadline, pg_timeout_s, threads_per_rank, plain_errors
         )
         setup_failed = errors and all(kind == "setup" for _, kind, _ in errors)
@@ -162,7 +179,7 @@ def run_ranks(
             break
         logger.warning("run_ranks: rendezvous failed (attempt %d), retrying", attempt)
     if errors or unfinished:
-        failure = LaunchFailure(world_size, errors, unfinished, timeout_s, stopped)
+        failure = LaunchFailure(world_size, errors, unfinished, timeout_s, stopped, guard)
         raise failure if failure_as is None else failure_as(failure)
     return [results[rank] for rank in range(world_size)]
 
@@ -175,9 +192,9 @@ def _launch(
     pg_timeout_s: float,
     threads: int,
     plain_errors: tuple[type[BaseException], ...],
-) -> tuple[dict[int, Any], list[tuple[int, str, str]], list[int], list[int]]:
+) -> tuple[dict[int, Any], list[tuple[int, str, str]], list[int], list[int], str | None]:
     """Fork the ranks once, collect their reports, and leave none running; also the
-    unfinished ranks found stopped before they were killed."""
+    unfinished ranks found stopped before they were killed, and the guard's death."""
     ctx = multiprocessing.get_context("fork")
     release_thread_pool()  # a pool inherited from here would hang the ranks' parallel ops
     port = pick_port()
@@ -209,9 +226,10 @@ def _launch(
             group.join(proc.pid)
             procs.append(proc)
             watches.append(_Watch(rank, proc, recv_end))
-        results, errors, unfinished = _collect(watches, deadline)
+        results, errors, unfinished = _collect(watches, deadline, group)
+        guard = group.death()
         stopped = [rank for rank in unfinished if _is_stopped(procs[rank].pid)]
-        return results, errors, unfinished, stopped
+        return results, errors, unfinished, stopped, guard
     finally:
         group.kill()
         for proc in procs:
@@ -231,13 +249,35 @@ class _RunGroup:
     process dies first, the guard does (see the module docstring)."""
 
     def __init__(self) -> None:
-        self.tmpdir = tempfile.mkdtemp(prefix="megatron-dualpipe-run-")
         parent = os.getpid()
+        _remove_orphaned_tmpdirs()
+        self.tmpdir = tempfile.mkdtemp(prefix=f"{_TMPDIR_PREFIX}{parent}-")
         pid = os.fork()
         if pid == 0:
             _guard_main(parent, self.tmpdir)  # never returns
         self.pgid = pid
         self.join(pid)
+        self.pidfd: int | None = None
+        with contextlib.suppress(AttributeError, OSError):  # not Linux >= 5.3
+            self.pidfd = os.pidfd_open(pid)
+
+    def death(self) -> str | None:
+        """The sentence for a guard that is gone while the ranks run, or None while it runs
+        (nothing is reaped)."""
+        try:
+            info = os.waitid(os.P_PID, self.pgid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            info = None
+        if info is None:
+            return None
+        killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
+        how = ("was " if killed else "") + _ending(-info.si_status if killed else info.si_status)
+        return (
+            f"the run's guard process ({GUARD_NAME}, pid {self.pgid}) {how} while the ranks "
+            "ran; without it nothing would stop the ranks if this process died, so they were "
+            "killed: find what ended it (a kill aimed at it, the out-of-memory killer) and "
+            "start the run again"
+        )
 
     def join(self, pid: int) -> None:
         """Move ``pid`` (0: this process) into the group; done on both sides of a fork so a
@@ -254,7 +294,34 @@ class _RunGroup:
         """Reap the guard and remove the run's temporary directory (after :meth:`kill`)."""
         with contextlib.suppress(ChildProcessError):
             os.waitpid(self.pgid, 0)
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
         shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def _remove_orphaned_tmpdirs() -> None:
+    """Remove this user's run directories (in the temporary folder) whose parent process,
+    named by the pid in the directory's name, no longer exists: left by a run killed all at
+    once (see the module docstring)."""
+    root = Path(tempfile.gettempdir())
+    with contextlib.suppress(OSError):
+        for path in root.glob(f"{_TMPDIR_PREFIX}*-*"):
+            pid = path.name[len(_TMPDIR_PREFIX) :].split("-", 1)[0]
+            with contextlib.suppress(OSError):
+                if pid.isdigit() and path.stat().st_uid == os.getuid() and not _exists(int(pid)):
+                    shutil.rmtree(path, ignore_errors=True)
+
+
+def _exists(pid: int) -> bool:
+    """Whether a process ``pid`` exists (of any user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _guard_main(parent: int, tmpdir: str) -> None:
@@ -345,23 +412,30 @@ def _death_text(exitcode: int | None) -> str:
     if exitcode is None:
         return "it closed its result pipe without reporting and did not exit"
     if exitcode < 0:
-        try:
-            name = f"{signal.Signals(-exitcode).name}, signal {-exitcode}"
-        except ValueError:
-            name = f"signal {-exitcode}"
         return (
-            f"it was killed by {name} before reporting a result (killed from outside, "
+            f"it was {_ending(exitcode)} before reporting a result (killed from outside, "
             "or by the out-of-memory killer)"
         )
-    return f"it exited with code {exitcode} without reporting a result"
+    return f"it {_ending(exitcode)} without reporting a result"
+
+
+def _ending(exitcode: int) -> str:
+    """How a process ended, from its exit code (negative: the signal that killed it):
+    "killed by SIGKILL, signal 9", "exited with code 1"."""
+    if exitcode >= 0:
+        return f"exited with code {exitcode}"
+    try:
+        return f"killed by {signal.Signals(-exitcode).name}, signal {-exitcode}"
+    except ValueError:
+        return f"killed by signal {-exitcode}"
 
 
 def _collect(
-    watches: list[_Watch], deadline: float
+    watches: list[_Watch], deadline: float, group: _RunGroup
 ) -> tuple[dict[int, Any], list[tuple[int, str, str]], list[int]]:
-    """Read one report per rank until all reported, the deadline, or a failure (plus the
-    grace); errors with the ranks that died first, then in the order the ranks failed
-    (each rank's own clock reading)."""
+    """Read one report per rank until all reported, the deadline, a failure (plus the
+    grace) or the guard's death (at once); errors with the ranks that died first, then in
+    the order the ranks failed (each rank's own clock reading)."""
     results: dict[int, Any] = {}
     failed: list[tuple[bool, float, int, str, str]] = []
     pending: dict[Any, _Watch] = {}
@@ -370,14 +444,17 @@ def _collect(
         if watch.pidfd is not None:
             pending[watch.pidfd] = watch
     polled = [w for w in watches if w.pidfd is None]
+    guard = [] if group.pidfd is None else [group.pidfd]
     while pending:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
         timeout = None if remaining == float("inf") else remaining
-        if polled:
+        if polled or not guard:
             timeout = _POLL_S if timeout is None else min(timeout, _POLL_S)
-        ready = multiprocessing.connection.wait(list(pending), timeout=timeout)
+        ready = multiprocessing.connection.wait(list(pending) + guard, timeout=timeout)
+        if (guard and guard[0] in ready) or (not guard and group.death() is not None):
+            break
         ready_watches = {pending[key] for key in ready}
         ready_watches.update(w for w in polled if w.conn in pending and not w.proc.is_alive())
         for watch in sorted(ready_watches, key=lambda w: w.rank):
@@ -416,7 +493,7 @@ def _rank_main(
     exit_code = 1
     try:
         group.join(0)
-        _die_with_parent(parent_pid)
+        die_with_parent(parent_pid)
         # What multiprocessing leaves in the temporary directory goes with the run's.
         tempfile.tempdir = group.tmpdir
         try:
@@ -490,14 +567,3 @@ def _name_process(name: str) -> None:
         with contextlib.suppress(OSError, AttributeError):
             pr_set_name = 15
             ctypes.CDLL(None, use_errno=True).prctl(pr_set_name, name.encode()[:15])
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """On Linux, have the kernel SIGKILL this rank when the parent dies; the rank runs in
-    the run's process group, out of reach of a kill aimed at the parent's group."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            pr_set_pdeathsig = 1
-            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the parent died before the request took effect
-        os._exit(1)

@@ -68,7 +68,7 @@ from .checkpoint_files import (
 )
 from .config import TrainConfig
 from .optim import scheduler_settings
-from .writer_watch import WriterDied, writers_watched
+from .writer_watch import WriterDied, writer_queue_dies_with_rank, writers_watched
 
 __all__ = [
     "CheckpointError",
@@ -232,6 +232,7 @@ def save_checkpoint(
         pipeline_schedule=cfg.pipeline_schedule,
         model_config=model_settings(cfg, vocab_size),
     )
+    writer_queue_dies_with_rank()  # its manager goes with this rank, whatever kills it
     release_thread_pool()  # the writers dist_checkpointing forks may run parallel ops
     try:
         with writers_watched(), writer_errors() as logged:

@@ -26,7 +26,12 @@ import yaml
 from ...errors import DualPipeError
 from ...schedules.config_values import override_origins
 from ...schedules.ir import Schedule, ScheduleError
-from ...schedules.limits import optimize_size_problem, size_problem
+from ...schedules.limits import (
+    MAX_TRAIN_SIZE,
+    optimize_size_problem,
+    schedule_size,
+    train_size_problem,
+)
 from ...schedules.model_cost import Recompute, parse_moe_layer_freq
 from ...schedules.registry import OUR_SCHEDULES, SCHEDULES
 from ...schedules.validate import check_weight_grads_in_b_order, validate
@@ -783,16 +788,17 @@ def _maximum(name: str) -> int:
 
 def _check_sizes(cfg: TrainConfig) -> Problem:
     """A step whose schedule (or list of micro-batches, under Megatron's schedules) is
-    larger than megatron-dualpipe builds (the bound ``simulate`` keeps)."""
+    larger than train builds on a rank (:func:`~...schedules.limits.train_size_problem`)."""
     m, pp = cfg.num_microbatches, cfg.pipeline_model_parallel_size
-    problem = size_problem(
-        pp, m, cfg.virtual_pipeline_model_parallel_size, doing="a step to build on each rank"
-    )
+    vpp = cfg.virtual_pipeline_model_parallel_size
+    problem = train_size_problem(pp, m, vpp)
     if problem is not None:
+        per_step = cfg.micro_batch_size * cfg.data_parallel_size
+        most = MAX_TRAIN_SIZE // schedule_size(pp, 1, vpp) * per_step
         return "global_batch_size", (
             f"{cfg.global_batch_size} makes {m} micro-batches per step (global_batch_size / "
             f"(micro_batch_size x data-parallel size)), and {problem}: lower global_batch_size "
-            "or raise micro_batch_size"
+            f"to at most {most:,} here, or raise micro_batch_size"
         )
     return None
 

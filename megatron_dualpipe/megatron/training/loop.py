@@ -36,8 +36,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+from ...schedules.limits import TRAIN_BUILD_NOTICE_S, train_build_estimate
 from ...schedules.megatron_flops import megatron_lm_flops
 from ...schedules.model_cost import ModelShape
+from ...schedules.registry import SCHEDULES
 from ..loss_reports import mtp_losses
 from ..placement import embedding_ranks
 from ..registry import get_forward_backward_func
@@ -360,6 +362,9 @@ class _Run:
         if self.cfg.log_memory_to_tensorboard and self.device.type != "cuda":
             self.say([" log_memory_to_tensorboard: CPU ranks have no CUDA memory to write"])
         window = LogWindow()
+        building = _build_notice(self.cfg)
+        if building is not None:
+            self.say([building])
         saved_at = self.state.iteration if self.result.resumed_from is not None else None
         # optimize_schedule: measure this iteration, then switch (when iterations follow).
         switch_at = self.state.iteration + OPTIMIZE_AFTER if self.cfg.optimize_schedule else None
@@ -393,6 +398,10 @@ class _Run:
             profiler.before_step(self.state.iteration)
             loss, success, grad_norm, recorder = self.train_step(measure)
             profiler.after_step(self.state.iteration)
+            if building is not None:
+                took = time.perf_counter() - start
+                self.say([f" the step was built, and run once, in {took:.1f} s"])
+                building = None
             window.add(loss, time.perf_counter() - start, success, self.mtp)
             self.result.losses[self.state.iteration] = loss
             if self.mtp:
@@ -621,6 +630,23 @@ def eager_on_cpu() -> contextlib.AbstractContextManager[None]:
     if torch.cuda.is_available():
         return contextlib.nullcontext()
     return torch.compiler.set_stance("force_eager")
+
+
+def _build_notice(cfg: TrainConfig) -> str | None:
+    """The line said before the first step where building it (our schedules only: the
+    schedule, its checks, its communication plan on every rank) takes more than a few
+    seconds, or None."""
+    spec = SCHEDULES[cfg.pipeline_schedule]
+    if not spec.runs_ours:
+        return None
+    pp, m = cfg.pipeline_model_parallel_size, cfg.num_microbatches
+    seconds, need = train_build_estimate(pp, m, cfg.virtual_pipeline_model_parallel_size)
+    if seconds <= TRAIN_BUILD_NOTICE_S:
+        return None
+    return (
+        f" building the {cfg.pipeline_schedule} step for PP={pp} x {m:,} micro-batches on every "
+        f"rank before the first iteration: about {seconds:.0f} s and {need / 2**20:,.0f} MB each"
+    )
 
 
 def run_rank(cfg: TrainConfig) -> TrainResult:
