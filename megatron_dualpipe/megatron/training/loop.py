@@ -370,7 +370,9 @@ class _Run:
         switch_at = self.state.iteration + OPTIMIZE_AFTER if self.cfg.optimize_schedule else None
         profiler = StepProfiler(self.cfg, self.rank, self.forward_backward)
         try:
-            recorder = self._iterate(last, window, saved_at, switch_at, profiler)
+            recorder = self._iterate(
+                last, window, saved_at, switch_at, profiler, announced=building is not None
+            )
         finally:
             profiler.close()
         if profiler.path is not None:
@@ -386,8 +388,11 @@ class _Run:
         saved_at: int | None,
         switch_at: int | None,
         profiler: StepProfiler,
+        *,
+        announced: bool,
     ) -> StepRecorder | None:
-        """The iterations of :meth:`train`; the last measured step's recorder."""
+        """The iterations of :meth:`train`; the last measured step's recorder. ``announced``:
+        a slow step build was announced, so the first step's time is said."""
         recorder = None
         while self.state.iteration < last:
             start = time.perf_counter()
@@ -398,10 +403,10 @@ class _Run:
             profiler.before_step(self.state.iteration)
             loss, success, grad_norm, recorder = self.train_step(measure)
             profiler.after_step(self.state.iteration)
-            if building is not None:
+            if announced:
                 took = time.perf_counter() - start
                 self.say([f" the step was built, and run once, in {took:.1f} s"])
-                building = None
+                announced = False
             window.add(loss, time.perf_counter() - start, success, self.mtp)
             self.result.losses[self.state.iteration] = loss
             if self.mtp:
