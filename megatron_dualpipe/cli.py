@@ -238,7 +238,28 @@ def _add_preprocess(sub: argparse._SubParsersAction) -> None:
         "--output-prefix",
         required=True,
         metavar="PREFIX",
-        help="where to write: PREFIX_text_document.bin and .idx (folders are made)",
+        help="where to write: PREFIX_KEY_document.bin and .idx for each key (folders are made)",
+    )
+    p.add_argument(
+        "--json-keys",
+        nargs="+",
+        default=["text"],
+        metavar="KEY",
+        help="the keys whose strings are documents, one dataset each (default: text)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tokenizing processes (default 1); the output does not depend on it",
+    )
+    p.add_argument(
+        "--max-document-chars",
+        type=int,
+        metavar="N",
+        help="refuse a document of more characters (default: 4,000,000, about 0.8 GB to "
+        "tokenize)",
     )
 
 
@@ -247,17 +268,37 @@ def _run_preprocess(args: argparse.Namespace) -> None:
     from .megatron.training.preprocess import preprocess  # imports torch and megatron
 
     silence_known_warnings()
-    with Progress(delay_s=0.5) as bar:
+    given = args.max_document_chars
+    limit = {} if given is None else {"max_document_chars": given}
+    with _unwind_on_stop_signals(), Progress(delay_s=0.5) as bar:
         bar.phase(f"tokenizing {args.input}")
+        began = time.monotonic()
 
         def progress(done: int, total: int) -> None:
+            seconds = max(time.monotonic() - began, 1e-9)
             bar.total, bar.done = total, done
+            bar.note = f"{done / seconds / 1e6:.1f} MB/s"
 
-        result = preprocess(args.input, args.tokenizer, args.output_prefix, progress)
+        result = preprocess(
+            args.input,
+            args.tokenizer,
+            args.output_prefix,
+            json_keys=args.json_keys,
+            workers=args.workers,
+            progress=progress,
+            **limit,
+        )
+    seconds = max(result.seconds, 1e-9)
+    for written in result.written:
+        print(
+            f"wrote {written.prefix}.bin and {written.prefix}.idx: {written.documents:,} "
+            f"documents, {written.tokens:,} tokens (each document ends in the end-of-document "
+            f"token); train on it with data_path: {written.prefix}"
+        )
     print(
-        f"wrote {result.prefix}.bin and {result.prefix}.idx: {result.documents:,} documents, "
-        f"{result.tokens:,} tokens (each document ends in the end-of-document token); train "
-        f"on it with data_path: {result.prefix}"
+        f"{result.bytes_read / 1e6:,.1f} MB in {result.seconds:.1f} s with {result.workers} "
+        f"worker(s): {result.written[0].documents / seconds:,.0f} documents/s, "
+        f"{result.bytes_read / seconds / 1e6:.1f} MB/s"
     )
 
 
@@ -305,22 +346,32 @@ def _terminate(signum: int, frame: object) -> None:
     raise _Terminated(signum)
 
 
-#: Signals ``train`` unwinds on, as on Ctrl-C, unless it was started with them ignored.
+#: Signals ``train`` and ``preprocess`` unwind on, as on Ctrl-C, unless started with them
+#: ignored.
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
-def _run_train(args: argparse.Namespace) -> None:
-    from .megatron.training import load_config, train  # train imports torch and megatron
-
+@contextlib.contextmanager
+def _unwind_on_stop_signals() -> Iterator[None]:
+    """Within the block, SIGTERM and SIGHUP raise :class:`_Terminated` (Ctrl-C's unwinding:
+    launched ranks killed, partial files removed), unless the command was started with them
+    ignored; the previous handlers are back on leaving it."""
     previous = {signum: signal.getsignal(signum) for signum in _STOP_SIGNALS}
     for signum, handler in previous.items():
         if handler != signal.SIG_IGN:  # nohup's SIGHUP stays ignored: the run goes on
             signal.signal(signum, _terminate)
     try:
-        train(load_config(args.config, args.overrides), source=str(args.config))
+        yield
     finally:  # a signal while the error is printed must not interrupt the printing
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _run_train(args: argparse.Namespace) -> None:
+    from .megatron.training import load_config, train  # train imports torch and megatron
+
+    with _unwind_on_stop_signals():
+        train(load_config(args.config, args.overrides), source=str(args.config))
 
 
 def _load(path: Path) -> Schedule:

@@ -23,15 +23,18 @@ _OBJECTS = ("a red boat", "the quiet river", "seven stones", "the tall tower", "
 _ENDINGS = ("today.", "at night.", "in the rain.", "before dinner.", "again and again.")
 
 
-def write_corpus(path: Path, documents: int = 120, seed: int = 0) -> Path:
-    """``documents`` lines of 2 to 6 sentences each into ``path``; returns ``path``."""
+def write_corpus(
+    path: Path, documents: int = 120, seed: int = 0, per_document: tuple[int, int] = (2, 6)
+) -> Path:
+    """``documents`` lines of ``per_document`` (least, most) sentences each into ``path``;
+    returns ``path``."""
     rng = random.Random(seed)
     lines = []
     for _ in range(documents):
         sentences = [
             f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} "
             f"{rng.choice(_ENDINGS)}"
-            for _ in range(rng.randint(2, 6))
+            for _ in range(rng.randint(*per_document))
         ]
         lines.append(json.dumps({"text": " ".join(sentences).capitalize()}))
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
