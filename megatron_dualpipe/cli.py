@@ -1,5 +1,5 @@
-"""The ``megatron-dualpipe`` command: ``simulate``, ``train``, ``preprocess``, ``bench`` and
-``patch-megatron-lm``.
+"""The ``megatron-dualpipe`` command: ``simulate``, ``train``, ``preprocess``,
+``make-tokenizer``, ``bench`` and ``patch-megatron-lm``.
 
 Importing this module imports neither torch nor megatron: ``simulate`` is pure Python, and
 ``train``, ``preprocess`` and ``bench`` import what they need when they run.
@@ -299,6 +299,64 @@ def _run_preprocess(args: argparse.Namespace) -> None:
         f"{result.bytes_read / 1e6:,.1f} MB in {result.seconds:.1f} s with {result.workers} "
         f"worker(s): {result.written[0].documents / seconds:,.0f} documents/s, "
         f"{result.bytes_read / seconds / 1e6:.1f} MB/s"
+    )
+
+
+def _add_make_tokenizer(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "make-tokenizer",
+        help="train a byte-level BPE tokenizer on a corpus, offline, for preprocess and train",
+        description="Train a byte-level BPE (GPT-2's recipe, with the tokenizers library) on "
+        "the documents of a jsonl corpus (or a .txt file, a document a line) and save it with "
+        "transformers' save_pretrained: the directory preprocess --tokenizer and train's "
+        "tokenizer_model take. Nothing is downloaded.",
+    )
+    p.add_argument("--input", type=Path, required=True, help="the corpus (jsonl, or .txt)")
+    p.add_argument(
+        "--output", type=Path, required=True, metavar="DIR", help="the tokenizer directory"
+    )
+    p.add_argument(
+        "--vocab-size", type=int, default=32000, metavar="N", help="tokens (default 32000)"
+    )
+    p.add_argument(
+        "--json-keys",
+        nargs="+",
+        default=["text"],
+        metavar="KEY",
+        help="the keys whose strings are documents (default: text)",
+    )
+    p.add_argument(
+        "--eod",
+        default="<|endoftext|>",
+        metavar="TOKEN",
+        help="the end-of-document token (default: <|endoftext|>)",
+    )
+    p.add_argument(
+        "--min-frequency",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the fewest occurrences of a pair merged (default: the tokenizers library's)",
+    )
+
+
+def _run_make_tokenizer(args: argparse.Namespace) -> None:
+    from .megatron.training.make_tokenizer import make_tokenizer
+
+    with _unwind_on_stop_signals(), Progress(delay_s=0.5) as bar:
+        bar.phase(f"training a BPE on {args.input}")
+        made = make_tokenizer(
+            args.input,
+            args.output,
+            vocab_size=args.vocab_size,
+            json_keys=args.json_keys,
+            eod=args.eod,
+            min_frequency=args.min_frequency,
+        )
+    print(
+        f"wrote {made.directory}: a byte-level BPE of {made.vocab_size:,} tokens trained on "
+        f"{made.documents:,} documents, end-of-document token {args.eod}; use it with "
+        f"preprocess --tokenizer {made.directory} and train's tokenizer_model: {made.directory}"
     )
 
 
@@ -829,6 +887,7 @@ def _main(argv: list[str] | None) -> int:
     _add_simulate(sub)
     _add_train(sub)
     _add_preprocess(sub)
+    _add_make_tokenizer(sub)
     _add_bench(sub)
     _add_patch_megatron_lm(sub)
     args = parser.parse_args(argv)
@@ -839,6 +898,8 @@ def _main(argv: list[str] | None) -> int:
             _run_train(args)
         elif args.command == "preprocess":
             _run_preprocess(args)
+        elif args.command == "make-tokenizer":
+            _run_make_tokenizer(args)
         elif args.command == "bench":
             _run_bench(args)
         elif args.command == "patch-megatron-lm":

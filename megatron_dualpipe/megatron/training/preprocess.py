@@ -64,6 +64,8 @@ __all__ = [
     "Preprocessed",
     "Written",
     "dataset_prefix",
+    "check_options",
+    "document_texts",
     "preprocess",
 ]
 
@@ -161,40 +163,53 @@ class _Encoder:
 
     def texts(self, number: int, line: bytes) -> list[str]:
         """Each key's document on line ``number``."""
-        where = f"{self.path} line {number}"
-        try:
-            decoded = line.decode("utf-8")
-        except UnicodeDecodeError as err:
+        return document_texts(self.path, number, line, self.keys, self.max_chars)
+
+
+def decode_line(path: Path, number: int, line: bytes) -> str:
+    """Line ``number`` of ``path`` as text; PreprocessError naming it when it is not UTF-8."""
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise PreprocessError(
+            f"{path} line {number}: not UTF-8 text ({err.reason} at byte {err.start + 1} of "
+            "the line): save the corpus as UTF-8"
+        ) from None
+
+
+def document_texts(
+    path: Path, number: int, line: bytes, keys: Sequence[str], max_chars: int
+) -> list[str]:
+    """The string of each of ``keys`` in line ``number`` of the jsonl corpus ``path``;
+    PreprocessError naming the line when it is not UTF-8, not a JSON object holding a
+    string for every key, or holds one longer than ``max_chars``."""
+    where = f"{path} line {number}"
+    try:
+        record = json.loads(decode_line(path, number, line))
+    except json.JSONDecodeError as err:
+        raise PreprocessError(
+            f"{where}: not JSON ({err.msg} at column {err.colno}): write one JSON object "
+            'per line, such as {"text": "..."}'
+        ) from None
+    texts = []
+    for key in keys:
+        if not isinstance(record, dict) or key not in record:
             raise PreprocessError(
-                f"{where}: not UTF-8 text ({err.reason} at byte {err.start + 1} of the line): "
-                "save the corpus as UTF-8"
-            ) from None
-        try:
-            record = json.loads(decoded)
-        except json.JSONDecodeError as err:
+                f'{where}: no "{key}" field: each line must be a JSON object with the '
+                f'document in "{key}" (or name its keys with --json-keys)'
+            )
+        text = record[key]
+        if not isinstance(text, str):
+            raise PreprocessError(f'{where}: "{key}" is {type(text).__name__}, not a string')
+        if len(text) > max_chars:
             raise PreprocessError(
-                f"{where}: not JSON ({err.msg} at column {err.colno}): write one JSON object "
-                'per line, such as {"text": "..."}'
-            ) from None
-        texts = []
-        for key in self.keys:
-            if not isinstance(record, dict) or key not in record:
-                raise PreprocessError(
-                    f'{where}: no "{key}" field: each line must be a JSON object with the '
-                    f'document in "{key}" (or name its keys with --json-keys)'
-                )
-            text = record[key]
-            if not isinstance(text, str):
-                raise PreprocessError(f'{where}: "{key}" is {type(text).__name__}, not a string')
-            if len(text) > self.max_chars:
-                raise PreprocessError(
-                    f'{where}: the "{key}" document is {len(text):,} characters, more than '
-                    f"--max-document-chars {self.max_chars:,} (tokenizing it would take about "
-                    f"{len(text) * 200 / 1e9:.1f} GB): split it into smaller documents, or "
-                    "raise --max-document-chars"
-                )
-            texts.append(text)
-        return texts
+                f'{where}: the "{key}" document is {len(text):,} characters, more than '
+                f"--max-document-chars {max_chars:,} (tokenizing it would take about "
+                f"{len(text) * 200 / 1e9:.1f} GB): split it into smaller documents, or "
+                "raise --max-document-chars"
+            )
+        texts.append(text)
+    return texts
 
 
 def _chunks(
@@ -508,7 +523,7 @@ def preprocess(
     from megatron.core.datasets.indexed_dataset import DType
 
     began = time.monotonic()
-    keys = _check_options(json_keys, workers, max_document_chars)
+    keys = check_options(json_keys, workers, max_document_chars)
     source = Path(input_path)
     check_huggingface_dir(tokenizer_dir, "--tokenizer")
     try:
@@ -546,7 +561,9 @@ def preprocess(
     return Preprocessed(written, total, time.monotonic() - began, workers)
 
 
-def _check_options(json_keys: Sequence[str], workers: int, max_chars: int) -> tuple[str, ...]:
+def check_options(json_keys: Sequence[str], workers: int, max_chars: int) -> tuple[str, ...]:
+    """``json_keys`` as a tuple; PreprocessError for no key, a key twice, ``workers`` below
+    1 (or above 1 where processes cannot fork), ``max_chars`` below 1."""
     keys = tuple(json_keys)
     if not keys or any(not key or "/" in key for key in keys):
         raise PreprocessError(
