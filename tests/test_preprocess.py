@@ -148,7 +148,11 @@ def test_a_bad_line_in_a_later_chunk_is_named_by_its_line_number(
     bad.write_bytes(b"".join(lines))
     with pytest.raises(PreprocessError) as info:
         preprocess(bad, tokenizer, str(tmp_path / "out" / "bad"), workers=workers)
-    _one_sentence(info.value, f"{bad} line 12346: not UTF-8 text", "save the corpus as UTF-8")
+    _one_sentence(
+        info.value,
+        f"{bad} line 12346: not UTF-8 text (invalid continuation byte at byte 14 of the line)",
+        "save the corpus as UTF-8",
+    )
     assert not list((tmp_path / "out").iterdir())
 
 

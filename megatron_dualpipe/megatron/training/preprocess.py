@@ -553,8 +553,6 @@ def preprocess(
                 for encoded in pool.encoded(chunks):
                     outputs.add(encoded)
                 outputs.publish()
-        except PreprocessError:
-            raise
         except OSError as err:
             raise _output_error(err, output_prefix, keys) from None
     written = tuple(Written(d.key, d.prefix, d.documents, d.tokens) for d in outputs.datasets)
