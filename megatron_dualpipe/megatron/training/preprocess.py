@@ -78,7 +78,8 @@ DEFAULT_MAX_DOCUMENT_CHARS = 4_000_000
 CHUNK_BYTES = 1 << 20
 #: How often a waiting parent checks its workers, and a waiting worker its parent (s).
 POLL_S = 0.5
-#: Signals held back while the finished files are renamed (what ends a run as an exception).
+#: Signals held back while the finished files are renamed and while workers are forked
+#: (what ends a run as an exception).
 _HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
@@ -251,6 +252,7 @@ def _work(encoder: _Encoder, tasks: Any, results: Any, parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD_SIGNALS)  # held while it was forked
     while True:
         try:
             chunk = tasks.get(timeout=POLL_S)
@@ -287,8 +289,17 @@ class _Workers:
                 )
                 for rank in range(workers)
             ]
-            for process in self.processes:
-                process.start()
+            # A stop signal during a fork would be raised in the middle of it (or lost in
+            # an after-fork hook): it waits until every worker is started.
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+            try:
+                for process in self.processes:
+                    process.start()
+            except BaseException:
+                self.__exit__(None, None, None)
+                raise
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
     def __enter__(self) -> _Workers:
         return self
@@ -299,9 +310,10 @@ class _Workers:
         error: BaseException | None,
         trace: TracebackType | None,
     ) -> None:
-        for process in self.processes:
+        started = [process for process in self.processes if process.pid is not None]
+        for process in started:
             process.terminate()
-        for process in self.processes:
+        for process in started:
             process.join()
         if self.processes:
             for channel in (self.tasks, self.results):
@@ -545,9 +557,10 @@ def preprocess(
         report = progress or (lambda done, total: None)
         chunks = _chunks(source, stream, first, lambda done: report(done, total))
         try:
+            # The workers first: they are forked holding neither the lock nor the files.
             with (
-                _Outputs(output_prefix, keys, dtype) as outputs,
                 _Workers(encoder, workers) as pool,
+                _Outputs(output_prefix, keys, dtype) as outputs,
             ):
                 outputs.add(encoder.encode(first))
                 for encoded in pool.encoded(chunks):
