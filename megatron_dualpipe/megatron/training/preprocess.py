@@ -12,7 +12,11 @@ names them. ``data_path: <prefix>_text_document`` then trains on it.
 ``workers`` > 1 tokenizes in that many forked processes (Megatron-LM's ``--workers``):
 the parent reads the corpus in chunks of lines, the workers encode them with the same
 function a single worker runs in-process, and the parent writes the chunks in input order,
-so the files are byte for byte those of ``workers=1``. At most a few chunks per worker are
+so the files are byte for byte those of ``workers=1``. Workers are forked, not spawned: they
+share the tokenizer and modules already loaded and start at once. Python 3.12 warns (a
+DeprecationWarning, hidden by default) that forking a process with threads may deadlock
+the child; a worker takes no lock those threads hold (the ``tokenizers`` library's own
+thread pool is off in it). At most a few chunks per worker are
 in flight (memory stays bounded whatever the corpus size); a worker that dies is reported,
 and a worker whose parent died exits.
 
