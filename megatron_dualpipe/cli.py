@@ -1,5 +1,5 @@
-"""The ``megatron-dualpipe`` command: ``simulate``, ``train``, ``preprocess``, ``bench`` and
-``patch-megatron-lm``.
+"""The ``megatron-dualpipe`` command: ``simulate``, ``train``, ``preprocess``,
+``make-tokenizer``, ``bench`` and ``patch-megatron-lm``.
 
 Importing this module imports neither torch nor megatron: ``simulate`` is pure Python, and
 ``train``, ``preprocess`` and ``bench`` import what they need when they run.
@@ -276,7 +276,28 @@ def _add_preprocess(sub: argparse._SubParsersAction) -> None:
         "--output-prefix",
         required=True,
         metavar="PREFIX",
-        help="where to write: PREFIX_text_document.bin and .idx (folders are made)",
+        help="where to write: PREFIX_KEY_document.bin and .idx for each key (folders are made)",
+    )
+    p.add_argument(
+        "--json-keys",
+        nargs="+",
+        default=["text"],
+        metavar="KEY",
+        help="the keys whose strings are documents, one dataset each (default: text)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tokenizing processes (default 1); the output does not depend on it",
+    )
+    p.add_argument(
+        "--max-document-chars",
+        type=int,
+        metavar="N",
+        help="refuse a document of more characters (default: 4,000,000, about 0.8 GB to "
+        "tokenize)",
     )
 
 
@@ -285,17 +306,95 @@ def _run_preprocess(args: argparse.Namespace) -> None:
     from .megatron.training.preprocess import preprocess  # imports torch and megatron
 
     silence_known_warnings()
-    with Progress(delay_s=0.5) as bar:
+    given = args.max_document_chars
+    limit = {} if given is None else {"max_document_chars": given}
+    with _unwind_on_stop_signals(), Progress(delay_s=0.5) as bar:
         bar.phase(f"tokenizing {args.input}")
+        began = time.monotonic()
 
         def progress(done: int, total: int) -> None:
+            seconds = max(time.monotonic() - began, 1e-9)
             bar.total, bar.done = total, done
+            bar.note = f"{done / seconds / 1e6:.1f} MB/s"
 
-        result = preprocess(args.input, args.tokenizer, args.output_prefix, progress)
+        result = preprocess(
+            args.input,
+            args.tokenizer,
+            args.output_prefix,
+            json_keys=args.json_keys,
+            workers=args.workers,
+            progress=progress,
+            **limit,
+        )
+    seconds = max(result.seconds, 1e-9)
+    for written in result.written:
+        print(
+            f"wrote {written.prefix}.bin and {written.prefix}.idx: {written.documents:,} "
+            f"documents, {written.tokens:,} tokens (each document ends in the end-of-document "
+            f"token); train on it with data_path: {written.prefix}"
+        )
     print(
-        f"wrote {result.prefix}.bin and {result.prefix}.idx: {result.documents:,} documents, "
-        f"{result.tokens:,} tokens (each document ends in the end-of-document token); train "
-        f"on it with data_path: {result.prefix}"
+        f"{result.bytes_read / 1e6:,.1f} MB in {result.seconds:.1f} s with {result.workers} "
+        f"worker(s): {result.written[0].documents / seconds:,.0f} documents/s, "
+        f"{result.bytes_read / seconds / 1e6:.1f} MB/s"
+    )
+
+
+def _add_make_tokenizer(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "make-tokenizer",
+        help="train a byte-level BPE tokenizer on a corpus, offline, for preprocess and train",
+        description="Train a byte-level BPE (GPT-2's recipe, with the tokenizers library) on "
+        "the documents of a jsonl corpus (or a .txt file, a document a line) and save it with "
+        "transformers' save_pretrained: the directory preprocess --tokenizer and train's "
+        "tokenizer_model take. Nothing is downloaded.",
+    )
+    p.add_argument("--input", type=Path, required=True, help="the corpus (jsonl, or .txt)")
+    p.add_argument(
+        "--output", type=Path, required=True, metavar="DIR", help="the tokenizer directory"
+    )
+    p.add_argument(
+        "--vocab-size", type=int, default=32000, metavar="N", help="tokens (default 32000)"
+    )
+    p.add_argument(
+        "--json-keys",
+        nargs="+",
+        default=["text"],
+        metavar="KEY",
+        help="the keys whose strings are documents (default: text)",
+    )
+    p.add_argument(
+        "--eod",
+        default="<|endoftext|>",
+        metavar="TOKEN",
+        help="the end-of-document token (default: <|endoftext|>)",
+    )
+    p.add_argument(
+        "--min-frequency",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the fewest occurrences of a pair merged (default: the tokenizers library's)",
+    )
+
+
+def _run_make_tokenizer(args: argparse.Namespace) -> None:
+    from .megatron.training.make_tokenizer import make_tokenizer
+
+    with _unwind_on_stop_signals(), Progress(delay_s=0.5) as bar:
+        bar.phase(f"training a BPE on {args.input}")
+        made = make_tokenizer(
+            args.input,
+            args.output,
+            vocab_size=args.vocab_size,
+            json_keys=args.json_keys,
+            eod=args.eod,
+            min_frequency=args.min_frequency,
+        )
+    print(
+        f"wrote {made.directory}: a byte-level BPE of {made.vocab_size:,} tokens trained on "
+        f"{made.documents:,} documents, end-of-document token {args.eod}; use it with "
+        f"preprocess --tokenizer {made.directory} and train's tokenizer_model: {made.directory}"
     )
 
 
@@ -343,8 +442,25 @@ def _terminate(signum: int, frame: object) -> None:
     raise _Terminated(signum)
 
 
-#: Signals ``train`` unwinds on, as on Ctrl-C, unless it was started with them ignored.
+#: Signals ``train`` and ``preprocess`` unwind on, as on Ctrl-C, unless started with them
+#: ignored.
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _unwind_on_stop_signals() -> Iterator[None]:
+    """Within the block, SIGTERM and SIGHUP raise :class:`_Terminated` (Ctrl-C's unwinding:
+    launched ranks killed, partial files removed), unless the command was started with them
+    ignored; the previous handlers are back on leaving it."""
+    previous = {signum: signal.getsignal(signum) for signum in _STOP_SIGNALS}
+    for signum, handler in previous.items():
+        if handler != signal.SIG_IGN:  # nohup's SIGHUP stays ignored: the run goes on
+            signal.signal(signum, _terminate)
+    try:
+        yield
+    finally:  # a signal while the error is printed must not interrupt the printing
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _run_dry_run(args: argparse.Namespace) -> None:
@@ -367,18 +483,9 @@ def _run_train(args: argparse.Namespace) -> None:
 
     if args.ranks is not None:
         raise ConfigError("--ranks chooses the ranks of a dry run: add --dry-run")
-
-    previous = {signum: signal.getsignal(signum) for signum in _STOP_SIGNALS}
-    for signum, handler in previous.items():
-        if handler != signal.SIG_IGN:  # nohup's SIGHUP stays ignored: the run goes on
-            signal.signal(signum, _terminate)
-    try:
-        profiling = ["profile=true", "use_pytorch_profiler=true"] if args.profile else []
-        cfg = load_config(args.config, [*profiling, *args.overrides])
-        train(cfg, source=str(args.config))
-    finally:  # a signal while the error is printed must not interrupt the printing
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    profiling = ["profile=true", "use_pytorch_profiler=true"] if args.profile else []
+    with _unwind_on_stop_signals():
+        train(load_config(args.config, [*profiling, *args.overrides]), source=str(args.config))
 
 
 def _load(path: Path) -> Schedule:
@@ -930,6 +1037,7 @@ def _main(argv: list[str] | None) -> int:
     _add_simulate(sub)
     _add_train(sub)
     _add_preprocess(sub)
+    _add_make_tokenizer(sub)
     _add_bench(sub)
     _add_patch_megatron_lm(sub)
     args = parser.parse_args(argv)
@@ -940,6 +1048,8 @@ def _main(argv: list[str] | None) -> int:
             _run_train(args)
         elif args.command == "preprocess":
             _run_preprocess(args)
+        elif args.command == "make-tokenizer":
+            _run_make_tokenizer(args)
         elif args.command == "bench":
             _run_bench(args)
         elif args.command == "patch-megatron-lm":

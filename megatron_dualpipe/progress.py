@@ -21,7 +21,8 @@ __all__ = ["Progress"]
 
 
 class Progress:
-    """``with Progress() as bar: bar.phase("simulating", total=n); bar.done = k; ...``"""
+    """``with Progress() as bar: bar.phase("simulating", total=n); bar.done = k; ...``;
+    ``bar.note`` (a throughput, say) is drawn after the label."""
 
     WIDTH = 30
 
@@ -31,7 +32,7 @@ class Progress:
         self.stream = sys.stderr if stream is None else stream
         self.enabled = self.stream.isatty() and not os.environ.get("CI")
         self.delay_s, self.every_s = delay_s, every_s
-        self.label, self.total, self.done = "", 0, 0
+        self.label, self.total, self.done, self.note = "", 0, 0, ""
         self._began = time.monotonic()
         self._phase_began = self._began
         self._stop = threading.Event()
@@ -40,18 +41,19 @@ class Progress:
 
     def phase(self, label: str, total: int = 0) -> None:
         """Start a phase: ``total`` units to do (0: unknown, elapsed time only)."""
-        self.label, self.total, self.done = label, total, 0
+        self.label, self.total, self.done, self.note = label, total, 0, ""
         self._phase_began = time.monotonic()
 
     def line(self) -> str:
         """The line as drawn now."""
         elapsed = time.monotonic() - self._phase_began
+        note = f", {self.note}" if self.note else ""
         if self.total <= 0:
-            return f" {self.label} ... {elapsed:.0f} s"
+            return f" {self.label} ... {elapsed:.0f} s{note}"
         share = min(self.done / self.total, 1.0)
         filled = int(self.WIDTH * share)
         bar = "#" * filled + "-" * (self.WIDTH - filled)
-        return f" [{bar}] {share:4.0%} {self.label} ({elapsed:.0f} s)"
+        return f" [{bar}] {share:4.0%} {self.label} ({elapsed:.0f} s{note})"
 
     def __enter__(self) -> Progress:
         if self.enabled:

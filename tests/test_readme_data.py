@@ -59,7 +59,7 @@ def test_the_readme_data_block_runs_as_written(tmp_path: Path) -> None:
         outputs.append(proc.stdout.splitlines())
     preprocessed, trained = outputs
 
-    assert preprocessed[-1].startswith(
+    assert preprocessed[0].startswith(
         "wrote data/corpus_text_document.bin and data/corpus_text_document.idx: 120 documents, "
     )
     assert (tmp_path / "data" / "corpus_text_document.idx").is_file()

@@ -35,7 +35,8 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_corpus(root / "corpus.jsonl")
     train_tokenizer(root / "corpus.jsonl", root / "tokenizer")
     made = preprocess(root / "corpus.jsonl", root / "tokenizer", str(root / "data" / "corpus"))
-    assert made.documents == 120 and made.tokens > 5000
+    (written,) = made.written
+    assert written.documents == 120 and written.tokens > 5000
     return root
 
 

@@ -1,38 +1,90 @@
 """``megatron-dualpipe preprocess``: a jsonl corpus into Megatron's indexed dataset.
 
-What Megatron-LM's ``tools/preprocess_data.py`` does for one ``text`` key at document level,
-through Megatron-Core's own parts: each line of the input is a JSON object whose ``text`` is
-one document; Megatron-Core's ``huggingface`` tokenizer (:mod:`.tokenizer`) turns it into
-ids, the tokenizer's end-of-document id is appended, and Megatron-Core's
-``IndexedDatasetBuilder`` writes ``<prefix>_text_document.bin`` and ``.idx`` (token dtype
-as ``DType.optimal_dtype`` picks it for the vocabulary). ``data_path:
-<prefix>_text_document`` then trains on it.
+What Megatron-LM's ``tools/preprocess_data.py`` does at document level, through
+Megatron-Core's own parts: each line of the input is a JSON object; for every key of
+``json_keys`` (Megatron-LM's ``--json-keys``, default ``text``) its string is one document,
+Megatron-Core's ``huggingface`` tokenizer (:mod:`.tokenizer`) turns it into ids, the
+tokenizer's end-of-document id is appended, and Megatron-Core's ``IndexedDatasetBuilder``
+writes ``<prefix>_<key>_document.bin`` and ``.idx`` (token dtype as
+``DType.optimal_dtype`` picks it for the vocabulary): one dataset per key, as Megatron-LM
+names them. ``data_path: <prefix>_text_document`` then trains on it.
 
-Every problem is one sentence naming the file and, for the corpus, the line: a missing or
-unreadable input, a line that is not JSON, an object without a string ``text``, a corpus
-without documents, a tokenizer directory without ``tokenizer.json`` (or without an
-end-of-document token). The two files are written under temporary names and renamed only
-when both are complete, so an interrupted or refused run leaves nothing that reads as a
-dataset (and removes what it began).
+``workers`` > 1 tokenizes in that many forked processes (Megatron-LM's ``--workers``):
+the parent reads the corpus in chunks of lines, the workers encode them with the same
+function a single worker runs in-process, and the parent writes the chunks in input order,
+so the files are byte for byte those of ``workers=1``. Workers are forked, not spawned: they
+share the tokenizer and modules already loaded and start at once. Python 3.12 warns (a
+DeprecationWarning, hidden by default) that forking a process with threads may deadlock
+the child; a worker takes no lock those threads hold (the ``tokenizers`` library's own
+thread pool is off in it). At most a few chunks per worker are
+in flight (memory stays bounded whatever the corpus size); a worker that dies is reported,
+and a worker whose parent died exits.
+
+Every problem is one sentence naming the file and, for the corpus, the line (counted from
+1, blank lines included): a missing or unreadable input, a line that is not UTF-8 or not
+JSON, an object without a string for a key, a document longer than
+``max_document_chars`` (tokenizing one takes about 200 bytes of memory a character, so a
+40 MB line would take 8 GB), a corpus without documents, a tokenizer directory without
+``tokenizer.json`` (or without an end-of-document token); for the output, a folder that
+cannot be made or written (read-only, a file in the way, no permission, a full disk),
+named by the dataset, never by the temporary file.
+
+Writing is safe against interruption and against a second run: each dataset's prefix is
+locked (``fcntl.flock`` on ``<prefix>.lock``, removed at the end) before anything is
+written, so a second run onto it is refused; both files are written under temporary names
+and, when every dataset is complete, flushed to disk and renamed as a pair (the old
+``.idx`` removed first, signals held back meanwhile), so no ``.bin`` is ever beside
+another run's ``.idx``. Whatever stops a run (an error, a full disk, Ctrl-C, SIGTERM
+raised as an exception by the command line) removes what it began.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import itertools
 import json
+import multiprocessing
 import os
-from collections.abc import Callable, Iterator
+import queue
+import signal
+import time
+import traceback
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy
 
 from .config import ConfigError
 from .tokenizer import check_huggingface_dir, huggingface_tokenizer
 
-__all__ = ["PreprocessError", "Preprocessed", "preprocess"]
+__all__ = [
+    "DEFAULT_MAX_DOCUMENT_CHARS",
+    "PreprocessError",
+    "Preprocessed",
+    "Written",
+    "dataset_prefix",
+    "check_options",
+    "document_texts",
+    "preprocess",
+]
 
-#: The JSON key read from every line, and the suffix Megatron-LM gives its output prefix.
+#: Megatron-LM's default ``--json-keys`` and the level in its output names.
 TEXT_KEY = "text"
-SUFFIX = "_text_document"
+LEVEL = "document"
+#: The longest document tokenized by default: about 0.8 GB of tokenizer memory.
+DEFAULT_MAX_DOCUMENT_CHARS = 4_000_000
+#: A chunk of lines handed to a worker: about this many bytes of corpus.
+CHUNK_BYTES = 1 << 20
+#: How often a waiting parent checks its workers, and a waiting worker its parent (s).
+POLL_S = 0.5
+#: Signals held back while the finished files are renamed and while workers are forked
+#: (what ends a run as an exception).
+_HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
 class PreprocessError(ConfigError):
@@ -40,110 +92,520 @@ class PreprocessError(ConfigError):
 
 
 @dataclass(frozen=True)
-class Preprocessed:
-    """What a preprocessing run wrote: the dataset prefix (``data_path``), its documents and
-    tokens (end-of-document ids included)."""
+class Written:
+    """One dataset a run wrote: its key, its prefix (``data_path``), documents and tokens
+    (end-of-document ids included)."""
 
+    key: str
     prefix: str
     documents: int
     tokens: int
 
 
-def _documents(path: Path) -> Iterator[tuple[int, str]]:
-    """(line number, text) of every non-blank line of the corpus; PreprocessError naming the
-    line where one is not a JSON object with a string ``text``."""
-    try:
-        stream = path.open(encoding="utf-8")
-    except OSError as err:
-        what = "does not exist" if isinstance(err, FileNotFoundError) else err.strerror
-        raise PreprocessError(f"--input: {path} {what}: give a jsonl file") from None
-    with stream:
-        try:
-            for number, line in enumerate(stream, start=1):
-                if not line.strip():
-                    continue
-                yield number, _text(path, number, line)
-        except UnicodeDecodeError as err:
-            raise PreprocessError(
-                f"{path}: not UTF-8 text ({err.reason} at byte {err.start} of a line): save "
-                "the corpus as UTF-8"
-            ) from None
+@dataclass(frozen=True)
+class Preprocessed:
+    """What a preprocessing run wrote (one dataset per JSON key), the corpus bytes it read,
+    its wall time in seconds and its workers."""
+
+    written: tuple[Written, ...]
+    bytes_read: int
+    seconds: float
+    workers: int
 
 
-def _text(path: Path, number: int, line: str) -> str:
+def dataset_prefix(output_prefix: str, key: str) -> str:
+    """Megatron-LM's name for the dataset of ``key``: ``<output_prefix>_<key>_document``."""
+    return f"{output_prefix}_{key}_{LEVEL}"
+
+
+# --------------------------------------------------------------------------------------
+# Encoding: the same function in-process (one worker) and in each forked worker.
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """Consecutive raw lines of the corpus, the first being line ``first`` (from 1)."""
+
+    index: int
+    first: int
+    lines: list[bytes]
+
+
+@dataclass(frozen=True)
+class _Encoded:
+    """A chunk's documents: per key, the token count of each document and all its tokens."""
+
+    documents: int
+    lengths: tuple[numpy.ndarray, ...]
+    tokens: tuple[numpy.ndarray, ...]
+
+
+@dataclass(frozen=True)
+class _Encoder:
+    """Turns lines into token ids; raises PreprocessError naming the first bad line."""
+
+    path: Path
+    keys: tuple[str, ...]
+    tokenizer: Any
+    eod: int
+    dtype: type
+    max_chars: int
+
+    def encode(self, chunk: _Chunk) -> _Encoded:
+        per_key: list[list[list[int]]] = [[] for _ in self.keys]
+        documents = 0
+        for number, line in enumerate(chunk.lines, start=chunk.first):
+            if not line.strip():
+                continue
+            for ids, text in zip(per_key, self.texts(number, line), strict=True):
+                ids.append([*self.tokenizer.tokenize(text), self.eod])
+            documents += 1
+        lengths = tuple(numpy.array([len(d) for d in docs], numpy.int64) for docs in per_key)
+        tokens = tuple(
+            numpy.array(list(itertools.chain.from_iterable(docs)), self.dtype) for docs in per_key
+        )
+        return _Encoded(documents, lengths, tokens)
+
+    def texts(self, number: int, line: bytes) -> list[str]:
+        """Each key's document on line ``number``."""
+        return document_texts(self.path, number, line, self.keys, self.max_chars)
+
+
+def decode_line(path: Path, number: int, line: bytes) -> str:
+    """Line ``number`` of ``path`` as text; PreprocessError naming it when it is not UTF-8."""
     try:
-        record = json.loads(line)
+        return line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise PreprocessError(
+            f"{path} line {number}: not UTF-8 text ({err.reason} at byte {err.start + 1} of "
+            "the line): save the corpus as UTF-8"
+        ) from None
+
+
+def document_texts(
+    path: Path, number: int, line: bytes, keys: Sequence[str], max_chars: int
+) -> list[str]:
+    """The string of each of ``keys`` in line ``number`` of the jsonl corpus ``path``;
+    PreprocessError naming the line when it is not UTF-8, not a JSON object holding a
+    string for every key, or holds one longer than ``max_chars``."""
+    where = f"{path} line {number}"
+    try:
+        record = json.loads(decode_line(path, number, line))
     except json.JSONDecodeError as err:
         raise PreprocessError(
-            f"{path} line {number}: not JSON ({err.msg} at column {err.colno}): write one JSON "
-            f'object per line, such as {{"text": "..."}}'
+            f"{where}: not JSON ({err.msg} at column {err.colno}): write one JSON object "
+            'per line, such as {"text": "..."}'
         ) from None
-    if not isinstance(record, dict) or TEXT_KEY not in record:
-        raise PreprocessError(
-            f'{path} line {number}: no "{TEXT_KEY}" field: each line must be a JSON object '
-            f'with the document in "{TEXT_KEY}"'
-        )
-    text = record[TEXT_KEY]
-    if not isinstance(text, str):
-        raise PreprocessError(
-            f'{path} line {number}: "{TEXT_KEY}" is {type(text).__name__}, not a string'
-        )
-    return text
+    texts = []
+    for key in keys:
+        if not isinstance(record, dict) or key not in record:
+            raise PreprocessError(
+                f'{where}: no "{key}" field: each line must be a JSON object with the '
+                f'document in "{key}" (or name its keys with --json-keys)'
+            )
+        text = record[key]
+        if not isinstance(text, str):
+            raise PreprocessError(f'{where}: "{key}" is {type(text).__name__}, not a string')
+        if len(text) > max_chars:
+            raise PreprocessError(
+                f'{where}: the "{key}" document is {len(text):,} characters, more than '
+                f"--max-document-chars {max_chars:,} (tokenizing it would take about "
+                f"{len(text) * 200 / 1e9:.1f} GB): split it into smaller documents, or "
+                "raise --max-document-chars"
+            )
+        texts.append(text)
+    return texts
 
 
-def _count_lines(path: Path) -> int:
-    with path.open("rb") as stream:
-        return sum(1 for _ in stream)
+def _chunks(
+    path: Path, stream: Any, after: _Chunk, progress: Callable[[int], None]
+) -> Iterator[_Chunk]:
+    """The rest of the corpus, from the line after chunk ``after``, as chunks of about
+    CHUNK_BYTES; ``progress(bytes read)`` after each."""
+    index, number, done = 0, after.first + len(after.lines), sum(map(len, after.lines))
+    lines: list[bytes] = []
+    size = 0
+    try:
+        for line in stream:
+            lines.append(line)
+            size += len(line)
+            if size >= CHUNK_BYTES:
+                yield _Chunk(index, number, lines)
+                index, number, done = index + 1, number + len(lines), done + size
+                progress(done)
+                lines, size = [], 0
+    except OSError as err:
+        raise PreprocessError(f"--input: cannot read {path}: {err.strerror or err}") from None
+    if lines:
+        yield _Chunk(index, number, lines)
+        progress(done + size)
+
+
+# --------------------------------------------------------------------------------------
+# Workers.
+
+
+def _work(encoder: _Encoder, tasks: Any, results: Any, parent: int) -> None:
+    """A worker's loop: encode each chunk from ``tasks`` into ``results`` (a PreprocessError
+    as its message, anything else as its traceback); exit on None or when the parent is
+    gone. Stop signals are the parent's to handle: Ctrl-C reaches the whole process group,
+    and the parent ends its workers itself. The tokenizers library's own threads are off
+    in a worker: the workers are the parallelism (with both, N workers ran slower than one
+    on two cores)."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD_SIGNALS)  # held while it was forked
+    while True:
+        try:
+            chunk = tasks.get(timeout=POLL_S)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return
+            continue
+        if chunk is None:
+            return
+        try:
+            results.put((chunk.index, encoder.encode(chunk)))
+        except PreprocessError as err:
+            results.put((chunk.index, PreprocessError(str(err))))
+        except Exception:  # noqa: BLE001 - a bug or MemoryError: the parent raises it
+            results.put((chunk.index, RuntimeError(traceback.format_exc())))
+
+
+class _Workers:
+    """``workers`` forked encoders (none for one: the parent encodes); ``encoded(chunks)``
+    yields each chunk's encoding in input order. Leaving the block ends every worker."""
+
+    def __init__(self, encoder: _Encoder, workers: int) -> None:
+        self.encoder, self.workers = encoder, workers
+        self.processes: list[Any] = []
+        if workers > 1:
+            context = multiprocessing.get_context("fork")
+            self.tasks, self.results = context.Queue(), context.Queue()
+            self.processes = [
+                context.Process(
+                    target=_work,
+                    args=(encoder, self.tasks, self.results, os.getpid()),
+                    name=f"preprocess-worker-{rank}",
+                    daemon=True,
+                )
+                for rank in range(workers)
+            ]
+            # A stop signal during a fork would be raised in the middle of it (or lost in
+            # an after-fork hook): it waits until every worker is started.
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+            try:
+                for process in self.processes:
+                    process.start()
+            except BaseException:
+                self.__exit__(None, None, None)
+                raise
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+    def __enter__(self) -> _Workers:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        started = [process for process in self.processes if process.pid is not None]
+        for process in started:
+            process.terminate()
+        for process in started:
+            process.join()
+        if self.processes:
+            for channel in (self.tasks, self.results):
+                channel.cancel_join_thread()
+                channel.close()
+
+    def encoded(self, chunks: Iterable[_Chunk]) -> Iterator[_Encoded]:
+        if not self.processes:
+            yield from map(self.encoder.encode, chunks)
+            return
+        source = iter(chunks)
+        in_flight = 2 * self.workers + 1
+        arrived: dict[int, _Encoded | Exception] = {}
+        sent = done = 0
+        exhausted = False
+        while True:
+            while not exhausted and sent - done < in_flight:
+                chunk = next(source, None)
+                if chunk is None:
+                    exhausted = True
+                else:
+                    self.tasks.put(chunk)
+                    sent += 1
+            if exhausted and done == sent:
+                return
+            while done not in arrived:
+                self._receive(arrived)
+            result = arrived.pop(done)
+            if isinstance(result, Exception):
+                raise result
+            yield result
+            done += 1
+
+    def _receive(self, arrived: dict[int, _Encoded | Exception]) -> None:
+        try:
+            index, result = self.results.get(timeout=POLL_S)
+        except queue.Empty:
+            for process in self.processes:
+                if not process.is_alive():
+                    raise PreprocessError(
+                        f"--workers: tokenizing worker {process.name} died (exit code "
+                        f"{process.exitcode}, out of memory?): lower --workers or "
+                        "--max-document-chars"
+                    ) from None
+            return
+        arrived[index] = result
+
+
+# --------------------------------------------------------------------------------------
+# Output: locked prefixes, temporary files, the paired rename, cleanup.
+
+
+class _Dataset:
+    """One dataset being written under ``<prefix>.incomplete-<pid>.bin/.idx``."""
+
+    def __init__(self, key: str, prefix: str, dtype: type) -> None:
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+        self.key, self.prefix = key, prefix
+        self.partial = f"{prefix}.incomplete-{os.getpid()}"
+        self.builder = IndexedDatasetBuilder(self.partial + ".bin", dtype=dtype)
+        self.documents = self.tokens = 0
+
+    def add(self, lengths: numpy.ndarray, tokens: numpy.ndarray) -> None:
+        start = 0
+        for length in lengths.tolist():
+            self.builder.add_document(tokens[start : start + length], [length])
+            start += length
+        self.documents += len(lengths)
+        self.tokens += start
+
+    def finish(self) -> None:
+        """Close the ``.bin``, write the ``.idx``, both flushed to the disk."""
+        self.builder.finalize(self.partial + ".idx")
+        for suffix in (".bin", ".idx"):
+            descriptor = os.open(self.partial + suffix, os.O_RDONLY)
+            try:
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+
+    def publish(self) -> None:
+        """Rename the pair: the old ``.idx`` goes first, so a stop halfway leaves a ``.bin``
+        without an ``.idx`` (no dataset), never a mixed pair."""
+        Path(self.prefix + ".idx").unlink(missing_ok=True)
+        os.replace(self.partial + ".bin", self.prefix + ".bin")
+        os.replace(self.partial + ".idx", self.prefix + ".idx")
+
+    def discard(self) -> None:
+        """Remove what is left of the temporary files (a failing close included)."""
+        with contextlib.suppress(OSError):
+            self.builder.data_file.close()
+        for suffix in (".bin", ".idx"):
+            Path(self.partial + suffix).unlink(missing_ok=True)
+
+
+class _PrefixLock:
+    """An exclusive ``flock`` on ``<prefix>.lock``, refused at once when another run holds
+    it; the file is removed while still held, so a run never locks a removed file."""
+
+    def __init__(self, prefix: str) -> None:
+        self.path = prefix + ".lock"
+        while True:
+            descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(descriptor)
+                raise PreprocessError(
+                    f"--output-prefix: another preprocess is writing {prefix}.bin and .idx "
+                    f"(it holds {self.path}): wait for it to finish, or choose another "
+                    "--output-prefix"
+                ) from None
+            try:
+                same = os.path.samestat(os.fstat(descriptor), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                self.descriptor = descriptor
+                return
+            os.close(descriptor)  # the holder removed it as we opened it: lock the new one
+
+    def release(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        os.close(self.descriptor)
+
+
+class _Outputs:
+    """The locked, temporary datasets of one run; ``publish()`` renames them all, leaving
+    the block any other way removes them."""
+
+    def __init__(self, output_prefix: str, keys: Sequence[str], dtype: type) -> None:
+        self.locks: list[_PrefixLock] = []
+        self.datasets: list[_Dataset] = []
+        self.published = False
+        prefixes = [dataset_prefix(output_prefix, key) for key in keys]
+        try:
+            Path(prefixes[0]).parent.mkdir(parents=True, exist_ok=True)
+            for prefix in prefixes:
+                self.locks.append(_PrefixLock(prefix))
+            for key, prefix in zip(keys, prefixes, strict=True):
+                self.datasets.append(_Dataset(key, prefix, dtype))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __enter__(self) -> _Outputs:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        if not self.published:
+            for dataset in self.datasets:
+                dataset.discard()
+        for lock in self.locks:
+            lock.release()
+
+    def add(self, encoded: _Encoded) -> None:
+        for dataset, lengths, tokens in zip(
+            self.datasets, encoded.lengths, encoded.tokens, strict=True
+        ):
+            dataset.add(lengths, tokens)
+
+    def publish(self) -> None:
+        for dataset in self.datasets:
+            dataset.finish()
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+        try:
+            for dataset in self.datasets:
+                dataset.publish()
+            self.published = True
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def _output_error(err: OSError, output_prefix: str, keys: Sequence[str]) -> PreprocessError:
+    """One sentence for a failed write, naming the dataset (never the temporary file) and
+    what to change."""
+    names = " and ".join(f"{dataset_prefix(output_prefix, key)}.bin/.idx" for key in keys)
+    where = Path(err.filename or dataset_prefix(output_prefix, keys[0])).parent
+    reasons = {
+        errno.ENOSPC: f"the disk holding {where} is full: free space there",
+        errno.EDQUOT: f"the disk quota for {where} is used up: free space there",
+        errno.EROFS: f"{where} is on a read-only file system: make it writable",
+        errno.EEXIST: f"{err.filename} is a file, not a folder: move it",
+        errno.ENOTDIR: f"{err.filename} is below a file, not a folder: move that file",
+        errno.EACCES: f"there is no permission to write in {where}: grant it",
+        errno.EPERM: f"there is no permission to write in {where}: grant it",
+    }
+    reason = reasons.get(err.errno, f"{err.strerror or err}: fix that")
+    return PreprocessError(
+        f"--output-prefix: cannot write {names}: {reason}, or choose another --output-prefix"
+    )
+
+
+# --------------------------------------------------------------------------------------
 
 
 def preprocess(
     input_path: str | Path,
     tokenizer_dir: str | Path,
     output_prefix: str,
+    *,
+    json_keys: Sequence[str] = (TEXT_KEY,),
+    workers: int = 1,
+    max_document_chars: int = DEFAULT_MAX_DOCUMENT_CHARS,
     progress: Callable[[int, int], None] | None = None,
 ) -> Preprocessed:
     """Tokenize ``input_path`` (jsonl) with the Hugging Face tokenizer in ``tokenizer_dir``
-    into ``<output_prefix>_text_document.bin/.idx``; ``progress(lines done, lines)`` is
-    called as lines are read. Raises :class:`PreprocessError`."""
-    import torch
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+    into ``<output_prefix>_<key>_document.bin/.idx`` for each of ``json_keys``, with
+    ``workers`` processes (the files do not depend on it); ``progress(bytes read, bytes in
+    the corpus)`` is called as chunks are read. Raises :class:`PreprocessError` (the input
+    and the options before any work)."""
+    from megatron.core.datasets.indexed_dataset import DType
 
+    began = time.monotonic()
+    keys = check_options(json_keys, workers, max_document_chars)
     source = Path(input_path)
     check_huggingface_dir(tokenizer_dir, "--tokenizer")
-    documents = _documents(source)
-    first = next(documents, None)  # a missing file or a bad first line before any work
-    if first is None:
-        raise PreprocessError(
-            f"{source}: no documents (every line is blank): write one JSON object per line "
-            f'with the document in "{TEXT_KEY}"'
-        )
-    tokenizer = huggingface_tokenizer(tokenizer_dir, "--tokenizer")
-    eod = tokenizer.eod
-    if eod is None:
-        raise PreprocessError(
-            f"--tokenizer: {tokenizer_dir} has no end-of-document token (eos_token in "
-            "tokenizer_config.json): add one, Megatron appends it to every document"
-        )
-    prefix = output_prefix + SUFFIX
-    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-    partial = f"{prefix}.incomplete-{os.getpid()}"
-    total_lines = _count_lines(source)
-    builder = IndexedDatasetBuilder(
-        partial + ".bin", dtype=DType.optimal_dtype(tokenizer.vocab_size)
-    )
-    count = tokens = 0
     try:
-        for number, text in itertools.chain([first], documents):
-            ids = [*tokenizer.tokenize(text), eod]
-            builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
-            count, tokens = count + 1, tokens + len(ids)
-            if progress is not None:
-                progress(number, total_lines)
-        builder.finalize(partial + ".idx")
-        os.replace(partial + ".bin", prefix + ".bin")
-        os.replace(partial + ".idx", prefix + ".idx")
-    finally:
-        builder.data_file.close()
-        for leftover in (partial + ".bin", partial + ".idx"):
-            Path(leftover).unlink(missing_ok=True)
-    return Preprocessed(prefix, count, tokens)
+        stream = source.open("rb")
+        total = os.fstat(stream.fileno()).st_size
+    except OSError as err:
+        what = "does not exist" if isinstance(err, FileNotFoundError) else err.strerror
+        raise PreprocessError(f"--input: {source} {what}: give a jsonl file") from None
+    with stream:
+        tokenizer = huggingface_tokenizer(tokenizer_dir, "--tokenizer")
+        if tokenizer.eod is None:
+            raise PreprocessError(
+                f"--tokenizer: {tokenizer_dir} has no end-of-document token (eos_token in "
+                "tokenizer_config.json): add one, Megatron appends it to every document"
+            )
+        dtype = DType.optimal_dtype(tokenizer.vocab_size)
+        encoder = _Encoder(source, keys, tokenizer, tokenizer.eod, dtype, max_document_chars)
+        first = _first_document(source, stream, encoder)
+        report = progress or (lambda done, total: None)
+        chunks = _chunks(source, stream, first, lambda done: report(done, total))
+        try:
+            # The workers first: they are forked holding neither the lock nor the files.
+            with (
+                _Workers(encoder, workers) as pool,
+                _Outputs(output_prefix, keys, dtype) as outputs,
+            ):
+                outputs.add(encoder.encode(first))
+                for encoded in pool.encoded(chunks):
+                    outputs.add(encoded)
+                outputs.publish()
+        except OSError as err:
+            raise _output_error(err, output_prefix, keys) from None
+    written = tuple(Written(d.key, d.prefix, d.documents, d.tokens) for d in outputs.datasets)
+    return Preprocessed(written, total, time.monotonic() - began, workers)
+
+
+def check_options(json_keys: Sequence[str], workers: int, max_chars: int) -> tuple[str, ...]:
+    """``json_keys`` as a tuple; PreprocessError for no key, a key twice, ``workers`` below
+    1 (or above 1 where processes cannot fork), ``max_chars`` below 1."""
+    keys = tuple(json_keys)
+    if not keys or any(not key or "/" in key for key in keys):
+        raise PreprocessError(
+            f"--json-keys: {' '.join(keys) or 'nothing'} is not a list of JSON keys: name each "
+            "key whose string is a document, e.g. --json-keys text"
+        )
+    if len(set(keys)) != len(keys):
+        raise PreprocessError(f"--json-keys: {' '.join(keys)} names a key twice: name it once")
+    if workers < 1:
+        raise PreprocessError(f"--workers: {workers} is not a count of processes: give 1 or more")
+    if workers > 1 and "fork" not in multiprocessing.get_all_start_methods():
+        raise PreprocessError("--workers: this platform cannot fork workers: give --workers 1")
+    if max_chars < 1:
+        raise PreprocessError(f"--max-document-chars: {max_chars} is not a length: give 1 or more")
+    return keys
+
+
+def _first_document(source: Path, stream: Any, encoder: _Encoder) -> _Chunk:
+    """The lines up to the first document, checked before any output is made (a bad first
+    line or a corpus of blank lines is refused before work starts)."""
+    lines: list[bytes] = []
+    for line in stream:
+        lines.append(line)
+        if line.strip():
+            encoder.texts(len(lines), line)
+            return _Chunk(-1, 1, lines)
+    raise PreprocessError(
+        f"{source}: no documents (every line is blank): write one JSON object per line with "
+        f'the document in "{encoder.keys[0]}"'
+    )
