@@ -43,6 +43,7 @@ from .megatron.checks import (
     schedule_spec,
     stage_layers,
 )
+from .schedules.cuda_graphs import cuda_graph_problem
 from .schedules.registry import SCHEDULES
 
 __all__ = [
@@ -132,9 +133,39 @@ def _stage_layers(args: Any) -> tuple[int, ...]:
     )
 
 
+def _check_cuda_graphs(args: Any, schedule: str) -> None:
+    """``--cuda-graph-impl`` and the graphed parts (``--cuda-graph-modules``, 0.16/0.17:
+    ``--cuda-graph-scope``, read by :func:`~.megatron.version.cuda_graph_setting`): a CUDA
+    device for any graph, and what the schedule can graph
+    (:func:`~.schedules.cuda_graphs.cuda_graph_problem`)."""
+    from .megatron.version import cuda_graph_setting
+
+    impl, modules = cuda_graph_setting(args)
+    if impl == "none":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise DualPipeConfigError(
+            f"--cuda-graph-impl {impl} captures CUDA graphs, and this machine has no CUDA "
+            "device: drop --cuda-graph-impl (or set it to none)"
+        )
+    shared = getattr(args, "moe_shared_expert_intermediate_size", None) is not None
+    problem = cuda_graph_problem(
+        schedule,
+        impl,
+        modules,
+        shared_expert_in_router_graph=shared
+        and not getattr(args, "moe_shared_expert_overlap", False),
+    )
+    if problem is not None:
+        raise DualPipeConfigError(problem.replace("cuda_graph_impl ", "--cuda-graph-impl ", 1))
+
+
 def _check(args: Any) -> None:
     schedule = _schedule(args)
     found = schedule_spec(schedule)
+    _check_cuda_graphs(args, schedule)
     vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
     pp = args.pipeline_model_parallel_size
     if found.chunks == 1 and vp is not None and vp > 1:
