@@ -79,26 +79,26 @@ def test_local_under_1f1b_is_read_with_either_name() -> None:
         ),
         (
             ["pipeline_schedule=1f1b", "cuda_graph_impl=local", "cuda_graph_modules=attention"],
-            "cuda_graph_modules: cuda_graph_modules 'attention' is not one of attn, mlp, moe",
+            "cuda_graph_modules: 'attention' is not one of attn, mlp, moe",
         ),
         (["cuda_graph_warmup_steps=-1"], "cuda_graph_warmup_steps: must be >= 0, got -1"),
         (
             ["cuda_graph_impl=local"],
-            "cuda_graph_impl: cuda_graph_impl local under dualpipev graphs the whole layer, and "
+            "cuda_graph_impl: local under dualpipev graphs the whole layer, and "
             "the whole layer defers its weight gradient",
         ),
         (
             ["cuda_graph_impl=local", "cuda_graph_modules=attn moe_router"],
-            "cuda_graph_impl local under dualpipev graphs attn moe_router, and attn defers",
+            "cuda_graph_impl: local under dualpipev graphs attn moe_router, and attn defers",
         ),
         (
             ["cuda_graph_impl=transformer_engine"],
-            "cuda_graph_impl transformer_engine under dualpipev would capture TE's graphs in "
+            "cuda_graph_impl: transformer_engine under dualpipev would capture TE's graphs in "
             "Megatron's interleaved order",
         ),
         (
             ["cuda_graph_impl=full_iteration"],
-            "cuda_graph_impl full_iteration under dualpipev would capture an executor that polls",
+            "cuda_graph_impl: full_iteration under dualpipev would capture an executor that polls",
         ),
         (
             ["pipeline_schedule=1f1b", "cuda_graph_impl=transformer_engine"],
@@ -137,7 +137,7 @@ def test_local_names_the_scope_and_the_alternatives(schedule: str) -> None:
         f"cuda_graph_impl local under {schedule} graphs mlp, and mlp defers its weight gradient "
         "to a W that the replayed backward graph cannot leave out: graph only moe_router / "
         "moe_preprocess (without the shared expert, or with moe_shared_expert_overlap), or "
-        "choose 1f1b or interleaved-1f1b to graph whole layers (with any implementation)"
+        "choose 1f1b or interleaved-1f1b to graph whole layers"
     )
 
 

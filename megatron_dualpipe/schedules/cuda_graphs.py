@@ -107,7 +107,7 @@ def cuda_graph_problem(
             f"defers its weight gradient to a W that the replayed backward graph cannot leave "
             "out: graph only moe_router / moe_preprocess (without the shared expert, or with "
             "moe_shared_expert_overlap), or choose 1f1b or interleaved-1f1b to graph whole "
-            "layers (with any implementation)"
+            "layers"
         )
     if impl == "transformer_engine":
         return (

@@ -1105,8 +1105,9 @@ def _check_cuda_graphs(cfg: TrainConfig) -> Problem:
         modules,
         shared_expert_in_router_graph=cfg.moe_shared_expert_intermediate_size is not None,
     )
-    if problem is not None:
-        return ("cuda_graph_impl" if problem.startswith("cuda_graph_impl") else key), problem
+    if problem is not None:  # "<key> <what is wrong>": the key leads the message
+        named, _, message = problem.partition(" ")
+        return ("cuda_graph_impl" if named == "cuda_graph_impl" else key), message
     if cfg.cuda_graph_impl in ("transformer_engine", "full_iteration"):
         helper = (
             "TECudaGraphHelper" if cfg.cuda_graph_impl == "transformer_engine" else
