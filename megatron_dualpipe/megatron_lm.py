@@ -160,6 +160,11 @@ def _check_cuda_graphs(args: Any, schedule: str) -> None:
     )
     if problem is not None:
         raise DualPipeConfigError(problem.replace("cuda_graph_impl ", "--cuda-graph-impl ", 1))
+    if impl == "full_iteration" and getattr(args, "variable_seq_lengths", False):
+        raise DualPipeConfigError(
+            "--cuda-graph-impl full_iteration captures one step's shapes, and "
+            "--variable-seq-lengths changes them every micro-batch: drop one of them"
+        )
 
 
 def _check(args: Any) -> None:
@@ -285,10 +290,14 @@ def forward_backward_func(args: Any, megatrons: Callable[..., Any]) -> Callable[
         func = None
         if ours:
             from .megatron.forward_backward import DualPipeForwardBackward
+            from .megatron.version import cuda_graph_setting
 
             timeout_min = getattr(args, "distributed_timeout_minutes", None)
             options = {"timeout_s": 60.0 * timeout_min} if timeout_min else {}
-            func = DualPipeForwardBackward(schedule, **options)
+            # --cuda-graph-impl full_iteration: Megatron-LM's train wraps this function in
+            # FullCudaGraphWrapper, which captures its step whole.
+            graph_safe = cuda_graph_setting(args)[0] == "full_iteration"
+            func = DualPipeForwardBackward(schedule, graph_safe=graph_safe, **options)
         _RUNS[key] = (weakref.ref(args, lambda _: _RUNS.pop(key, None)), func)
         _log_schedule(schedule, ours, megatrons)
     return func if ours else megatrons

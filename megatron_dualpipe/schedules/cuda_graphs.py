@@ -14,7 +14,7 @@ Megatron-Core offers three implementations (``cuda_graph_impl``; megatron-core 0
   ``_order`` for any schedule of the IR and :func:`check_cuda_graph_order` the rules TE's
   ``transformer_engine/pytorch/graph.py`` (``_make_graphed_callables``) holds it to.
 - ``full_iteration``: ``FullCudaGraphWrapper`` captures the whole forward-backward function
-  once; it needs a step without host synchronisation.
+  once; it needs a step without host synchronisation (the executor's ``graph_safe`` mode).
 
 The modules a per-layer graph covers (``cuda_graph_modules``, 0.16/0.17:
 ``cuda_graph_scope``) are :data:`CUDA_GRAPH_MODULES`; none listed: the whole layer.
@@ -81,8 +81,9 @@ def cuda_graph_problem(
       graph computes dW inside it;
     - ``transformer_engine``: Megatron's helper builds its ``_order`` from Megatron's
       interleaved table and has no hook for another schedule's order;
-    - ``full_iteration``: the executor polls sends and the watchdog from the host inside
-      the step, which a capture cannot hold.
+    - ``full_iteration``: the graph-safe executor runs under zb1p and dualpipev; dualpipe's
+      two chunks on a rank each take half of the step's micro-batches, while
+      ``FullCudaGraphWrapper.data_read`` reads all of them for every chunk.
     """
     if impl not in CUDA_GRAPH_IMPLS:
         return f"cuda_graph_impl {impl!r} is not one of {', '.join(CUDA_GRAPH_IMPLS)}"
@@ -116,11 +117,14 @@ def cuda_graph_problem(
             "schedule's order), not in the order this schedule replays them: use "
             "cuda_graph_impl local on moe_router, or 1f1b / interleaved-1f1b for TE graphs"
         )
-    return (
-        f"cuda_graph_impl full_iteration under {schedule} would capture an executor that "
-        "polls its sends and its hang monitor from the host inside the step: use "
-        "cuda_graph_impl local on moe_router, or 1f1b / interleaved-1f1b for whole-step graphs"
-    )
+    if found.placement == "mirror":
+        return (
+            f"cuda_graph_impl full_iteration under {schedule}: FullCudaGraphWrapper reads "
+            "every micro-batch of the step for each of a rank's model chunks, and each of "
+            f"{schedule}'s two chunks takes half of them: use dualpipev or zb1p for "
+            "whole-step graphs"
+        )
+    return None
 
 
 def cuda_graph_order(schedule: Schedule, rank: int) -> list[float]:

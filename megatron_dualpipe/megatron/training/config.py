@@ -135,8 +135,9 @@ class TrainConfig:
         "none",
         doc="CUDA graphs: none; local (each layer records and replays its graphs: under "
         "zb1p, dualpipe and dualpipev only parts that defer no weight gradient); "
-        "transformer_engine and full_iteration are Megatron-LM's training loop's (refused "
-        "here); needs CUDA",
+        "full_iteration (the whole forward-backward step captured once, under zb1p and "
+        "dualpipev); transformer_engine is Megatron-LM's training loop's (refused here); "
+        "needs CUDA",
     )
     cuda_graph_modules: str | None = _key(
         None,
@@ -1108,16 +1109,24 @@ def _check_cuda_graphs(cfg: TrainConfig) -> Problem:
     if problem is not None:  # "<key> <what is wrong>": the key leads the message
         named, _, message = problem.partition(" ")
         return ("cuda_graph_impl" if named == "cuda_graph_impl" else key), message
+    ours = SCHEDULES[cfg.pipeline_schedule].runs_ours
+    if cfg.cuda_graph_impl == "full_iteration" and ours:
+        if cfg.optimize_schedule:  # it measures a step's timeline, which a graph has none of
+            return "optimize_schedule", (
+                "measures a step's timeline, and a step under cuda_graph_impl: "
+                "full_iteration records none: set one of them"
+            )
+        return None
     if cfg.cuda_graph_impl in ("transformer_engine", "full_iteration"):
         helper = (
             "TECudaGraphHelper" if cfg.cuda_graph_impl == "transformer_engine" else
             "FullCudaGraphWrapper"
         )
         return "cuda_graph_impl", (
-            f"{cfg.cuda_graph_impl} graphs are captured by Megatron-LM's training loop "
-            f"({helper}), which train does not run: use cuda_graph_impl: local, or "
-            "Megatron-LM's pretrain_gpt.py with the bundled patch under 1f1b or "
-            "interleaved-1f1b"
+            f"{cfg.cuda_graph_impl} graphs of {cfg.pipeline_schedule} are captured by "
+            f"Megatron-LM's training loop ({helper}), which train does not run: use "
+            "cuda_graph_impl: local, full_iteration under zb1p or dualpipev, or Megatron-LM's "
+            "pretrain_gpt.py with the bundled patch"
         )
     return None
 

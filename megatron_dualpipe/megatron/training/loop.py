@@ -38,6 +38,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from ...schedules.megatron_flops import megatron_lm_flops
 from ...schedules.model_cost import ModelShape
+from ..full_iteration import GraphWrapper, chunk_iterators, full_iteration_step
 from ..loss_reports import mtp_losses
 from ..placement import embedding_ranks
 from ..registry import get_forward_backward_func
@@ -104,7 +105,8 @@ def forward_step(
     plan of that forward instead of its output, as Megatron-LM's pretrain_gpt.py does. The
     micro-batch is read only where ``model`` holds the embedding or the loss
     (:meth:`~.data.PendingMicroBatch.for_chunk`)."""
-    batch = next(data_iterator).for_chunk(model)
+    item = next(data_iterator)  # a dictionary already where the step was read up front
+    batch = item if isinstance(item, dict) else item.for_chunk(model)
     loss_func = partial(_loss_func, batch["loss_mask"])
     inputs = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
     if return_schedule_plan:
@@ -113,9 +115,11 @@ def forward_step(
 
 
 class _Run:
-    """The state of one rank's run; see the module docstring."""
+    """The state of one rank's run; see the module docstring. ``graph_wrapper`` makes the
+    whole-step graph wrapper under ``cuda_graph_impl: full_iteration`` (default:
+    Megatron's ``FullCudaGraphWrapper``, :mod:`..full_iteration`)."""
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, graph_wrapper: GraphWrapper | None = None):
         self.cfg = cfg
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
@@ -127,9 +131,16 @@ class _Run:
         self.forward_backward = get_forward_backward_func(
             pipeline_schedule=cfg.pipeline_schedule,
             timeout_s=60.0 * cfg.distributed_timeout_minutes,
+            graph_safe=self.whole_step_graphs,
         )
         if cfg.schedule_file is not None:
             self.forward_backward.use_schedule(saved_schedule(cfg.schedule_file))
+        #: What each step calls: the forward-backward function, or its whole-step graph.
+        self.step_function = (
+            full_iteration_step(self.forward_backward, cfg.cuda_graph_warmup_steps, graph_wrapper)
+            if self.whole_step_graphs
+            else self.forward_backward
+        )
         self.config = transformer_config(cfg, on_gpu=self.device.type == "cuda")
         self.tokenizer = build_tokenizer(cfg)
         self.vocab_size = model_vocab_size(cfg, self.tokenizer)
@@ -143,6 +154,11 @@ class _Run:
         self.state = TrainState()
         self.board = open_log(cfg, self.rank)
         self.flops = _iteration_flops(cfg, self.vocab_size) if cfg.log_throughput else None
+
+    @property
+    def whole_step_graphs(self) -> bool:
+        """``cuda_graph_impl: full_iteration``: each step is captured once and replayed."""
+        return self.cfg.cuda_graph_impl == "full_iteration"
 
     def _reads_data(self) -> bool:
         """Whether a local chunk reads samples: it holds the embedding or the loss, or every
@@ -209,6 +225,8 @@ class _Run:
     # -- one step ----------------------------------------------------------------------
     def _data_iterator(self, data: MicroBatchReader, first_sample: int) -> Any:
         batches = data.step(first_sample, self.cfg.num_microbatches)
+        if self.whole_step_graphs:  # FullCudaGraphWrapper.data_read: dictionaries, per chunk
+            return chunk_iterators(batches, self.model, PendingMicroBatch.for_chunk)
         if self.cfg.pipeline_schedule == "interleaved-1f1b":
             return [iter(batches) for _ in self.model]
         return iter(batches)
@@ -222,7 +240,7 @@ class _Run:
         """One forward-backward call (``step_func``, default :func:`forward_step`); returns
         the global mean loss and, with ``check_for_nan_in_loss_and_grad``, what was not
         finite where (:mod:`.finite`); the same on all ranks."""
-        loss_dicts = self.forward_backward(
+        loss_dicts = self.step_function(
             forward_step_func=step_func or forward_step,
             data_iterator=data_iterator,
             model=self.model,
@@ -363,6 +381,7 @@ class _Run:
             switching = upcoming == switch_at and upcoming < last
             boarded = self.board is not None and self._logs(upcoming, last)
             measure = upcoming == last or switching or self._board_measures(upcoming, last)
+            measure = measure and not self.whole_step_graphs  # a graph records no timeline
             loss, success, grad_norm, recorder = self.train_step(measure)
             window.add(loss, time.perf_counter() - start, success, self.mtp)
             self.result.losses[self.state.iteration] = loss
@@ -596,14 +615,14 @@ def eager_on_cpu() -> contextlib.AbstractContextManager[None]:
     return torch.compiler.set_stance("force_eager")
 
 
-def run_rank(cfg: TrainConfig) -> TrainResult:
+def run_rank(cfg: TrainConfig, *, graph_wrapper: GraphWrapper | None = None) -> TrainResult:
     """Train on this rank (the default process group must exist), with
-    :func:`eager_on_cpu`; collective."""
+    :func:`eager_on_cpu`; collective. ``graph_wrapper``: see :class:`_Run`."""
     with eager_on_cpu():
-        return _train_here(cfg)
+        return _train_here(cfg, graph_wrapper)
 
 
-def _train_here(cfg: TrainConfig) -> TrainResult:
+def _train_here(cfg: TrainConfig, graph_wrapper: GraphWrapper | None = None) -> TrainResult:
     """:func:`run_rank`'s work: Megatron's parallel state around one :class:`_Run`."""
     ranks = embedding_ranks(cfg.pipeline_schedule)  # where our placements keep them
     parallel_state.initialize_model_parallel(
@@ -617,7 +636,7 @@ def _train_here(cfg: TrainConfig) -> TrainResult:
     try:
         _check_writable(cfg)
         _seed(cfg)
-        run = _Run(cfg)
+        run = _Run(cfg, graph_wrapper)
         run.say([_header_line(cfg, dist.get_backend()), *run.parameter_lines()])
         began = time.perf_counter()
         run.resume()
