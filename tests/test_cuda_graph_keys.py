@@ -97,13 +97,14 @@ def test_local_under_1f1b_is_read_with_either_name() -> None:
             "Megatron's interleaved order",
         ),
         (
-            ["cuda_graph_impl=full_iteration"],
-            "cuda_graph_impl: full_iteration under dualpipev would capture an executor that polls",
+            ["pipeline_schedule=dualpipe", "cuda_graph_impl=full_iteration"],
+            "cuda_graph_impl: full_iteration under dualpipe: FullCudaGraphWrapper reads every "
+            "micro-batch of the step for each of a rank's model chunks",
         ),
         (
             ["pipeline_schedule=1f1b", "cuda_graph_impl=transformer_engine"],
-            "cuda_graph_impl: transformer_engine graphs are captured by Megatron-LM's training "
-            "loop (TECudaGraphHelper), which train does not run",
+            "cuda_graph_impl: transformer_engine graphs of 1f1b are captured by Megatron-LM's "
+            "training loop (TECudaGraphHelper), which train does not run",
         ),
         (
             ["pipeline_schedule=1f1b", "cuda_graph_impl=full_iteration"],
@@ -243,3 +244,22 @@ def test_the_megatron_lm_route_under_our_schedules(monkeypatch: pytest.MonkeyPat
         megatron_lm.apply(shared)
     shared.moe_shared_expert_overlap = True
     megatron_lm.apply(shared)
+
+
+def test_the_megatron_lm_route_takes_full_iteration_under_dualpipev(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Megatron-LM's train wraps the function it is given in FullCudaGraphWrapper: under
+    dualpipev it is ours, graph-safe; dualpipe and variable shapes stay refused."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = _lm_args(cuda_graph_impl="full_iteration")
+    megatron_lm.apply(args)
+    func = megatron_lm.forward_backward_func(args, lambda **kw: [])
+    assert func.graph_safe
+    eager = _lm_args(cuda_graph_impl="none")
+    assert not megatron_lm.forward_backward_func(eager, lambda **kw: []).graph_safe
+    refused = "^--cuda-graph-impl full_iteration under dualpipe:"
+    with pytest.raises(DualPipeConfigError, match=refused):
+        megatron_lm.apply(_lm_args(cuda_graph_impl="full_iteration", pipeline_schedule="dualpipe"))
+    with pytest.raises(DualPipeConfigError, match="--variable-seq-lengths changes them"):
+        megatron_lm.apply(_lm_args(cuda_graph_impl="full_iteration", variable_seq_lengths=True))
