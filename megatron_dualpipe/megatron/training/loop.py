@@ -547,12 +547,14 @@ def _iteration_flops(cfg: TrainConfig, padded_vocab_size: int) -> float:
 
 
 def _seed(cfg: TrainConfig) -> None:
-    """Megatron-LM's seeding: offset by pipeline rank; the tracker adds TP/EP offsets."""
+    """Megatron-LM's seeding: offset by pipeline rank; the tracker adds TP/EP offsets, and
+    is graph-safe under any CUDA-graph implementation (as Megatron-LM's ``initialize``
+    seeds it: ``use_cudagraphable_rng`` unless ``cuda_graph_impl`` is none)."""
     seed = cfg.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cfg.cuda_graph_impl != "none")
 
 
 def _header_line(cfg: TrainConfig, backend: str) -> str:
