@@ -192,6 +192,13 @@ def test_full_iteration_refuses_the_schedule_optimiser() -> None:
         load_config(TINY, ["cuda_graph_impl=full_iteration", "optimize_schedule=true"])
 
 
+def test_full_iteration_warms_up_at_least_one_step() -> None:
+    with pytest.raises(ConfigError, match="would capture the first step, which builds"):
+        load_config(TINY, ["cuda_graph_impl=full_iteration", "cuda_graph_warmup_steps=0"])
+    cfg = load_config(TINY, ["cuda_graph_impl=full_iteration", "cuda_graph_warmup_steps=1"])
+    assert cfg.cuda_graph_warmup_steps == 1
+
+
 def test_the_wrapper_wants_a_graph_safe_function() -> None:
     from megatron_dualpipe.megatron.checks import DualPipeConfigError
     from megatron_dualpipe.megatron.forward_backward import DualPipeForwardBackward

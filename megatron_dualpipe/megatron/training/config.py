@@ -1116,6 +1116,11 @@ def _check_cuda_graphs(cfg: TrainConfig) -> Problem:
                 "measures a step's timeline, and a step under cuda_graph_impl: "
                 "full_iteration records none: set one of them"
             )
+        if cfg.cuda_graph_warmup_steps < 1:  # the first step builds executor and groups
+            return "cuda_graph_warmup_steps", (
+                "0 under cuda_graph_impl: full_iteration would capture the first step, which "
+                "builds the executor and its process group: set it to 1 or more"
+            )
         return None
     if cfg.cuda_graph_impl in ("transformer_engine", "full_iteration"):
         helper = (
