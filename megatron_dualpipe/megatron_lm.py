@@ -43,6 +43,7 @@ from .megatron.checks import (
     schedule_spec,
     stage_layers,
 )
+from .schedules.cuda_graphs import cuda_graph_problem
 from .schedules.registry import SCHEDULES
 
 __all__ = [
@@ -132,9 +133,44 @@ def _stage_layers(args: Any) -> tuple[int, ...]:
     )
 
 
+def _check_cuda_graphs(args: Any, schedule: str) -> None:
+    """``--cuda-graph-impl`` and the graphed parts (``--cuda-graph-modules``, 0.16/0.17:
+    ``--cuda-graph-scope``, read by :func:`~.megatron.version.cuda_graph_setting`): a CUDA
+    device for any graph, and what the schedule can graph
+    (:func:`~.schedules.cuda_graphs.cuda_graph_problem`)."""
+    from .megatron.version import cuda_graph_setting
+
+    impl, modules = cuda_graph_setting(args)
+    if impl == "none":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise DualPipeConfigError(
+            f"--cuda-graph-impl {impl} captures CUDA graphs, and this machine has no CUDA "
+            "device: drop --cuda-graph-impl (or set it to none)"
+        )
+    shared = getattr(args, "moe_shared_expert_intermediate_size", None) is not None
+    problem = cuda_graph_problem(
+        schedule,
+        impl,
+        modules,
+        shared_expert_in_router_graph=shared
+        and not getattr(args, "moe_shared_expert_overlap", False),
+    )
+    if problem is not None:
+        raise DualPipeConfigError(problem.replace("cuda_graph_impl ", "--cuda-graph-impl ", 1))
+    if impl == "full_iteration" and getattr(args, "variable_seq_lengths", False):
+        raise DualPipeConfigError(
+            "--cuda-graph-impl full_iteration captures one step's shapes, and "
+            "--variable-seq-lengths changes them every micro-batch: drop one of them"
+        )
+
+
 def _check(args: Any) -> None:
     schedule = _schedule(args)
     found = schedule_spec(schedule)
+    _check_cuda_graphs(args, schedule)
     vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
     pp = args.pipeline_model_parallel_size
     if found.chunks == 1 and vp is not None and vp > 1:
@@ -254,10 +290,14 @@ def forward_backward_func(args: Any, megatrons: Callable[..., Any]) -> Callable[
         func = None
         if ours:
             from .megatron.forward_backward import DualPipeForwardBackward
+            from .megatron.version import cuda_graph_setting
 
             timeout_min = getattr(args, "distributed_timeout_minutes", None)
             options = {"timeout_s": 60.0 * timeout_min} if timeout_min else {}
-            func = DualPipeForwardBackward(schedule, **options)
+            # --cuda-graph-impl full_iteration: Megatron-LM's train wraps this function in
+            # FullCudaGraphWrapper, which captures its step whole.
+            graph_safe = cuda_graph_setting(args)[0] == "full_iteration"
+            func = DualPipeForwardBackward(schedule, graph_safe=graph_safe, **options)
         _RUNS[key] = (weakref.ref(args, lambda _: _RUNS.pop(key, None)), func)
         _log_schedule(schedule, ours, megatrons)
     return func if ours else megatrons

@@ -32,6 +32,17 @@ the FP8 checks need compute capability 9.0 (Hopper) or newer.
   printed as ``simulate --cost F=..,B=..,W=..`` (ms per layer). It fails when W takes no
   time (dW not deferred).
 
+- ``graphs-te-order``: TE's ``make_graphed_callables`` fed ``cuda_graph_order`` of
+  dualpipev at PP=4, 8 micro-batches, rank 0 (two one-layer chunks of ``te.Linear`` with
+  ``delay_wgrad_compute``, the other ranks' messages stood in by fixed tensors) and replayed
+  in that order: weight gradients equal to the eager run of the same order, ms per step
+  both ways; and rank 1's order at PP=8, which ``check_cuda_graph_order`` refuses (two
+  wgrads of one chunk waiting), refused or miscaptured by TE too (else the model is wrong).
+- ``graphs-full-step``: ``PipelineExecutor(graph_safe=True)`` on one rank holding both
+  chunks of a two-stage pipeline with deferred W, captured whole with ``torch.cuda.graph``
+  (what ``FullCudaGraphWrapper`` does with a step) and replayed: losses and gradients equal
+  to the eager step's, ms per step both ways. Messages between ranks are not in it (one GPU).
+
 Not measured: the F&B overlap factor (how much of the MoE all-to-all hides behind the other
 micro-batch's compute, ``simulate --cost overlap=``): it needs expert parallelism over two or
 more GPUs, and an EP=1 pair on one GPU has no all-to-all to hide.
@@ -406,12 +417,243 @@ def _layer_costs(moe: bool) -> Callable[[argparse.Namespace], tuple[bool, str]]:
     return run
 
 
+# --------------------------------------------------------------------------------------
+# 4. CUDA graphs: TE's capture in our order, and a graph-safe executor step captured whole.
+
+GRAPH_HIDDEN, GRAPH_TOKENS = 1024, 2048
+
+
+def _median_ms(run: Callable[[], None], repeats: int) -> float:
+    import torch
+
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _te_chunks() -> list[Any]:
+    """Two one-layer chunks of TE layers deferring their wgrad (``delay_wgrad_compute``)."""
+    import torch
+    import transformer_engine.pytorch as te
+
+    torch.manual_seed(SEED)
+    return [
+        te.Linear(
+            GRAPH_HIDDEN, GRAPH_HIDDEN, delay_wgrad_compute=True, params_dtype=torch.float32
+        ).cuda()
+        for _ in range(2)
+    ]
+
+
+def _play(order: list[float], forward: Callable, backward_dw: Callable, data: Any) -> None:
+    """Run ``order`` (TE's convention): ``forward(c, k, x)`` returns chunk c's output for
+    its k-th micro-batch; a backward backpropagates it; ``backward_dw(c, k)`` the wgrad of
+    chunk c's latest backward (k)."""
+    inputs, grads = data
+    fwd, bwd, latest, outputs = [0, 0], [0, 0], [0, 0], {}
+    for entry in order:
+        c = int(abs(entry)) - 1
+        if entry > 0:
+            outputs[(c, fwd[c])] = forward(c, fwd[c], inputs[c][fwd[c]])
+            fwd[c] += 1
+        elif entry == int(entry):
+            outputs.pop((c, bwd[c])).backward(grads[c][bwd[c]])
+            latest[c] = bwd[c]
+            bwd[c] += 1
+        else:
+            backward_dw(c, latest[c])
+
+
+def _order_case(order: list[float], m: int) -> tuple[float, float, float]:
+    """Weight gradients of ``order`` with TE's graphs against the eager run of the same
+    order: the max relative error, then eager and graphed ms per step."""
+    import torch
+    import transformer_engine.pytorch as te
+
+    generator = torch.Generator(device="cuda").manual_seed(SEED)
+    shape = (GRAPH_TOKENS, GRAPH_HIDDEN)
+    inputs = [
+        [
+            torch.randn(shape, device="cuda", generator=generator, requires_grad=True)
+            for _ in range(m)
+        ]
+        for _ in range(2)
+    ]
+    grads = [
+        [torch.randn(shape, device="cuda", generator=generator) for _ in range(m)] for _ in range(2)
+    ]
+    eager = _te_chunks()
+
+    def eager_step() -> None:
+        _play(
+            order, lambda c, k, x: eager[c](x), lambda c, k: eager[c].backward_dw(), (inputs, grads)
+        )
+
+    for layer in eager:
+        layer.weight.grad = None
+    eager_step()
+    reference = [layer.weight.grad.clone() for layer in eager]
+    graphed_layers = _te_chunks()
+    samples = tuple(
+        (inputs[c][k].detach().clone().requires_grad_(),) for c in range(2) for k in range(m)
+    )
+    graphed = te.make_graphed_callables(
+        tuple(graphed_layers), samples, _order=order, _num_layers_per_chunk=[1, 1]
+    )
+
+    def graphed_step() -> None:
+        _play(
+            order,
+            lambda c, k, x: graphed[c * m + k](x),
+            lambda c, k: graphed[c * m + k].backward_dw(),
+            (inputs, grads),
+        )
+
+    for layer in graphed_layers:
+        layer.weight.grad = None
+    graphed_step()
+    error = max(
+        _rel_err(layer.weight.grad, ref)
+        for layer, ref in zip(graphed_layers, reference, strict=True)
+    )
+    return error, _median_ms(eager_step, 5), _median_ms(graphed_step, 5)
+
+
+def _graphs_te_order(args: argparse.Namespace) -> tuple[bool, str]:
+    """TE's ``make_graphed_callables`` fed :func:`cuda_graph_order` (dualpipev, PP=4, 8
+    micro-batches, rank 0: both chunks local, the other ranks' messages stood in by fixed
+    tensors) gives the eager gradients; an order the model of TE's rules refuses (rank 1 of
+    dualpipev at PP=8: two wgrads of one chunk waiting) is refused or miscaptured by TE too."""
+    from megatron_dualpipe.schedules import check_cuda_graph_order, cuda_graph_order
+    from megatron_dualpipe.schedules.cuda_graphs import CudaGraphOrderError
+    from megatron_dualpipe.schedules.registry import generate
+
+    good = cuda_graph_order(generate("dualpipev", 4, 8), 0)
+    check_cuda_graph_order(good, 2, 8, wgrad=True)
+    error, eager_ms, graphed_ms = _order_case(good, 8)
+    if error > args.tol:
+        return False, f"dualpipev PP=4 rank 0 under TE graphs: gradients off by {error:.2e}"
+    bad = cuda_graph_order(generate("dualpipev", 8, 16), 1)
+    try:
+        check_cuda_graph_order(bad, 2, 16, wgrad=True)
+        return False, "the model accepts dualpipev PP=8 rank 1's order"
+    except CudaGraphOrderError as refusal:
+        why = str(refusal)
+    try:
+        bad_error, _, _ = _order_case(bad, 16)
+    except Exception as exc:  # TE refusing it is what the model predicts
+        te_says = f"TE refuses it ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+    else:
+        if bad_error <= args.tol:
+            return False, f"TE captures an order the model refuses ({why}): the model is wrong"
+        te_says = f"TE miscaptures it (gradients off by {bad_error:.2e})"
+    return True, (
+        f"dualpipev PP=4 rank 0, 8 micro-batches: gradients within {error:.1e} of eager, "
+        f"{eager_ms:.2f} ms eager, {graphed_ms:.2f} ms graphed per step; PP=8 rank 1: {te_says}"
+    )
+
+
+def _graphs_full_step(args: argparse.Namespace) -> tuple[bool, str]:
+    """A graph-safe executor step with deferred W (one rank holding both chunks of a
+    two-stage pipeline: F0 F1 B1 B0 per micro-batch, every W at the end), captured whole
+    with ``torch.cuda.graph`` (as Megatron's FullCudaGraphWrapper captures a step) and
+    replayed: losses and gradients equal to the eager step's, and the time per step."""
+    import torch
+
+    from megatron_dualpipe.runtime import PipelineExecutor, make_deferrable
+    from megatron_dualpipe.schedules.ir import Action, Kind, Placement, Schedule
+
+    m = 8
+    actions = [
+        Action(kind, stage, mb, stage)
+        for mb in range(m)
+        for kind, stage in ((Kind.F, 0), (Kind.F, 1), (Kind.B, 1), (Kind.B, 0))
+    ] + [Action(Kind.W, stage, mb, stage) for mb in range(m) for stage in (1, 0)]
+    schedule = Schedule("local-two-chunks", Placement("loop", 1, 2, m), [actions])
+    torch.manual_seed(SEED)
+
+    def chunks() -> list[Any]:
+        torch.manual_seed(SEED)
+        made = []
+        for _ in range(2):
+            module = torch.nn.Sequential(
+                torch.nn.Linear(GRAPH_HIDDEN, GRAPH_HIDDEN), torch.nn.Tanh()
+            ).cuda()
+            make_deferrable(module)
+            made.append(module)
+        return made
+
+    generator = torch.Generator(device="cuda").manual_seed(SEED)
+    inputs = [
+        torch.randn(GRAPH_TOKENS, GRAPH_HIDDEN, device="cuda", generator=generator)
+        for _ in range(m)
+    ]
+
+    def loss_fn(out: Any, mb: int) -> Any:
+        return (out.float() ** 2).mean() / m
+
+    def executor(modules: list[Any], graph_safe: bool) -> Any:
+        return PipelineExecutor(schedule, 0, modules, loss_fn=loss_fn, graph_safe=graph_safe)
+
+    eager_modules = chunks()
+    eager = executor(eager_modules, False)
+    eager_losses = eager.run(inputs).losses
+    eager_grads = [p.grad.clone() for mod in eager_modules for p in mod.parameters()]
+    modules = chunks()
+    safe = executor(modules, True)
+    params = [p for mod in modules for p in mod.parameters()]
+    for p in params:
+        p.grad = torch.zeros_like(p)  # static gradient buffers the graph accumulates into
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            safe.run(inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    for p in params:
+        p.grad.zero_()
+    with torch.cuda.graph(graph):
+        captured = safe.run(inputs)
+    for p in params:
+        p.grad.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    loss_error = max(_rel_err(captured.losses[mb], eager_losses[mb]) for mb in range(m))
+    grad_error = max(_rel_err(p.grad, g) for p, g in zip(params, eager_grads, strict=True))
+    eager_ms = _median_ms(lambda: eager.run(inputs), 5)
+    graphed_ms = _median_ms(graph.replay, 5)
+    ok = loss_error <= args.tol and grad_error <= args.tol
+    return ok, (
+        f"losses within {loss_error:.1e}, gradients within {grad_error:.1e} of the eager step; "
+        f"{eager_ms:.2f} ms eager, {graphed_ms:.2f} ms replayed per step"
+    )
+
+
 CHECKS = (
     Check("te-deferral-bf16", "TE deferral in DualPipe's order, bf16", False, _te_deferral(False)),
     Check("te-deferral-fp8", "TE deferral in DualPipe's order, FP8", True, _te_deferral(True)),
     Check("overlap-contexts-fp8", "FP8 on in the F&B overlap path", True, _overlap_contexts),
     Check("layer-costs-dense", "a dense layer's F, B, W and memory", False, _layer_costs(False)),
     Check("layer-costs-moe", "a MoE layer's F, B, W and memory", False, _layer_costs(True)),
+    Check(
+        "graphs-te-order",
+        "TE's CUDA graphs captured in dualpipev's order (PP=4, rank 0) with deferred wgrad",
+        False,
+        _graphs_te_order,
+    ),
+    Check(
+        "graphs-full-step",
+        "a graph-safe executor step with deferred W captured whole and replayed",
+        False,
+        _graphs_full_step,
+    ),
 )
 
 

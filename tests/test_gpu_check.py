@@ -19,6 +19,8 @@ CHECKS = (
     "overlap-contexts-fp8",
     "layer-costs-dense",
     "layer-costs-moe",
+    "graphs-te-order",
+    "graphs-full-step",
 )
 
 

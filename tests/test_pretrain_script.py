@@ -15,7 +15,10 @@ import pytest
 
 from megatron_dualpipe.megatron.training import ConfigError, TrainConfig, load_config
 from megatron_dualpipe.megatron.training.config import config_keys
-from megatron_dualpipe.megatron.training.megatron_lm_flags import MEGATRON_LM_FLAGS
+from megatron_dualpipe.megatron.training.megatron_lm_flags import (
+    LATER_MEGATRON_LM_FLAGS,
+    MEGATRON_LM_FLAGS,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location(
@@ -97,9 +100,9 @@ def test_flags_are_spelled_as_megatron_lm_spells_them() -> None:
     """Each Megatron-LM key's flags (not the added opposites) are Megatron-LM's spellings."""
     for key in config_keys():
         if key.megatron_lm:
-            assert key.flags[0] in MEGATRON_LM_FLAGS, key.name
+            assert key.flags[0] in MEGATRON_LM_FLAGS | LATER_MEGATRON_LM_FLAGS.keys(), key.name
             # Megatron-LM's name of the setting, which its arguments.py spells otherwise.
-            others = set(key.flags) - MEGATRON_LM_FLAGS
+            others = set(key.flags) - MEGATRON_LM_FLAGS - LATER_MEGATRON_LM_FLAGS.keys()
             assert others <= {"--virtual-pipeline-model-parallel-size"}, key.name
         else:
             assert not set(key.flags) & MEGATRON_LM_FLAGS, key.name

@@ -386,7 +386,18 @@ class CpuRNGStatesTracker(_mrandom.CudaRNGStatesTracker):
     dropout draws from on CPU) and swaps it back out on exit, nesting as the CUDA
     tracker's ``fork`` does. Same seeds give the same dropout masks. Dropout
     outside a fork draws from the default CPU generator, which the caller seeds.
+    ``use_cudagraphable_rng`` (Megatron-LM seeds with it under any CUDA-graph
+    implementation) is kept as a flag only: the CUDA tracker asserts that torch can
+    register generators with a CUDA graph, which a CPU build cannot and CPU states need
+    not.
     """
+
+    def __init__(
+        self, use_cudagraphable_rng: bool = False, is_inference_rng_tracker: bool = False
+    ) -> None:
+        self.reset()
+        self.use_cudagraphable_rng = use_cudagraphable_rng
+        self.is_inference_rng_tracker = is_inference_rng_tracker
 
     def add(self, name: str, seed: int) -> None:
         """Track a new state ``name`` seeded with ``seed`` (both must be new)."""

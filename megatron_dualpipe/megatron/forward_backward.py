@@ -75,6 +75,11 @@ __all__ = ["DualPipeForwardBackward", "OverlapReport", "TimelineSink", "stage_in
 
 logger = logging.getLogger(__name__)
 
+_NO_TIMELINE = (
+    "a graph-safe forward-backward function records no timeline (a timeline reads CUDA "
+    "events on the host): record timelines with graph_safe off"
+)
+
 #: Receives each recorded step: this rank's timeline and the schedule it ran.
 TimelineSink = Callable[[RankTimeline, Schedule], None]
 
@@ -163,6 +168,11 @@ class DualPipeForwardBackward:
     ``timeout_s`` bounds every pipeline wait (messages, mirror exchanges) and defaults to
     Megatron-LM's ``--distributed-timeout-minutes`` default; ``timeline_sink``, when set,
     receives every training step's recorded timeline (see :meth:`recording`).
+    ``graph_safe`` builds every executor in its graph-safe mode
+    (:class:`~..runtime.PipelineExecutor`'s ``graph_safe``), so that a step can be captured
+    whole by Megatron's ``FullCudaGraphWrapper`` (``cuda_graph_impl: full_iteration``,
+    :mod:`.full_iteration`): no host synchronisation inside the step, static shapes, no
+    timeline; the losses it returns are device tensors, read after the step.
     """
 
     def __init__(
@@ -171,6 +181,7 @@ class DualPipeForwardBackward:
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         timeline_sink: TimelineSink | None = None,
+        graph_safe: bool = False,
     ):
         self.spec = schedule_spec(schedule)
         if not self.spec.runs_ours:
@@ -178,9 +189,12 @@ class DualPipeForwardBackward:
                 f"{schedule} is Megatron-Core's own schedule: use Megatron's "
                 "get_forward_backward_func for it"
             )
+        if graph_safe and timeline_sink is not None:
+            raise DualPipeConfigError(_NO_TIMELINE)
         self.schedule_name = schedule
         self.timeout_s = timeout_s
         self.timeline_sink = timeline_sink
+        self.graph_safe = graph_safe
         # Keyed by the first model chunk, held weakly: a dropped model drops its executor.
         self._prepared: weakref.WeakKeyDictionary[Any, _Prepared] = weakref.WeakKeyDictionary()
         self._transports: dict[tuple, Transport] = {}
@@ -198,7 +212,10 @@ class DualPipeForwardBackward:
     @contextlib.contextmanager
     def recording(self, sink: TimelineSink) -> Iterator[None]:
         """Within the block, every training step records its timeline (each action's start
-        and end; ranks aligned by a barrier first) and hands it to ``sink``."""
+        and end; ranks aligned by a barrier first) and hands it to ``sink``; refused on a
+        graph-safe object (its steps read no CUDA events)."""
+        if self.graph_safe:
+            raise DualPipeConfigError(_NO_TIMELINE)
         previous, self.timeline_sink = self.timeline_sink, sink
         try:
             yield
@@ -296,6 +313,7 @@ class DualPipeForwardBackward:
             timeout_s=self.timeout_s,
             variable_shapes=bool(config.variable_seq_lengths),
             free_outputs=config.deallocate_pipeline_outputs,
+            graph_safe=self.graph_safe,
         )
         prepared = _Prepared(executor, stages, key)
         self._prepared[model[0]] = prepared

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from megatron.core.pipeline_parallel.schedules import forward_step
+from megatron.core.pipeline_parallel.schedules import forward_step, set_current_microbatch
 from torch import nn
 
 from .placement import ChunkRole
@@ -87,16 +87,19 @@ class MegatronStage(nn.Module):
     def begin_step(self, step: StepInputs, data: Iterator[Any] | None) -> None:
         self.step, self.data, self._forwards = step, data, 0
 
-    def _next_forward(self) -> tuple[StepInputs, bool]:
-        """This step's inputs and whether the coming forward is Megatron's first."""
+    def _next_forward(self) -> tuple[StepInputs, bool, int]:
+        """This step's inputs, whether the coming forward is Megatron's first, and its index
+        among this chunk's forwards (the chunk's own micro-batch index, which Megatron's
+        ``set_current_microbatch`` gives the layers: a TE-graphed layer replays the graph of
+        that index, as under Megatron's interleaved schedule)."""
         step = self.step
         if step is None:
             raise RuntimeError("MegatronStage.forward called outside a forward-backward step")
-        is_first = self._forwards == 0
+        index = self._forwards
         self._forwards += 1
-        if is_first and step.param_sync_funcs is not None and not step.forward_only:
+        if index == 0 and step.param_sync_funcs is not None and not step.forward_only:
             step.param_sync_funcs[self.role.chunk](self.model.parameters())
-        return step, _first_microbatch(step, is_first)
+        return step, _first_microbatch(step, index == 0), index
 
     def _count_tokens(self, num_tokens: torch.Tensor) -> None:
         if self.role.post_process:
@@ -104,7 +107,7 @@ class MegatronStage(nn.Module):
             self.step.total_num_tokens += num_tokens.to(self.step.total_num_tokens)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        step, is_first = self._next_forward()
+        step, is_first, index = self._next_forward()
         output, num_tokens = forward_step(
             step.forward_step_func,
             self.data,
@@ -116,6 +119,7 @@ class MegatronStage(nn.Module):
             step.cp_group_size,
             collect_non_loss_data=step.collect_non_loss_data,
             is_first_microbatch=is_first,
+            current_microbatch=index,
             is_last_stage=self.role.post_process,
         )
         self._count_tokens(num_tokens)
@@ -127,7 +131,8 @@ class MegatronStage(nn.Module):
         return self.overlap and self.step is not None and not self.step.forward_only
 
     def _start(self, x: torch.Tensor) -> Any:
-        step, is_first = self._next_forward()
+        step, is_first, index = self._next_forward()
+        set_current_microbatch(self.model, index)
         return start_forward(
             self.model,
             None if self.role.pre_process else x,

@@ -22,6 +22,10 @@ difference broke before it was gated):
   :func:`mtp_tracker_fields`, :func:`save_mtp_metrics`, :func:`clean_mtp_tracker`;
 - 0.19: dist_checkpointing keeps the common state inside the DCP shards, no ``common.pt``:
   :func:`common_state_in_dcp`;
+- 0.18: ``cuda_graph_impl`` gained ``full_iteration`` (before: ``local`` with the scope
+  ``full_iteration``) and ``cuda_graph_scope`` became ``cuda_graph_modules`` (the old name
+  kept as an alias, ``--cuda-graph-scope`` too): :func:`cuda_graph_config`,
+  :func:`cuda_graph_setting`;
 - each minor release has its Megatron-LM tag and patch: :func:`megatron_lm_tag`.
 
 Differences the code takes in its stride, without a gate (listed so that reading the next
@@ -40,7 +44,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +60,8 @@ __all__ = [
     "MegatronVersionError",
     "clean_mtp_tracker",
     "common_state_in_dcp",
+    "cuda_graph_config",
+    "cuda_graph_setting",
     "installed_megatron_core",
     "null_tokenizer_library",
     "layer_plan_attention_node",
@@ -270,3 +276,36 @@ def null_tokenizer_library() -> str:
     from megatron.core.tokenizers import megatron_tokenizer
 
     return "null-text" if hasattr(megatron_tokenizer, "TEXT_LIBRARIES") else "null"
+
+
+def cuda_graph_config(impl: str, modules: Sequence[str], warmup_steps: int) -> dict[str, Any]:
+    """``TransformerConfig`` keywords for CUDA graphs given in megatron-core 0.18's names
+    (``impl`` one of none, local, transformer_engine, full_iteration; ``modules`` the
+    graphed parts, none: the whole layer). From 0.18: ``cuda_graph_impl`` and
+    ``cuda_graph_modules``; before, ``cuda_graph_scope``, and ``full_iteration`` is
+    ``cuda_graph_impl="local"`` with the scope ``["full_iteration"]``. Empty for none."""
+    if impl == "none":
+        return {}
+    names = list(modules)
+    if not _since("0.18") and impl == "full_iteration":
+        impl, names = "local", ["full_iteration"]
+    key = "cuda_graph_modules" if _since("0.18") else "cuda_graph_scope"
+    return {"cuda_graph_impl": impl, key: names, "cuda_graph_warmup_steps": warmup_steps}
+
+
+def cuda_graph_setting(args: Any) -> tuple[str, tuple[str, ...]]:
+    """The CUDA-graph implementation and the graphed parts of Megatron-LM's validated
+    ``args`` (or a ``TransformerConfig``), in megatron-core 0.18's names: 0.18 and newer
+    read ``cuda_graph_impl`` and ``cuda_graph_modules``; before, ``cuda_graph_scope``, where
+    ``full_iteration`` under ``local`` is the implementation full_iteration. Enum members
+    are read by name; ``full`` (Megatron's old spelling of the whole layer) is dropped."""
+    impl = getattr(args, "cuda_graph_impl", "none") or "none"
+    key = "cuda_graph_modules" if _since("0.18") else "cuda_graph_scope"
+    raw = getattr(args, key, None) or []
+    if isinstance(raw, str):
+        raw = raw.split(",")
+    names = tuple(getattr(m, "name", str(m)) for m in raw)
+    names = tuple(n for n in names if n != "full")
+    if impl == "local" and "full_iteration" in names:
+        return "full_iteration", tuple(n for n in names if n != "full_iteration")
+    return impl, names

@@ -35,6 +35,12 @@ Contracts:
   until the token is garbage; the peak is comparable with the simulator's.
 - Devices and dtypes come from the modules, the inputs and the :class:`TensorSpec` s; a
   stage that receives several tensors from another rank has a tuple of TensorSpecs.
+- With ``graph_safe`` a step synchronises nothing with the host, so that a CUDA graph
+  (Megatron's ``full_iteration``) can capture it: every wait is a plain ``work.wait()``
+  (on NCCL the compute stream waits; no deadline on the host, no hang monitor or send
+  reaper polling ``is_completed()``: a hang ends at the process group's own timeout), no
+  timeline, no measured activation bytes, static shapes only. Losses and gradients are the
+  same as without it.
 - After an error the executor and its process group must not be reused.
 """
 
@@ -286,8 +292,14 @@ class PipelineExecutor:
         comm_layout: str = "lock-step",
         free_outputs: bool = True,
         record_spans: bool = False,
+        graph_safe: bool = False,
     ):
         placement = schedule.placement
+        if graph_safe and variable_shapes:
+            raise ValueError(
+                "graph_safe needs static shapes, and variable_shapes reads each message's "
+                "shapes on the host: pad the micro-batches to one shape"
+            )
         if not 0 <= rank < placement.num_ranks:
             raise ValueError(
                 f"rank {rank} is not a rank of this {placement.num_ranks}-rank schedule"
@@ -310,6 +322,7 @@ class PipelineExecutor:
         #: Run each compute action in a ``torch.profiler.record_function`` span (for
         #: ``train --profile``); off, the executor makes no profiler call.
         self.record_spans = record_spans
+        self.graph_safe = graph_safe
         self.store = WeightGradStore()
         self._counter = _Counter()
         self._watchdog = Watchdog(rank, timeout_s)
@@ -340,6 +353,7 @@ class PipelineExecutor:
             self._watchdog,
             transport,
             variable_shapes=variable_shapes,
+            graph_safe=graph_safe,
         )
 
     # -- set-up ------------------------------------------------------------------------
@@ -435,6 +449,11 @@ class PipelineExecutor:
             raise RuntimeError(
                 f"rank {self.rank}'s executor failed in an earlier step ({self._failed}): "
                 "its messages may still be in flight; make a new executor and process groups"
+            )
+        if record_timeline and self.graph_safe:
+            raise ValueError(
+                "record_timeline reads CUDA events on the host, which a graph-safe step does "
+                "not: record the timeline with graph_safe off"
             )
         training = not forward_only
         steps = self.plan(forward_only=forward_only).ranks[self.rank]
@@ -627,9 +646,12 @@ class PipelineExecutor:
         """Tag every tensor saved for backward with ``token`` and put its id in ``saved``;
         make the store visible."""
 
+        measure = not self.graph_safe
+
         def pack(tensor: torch.Tensor) -> tuple[torch.Tensor, _Token]:
             saved.add(id(tensor))
-            token.saved(tensor)
+            if measure:
+                token.saved(tensor)
             # Detached: an output its own grad_fn saves would otherwise hold that grad_fn,
             # a reference cycle through autograd's C++ graph that no collector frees.
             return tensor.detach(), token

@@ -105,6 +105,7 @@ class PipeComm:
         transport: Transport,
         *,
         variable_shapes: bool = False,
+        graph_safe: bool = False,
     ):
         for (kind, stage), elements in specs.items():
             if len(elements) > MAX_ELEMENTS:
@@ -123,8 +124,14 @@ class PipeComm:
         self.transport = transport
         self.variable_shapes = variable_shapes
         self._specs = specs
+        #: No host synchronisation in a step (a CUDA graph can capture it): every wait is a
+        #: plain ``work.wait()`` (on NCCL, the compute stream waits), no deadline on the
+        #: host, no hang monitor or send reaper polling ``is_completed()``.
+        self.graph_safe = graph_safe
         self._monitor = (
-            HangMonitor(watchdog, transport.abort) if transport.host_waits == "stream" else None
+            HangMonitor(watchdog, transport.abort)
+            if transport.host_waits == "stream" and not graph_safe
+            else None
         )
         self._set_up = False
         self._names: dict[PlanKey, str] = {}  # message texts, made once: messages recur
@@ -208,7 +215,8 @@ class PipeComm:
             if op.kind == "recv":
                 self._posted[op.key].works.append(work)
                 continue
-            if self._monitor is None:  # gloo: a helper thread learns when it completed
+            if self._monitor is None and not self.graph_safe:
+                # gloo: a helper thread learns when it completed
                 if self._reaper is None:
                     self._reaper = _SendReaper(self.watchdog)
                 work = self._reaper.add(work, what, op.peer)
@@ -223,6 +231,10 @@ class PipeComm:
     def _wait(self, work: Handle, what: str, peer: int) -> None:
         """Wait for one receive: with the watchdog's deadline on the host (gloo), else
         without one, the hang monitor watching (NCCL: the host does not block)."""
+        if self.graph_safe:
+            with self.watchdog.guard(what, peer, bounded=False):
+                work.wait()
+            return
         if self._monitor is None:
             self.watchdog.wait(work, what, peer)
             return
@@ -275,7 +287,7 @@ class PipeComm:
                     continue
                 raise RuntimeError(f"rank {self.rank} waits for {key_text(key)}, never issued")
             for work in sent.works:
-                if self._monitor is not None:
+                if self._monitor is not None or self.graph_safe:
                     self._wait(work, sent.what, sent.peer)
                 else:
                     self._wait_reaped(work, sent)
@@ -295,8 +307,9 @@ class PipeComm:
                 )
 
     def _release(self) -> None:
-        """Drop the tensors of every send known to be complete (a non-blocking poll)."""
-        if not self._sent:
+        """Drop the tensors of every send known to be complete (a non-blocking poll; none
+        when graph-safe: the plan's waits release them)."""
+        if not self._sent or self.graph_safe:
             return
         for key in [k for k, s in self._sent.items() if all(w.is_completed() for w in s.works)]:
             sent = self._sent.pop(key)

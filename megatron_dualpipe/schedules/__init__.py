@@ -3,6 +3,7 @@ simulator and exports. See docs/schedules.md."""
 
 from .comm_plan import CommPlan, comm_plan
 from .cost import CostModel
+from .cuda_graphs import check_cuda_graph_order, cuda_graph_order
 from .ir import Action, Kind, Placement, Schedule, ScheduleError
 from .lowering import lower
 from .nccl_rules import CommDeadlockError, check_nccl
@@ -23,8 +24,10 @@ __all__ = [
     "ScheduleError",
     "ScheduleSpec",
     "SimResult",
+    "check_cuda_graph_order",
     "check_nccl",
     "comm_plan",
+    "cuda_graph_order",
     "generate",
     "lower",
     "simulate",

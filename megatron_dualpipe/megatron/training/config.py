@@ -25,6 +25,7 @@ import yaml
 
 from ...errors import DualPipeError
 from ...schedules.config_values import override_origins
+from ...schedules.cuda_graphs import CUDA_GRAPH_IMPLS, cuda_graph_problem
 from ...schedules.ir import Schedule, ScheduleError
 from ...schedules.limits import (
     MAX_TRAIN_SIZE,
@@ -133,6 +134,25 @@ class TrainConfig:
         "experts) or local (Megatron-Core's own modules, CPU); default: transformer_engine "
         "where CUDA and Transformer Engine are present, else local",
     )
+    # CUDA graphs (Megatron-Core's keys; docs/megatron.md "CUDA graphs").
+    cuda_graph_impl: str = _key(
+        "none",
+        doc="CUDA graphs: none; local (each layer records and replays its graphs: under "
+        "zb1p, dualpipe and dualpipev only parts that defer no weight gradient); "
+        "full_iteration (the whole forward-backward step captured once, under zb1p and "
+        "dualpipev); transformer_engine is Megatron-LM's training loop's (refused here); "
+        "needs CUDA",
+    )
+    cuda_graph_modules: str | None = _key(
+        None,
+        doc="the parts of each layer a graph covers: attn mlp moe moe_router moe_preprocess "
+        "mamba (unset: the whole layer; megatron-core 0.18's name, Megatron-LM core_v0.18.0's "
+        "flag)",
+    )
+    cuda_graph_scope: str | None = _key(
+        None, doc="cuda_graph_modules under its megatron-core 0.16/0.17 name (set one of them)"
+    )
+    cuda_graph_warmup_steps: int = _key(3, doc="steps run eagerly before the graphs are captured")
     # Model details.
     vocab_size: int | None = _key(
         None,
@@ -427,6 +447,13 @@ class TrainConfig:
         )
 
     @property
+    def cuda_graph_module_names(self) -> tuple[str, ...]:
+        """The graphed parts (``cuda_graph_modules``, else ``cuda_graph_scope``) as a tuple;
+        empty for the whole layer (Megatron's old spelling ``full`` included)."""
+        words = (self.cuda_graph_modules or self.cuda_graph_scope or "").split()
+        return tuple(w for w in words if w != "full")
+
+    @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
 
@@ -483,6 +510,7 @@ class TrainConfig:
 
 _CHOICES: dict[str, tuple[str | None, ...]] = {
     "pipeline_schedule": tuple(SCHEDULES),
+    "cuda_graph_impl": CUDA_GRAPH_IMPLS,
     "transformer_impl": (None, "transformer_engine", "local"),
     "position_embedding_type": ("learned_absolute", "rope"),
     "normalization": ("LayerNorm", "RMSNorm"),
@@ -511,6 +539,8 @@ WORD_LISTS = (
     "test_data_path",
     "recompute_modules",
     "profile_ranks",
+    "cuda_graph_modules",
+    "cuda_graph_scope",
 )
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _TYPES = typing.get_type_hints(TrainConfig)
@@ -714,6 +744,7 @@ def _validated(
         _check_schedule_order,
         _check_overlap,
         _check_recompute,
+        _check_cuda_graphs,
         _check_data,
         _check_tokenizer,
         _check_io,
@@ -776,7 +807,7 @@ def _check_values(cfg: TrainConfig) -> Problem:
 
 def _minimum(name: str) -> int:
     """Smallest legal value of an integer key."""
-    return 0 if name in ("seed", "eval_iters", "lr_warmup_iters") else 1
+    return 0 if name in ("seed", "eval_iters", "lr_warmup_iters", "cuda_graph_warmup_steps") else 1
 
 
 def _maximum(name: str) -> int:
@@ -1114,6 +1145,58 @@ def _check_recompute(cfg: TrainConfig) -> Problem:
             "recomputed MLP hands its bias parameter out of tensor_parallel.checkpoint, whose "
             "backward then calls itself until the stack overflows; measured with 0.16.1): set "
             "add_bias_linear: false (--disable-bias-linear), or recompute core_attn only"
+        )
+    return None
+
+
+def _check_cuda_graphs(cfg: TrainConfig) -> Problem:
+    """The CUDA-graph keys: one name of the graphed parts, the implementation the schedule
+    can graph (:func:`~...schedules.cuda_graphs.cuda_graph_problem`), and the one this
+    loop runs (local: the layers capture themselves; transformer_engine and
+    full_iteration are captured by Megatron-LM's training loop)."""
+    if cfg.cuda_graph_modules is not None and cfg.cuda_graph_scope is not None:
+        return "cuda_graph_scope", (
+            "is megatron-core 0.16/0.17's name of cuda_graph_modules, which is set too: keep one"
+        )
+    key = "cuda_graph_modules" if cfg.cuda_graph_modules is not None else "cuda_graph_scope"
+    modules = cfg.cuda_graph_module_names
+    if "full_iteration" in modules:
+        return key, (
+            "full_iteration is an implementation in megatron-core 0.18's names, used here for "
+            "every release: set cuda_graph_impl: full_iteration and leave this unset"
+        )
+    problem = cuda_graph_problem(
+        cfg.pipeline_schedule,
+        cfg.cuda_graph_impl,
+        modules,
+        shared_expert_in_router_graph=cfg.moe_shared_expert_intermediate_size is not None,
+    )
+    if problem is not None:  # "<key> <what is wrong>": the key leads the message
+        named, _, message = problem.partition(" ")
+        return ("cuda_graph_impl" if named == "cuda_graph_impl" else key), message
+    ours = SCHEDULES[cfg.pipeline_schedule].runs_ours
+    if cfg.cuda_graph_impl == "full_iteration" and ours:
+        if cfg.optimize_schedule:  # it measures a step's timeline, which a graph has none of
+            return "optimize_schedule", (
+                "measures a step's timeline, and a step under cuda_graph_impl: "
+                "full_iteration records none: set one of them"
+            )
+        if cfg.cuda_graph_warmup_steps < 1:  # the first step builds executor and groups
+            return "cuda_graph_warmup_steps", (
+                "0 under cuda_graph_impl: full_iteration would capture the first step, which "
+                "builds the executor and its process group: set it to 1 or more"
+            )
+        return None
+    if cfg.cuda_graph_impl in ("transformer_engine", "full_iteration"):
+        helper = (
+            "TECudaGraphHelper" if cfg.cuda_graph_impl == "transformer_engine" else
+            "FullCudaGraphWrapper"
+        )
+        return "cuda_graph_impl", (
+            f"{cfg.cuda_graph_impl} graphs of {cfg.pipeline_schedule} are captured by "
+            f"Megatron-LM's training loop ({helper}), which train does not run: use "
+            "cuda_graph_impl: local, full_iteration under zb1p or dualpipev, or Megatron-LM's "
+            "pretrain_gpt.py with the bundled patch"
         )
     return None
 

@@ -175,6 +175,11 @@ def _ranks_here(cfg: TrainConfig, env: RankEnv | None) -> int:
 
 def _preflight(cfg: TrainConfig, source: str, on_gpu: bool, ranks_here: int) -> None:
     """Refuse what cannot run here, before any process group exists."""
+    if cfg.cuda_graph_impl != "none" and not on_gpu:
+        raise ConfigError(
+            f"{source}: cuda_graph_impl: {cfg.cuda_graph_impl} captures CUDA graphs, and this "
+            "machine has no CUDA device: set cuda_graph_impl: none here"
+        )
     _check_step_input(cfg, source, ranks_here)
     if not on_gpu and cfg.use_distributed_optimizer:
         raise ConfigError(

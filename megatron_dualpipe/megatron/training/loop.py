@@ -40,6 +40,7 @@ from ...schedules.limits import TRAIN_BUILD_NOTICE_S, train_build_estimate
 from ...schedules.megatron_flops import megatron_lm_flops
 from ...schedules.model_cost import ModelShape
 from ...schedules.registry import SCHEDULES
+from ..full_iteration import GraphWrapper, chunk_iterators, full_iteration_step
 from ..loss_reports import mtp_losses
 from ..placement import embedding_ranks
 from ..registry import get_forward_backward_func
@@ -113,7 +114,8 @@ def forward_step(
     plan of that forward instead of its output, as Megatron-LM's pretrain_gpt.py does. The
     micro-batch is read only where ``model`` holds the embedding or the loss
     (:meth:`~.data.PendingMicroBatch.for_chunk`)."""
-    batch = next(data_iterator).for_chunk(model)
+    item = next(data_iterator)  # a dictionary already where the step was read up front
+    batch = item if isinstance(item, dict) else item.for_chunk(model)
     loss_func = partial(_loss_func, batch["loss_mask"])
     inputs = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
     if return_schedule_plan:
@@ -122,9 +124,11 @@ def forward_step(
 
 
 class _Run:
-    """The state of one rank's run; see the module docstring."""
+    """The state of one rank's run; see the module docstring. ``graph_wrapper`` makes the
+    whole-step graph wrapper under ``cuda_graph_impl: full_iteration`` (default:
+    Megatron's ``FullCudaGraphWrapper``, :mod:`..full_iteration`)."""
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, graph_wrapper: GraphWrapper | None = None):
         self.cfg = cfg
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
@@ -136,9 +140,16 @@ class _Run:
         self.forward_backward = get_forward_backward_func(
             pipeline_schedule=cfg.pipeline_schedule,
             timeout_s=60.0 * cfg.distributed_timeout_minutes,
+            graph_safe=self.whole_step_graphs,
         )
         if cfg.schedule_file is not None:
             self.forward_backward.use_schedule(saved_schedule(cfg.schedule_file))
+        #: What each step calls: the forward-backward function, or its whole-step graph.
+        self.step_function = (
+            full_iteration_step(self.forward_backward, cfg.cuda_graph_warmup_steps, graph_wrapper)
+            if self.whole_step_graphs
+            else self.forward_backward
+        )
         self.config = transformer_config(cfg, on_gpu=self.device.type == "cuda")
         self.tokenizer = build_tokenizer(cfg)
         self.vocab_size = model_vocab_size(cfg, self.tokenizer)
@@ -152,6 +163,11 @@ class _Run:
         self.state = TrainState()
         self.board = open_log(cfg, self.rank)
         self.flops = _iteration_flops(cfg, self.vocab_size) if cfg.log_throughput else None
+
+    @property
+    def whole_step_graphs(self) -> bool:
+        """``cuda_graph_impl: full_iteration``: each step is captured once and replayed."""
+        return self.cfg.cuda_graph_impl == "full_iteration"
 
     def _reads_data(self) -> bool:
         """Whether a local chunk reads samples: it holds the embedding or the loss, or every
@@ -218,6 +234,8 @@ class _Run:
     # -- one step ----------------------------------------------------------------------
     def _data_iterator(self, data: MicroBatchReader, first_sample: int) -> Any:
         batches = data.step(first_sample, self.cfg.num_microbatches)
+        if self.whole_step_graphs:  # FullCudaGraphWrapper.data_read: dictionaries, per chunk
+            return chunk_iterators(batches, self.model, PendingMicroBatch.for_chunk)
         if self.cfg.pipeline_schedule == "interleaved-1f1b":
             return [iter(batches) for _ in self.model]
         return iter(batches)
@@ -231,7 +249,7 @@ class _Run:
         """One forward-backward call (``step_func``, default :func:`forward_step`); returns
         the global mean loss and, with ``check_for_nan_in_loss_and_grad``, what was not
         finite where (:mod:`.finite`); the same on all ranks."""
-        loss_dicts = self.forward_backward(
+        loss_dicts = self.step_function(
             forward_step_func=step_func or forward_step,
             data_iterator=data_iterator,
             model=self.model,
@@ -400,6 +418,7 @@ class _Run:
             switching = upcoming == switch_at and upcoming < last
             boarded = self.board is not None and self._logs(upcoming, last)
             measure = upcoming == last or switching or self._board_measures(upcoming, last)
+            measure = measure and not self.whole_step_graphs  # a graph records no timeline
             profiler.before_step(self.state.iteration)
             loss, success, grad_norm, recorder = self.train_step(measure)
             profiler.after_step(self.state.iteration)
@@ -569,12 +588,14 @@ def _iteration_flops(cfg: TrainConfig, padded_vocab_size: int) -> float:
 
 
 def _seed(cfg: TrainConfig) -> None:
-    """Megatron-LM's seeding: offset by pipeline rank; the tracker adds TP/EP offsets."""
+    """Megatron-LM's seeding: offset by pipeline rank; the tracker adds TP/EP offsets, and
+    is graph-safe under any CUDA-graph implementation (as Megatron-LM's ``initialize``
+    seeds it: ``use_cudagraphable_rng`` unless ``cuda_graph_impl`` is none)."""
     seed = cfg.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cfg.cuda_graph_impl != "none")
 
 
 def _header_line(cfg: TrainConfig, backend: str) -> str:
@@ -654,11 +675,11 @@ def _build_notice(cfg: TrainConfig) -> str | None:
     )
 
 
-def run_rank(cfg: TrainConfig) -> TrainResult:
+def run_rank(cfg: TrainConfig, *, graph_wrapper: GraphWrapper | None = None) -> TrainResult:
     """Train on this rank (the default process group must exist), with
-    :func:`eager_on_cpu`; collective."""
+    :func:`eager_on_cpu`; collective. ``graph_wrapper``: see :class:`_Run`."""
     with eager_on_cpu():
-        return _train_here(cfg)
+        return _train_here(cfg, graph_wrapper)
 
 
 def initialize_parallel_state(cfg: TrainConfig, *, gloo_groups: bool | None = None) -> None:
@@ -681,13 +702,13 @@ def initialize_parallel_state(cfg: TrainConfig, *, gloo_groups: bool | None = No
     )
 
 
-def _train_here(cfg: TrainConfig) -> TrainResult:
+def _train_here(cfg: TrainConfig, graph_wrapper: GraphWrapper | None = None) -> TrainResult:
     """:func:`run_rank`'s work: Megatron's parallel state around one :class:`_Run`."""
     initialize_parallel_state(cfg)
     try:
         _check_writable(cfg)
         _seed(cfg)
-        run = _Run(cfg)
+        run = _Run(cfg, graph_wrapper)
         run.say([_header_line(cfg, dist.get_backend()), *run.parameter_lines()])
         began = time.perf_counter()
         run.resume()

@@ -7,9 +7,12 @@ switches of a Megatron-LM launch line that change nothing here, each with why
 
 from __future__ import annotations
 
-__all__ = ["MEGATRON_LM_FLAGS", "MEGATRON_LM_TAG", "NO_OP_FLAGS"]
+__all__ = ["LATER_MEGATRON_LM_FLAGS", "MEGATRON_LM_FLAGS", "MEGATRON_LM_TAG", "NO_OP_FLAGS"]
 
 MEGATRON_LM_TAG = "core_v0.16.1"
+
+#: Flags of later Megatron-LM tags that ``train``'s keys take, with the tag adding them.
+LATER_MEGATRON_LM_FLAGS = {"--cuda-graph-modules": "core_v0.18.0"}
 
 MEGATRON_LM_FLAGS: frozenset[str] = frozenset(
     """

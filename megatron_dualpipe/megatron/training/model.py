@@ -51,7 +51,7 @@ from ..names import global_named_parameters
 from ..placement import StagePlacementLayout
 from ..position_copies import finalize_model_grads, mark_position_copies
 from ..precision import StageFloat16Module
-from ..version import mtp_block_on_any_chunk
+from ..version import cuda_graph_config, mtp_block_on_any_chunk
 from .config import TrainConfig
 
 __all__ = [
@@ -133,6 +133,11 @@ def transformer_config(cfg: TrainConfig, *, on_gpu: bool) -> TransformerConfig:
         )
         if cfg.recompute_modules is not None:
             kwargs["recompute_modules"] = cfg.recompute_modules.split()
+    kwargs.update(
+        cuda_graph_config(
+            cfg.cuda_graph_impl, cfg.cuda_graph_module_names, cfg.cuda_graph_warmup_steps
+        )
+    )
     if cfg.fp8 is not None:  # Transformer Engine's FP8 layers (launch refuses it on local)
         kwargs.update(fp8=cfg.fp8, fp8_recipe=cfg.fp8_recipe)
     if cfg.swiglu:

@@ -1,0 +1,250 @@
+"""CUDA graphs under the pipeline schedules: which implementation may graph what, and the
+order Transformer Engine captures per-layer graphs in (pure Python, no torch).
+
+Megatron-Core offers three implementations (``cuda_graph_impl``; megatron-core 0.18 added
+``full_iteration`` as an implementation of its own, before it was ``local`` with the scope
+``full_iteration``; ``megatron/version.py`` spells each release's names):
+
+- ``local``: each layer's ``CudaGraphManager`` records the layer's (or the scope's part of
+  it) forward and backward and replays them; the backward graph accumulates the weight
+  gradients of the graphed part inside it, so a dW cannot be deferred out of it. Allowed
+  where the graphed part defers no dW (:func:`cuda_graph_problem`).
+- ``transformer_engine``: ``TECudaGraphHelper`` hands TE's ``make_graphed_callables`` an
+  ``_order`` built from Megatron's own interleaved table. :func:`cuda_graph_order` is that
+  ``_order`` for any schedule of the IR and :func:`check_cuda_graph_order` the rules TE's
+  ``transformer_engine/pytorch/graph.py`` (``_make_graphed_callables``) holds it to.
+- ``full_iteration``: ``FullCudaGraphWrapper`` captures the whole forward-backward function
+  once; it needs a step without host synchronisation (the executor's ``graph_safe`` mode).
+
+The modules a per-layer graph covers (``cuda_graph_modules``, 0.16/0.17:
+``cuda_graph_scope``) are :data:`CUDA_GRAPH_MODULES`; none listed: the whole layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .ir import Kind, Schedule, ScheduleError
+from .registry import spec
+
+__all__ = [
+    "CUDA_GRAPH_IMPLS",
+    "CUDA_GRAPH_MODULES",
+    "CudaGraphOrderError",
+    "check_cuda_graph_order",
+    "cuda_graph_order",
+    "cuda_graph_problem",
+    "deferring_modules",
+    "max_wgrads_waiting",
+]
+
+#: Megatron-Core's ``cuda_graph_impl`` values, as megatron-core 0.18 and newer spell them.
+CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
+#: The parts of a layer a per-layer graph may cover (Megatron-Core's ``CudaGraphModule``;
+#: 0.16/0.17: ``CudaGraphScope`` less ``full_iteration``). None listed: the whole layer.
+CUDA_GRAPH_MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
+
+
+class CudaGraphOrderError(ScheduleError):
+    """A graph order Transformer Engine's ``make_graphed_callables`` would refuse."""
+
+
+def deferring_modules(modules: Sequence[str], *, shared_expert_in_router_graph: bool) -> list[str]:
+    """The parts of ``modules`` (none: the whole layer) whose layers defer their weight
+    gradient under a schedule that splits the backward: attention (QKV and output
+    projections), the dense MLP, the MoE experts, and under ``moe_router`` the shared expert
+    when Megatron graphs it with the router (``TransformerLayer._get_submodules_under_cudagraphs``
+    adds it unless ``moe_shared_expert_overlap``). The router's gate weight is a plain
+    parameter whose gradient autograd computes at once, and ``moe_preprocess`` (the token
+    permutation) has no weights: neither defers."""
+    if not modules:
+        return ["the whole layer"]
+    deferring = [m for m in modules if m in ("attn", "mlp", "moe", "mamba")]
+    if "moe_router" in modules and shared_expert_in_router_graph:
+        deferring.append("moe_router (with the shared expert)")
+    return deferring
+
+
+def cuda_graph_problem(
+    schedule: str,
+    impl: str,
+    modules: Sequence[str],
+    *,
+    shared_expert_in_router_graph: bool = False,
+) -> str | None:
+    """Why ``impl`` graphing ``modules`` cannot run under ``schedule``, in one sentence, or
+    None. Megatron's own schedules (1f1b, interleaved-1f1b) take every implementation as
+    Megatron does. Under this project's schedules:
+
+    - ``local`` only where no graphed part defers its dW (:func:`deferring_modules`) when
+      the schedule splits the backward (zb1p, dualpipe, dualpipev): the replayed backward
+      graph computes dW inside it;
+    - ``transformer_engine``: Megatron's helper builds its ``_order`` from Megatron's
+      interleaved table and has no hook for another schedule's order;
+    - ``full_iteration``: the graph-safe executor runs under zb1p and dualpipev; dualpipe's
+      two chunks on a rank each take half of the step's micro-batches, while
+      ``FullCudaGraphWrapper.data_read`` reads all of them for every chunk.
+    """
+    if impl not in CUDA_GRAPH_IMPLS:
+        return f"cuda_graph_impl {impl!r} is not one of {', '.join(CUDA_GRAPH_IMPLS)}"
+    unknown = [m for m in modules if m not in CUDA_GRAPH_MODULES]
+    if unknown:
+        return (
+            f"cuda_graph_modules {unknown[0]!r} is not one of {', '.join(CUDA_GRAPH_MODULES)} "
+            "(none listed: the whole layer)"
+        )
+    found = spec(schedule)
+    if impl == "none" or not found.runs_ours:
+        return None
+    if impl == "local":
+        deferring = deferring_modules(
+            modules, shared_expert_in_router_graph=shared_expert_in_router_graph
+        )
+        if not found.splits_backward or not deferring:
+            return None
+        graphed = " ".join(modules) if modules else "the whole layer"
+        return (
+            f"cuda_graph_impl local under {schedule} graphs {graphed}, and {deferring[0]} "
+            f"defers its weight gradient to a W that the replayed backward graph cannot leave "
+            "out: graph only moe_router / moe_preprocess (without the shared expert, or with "
+            "moe_shared_expert_overlap), or choose 1f1b or interleaved-1f1b to graph whole "
+            "layers"
+        )
+    if impl == "transformer_engine":
+        return (
+            f"cuda_graph_impl transformer_engine under {schedule} would capture TE's graphs in "
+            "Megatron's interleaved order (TECudaGraphHelper has no hook for another "
+            "schedule's order), not in the order this schedule replays them: use "
+            "cuda_graph_impl local on moe_router, or 1f1b / interleaved-1f1b for TE graphs"
+        )
+    if found.placement == "mirror":
+        return (
+            f"cuda_graph_impl full_iteration under {schedule}: FullCudaGraphWrapper reads "
+            "every micro-batch of the step for each of a rank's model chunks, and each of "
+            f"{schedule}'s two chunks takes half of them: use dualpipev or zb1p for "
+            "whole-step graphs"
+        )
+    return None
+
+
+def cuda_graph_order(schedule: Schedule, rank: int) -> list[float]:
+    """Transformer Engine's ``_order`` for ``rank`` of ``schedule``, one layer per chunk.
+
+    Entries follow the rank's compute actions in order: ``+c`` a forward of the rank's
+    chunk ``c`` (1-based, as TE numbers chunks; an ``int``, as TE requires), ``-c`` its
+    backward (an input-gradient B, or the dX half of a full backward), ``-c-0.5`` its
+    weight-gradient graph (a W; a full backward BW gives ``-c`` then ``-c-0.5``). An
+    overlapped FB gives its forward's entry then its backward's. With
+    ``delay_wgrad_compute`` TE graphs the wgrad of every backward apart, so every backward
+    here has its ``-c-0.5``. This is the order the rank runs its layers in (the order
+    graphs sharing TE's memory pool must be replayed in); whether TE can capture it is
+    :func:`check_cuda_graph_order`'s answer: not where a chunk has two backwards waiting
+    for their wgrads (:func:`max_wgrads_waiting`), as zb1p has, and dualpipe and dualpipev
+    at larger PP.
+    """
+    if not 0 <= rank < schedule.num_ranks:
+        raise ScheduleError(f"rank {rank} is out of range 0..{schedule.num_ranks - 1}")
+    order: list[float] = []
+    for action in schedule.ranks[rank]:
+        for half in action.computes:
+            chunk = half.chunk + 1
+            if half.kind is Kind.F:
+                order.append(chunk)
+            elif half.kind is Kind.B:
+                order.append(-chunk)
+            elif half.kind is Kind.W:
+                order.append(-chunk - 0.5)
+            elif half.kind is Kind.BW:
+                order += [-chunk, -chunk - 0.5]
+    return order
+
+
+def check_cuda_graph_order(
+    order: Sequence[float], num_chunks: int, num_microbatches: int, *, wgrad: bool
+) -> None:
+    """Raise :class:`CudaGraphOrderError`, naming the entry, where Transformer Engine's
+    ``_make_graphed_callables`` (``transformer_engine/pytorch/graph.py``) would refuse or
+    miscapture ``order`` for ``num_chunks`` model chunks of one layer each and
+    ``num_microbatches`` micro-batches per chunk, with (``wgrad``: ``delay_wgrad_compute``)
+    or without wgrad graphs. TE's rules, as it checks the order and then walks it capturing:
+
+    - a forward is a Python ``int`` ``+c`` (TE raises TypeError otherwise), a backward
+      ``-c``, a wgrad ``-c-0.5`` (only with wgrad graphs), ``1 <= c <= num_chunks``;
+    - the entries without wgrad number ``num_chunks x num_microbatches x 2`` (TE's
+      "order dimension mismatch"), and each chunk has ``num_microbatches`` forwards and as
+      many backwards (and wgrads): TE indexes each chunk's graphs by a per-chunk counter;
+    - the k-th backward of a chunk is captured on the graphs of its k-th forward, so no
+      backward comes before a forward of its chunk not yet backed;
+    - a wgrad entry captures the wgrad graph of its chunk's *latest* backward (TE uses
+      ``bwd_idx - 1``): it must come after that backward and before the chunk's next one,
+      else the earlier backward's wgrad graph is never captured and the later one's twice.
+    """
+    forwards, backwards = [0] * num_chunks, [0] * num_chunks
+    waiting = [False] * num_chunks  # the chunk's latest backward has no wgrad yet
+    for index, entry in enumerate(order):
+        chunk = int(abs(entry))
+        wgrad_entry = abs(entry) - chunk == 0.5
+        where = f"entry {index} ({entry:g})"
+        if (
+            not 1 <= chunk <= num_chunks
+            or abs(entry) - chunk not in (0.0, 0.5)
+            or (wgrad_entry and entry > 0)
+        ):
+            raise CudaGraphOrderError(
+                f"{where} names no chunk: write +c, -c or -c-0.5 for c in 1..{num_chunks}"
+            )
+        c = chunk - 1
+        if entry > 0:
+            if not isinstance(entry, int):
+                raise CudaGraphOrderError(f"{where}: TE takes a forward only as a Python int")
+            forwards[c] += 1
+        elif wgrad_entry:
+            if not wgrad:
+                raise CudaGraphOrderError(
+                    f"{where} is a wgrad graph, and without delay_wgrad_compute TE graphs none"
+                )
+            if not waiting[c]:
+                raise CudaGraphOrderError(
+                    f"{where}: chunk {chunk}'s latest backward already has its wgrad (TE "
+                    "captures a wgrad entry for the chunk's latest backward)"
+                )
+            waiting[c] = False
+        else:
+            if backwards[c] >= forwards[c]:
+                raise CudaGraphOrderError(
+                    f"{where}: a backward of chunk {chunk} before any forward of it not yet "
+                    "backed (TE captures a chunk's k-th backward on its k-th forward's graphs)"
+                )
+            if waiting[c]:
+                raise CudaGraphOrderError(
+                    f"{where}: backward {backwards[c] + 1} of chunk {chunk} comes before the "
+                    f"wgrad of backward {backwards[c]}, and TE captures a wgrad entry for the "
+                    "chunk's latest backward only: the earlier one's wgrad graph would never "
+                    "be captured"
+                )
+            backwards[c] += 1
+            waiting[c] = wgrad
+    for c in range(num_chunks):
+        for kind, count in (("forward", forwards[c]), ("backward", backwards[c])):
+            if count != num_microbatches:
+                raise CudaGraphOrderError(
+                    f"chunk {c + 1} has {count} {kind} entries, and TE captures "
+                    f"{num_microbatches} (one per micro-batch) for every chunk"
+                )
+        if waiting[c]:
+            raise CudaGraphOrderError(f"chunk {c + 1}'s last backward has no wgrad entry")
+
+
+def max_wgrads_waiting(order: Sequence[float]) -> int:
+    """The most backwards of one chunk whose wgrad entries are still to come, over
+    ``order``: 1 at most is what TE's capture takes (:func:`check_cuda_graph_order`)."""
+    waiting: dict[int, int] = {}
+    most = 0
+    for entry in order:
+        chunk = int(abs(entry))
+        if entry < 0 and entry == chunk * -1:
+            waiting[chunk] = waiting.get(chunk, 0) + 1
+        elif entry < 0:
+            waiting[chunk] -= 1
+        most = max(most, waiting.get(chunk, 0))
+    return most
