@@ -42,7 +42,7 @@ def corpora(tmp_path_factory: pytest.TempPathFactory) -> Path:
         corpus = root / f"c{documents}.jsonl"
         write_corpus(corpus, documents)
         made = preprocess(corpus, root / "tokenizer", str(root / "data" / f"c{documents}"))
-        assert made.documents == documents
+        assert made.written[0].documents == documents
     return root
 
 
