@@ -278,13 +278,7 @@ def _add_preprocess(sub: argparse._SubParsersAction) -> None:
         metavar="PREFIX",
         help="where to write: PREFIX_KEY_document.bin and .idx for each key (folders are made)",
     )
-    p.add_argument(
-        "--json-keys",
-        nargs="+",
-        default=["text"],
-        metavar="KEY",
-        help="the keys whose strings are documents, one dataset each (default: text)",
-    )
+    _add_json_keys(p, "the keys whose strings are documents, one dataset each")
     p.add_argument(
         "--workers",
         type=int,
@@ -296,8 +290,7 @@ def _add_preprocess(sub: argparse._SubParsersAction) -> None:
         "--max-document-chars",
         type=int,
         metavar="N",
-        help="refuse a document of more characters (default: 4,000,000, about 0.8 GB to "
-        "tokenize)",
+        help="refuse a document of more characters (default: 4,000,000, about 0.8 GB to tokenize)",
     )
 
 
@@ -340,6 +333,13 @@ def _run_preprocess(args: argparse.Namespace) -> None:
     )
 
 
+def _add_json_keys(p: argparse.ArgumentParser, what: str) -> None:
+    """Megatron-LM's ``--json-keys`` (default: text)."""
+    p.add_argument(
+        "--json-keys", nargs="+", default=["text"], metavar="KEY", help=f"{what} (default: text)"
+    )
+
+
 def _add_make_tokenizer(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "make-tokenizer",
@@ -350,32 +350,13 @@ def _add_make_tokenizer(sub: argparse._SubParsersAction) -> None:
         "tokenizer_model take. Nothing is downloaded.",
     )
     p.add_argument("--input", type=Path, required=True, help="the corpus (jsonl, or .txt)")
-    p.add_argument(
-        "--output", type=Path, required=True, metavar="DIR", help="the tokenizer directory"
-    )
-    p.add_argument(
-        "--vocab-size", type=int, default=32000, metavar="N", help="tokens (default 32000)"
-    )
-    p.add_argument(
-        "--json-keys",
-        nargs="+",
-        default=["text"],
-        metavar="KEY",
-        help="the keys whose strings are documents (default: text)",
-    )
-    p.add_argument(
-        "--eod",
-        default="<|endoftext|>",
-        metavar="TOKEN",
-        help="the end-of-document token (default: <|endoftext|>)",
-    )
-    p.add_argument(
-        "--min-frequency",
-        type=int,
-        default=0,
-        metavar="N",
-        help="the fewest occurrences of a pair merged (default: the tokenizers library's)",
-    )
+    p.add_argument("--output", type=Path, required=True, metavar="DIR", help="the tokenizer folder")
+    p.add_argument("--vocab-size", type=int, default=32000, metavar="N", help="default 32000")
+    _add_json_keys(p, "the keys whose strings are documents")
+    p.add_argument("--eod", default="<|endoftext|>", metavar="TOKEN", help="its end-of-document "
+                   "token (default: <|endoftext|>)")  # fmt: skip
+    p.add_argument("--min-frequency", type=int, default=0, metavar="N", help="the fewest "
+                   "occurrences of a pair merged (default: the tokenizers library's)")  # fmt: skip
 
 
 def _run_make_tokenizer(args: argparse.Namespace) -> None:
@@ -383,14 +364,8 @@ def _run_make_tokenizer(args: argparse.Namespace) -> None:
 
     with _unwind_on_stop_signals(), Progress(delay_s=0.5) as bar:
         bar.phase(f"training a BPE on {args.input}")
-        made = make_tokenizer(
-            args.input,
-            args.output,
-            vocab_size=args.vocab_size,
-            json_keys=args.json_keys,
-            eod=args.eod,
-            min_frequency=args.min_frequency,
-        )
+        options = {k: getattr(args, k) for k in ("vocab_size", "json_keys", "eod", "min_frequency")}
+        made = make_tokenizer(args.input, args.output, **options)
     print(
         f"wrote {made.directory}: a byte-level BPE of {made.vocab_size:,} tokens trained on "
         f"{made.documents:,} documents, end-of-document token {args.eod}; use it with "

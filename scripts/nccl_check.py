@@ -505,13 +505,18 @@ def _init_distributed(args: argparse.Namespace) -> None:
     dist.init_process_group("nccl", timeout=timedelta(seconds=10 * args.timeout + 300))
 
 
-def main(argv: list[str] | None = None) -> int:
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
+    """The command line: which checks, the tolerance of the comparisons, a rank's wait."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="list the checks, run none")
     parser.add_argument("--only", choices=[c.name for c in CHECKS], action="append")
     parser.add_argument("--tol", type=float, default=1e-5, help="max relative error")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds a rank waits")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _arguments(argv)
     chosen = [c for c in CHECKS if args.only is None or c.name in args.only]
     reasons = {c.name: _why_not(c) for c in chosen}
     if args.dry_run:

@@ -309,11 +309,12 @@ def _remove_orphaned_tmpdirs() -> None:
         for path in root.glob(f"{_TMPDIR_PREFIX}*-*"):
             pid = path.name[len(_TMPDIR_PREFIX) :].split("-", 1)[0]
             with contextlib.suppress(OSError):
-                if pid.isdigit() and path.stat().st_uid == os.getuid() and not _exists(int(pid)):
+                mine = pid.isdigit() and path.stat().st_uid == os.getuid()
+                if mine and not process_exists(int(pid)):
                     shutil.rmtree(path, ignore_errors=True)
 
 
-def _exists(pid: int) -> bool:
+def process_exists(pid: int) -> bool:
     """Whether a process ``pid`` exists (of any user)."""
     try:
         os.kill(pid, 0)

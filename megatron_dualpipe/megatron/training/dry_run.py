@@ -45,7 +45,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -109,8 +109,7 @@ class ChunkReport:
         return sum(count for count, _ in self.by_dtype.values())
 
 
-@dataclass(frozen=True)
-class GroupReport:
+class GroupReport(NamedTuple):
     """A process group the rank is a member of: Megatron's description, its size."""
 
     name: str
@@ -525,17 +524,14 @@ def _span(layers: tuple[int, ...]) -> str:
 
 
 def _chunk_line(c: ChunkReport) -> str:
-    parts = []
-    if c.embedding and not c.mtp_layers:
-        parts.append("embedding")
-    if c.dense_layers:
-        parts.append(f"{len(c.dense_layers)} dense decoder ({_span(c.dense_layers)})")
-    if c.moe_layers:
-        parts.append(f"{len(c.moe_layers)} MoE decoder ({_span(c.moe_layers)})")
-    if c.mtp_layers:
-        parts.append(f"{c.mtp_layers} MTP (with its embedding copy)")
-    if c.output_layer:
-        parts.append("output layer, loss")
+    held = (
+        (c.embedding and not c.mtp_layers, "embedding"),
+        (c.dense_layers, f"{len(c.dense_layers)} dense decoder ({_span(c.dense_layers)})"),
+        (c.moe_layers, f"{len(c.moe_layers)} MoE decoder ({_span(c.moe_layers)})"),
+        (c.mtp_layers, f"{c.mtp_layers} MTP (with its embedding copy)"),
+        (c.output_layer, "output layer, loss"),
+    )
+    parts = [text for present, text in held if present]
     dtypes = ", ".join(f"{k} {_n(n)} = {_b(b)}" for k, (n, b) in c.by_dtype.items())
     return (
         f"  chunk {c.chunk} (model stage {c.model_stage}): {' + '.join(parts) or 'nothing'}; "

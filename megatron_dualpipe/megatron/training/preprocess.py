@@ -54,7 +54,6 @@ import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import numpy
@@ -308,12 +307,7 @@ class _Workers:
     def __enter__(self) -> _Workers:
         return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        trace: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         started = [process for process in self.processes if process.pid is not None]
         for process in started:
             process.terminate()
@@ -468,12 +462,7 @@ class _Outputs:
     def __enter__(self) -> _Outputs:
         return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        trace: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         if not self.published:
             for dataset in self.datasets:
                 dataset.discard()

@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from ...runtime.launch import process_exists
 from .errors import TrainError
 
 __all__ = ["LOCK_NAME", "SaveDirectoryInUse", "save_lock"]
@@ -116,7 +117,7 @@ def _in_use(directory: Path, holder: tuple[int | None, str, str]) -> str:
     else:
         since = f", started {started}" if started else ""
         who = f"another run (pid {pid} on {host}{since})"
-        if host == socket.gethostname() and not _alive(pid):
+        if host == socket.gethostname() and not process_exists(pid):
             who = (
                 f"what is left of a run whose launcher (pid {pid}{since}) has exited: end its "
                 f"processes (fuser -v {directory / LOCK_NAME} lists them)"
@@ -125,13 +126,3 @@ def _in_use(directory: Path, holder: tuple[int | None, str, str]) -> str:
         f"save: {directory} is in use by {who}: wait for it to finish, or set save to "
         "another directory"
     )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
