@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from megatron_dualpipe.megatron.training import load_config
-from tests.multiproc import run_workers, slow_unless
+from tests.multiproc import run_workers
 
 pytestmark = pytest.mark.megatron
 
@@ -88,24 +88,27 @@ def _marks(name: str, pipeline_rank: int, megatron_initialises: bool) -> dict:
             parallel_state.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("name", slow_unless(lambda n: n == "deepseek-dualpipev", list(BUILDS)))
+@pytest.mark.parametrize("name", list(BUILDS))
 def test_train_marks_tensor_parallel_weights_as_megatron_does(name: str) -> None:
     path, overrides = BUILDS[name]
-    for rank in range(load_config(CONFIGS / path, overrides).pipeline_model_parallel_size):
+    cfg = load_config(CONFIGS / path, overrides)
+    split = {}
+    for rank in range(cfg.pipeline_model_parallel_size):
         ours = _marks(name, rank, megatron_initialises=False)
         megatrons = _marks(name, rank, megatron_initialises=True)
         assert sorted(ours) == sorted(megatrons)
         differ = {k: (ours[k], megatrons[k]) for k in ours if ours[k] != megatrons[k]}
         assert not differ, f"pipeline rank {rank}: (train's, Megatron's) marks {differ}"
-        split = [k for k, m in megatrons.items() if m and m[0]]
-        assert any(k.endswith("word_embeddings.weight") for k in split)
-        assert any(k.endswith("linear_fc2.weight") and m[1] == 1 for k, m in megatrons.items()
-                   if m and m[0])
+        split.update({k.rsplit(".", 2)[-2]: m[1:] for k, m in ours.items() if m and m[0]})
+    # Megatron's marks themselves: (partition_dim, partition_stride) by layer.
+    assert split["word_embeddings"] == (0, 1)
+    assert split["linear_proj"] == split["linear_fc2"] == (1, 1)
+    assert split["linear_fc1"] == ((0, 2) if cfg.swiglu else (0, 1))
 
 
-def _norm_of_ones(rank: int, world_size: int, tp: int) -> float:
+def _norm_of_ones(rank: int, world_size: int, tp: int) -> tuple[float, int]:
     """Megatron's gradient norm over train's model (tiny GPT, 1f1b, PP=1) at ``tp`` with
-    every gradient 1."""
+    every gradient 1, and this rank's parameter count."""
     from megatron.core import parallel_state
 
     from megatron_dualpipe.megatron.cpu_compat import apply_cpu_compat
@@ -131,14 +134,15 @@ def _norm_of_ones(rank: int, world_size: int, tp: int) -> float:
             for p in chunk.parameters():
                 p.main_grad.fill_(1.0)
         optimizer.prepare_grads()
-        return float(optimizer.get_grad_norm())
+        return float(optimizer.get_grad_norm()), sum(p.numel() for p in model[0].parameters())
     finally:
         parallel_state.destroy_model_parallel()
 
 
 @pytest.mark.multiproc
 def test_grad_norm_at_tp2_counts_every_shard() -> None:
-    (whole,) = run_workers(_norm_of_ones, 1, args=(1,), timeout_s=120)
-    tp2 = run_workers(_norm_of_ones, 2, args=(2,), timeout_s=120)
-    assert tp2[0] == tp2[1]
-    assert math.isclose(tp2[0], whole, rel_tol=1e-6), (tp2[0], whole)
+    ((whole, params),) = run_workers(_norm_of_ones, 1, args=(1,), timeout_s=120)
+    assert math.isclose(whole**2, params, rel_tol=1e-6)
+    (norm, _), (other, _) = run_workers(_norm_of_ones, 2, args=(2,), timeout_s=120)
+    assert norm == other
+    assert math.isclose(norm, whole, rel_tol=1e-6), (norm, whole)
