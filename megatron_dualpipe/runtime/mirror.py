@@ -15,8 +15,9 @@ Both copies end bit-identical (the sum is formed once, on the chunk-1 side, and 
 they stay identical after any deterministic optimizer step. Each exchange is one batch of a
 rank's sends and receives to its partner, the same batches in the same order on both.
 
-The exchanges run on a two-rank process group of the pair's own (:func:`make_mirror_group`,
-made by its two members only), never on the pipeline's, with at most
+The exchanges run on a two-rank process group of the pair's own where the default group is
+bound to a device (:func:`make_mirror_group`, split by its two members), else on the
+pipeline group, with at most
 :data:`IN_FLIGHT` exchanges issued and not yet waited: the rank waits for the oldest before
 it issues a third. Waits never block the host with a timeout: ``work.wait()``, which on
 NCCL only makes the current stream wait (so on the GPU, too, an exchange starts only once
@@ -105,44 +106,30 @@ def _check_pair(modules: Sequence[nn.Module], placement: Placement) -> None:
         raise ValueError(f"a mirror rank holds 2 chunks, got {len(modules)} modules")
 
 
-def _align_group_names(parent: dist.ProcessGroup, members: Sequence[int]) -> None:
-    """Make the ``members`` (group ranks of ``parent``) hold as many process groups each.
-
-    Torch names a group made with local synchronisation after its ranks and how many
-    groups the calling rank already holds (``distributed_c10d._hash_ranks_to_str``), and
-    its members find each other under that name: members holding different numbers (under
-    Megatron the first pipeline rank alone holds the position-embedding group) would wait
-    for each other forever. Each member makes groups of itself alone up to the largest
-    count among the members. Collective over ``parent``."""
-    held = len(dist.distributed_c10d._world.pg_names)
-    counts: list[int | None] = [None] * parent.size()
-    dist.all_gather_object(counts, held, group=parent)
-    target = max(counts[i] or 0 for i in members)
-    for _ in range(target - held):
-        dist.new_group([dist.get_rank()], use_local_synchronization=True)
-
-
 def make_mirror_group(
     parent: dist.ProcessGroup | None = None, *, timeout: timedelta | None = None
 ) -> dist.ProcessGroup:
-    """The two-rank group of this rank of ``parent`` (the pipeline group, default: the
-    world) and its mirror rank (group rank R-1-r), made by those two only (see
-    :func:`~.transport.make_member_group`; every rank of ``parent`` calls at once, each
-    making its own pair's). ``timeout`` is the group's own."""
+    """The group the mirror exchange of this rank of ``parent`` (the pipeline group,
+    default: the world) runs on. Where the default group is bound to a device, the two-rank
+    group of this rank and its mirror rank (group rank R-1-r), split from ``parent`` by its
+    members (every rank of ``parent`` calls at once, each making its own pair's);
+    ``timeout`` is its own. Elsewhere ``parent`` itself: torch would make a pair's group
+    with local synchronisation, named after its ranks and the number of groups the caller
+    holds, a name that recurs once groups are destroyed, while the store still holds the
+    earlier group's addresses (a process that trains twice then connects to closed sockets)."""
     parent = parent or dist.group.WORLD
+    if dist.group.WORLD.bound_device_id is None:
+        return parent
     size = parent.size()
     pairs = [sorted({i, size - 1 - i}) for i in range((size + 1) // 2)]
-    if dist.group.WORLD.bound_device_id is None:  # new_group: the name must agree
-        me = dist.get_group_rank(parent, dist.get_rank())
-        _align_group_names(parent, sorted({me, size - 1 - me}))
     return make_member_group(parent, pairs, timeout=timeout)
 
 
 class MirrorPair:
     """Pipeline rank ``rank`` and its mirror rank (R-1-r) of the pipeline ``group``
-    (default: the world), exchanging on a group of their own made here (collective over
-    ``group``: every rank makes its pair's at once). Hold one for repeated exchanges;
-    ``timeout_s`` bounds each wait (see the module docstring)."""
+    (default: the world), exchanging on the group :func:`make_mirror_group` gives
+    (collective over ``group``: every rank makes its pair's at once). Hold one for repeated
+    exchanges; ``timeout_s`` bounds each wait (see the module docstring)."""
 
     def __init__(
         self,
