@@ -290,3 +290,55 @@ def test_the_genuine_pair_passes(corpora: Path, tmp_path: Path) -> None:
 
     prefix = _pair(corpora, tmp_path)
     check_data_files(load_config(CONFIG, _sets(corpora, 120, f"data_path={prefix}")), "cfg")
+
+
+# -- token ids and the tokenizer -----------------------------------------------------------
+
+
+def test_token_ids_beyond_the_tokenizers_vocabulary_are_refused(corpora: Path) -> None:
+    """The corpus's tokenizer has 320 ids; a NullTokenizer of 100 (101 with its
+    end-of-document id) failed in the embedding after the ranks started."""
+    from megatron_dualpipe.megatron.training.indexed_files import largest_token, read_index
+
+    prefix = _prefix(corpora, 120)
+    largest, whole = largest_token(prefix, read_index(prefix).dtype)
+    assert whole and 100 < largest < 320
+    null = ["tokenizer_type=NullTokenizer", "tokenizer_model=null", "vocab_size=100"]
+    assert _refused(corpora, 120, "split=90,10,0", *null) == (
+        f"cfg: data_path: {prefix}.bin holds token id {largest:,}, beyond the 101 ids of the "
+        "tokenizer (NullTokenizer): train with the tokenizer that wrote it, or preprocess the "
+        "corpus again with this one"
+    )
+
+
+def test_the_largest_token_of_a_large_bin_is_read_from_a_bounded_sample(tmp_path: Path) -> None:
+    from megatron_dualpipe.megatron.training.indexed_files import largest_token
+
+    tokens = np.zeros(1 << 24, dtype=np.uint16)  # 32 MiB: two 16 MiB windows
+    tokens[5] = 7
+    tokens[-1] = 9
+    tokens[len(tokens) // 2 + 10] = 11  # past the one window of a 16 MiB sample
+    tokens.tofile(tmp_path / "x.bin")
+    assert largest_token(str(tmp_path / "x"), np.dtype(np.uint16)) == (11, True)
+    assert largest_token(str(tmp_path / "x"), np.dtype(np.uint16), budget=1 << 25) == (11, True)
+    assert largest_token(str(tmp_path / "x"), np.dtype(np.uint16), budget=1 << 24) == (7, False)
+
+
+def test_a_tokenizer_without_an_end_of_document_token_is_refused(
+    corpora: Path, tmp_path: Path
+) -> None:
+    """preprocess refused it; train failed after the ranks started."""
+    import json
+
+    tokenizer = tmp_path / "no-eos"
+    shutil.copytree(corpora / "tokenizer", tokenizer)
+    config = tokenizer / "tokenizer_config.json"
+    settings = json.loads(config.read_text(encoding="utf-8"))
+    settings.pop("eos_token", None)
+    config.write_text(json.dumps(settings), encoding="utf-8")
+    (tokenizer / "special_tokens_map.json").unlink(missing_ok=True)
+    message = _refused(corpora, 120, "split=90,10,0", f"tokenizer_model={tokenizer}")
+    assert message == (
+        f"cfg: tokenizer_model: {tokenizer} has no end-of-document token (eos_token in "
+        "tokenizer_config.json): add one, Megatron appends it to every document"
+    )

@@ -217,9 +217,10 @@ def _preflight(cfg: TrainConfig, source: str, on_gpu: bool, ranks_here: int) -> 
         raise ConfigError(
             f"{source}: Megatron-Core rejects the model configuration: {err}"
         ) from None
-    check_data_files(cfg, source)
+    tokenizer = build_tokenizer(cfg, source)
+    check_data_files(cfg, source, None if tokenizer is None else tokenizer.vocab_size)
     check_tensorboard(cfg, source)
-    check_loadable(cfg, model_vocab_size(cfg, build_tokenizer(cfg, source)))
+    check_loadable(cfg, model_vocab_size(cfg, tokenizer))
 
 
 def train(cfg: TrainConfig, *, source: str = "config") -> TrainResult:

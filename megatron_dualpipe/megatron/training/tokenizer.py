@@ -38,6 +38,7 @@ __all__ = [
     "build_tokenizer",
     "check_huggingface_dir",
     "check_tokenizer_files",
+    "end_of_document_problem",
     "huggingface_tokenizer",
     "model_vocab_size",
     "padded_vocab_size",
@@ -117,7 +118,12 @@ def build_tokenizer(cfg: TrainConfig, source: str = "config") -> Any | None:
         metadata = {"library": null_tokenizer_library()}
         return MegatronTokenizer.from_pretrained(metadata_path=metadata, vocab_size=cfg.vocab_size)
     if cfg.tokenizer_type == "HuggingFaceTokenizer":
-        return huggingface_tokenizer(cfg.tokenizer_model, f"{source}: tokenizer_model")
+        where = f"{source}: tokenizer_model"
+        tokenizer = huggingface_tokenizer(cfg.tokenizer_model, where)
+        problem = end_of_document_problem(tokenizer, cfg.tokenizer_model)
+        if problem is not None:
+            raise ConfigError(f"{where}: {problem}")
+        return tokenizer
     with tempfile.TemporaryDirectory(prefix="gpt2-bpe-") as scratch:
         os.symlink(Path(cfg.vocab_file).resolve(), Path(scratch) / "vocab.json")
         os.symlink(Path(cfg.merge_file).resolve(), Path(scratch) / "merges.txt")
@@ -143,6 +149,17 @@ def huggingface_tokenizer(directory: str | Path, where: str) -> Any:
     except (ValueError, OSError) as err:
         first = " ".join(str(err).split())[:300]
         raise ConfigError(f"{where}: the tokenizer does not load: {first}") from None
+
+
+def end_of_document_problem(tokenizer: Any, directory: str | Path) -> str | None:
+    """The clause refusing a Hugging Face tokenizer (of ``directory``) without an
+    end-of-document token, which Megatron ends every document with; None if it has one."""
+    if tokenizer.eod is not None:
+        return None
+    return (
+        f"{directory} has no end-of-document token (eos_token in tokenizer_config.json): "
+        "add one, Megatron appends it to every document"
+    )
 
 
 def model_vocab_size(cfg: TrainConfig, tokenizer: Any | None) -> int:
