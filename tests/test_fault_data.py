@@ -342,3 +342,22 @@ def test_a_tokenizer_without_an_end_of_document_token_is_refused(
         f"cfg: tokenizer_model: {tokenizer} has no end-of-document token (eos_token in "
         "tokenizer_config.json): add one, Megatron appends it to every document"
     )
+
+
+# -- folders train writes into -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["data_cache_path", "tensorboard_dir"])
+def test_an_unwritable_folder_is_refused(corpora: Path, tmp_path: Path, key: str) -> None:
+    """A folder under a file (root may write anywhere, so no permission bits): Megatron-Core's
+    message named an internal attribute, TensorBoard's writer an os.makedirs traceback."""
+    (tmp_path / "a-file").write_text("x", encoding="utf-8")
+    folder = tmp_path / "a-file" / "sub"
+    message = _refused(corpora, 120, "split=90,10,0", f"{key}={folder}", "run_name=null")
+    what = (
+        "Megatron-Core writes its dataset index caches there: set data_cache_path to a folder "
+        "this user can write to"
+        if key == "data_cache_path"
+        else "set tensorboard_dir to a folder this user can write to, or unset it"
+    )
+    assert message == f"cfg: {key}: cannot write to {folder} (Not a directory): {what}"

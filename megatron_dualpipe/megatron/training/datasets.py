@@ -34,6 +34,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
 
+from .checkpoint_files import unwritable
 from .config import DATA_PATH_KEYS, ConfigError, TrainConfig
 from .indexed_files import (
     SCAN_BYTES,
@@ -67,7 +68,16 @@ def check_data_files(cfg: TrainConfig, source: str, vocabulary: int | None = Non
     with a weight above 0 gets no token (see the module docstring), or holding a token id
     not below ``vocabulary`` (the tokenizer's ``vocab_size``; the ``.bin`` read whole up
     to :data:`~.indexed_files.SCAN_BYTES`, else a sample of that size, and not at all
-    where its dtype cannot hold such an id)."""
+    where its dtype cannot hold such an id); and a ``data_cache_path`` this process cannot
+    write Megatron-Core's index caches to."""
+    uses_cache = cfg.uses_data_files or cfg.mock_data
+    why = unwritable(cfg.data_cache_path) if uses_cache and cfg.data_cache_path else None
+    if why is not None:
+        raise ConfigError(
+            f"{source}: data_cache_path: cannot write to {cfg.data_cache_path} ({why}): "
+            "Megatron-Core writes its dataset index caches there: set data_cache_path to a "
+            "folder this user can write to"
+        )
     for key, prefix in dataset_prefixes(cfg):
         for suffix in (".idx", ".bin"):
             if not Path(prefix + suffix).is_file():
