@@ -361,3 +361,30 @@ def test_an_unwritable_folder_is_refused(corpora: Path, tmp_path: Path, key: str
         else "set tensorboard_dir to a folder this user can write to, or unset it"
     )
     assert message == f"cfg: {key}: cannot write to {folder} (Not a directory): {what}"
+
+
+# -- whom an error blames ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data_path={missing}", "data_path: {missing}.idx does not exist: name each dataset"),
+        ("tokenizer_model={missing}", "tokenizer_model: {missing} does not exist: point it at"),
+        ("transformer_impl=transformer_engine", "transformer_impl: transformer_engine needs"),
+        ("fp8=hybrid", "fp8: FP8 training runs through Transformer Engine's layers"),
+    ],
+    ids=["data_path", "tokenizer_model", "transformer_impl", "fp8"],
+)
+def test_a_key_given_with_set_is_blamed_on_its_set(
+    corpora: Path, tmp_path: Path, override: str, message: str
+) -> None:
+    """These were blamed on the YAML file ("tiny_gpt_data.yaml: data_path: ...")."""
+    from megatron_dualpipe.megatron.training.config import config_source
+
+    missing = str(tmp_path / "missing")
+    item = override.format(missing=missing)
+    sets = [*_sets(corpora, 120, "split=90,10,0"), item]
+    with pytest.raises(ConfigError) as info:
+        train(load_config(CONFIG, sets), source=config_source(CONFIG, sets))
+    assert str(info.value).startswith(f"--set {item}: {message.format(missing=missing)}")

@@ -49,6 +49,9 @@ __all__ = [
     "load_config",
     "parse_overrides",
     "read_yaml_values",
+    "ConfigSource",
+    "blame",
+    "config_source",
 ]
 
 
@@ -768,6 +771,31 @@ def _where(key: str, source: str, origins: Mapping[str, str]) -> str:
     if related and related[0] not in source:
         return f"{source} with {related[0]}"
     return source
+
+
+class ConfigSource(str):
+    """A config's name, as errors start with it (the string itself), that knows which
+    keys the command line gave: ``origins`` maps each to its ``--set key=value``
+    (:func:`~...schedules.config_values.override_origins`), for :func:`blame`."""
+
+    origins: Mapping[str, str]
+
+    def __new__(cls, name: str | Path, origins: Mapping[str, str]) -> ConfigSource:
+        made = super().__new__(cls, str(name))
+        made.origins = dict(origins)
+        return made
+
+
+def config_source(path: str | Path, overrides: Iterable[str] = ()) -> ConfigSource:
+    """The :class:`ConfigSource` of a config file read with ``overrides`` (``--set``)."""
+    return ConfigSource(path, override_origins(path, list(overrides))[1])
+
+
+def blame(source: str, key: str) -> str:
+    """What an error about ``key`` starts with: the ``--set`` that gave ``key`` where
+    ``source`` is a :class:`ConfigSource` knowing one (as :func:`_where` chooses), else
+    ``source``."""
+    return _where(key, str(source), getattr(source, "origins", {}))
 
 
 Problem = tuple[str, str] | None

@@ -35,7 +35,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.utils import get_blend_from_list
 
 from .checkpoint_files import unwritable
-from .config import DATA_PATH_KEYS, ConfigError, TrainConfig
+from .config import DATA_PATH_KEYS, ConfigError, TrainConfig, blame
 from .indexed_files import (
     SCAN_BYTES,
     IndexedFiles,
@@ -74,7 +74,8 @@ def check_data_files(cfg: TrainConfig, source: str, vocabulary: int | None = Non
     why = unwritable(cfg.data_cache_path) if uses_cache and cfg.data_cache_path else None
     if why is not None:
         raise ConfigError(
-            f"{source}: data_cache_path: cannot write to {cfg.data_cache_path} ({why}): "
+            f"{blame(source, 'data_cache_path')}: data_cache_path: "
+            f"cannot write to {cfg.data_cache_path} ({why}): "
             "Megatron-Core writes its dataset index caches there: set data_cache_path to a "
             "folder this user can write to"
         )
@@ -82,7 +83,8 @@ def check_data_files(cfg: TrainConfig, source: str, vocabulary: int | None = Non
         for suffix in (".idx", ".bin"):
             if not Path(prefix + suffix).is_file():
                 raise ConfigError(
-                    f"{source}: {key}: {prefix}{suffix} does not exist: name each dataset by "
+                    f"{blame(source, key)}: {key}: "
+                    f"{prefix}{suffix} does not exist: name each dataset by "
                     "the prefix its .bin and .idx share (megatron-dualpipe preprocess "
                     "--output-prefix P writes P_text_document.bin and .idx)"
                 )
@@ -90,7 +92,8 @@ def check_data_files(cfg: TrainConfig, source: str, vocabulary: int | None = Non
             index = read_index(prefix)
         except (NotAnIndexedDataset, OSError) as err:
             raise ConfigError(
-                f"{source}: {key}: {prefix}.idx and {prefix}.bin are not one indexed dataset "
+                f"{blame(source, key)}: {key}: "
+                f"{prefix}.idx and {prefix}.bin are not one indexed dataset "
                 f"({err}): write both again from the corpus with megatron-dualpipe preprocess "
                 "(or Megatron-LM's tools/preprocess_data.py), and name the prefix they share"
             ) from None
@@ -98,7 +101,7 @@ def check_data_files(cfg: TrainConfig, source: str, vocabulary: int | None = Non
             cfg, key, prefix, index, vocabulary
         )
         if problem is not None:
-            raise ConfigError(f"{source}: {problem}")
+            raise ConfigError(f"{blame(source, key)}: {problem}")
 
 
 def _beyond_vocabulary(

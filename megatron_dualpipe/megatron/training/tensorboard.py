@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .checkpoint_files import unwritable
-from .config import ConfigError, TrainConfig
+from .config import ConfigError, TrainConfig, blame
 
 __all__ = [
     "MEMORY_SCALARS",
@@ -55,13 +55,15 @@ def check_tensorboard(cfg: TrainConfig, source: str) -> None:
         return
     if importlib.util.find_spec("tensorboard") is None:
         raise ConfigError(
-            f"{source}: tensorboard_dir: writing TensorBoard events needs the tensorboard "
+            f"{blame(source, 'tensorboard_dir')}: tensorboard_dir: "
+            "writing TensorBoard events needs the tensorboard "
             f"package, which is not installed: {TENSORBOARD_INSTALL} (or unset tensorboard_dir)"
         )
     why = unwritable(cfg.tensorboard_run_dir)
     if why is not None:
         raise ConfigError(
-            f"{source}: tensorboard_dir: cannot write to {cfg.tensorboard_run_dir} ({why}): "
+            f"{blame(source, 'tensorboard_dir')}: tensorboard_dir: "
+            f"cannot write to {cfg.tensorboard_run_dir} ({why}): "
             "set tensorboard_dir to a folder this user can write to, or unset it"
         )
 
