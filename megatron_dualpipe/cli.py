@@ -479,7 +479,12 @@ def _load(path: Path) -> Schedule:
             f"--load: {path} is not a schedule (not UTF-8 text): write one with simulate --save"
         ) from None
     if path.suffix != ".json":
-        return Schedule.from_text(text)
+        try:
+            return Schedule.from_text(text)
+        except ScheduleError as err:
+            raise ScheduleError(
+                f"--load: {path} is not a schedule ({err}): write one with simulate --save"
+            ) from None
     try:
         return Schedule.from_json(json.loads(text))
     except json.JSONDecodeError as err:
