@@ -388,3 +388,26 @@ def test_a_key_given_with_set_is_blamed_on_its_set(
     with pytest.raises(ConfigError) as info:
         train(load_config(CONFIG, sets), source=config_source(CONFIG, sets))
     assert str(info.value).startswith(f"--set {item}: {message.format(missing=missing)}")
+
+
+# -- resuming on other data ----------------------------------------------------------------
+
+
+def test_resuming_on_other_data_says_so_once(corpora: Path, tmp_path: Path) -> None:
+    """It said nothing; the checkpoint now records the data keys (not a refusal)."""
+    save = tmp_path / "ckpt"
+    first = ["split=90,10,0", "train_iters=2", "lr_warmup_iters=1", "eval_interval=null"]
+    first.append(f"save={save}")
+    train(load_config(CONFIG, _sets(corpora, 120, *first)), source="cfg")
+    again = ["train_iters=3", "override_opt_param_scheduler=true", f"load={save}", "save=null"]
+    same = train(load_config(CONFIG, _sets(corpora, 120, *first, *again)), source="cfg")
+    assert not [line for line in same.lines if "note:" in line]
+    other = _pair(corpora, tmp_path)
+    moved = _sets(corpora, 120, *first, *again, f"data_path={other}")
+    lines = train(load_config(CONFIG, moved), source="cfg").lines
+    notes = [line for line in lines if "note:" in line]
+    assert notes == [
+        f" note: {save}/iter_0000002 was saved by a run reading other data or another "
+        f"tokenizer (data_path {_prefix(corpora, 120)!r}, now {other!r}): this run goes on "
+        "from its weights on what the config names now"
+    ]
