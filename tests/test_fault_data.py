@@ -393,6 +393,7 @@ def test_a_key_given_with_set_is_blamed_on_its_set(
 # -- resuming on other data ----------------------------------------------------------------
 
 
+@pytest.mark.slow  # three short runs
 def test_resuming_on_other_data_says_so_once(corpora: Path, tmp_path: Path) -> None:
     """It said nothing; the checkpoint now records the data keys (not a refusal)."""
     save = tmp_path / "ckpt"
