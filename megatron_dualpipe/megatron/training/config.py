@@ -780,9 +780,9 @@ class ConfigSource(str):
 
     origins: Mapping[str, str]
 
-    def __new__(cls, name: str | Path, origins: Mapping[str, str]) -> ConfigSource:
+    def __new__(cls, name: str | Path, origins: Mapping[str, str] | None = None) -> ConfigSource:
         made = super().__new__(cls, str(name))
-        made.origins = dict(origins)
+        made.origins = dict(origins or {})
         return made
 
 
