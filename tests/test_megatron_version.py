@@ -179,6 +179,42 @@ def test_the_common_state_gate_says_where_megatron_writes_it(tmp_path: Path) -> 
     }
 
 
+def _marked_without_initialisation(rank: int, world_size: int) -> bool:
+    from megatron.core.tensor_parallel import RowParallelLinear
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_dualpipe.megatron.cpu_compat import apply_cpu_compat
+
+    apply_cpu_compat()
+    parallel_state.initialize_model_parallel()
+    try:
+        config = TransformerConfig(
+            num_layers=1,
+            hidden_size=8,
+            num_attention_heads=1,
+            use_cpu_initialization=True,
+            perform_initialization=False,
+        )
+        layer = RowParallelLinear(
+            8,
+            8,
+            config=config,
+            init_method=config.init_method,
+            bias=False,
+            input_is_parallel=True,
+            skip_bias_add=False,
+        )
+        return hasattr(layer.weight, "tensor_model_parallel")
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.multiproc
+def test_the_tensor_parallel_marks_gate_says_whether_megatron_marks_uninitialised() -> None:
+    (marked,) = run_workers(_marked_without_initialisation, 1, timeout_s=60.0)
+    assert marked is version.tensor_parallel_marks_without_initialisation()
+
+
 # --------------------------------------------------------------------------------------
 # Differences taken without a gate.
 

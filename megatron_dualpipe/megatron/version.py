@@ -15,6 +15,10 @@ difference broke before it was gated):
   ``transformer_layer``), in parameter names too: :func:`mtp_inner_layer_name`;
 - 0.17: ``MultiTokenPredictionBlock`` asserts it is built on the last virtual pipeline
   stage, and dualpipe puts it on chunk 0 of the last rank: :func:`mtp_block_on_any_chunk`;
+- 0.18: the weights of ``VocabParallelEmbedding``, ``ColumnParallelLinear`` and
+  ``RowParallelLinear`` carry their tensor-parallel marks also when built with
+  ``perform_initialization`` off (Megatron-LM #4084; before, only initialising set them):
+  :func:`tensor_parallel_marks_without_initialisation`;
 - 0.19: the layer schedule plan's attention node became ``pre_dispatch_computation`` (was
   ``attn``): :func:`layer_plan_attention_node`, :func:`layer_plan_nodes`;
 - 0.19: Megatron's MTP tracker became ``save_metrics_to_tracker`` /
@@ -72,6 +76,7 @@ __all__ = [
     "mtp_tracker_fields",
     "refuse_unsupported_at_import",
     "save_mtp_metrics",
+    "tensor_parallel_marks_without_initialisation",
     "unsupported_megatron_core",
     "version_on_disk",
 ]
@@ -259,6 +264,14 @@ def save_mtp_metrics(values: list[Any], layer: int, num_layers: int, avg_group: 
     else:
         (loss,) = values
         MTPLossLoggingHelper.save_loss_to_tracker(loss, layer, num_layers, avg_group=avg_group)
+
+
+def tensor_parallel_marks_without_initialisation() -> bool:
+    """Whether Megatron's ``VocabParallelEmbedding``, ``ColumnParallelLinear`` and
+    ``RowParallelLinear`` set their weight's ``tensor_model_parallel`` / ``partition_dim``
+    / ``partition_stride`` with ``perform_initialization`` off (0.18); before, only
+    ``_initialize_affine_weight_cpu`` / ``_gpu`` set them."""
+    return _since("0.18")
 
 
 def common_state_in_dcp() -> bool:

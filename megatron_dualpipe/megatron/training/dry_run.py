@@ -50,11 +50,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-)
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.utils import unwrap_model
 from torch.distributed import distributed_c10d
@@ -416,39 +411,17 @@ def _model_stages(cfg: TrainConfig, config: Any, rank: int, chunks: int) -> list
     return [chunk * pp + rank for chunk in range(chunks)]
 
 
-def _tensor_parallel_split(chunk: torch.nn.Module) -> set[int]:
-    """Ids of the parameters of ``chunk`` that tensor parallelism splits: the weights of
-    Megatron's column- and row-parallel linears and vocabulary-parallel embeddings, a
-    column-parallel linear's bias, and whatever else carries Megatron's
-    ``tensor_model_parallel`` mark. (Megatron sets that mark on a weight only while
-    initialising it, and ``train`` builds with ``perform_initialization`` off, so the mark
-    alone misses the weights.)"""
-    split = set()
-    for module in chunk.modules():
-        if isinstance(module, ColumnParallelLinear | VocabParallelEmbedding):
-            split |= {id(p) for p in module.parameters(recurse=False)}
-        elif isinstance(module, RowParallelLinear):
-            split.add(id(module.weight))
-        split |= {
-            id(p)
-            for p in module.parameters(recurse=False)
-            if getattr(p, "tensor_model_parallel", False)
-        }
-    return split
-
-
 def _shards(chunks: Sequence[torch.nn.Module], cfg: TrainConfig) -> dict[str, tuple[int, int]]:
     """Every parameter of ``chunks`` by global name: (elements, shards the model has of
     it: the expert-parallel size for an expert's, times the tensor-parallel size where
-    tensor parallelism splits it, :func:`_tensor_parallel_split`)."""
+    Megatron's ``tensor_model_parallel`` mark says tensor parallelism splits it)."""
     out = {}
     for chunk in chunks:
-        split = _tensor_parallel_split(chunk)
         for name, param in global_named_parameters(chunk).items():
             shards = 1
             if not getattr(param, "allreduce", True):
                 shards *= cfg.expert_model_parallel_size
-            if id(param) in split:
+            if getattr(param, "tensor_model_parallel", False):
                 shards *= cfg.tensor_model_parallel_size
             out[name] = (param.numel(), shards)
     return out

@@ -25,7 +25,11 @@ parameter name, tensor-parallel rank)``, so the weights do not depend on the pip
 schedule or on which rank holds which layer (Megatron's own initialisation draws from
 per-pipeline-rank streams). Rules: matrices N(0, init_method_std), the output projections
 of attention and MLP (``linear_proj``, ``linear_fc2``) N(0, init_method_std /
-sqrt(2 num_layers)); biases 0; normalisation weights 1.
+sqrt(2 num_layers)); biases 0; normalisation weights 1. Megatron builds with
+``perform_initialization`` off; megatron-core before 0.18 then leaves the weights of its
+vocabulary-, column- and row-parallel layers without their tensor-parallel marks, which
+Megatron's gradient norm needs to count every rank's shard: :func:`mark_tensor_parallel`
+sets them as Megatron's initialisation would.
 """
 
 from __future__ import annotations
@@ -40,6 +44,13 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    set_tensor_model_parallel_attributes,
+)
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
@@ -51,13 +62,18 @@ from ..names import global_named_parameters
 from ..placement import StagePlacementLayout
 from ..position_copies import finalize_model_grads, mark_position_copies
 from ..precision import StageFloat16Module
-from ..version import cuda_graph_config, mtp_block_on_any_chunk
+from ..version import (
+    cuda_graph_config,
+    mtp_block_on_any_chunk,
+    tensor_parallel_marks_without_initialisation,
+)
 from .config import TrainConfig
 
 __all__ = [
     "build_chunks_here",
     "build_model",
     "in_precision",
+    "mark_tensor_parallel",
     "transformer_config",
     "transformer_impl",
 ]
@@ -225,6 +241,34 @@ def _name_seed(seed: int, name: str, tp_rank: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def mark_tensor_parallel(chunk: torch.nn.Module) -> None:
+    """Give every weight of Megatron's ``VocabParallelEmbedding``, ``ColumnParallelLinear``
+    and ``RowParallelLinear`` (and their subclasses, the deferrable linears) in ``chunk``
+    that lacks them the tensor-parallel marks Megatron's initialisation sets
+    (``set_tensor_model_parallel_attributes``: split along 0, 0 and 1; stride 1, but 2 for
+    an MLP's ``linear_fc1`` of a gated linear unit, as ``MLP`` passes it). Nothing to do on
+    megatron-core 0.18 and newer, which marks them without initialising
+    (:func:`..version.tensor_parallel_marks_without_initialisation`). Transformer
+    Engine's layers mark their own weights."""
+    if tensor_parallel_marks_without_initialisation():
+        return
+    strides = {
+        id(m.linear_fc1): 2 if m.config.gated_linear_unit and not m.config.use_kitchen else 1
+        for m in chunk.modules()
+        if isinstance(m, MLP)
+    }
+    for module in chunk.modules():
+        if isinstance(module, VocabParallelEmbedding | ColumnParallelLinear):
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        weight = module.weight
+        if weight is not None and not hasattr(weight, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(weight, True, dim, strides.get(id(module), 1))
+
+
 @torch.no_grad()
 def init_weights(chunk: torch.nn.Module, cfg: TrainConfig) -> None:
     """Initialise ``chunk`` by global parameter name (see the module docstring)."""
@@ -278,6 +322,7 @@ def build_chunks_here(
                 mtp_block_spec=mtp,
                 vp_stage=ends.vp_stage,
             )
+        mark_tensor_parallel(chunk)
         if initialise:
             if torch.cuda.is_available():
                 chunk.cuda(torch.cuda.current_device())
