@@ -443,11 +443,13 @@ def _run_dry_run(args: argparse.Namespace) -> None:
 
     silence_known_warnings()
     from .megatron.training import load_config
+    from .megatron.training.config import config_source
     from .megatron.training.dry_run import dry_run, dry_run_lines, parse_ranks
 
     cfg = load_config(args.config, args.overrides)
     ranks = parse_ranks(args.ranks, cfg.pipeline_model_parallel_size)
-    print("\n".join(dry_run_lines(dry_run(cfg, ranks, source=str(args.config)))))
+    source = config_source(args.config, args.overrides)
+    print("\n".join(dry_run_lines(dry_run(cfg, ranks, source=source))))
 
 
 def _run_train(args: argparse.Namespace) -> None:
@@ -455,12 +457,14 @@ def _run_train(args: argparse.Namespace) -> None:
         _run_dry_run(args)
         return
     from .megatron.training import ConfigError, load_config, train  # train imports torch
+    from .megatron.training.config import config_source
 
     if args.ranks is not None:
         raise ConfigError("--ranks chooses the ranks of a dry run: add --dry-run")
     profiling = ["profile=true", "use_pytorch_profiler=true"] if args.profile else []
+    overrides = [*profiling, *args.overrides]
     with _unwind_on_stop_signals():
-        train(load_config(args.config, [*profiling, *args.overrides]), source=str(args.config))
+        train(load_config(args.config, overrides), source=config_source(args.config, overrides))
 
 
 def _load(path: Path) -> Schedule:
@@ -475,7 +479,12 @@ def _load(path: Path) -> Schedule:
             f"--load: {path} is not a schedule (not UTF-8 text): write one with simulate --save"
         ) from None
     if path.suffix != ".json":
-        return Schedule.from_text(text)
+        try:
+            return Schedule.from_text(text)
+        except ScheduleError as err:
+            raise ScheduleError(
+                f"--load: {path} is not a schedule ({err}): write one with simulate --save"
+            ) from None
     try:
         return Schedule.from_json(json.loads(text))
     except json.JSONDecodeError as err:

@@ -144,6 +144,20 @@ def test_load_simulates_a_hand_written_schedule(tmp_path: Path, capsys) -> None:
     assert "rank 1: 1B3 has no matching 1W3" in capsys.readouterr().err
 
 
+def test_load_of_a_text_file_that_is_no_schedule_names_the_file_and_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """It said only "line 1: expected the header ...", naming neither."""
+    path = tmp_path / "notes.txt"
+    path.write_text("hello world\n", encoding="utf-8")
+    assert main(["simulate", "--load", str(path)]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"megatron-dualpipe: error: --load: {path} is not a schedule (line 1: expected the "
+        "header 'name=... placement=... ranks=N stages=N microbatches=N'): write one with "
+        "simulate --save"
+    )
+
+
 def test_bad_configuration_is_one_sentence(capsys: pytest.CaptureFixture) -> None:
     assert main(["simulate", "--schedule", "dualpipev", "--pp", "4", "--microbatches", "6"]) == 2
     err = capsys.readouterr().err.strip()

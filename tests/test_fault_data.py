@@ -290,3 +290,130 @@ def test_the_genuine_pair_passes(corpora: Path, tmp_path: Path) -> None:
 
     prefix = _pair(corpora, tmp_path)
     check_data_files(load_config(CONFIG, _sets(corpora, 120, f"data_path={prefix}")), "cfg")
+
+
+# -- token ids and the tokenizer -----------------------------------------------------------
+
+
+def test_token_ids_beyond_the_tokenizers_vocabulary_are_refused(corpora: Path) -> None:
+    """The corpus's tokenizer has 320 ids; a NullTokenizer of 100 (101 with its
+    end-of-document id) failed in the embedding after the ranks started."""
+    from megatron_dualpipe.megatron.training.indexed_files import largest_token, read_index
+
+    prefix = _prefix(corpora, 120)
+    largest, whole = largest_token(prefix, read_index(prefix).dtype)
+    assert whole and 100 < largest < 320
+    from megatron_dualpipe.megatron.training.tokenizer import build_tokenizer
+
+    null = ["tokenizer_type=NullTokenizer", "tokenizer_model=null", "vocab_size=100"]
+    # 101 in 0.16.1 (its end-of-document id after the 100), 100 in 0.19.
+    ids = build_tokenizer(load_config(CONFIG, _sets(corpora, 120, *null))).vocab_size
+    assert ids in (100, 101)
+    assert _refused(corpora, 120, "split=90,10,0", *null) == (
+        f"cfg: data_path: {prefix}.bin holds token id {largest:,}, beyond the {ids} ids of the "
+        "tokenizer (NullTokenizer): train with the tokenizer that wrote it, or preprocess the "
+        "corpus again with this one"
+    )
+
+
+def test_the_largest_token_of_a_large_bin_is_read_from_a_bounded_sample(tmp_path: Path) -> None:
+    from megatron_dualpipe.megatron.training.indexed_files import largest_token
+
+    tokens = np.zeros(1 << 24, dtype=np.uint16)  # 32 MiB: two 16 MiB windows
+    tokens[5] = 7
+    tokens[-1] = 9
+    tokens[len(tokens) // 2 + 10] = 11  # past the one window of a 16 MiB sample
+    tokens.tofile(tmp_path / "x.bin")
+    assert largest_token(str(tmp_path / "x"), np.dtype(np.uint16)) == (11, True)
+    assert largest_token(str(tmp_path / "x"), np.dtype(np.uint16), budget=1 << 25) == (11, True)
+    assert largest_token(str(tmp_path / "x"), np.dtype(np.uint16), budget=1 << 24) == (7, False)
+
+
+def test_a_tokenizer_without_an_end_of_document_token_is_refused(
+    corpora: Path, tmp_path: Path
+) -> None:
+    """preprocess refused it; train failed after the ranks started."""
+    import json
+
+    tokenizer = tmp_path / "no-eos"
+    shutil.copytree(corpora / "tokenizer", tokenizer)
+    config = tokenizer / "tokenizer_config.json"
+    settings = json.loads(config.read_text(encoding="utf-8"))
+    settings.pop("eos_token", None)
+    config.write_text(json.dumps(settings), encoding="utf-8")
+    (tokenizer / "special_tokens_map.json").unlink(missing_ok=True)
+    message = _refused(corpora, 120, "split=90,10,0", f"tokenizer_model={tokenizer}")
+    assert message == (
+        f"cfg: tokenizer_model: {tokenizer} has no end-of-document token (eos_token in "
+        "tokenizer_config.json): add one, Megatron appends it to every document"
+    )
+
+
+# -- folders train writes into -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["data_cache_path", "tensorboard_dir"])
+def test_an_unwritable_folder_is_refused(corpora: Path, tmp_path: Path, key: str) -> None:
+    """A folder under a file (root may write anywhere, so no permission bits): Megatron-Core's
+    message named an internal attribute, TensorBoard's writer an os.makedirs traceback."""
+    (tmp_path / "a-file").write_text("x", encoding="utf-8")
+    folder = tmp_path / "a-file" / "sub"
+    message = _refused(corpora, 120, "split=90,10,0", f"{key}={folder}", "run_name=null")
+    what = (
+        "Megatron-Core writes its dataset index caches there: set data_cache_path to a folder "
+        "this user can write to"
+        if key == "data_cache_path"
+        else "set tensorboard_dir to a folder this user can write to, or unset it"
+    )
+    assert message == f"cfg: {key}: cannot write to {folder} (Not a directory): {what}"
+
+
+# -- whom an error blames ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data_path={missing}", "data_path: {missing}.idx does not exist: name each dataset"),
+        ("tokenizer_model={missing}", "tokenizer_model: {missing} does not exist: point it at"),
+        ("transformer_impl=transformer_engine", "transformer_impl: transformer_engine needs"),
+        ("fp8=hybrid", "fp8: FP8 training runs through Transformer Engine's layers"),
+    ],
+    ids=["data_path", "tokenizer_model", "transformer_impl", "fp8"],
+)
+def test_a_key_given_with_set_is_blamed_on_its_set(
+    corpora: Path, tmp_path: Path, override: str, message: str
+) -> None:
+    """These were blamed on the YAML file ("tiny_gpt_data.yaml: data_path: ...")."""
+    from megatron_dualpipe.megatron.training.config import config_source
+
+    missing = str(tmp_path / "missing")
+    item = override.format(missing=missing)
+    sets = [*_sets(corpora, 120, "split=90,10,0"), item]
+    with pytest.raises(ConfigError) as info:
+        train(load_config(CONFIG, sets), source=config_source(CONFIG, sets))
+    assert str(info.value).startswith(f"--set {item}: {message.format(missing=missing)}")
+
+
+# -- resuming on other data ----------------------------------------------------------------
+
+
+@pytest.mark.slow  # three short runs
+def test_resuming_on_other_data_says_so_once(corpora: Path, tmp_path: Path) -> None:
+    """It said nothing; the checkpoint now records the data keys (not a refusal)."""
+    save = tmp_path / "ckpt"
+    first = ["split=90,10,0", "train_iters=2", "lr_warmup_iters=1", "eval_interval=null"]
+    first.append(f"save={save}")
+    train(load_config(CONFIG, _sets(corpora, 120, *first)), source="cfg")
+    again = ["train_iters=3", "override_opt_param_scheduler=true", f"load={save}", "save=null"]
+    same = train(load_config(CONFIG, _sets(corpora, 120, *first, *again)), source="cfg")
+    assert not [line for line in same.lines if "note:" in line]
+    other = _pair(corpora, tmp_path)
+    moved = _sets(corpora, 120, *first, *again, f"data_path={other}")
+    lines = train(load_config(CONFIG, moved), source="cfg").lines
+    notes = [line for line in lines if "note:" in line]
+    assert notes == [
+        f" note: {save}/iter_0000002 was saved by a run reading other data or another "
+        f"tokenizer (data_path {_prefix(corpora, 120)!r}, now {other!r}): this run goes on "
+        "from its weights on what the config names now"
+    ]

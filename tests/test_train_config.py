@@ -274,3 +274,42 @@ def test_moe_defaults_are_megatrons() -> None:
     assert {n: ours[n] for n in moe} == {n: theirs[n] for n in moe}
     assert ours["moe_layer_freq"] is None and theirs["moe_layer_freq"] == 1
     assert ours["moe_router_load_balancing_type"] == "aux_loss"
+
+
+DATA = Path(__file__).resolve().parents[1] / "configs" / "tiny_gpt_data.yaml"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "split=0,0,0",
+            "split: '0,0,0' gives every split weight 0: give the training split a weight "
+            "above 0 (969,30,1)",
+        ),
+        (
+            "split=-10,110,0",
+            "split: '-10,110,0' has a negative weight: give each of train, valid, test a "
+            "weight >= 0",
+        ),
+        (
+            "data_path=0.5 A 0.5",
+            "data_path: '0.5 A 0.5' has 3 words, among them the number '0.5': a blend "
+            "alternates weight and prefix, so give dataset prefixes alone, or pairs of a "
+            "weight and a prefix (0.7 data/a_text_document 0.3 data/b_text_document)",
+        ),
+        (
+            "data_path=-0.5 A 1.5 B",
+            "data_path: blend weight -0.5 is negative: give each dataset a weight >= 0",
+        ),
+        (
+            "data_path=0 A 0 B",
+            "data_path: every blend weight is 0: give at least one dataset a weight above 0",
+        ),
+    ],
+    ids=["all-zero split", "negative split", "odd blend", "negative blend", "zero blend"],
+)
+def test_split_and_blend_weights_are_one_sentence(override: str, message: str) -> None:
+    """Before: 'is not up to three weights', -10 read as 10, '0.5.idx does not exist' (at
+    the data files), and Megatron-Core's bare AssertionError for the blend weights."""
+    assert _error(DATA, (override,)) == f"--set {override}: {message}"

@@ -113,6 +113,19 @@ MODEL_KEYS = (
 )
 #: Model keys added after checkpoints were written: their value in a checkpoint without them.
 _ADDED_KEYS = {"qk_layernorm": False}
+#: Keys naming the tokens a run reads: a checkpoint records them, and a run resuming with
+#: others says so once (:func:`data_change_note`); it is not refused (fine-tuning on other
+#: data resumes this way).
+DATA_KEYS = (
+    "data_path",
+    "train_data_path",
+    "valid_data_path",
+    "test_data_path",
+    "mock_data",
+    "tokenizer_model",
+    "vocab_file",
+    "merge_file",
+)
 #: dist_checkpointing metadata for the optimizer: keys without a per-optimizer prefix.
 _OPTIMIZER_METADATA = {"chained_optim_avoid_prefix": True}
 
@@ -231,6 +244,7 @@ def save_checkpoint(
         world_size=dist.get_world_size(),
         pipeline_schedule=cfg.pipeline_schedule,
         model_config=model_settings(cfg, vocab_size),
+        data_config={key: getattr(cfg, key) for key in DATA_KEYS},
     )
     writer_queue_dies_with_rank()  # its manager goes with this rank, whatever kills it
     release_thread_pool()  # the writers dist_checkpointing forks may run parallel ops
@@ -390,6 +404,22 @@ def check_loadable(cfg: TrainConfig, vocab_size: int | None = None) -> None:
     _check_scheduler(cfg, directory, common["opt_param_scheduler"])
 
 
+def data_change_note(cfg: TrainConfig, saved: dict[str, Any] | None, directory: Path) -> str | None:
+    """A note line where ``cfg`` reads other data or another tokenizer than the run that
+    saved ``directory`` (its ``data_config``: :data:`DATA_KEYS`); None where they agree or
+    the checkpoint predates the record."""
+    if saved is None:
+        return None
+    changed = [k for k in DATA_KEYS if k in saved and saved[k] != getattr(cfg, k)]
+    if not changed:
+        return None
+    words = "; ".join(f"{k} {saved[k]!r}, now {getattr(cfg, k)!r}" for k in changed)
+    return (
+        f" note: {directory} was saved by a run reading other data or another tokenizer "
+        f"({words}): this run goes on from its weights on what the config names now"
+    )
+
+
 def check_fresh_save(cfg: TrainConfig) -> None:
     """Raise :class:`CheckpointError` when ``cfg.save`` already holds complete checkpoints
     and this run does not load from it (``load`` unset or elsewhere): its saves would
@@ -472,11 +502,12 @@ def load_checkpoint(
     optimizer: Any,
     scheduler: OptimizerParamScheduler,
     vocab_size: int | None = None,
-) -> tuple[TrainState, Path] | None:
+) -> tuple[TrainState, Path, str | None] | None:
     """Load the checkpoint ``cfg.load`` names (``ckpt_step``, else the tracker's) into the
     model, optimizer and scheduler (and RNG states, when the world size is unchanged);
-    collective. Returns the state to resume from and the directory, or None when
-    ``cfg.load`` holds no checkpoint (training starts from scratch, as in Megatron-LM)."""
+    collective. Returns the state to resume from, the directory and the
+    :func:`data_change_note` (or None), or None when ``cfg.load`` holds no checkpoint
+    (training starts from scratch, as in Megatron-LM)."""
     iteration = _iteration_to_load(cfg)
     if iteration is None:
         return None
@@ -507,4 +538,4 @@ def load_checkpoint(
     if same_world:
         _set_rng_state(loaded["rng_state"])
     state = TrainState(common["iteration"], common["consumed_train_samples"])
-    return state, directory
+    return state, directory, data_change_note(cfg, common.get("data_config"), directory)

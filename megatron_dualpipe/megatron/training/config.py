@@ -49,6 +49,9 @@ __all__ = [
     "load_config",
     "parse_overrides",
     "read_yaml_values",
+    "ConfigSource",
+    "blame",
+    "config_source",
 ]
 
 
@@ -770,6 +773,31 @@ def _where(key: str, source: str, origins: Mapping[str, str]) -> str:
     return source
 
 
+class ConfigSource(str):
+    """A config's name, as errors start with it (the string itself), that knows which
+    keys the command line gave: ``origins`` maps each to its ``--set key=value``
+    (:func:`~...schedules.config_values.override_origins`), for :func:`blame`."""
+
+    origins: Mapping[str, str]
+
+    def __new__(cls, name: str | Path, origins: Mapping[str, str] | None = None) -> ConfigSource:
+        made = super().__new__(cls, str(name))
+        made.origins = dict(origins or {})
+        return made
+
+
+def config_source(path: str | Path, overrides: Iterable[str] = ()) -> ConfigSource:
+    """The :class:`ConfigSource` of a config file read with ``overrides`` (``--set``)."""
+    return ConfigSource(path, override_origins(path, list(overrides))[1])
+
+
+def blame(source: str, key: str) -> str:
+    """What an error about ``key`` starts with: the ``--set`` that gave ``key`` where
+    ``source`` is a :class:`ConfigSource` knowing one (as :func:`_where` chooses), else
+    ``source``."""
+    return _where(key, str(source), getattr(source, "origins", {}))
+
+
 Problem = tuple[str, str] | None
 #: Keys whose values a problem reported under the key also depends on: where the key
 #: itself was not set by a flag or --set, the error names the first of these that was.
@@ -1207,27 +1235,57 @@ DATA_PATH_KEYS = ("data_path", "train_data_path", "valid_data_path", "test_data_
 
 def split_weights(split: str) -> list[float] | None:
     """``split`` (``969,30,1``; commas or slashes) as three weights, the missing ones 0, as
-    Megatron-Core reads it; None when it is not 1 to 3 numbers >= 0 with a positive sum."""
+    Megatron-Core reads it; None when it is not 1 to 3 numbers >= 0 with a positive sum
+    (:func:`split_problem` says which)."""
+    return None if split_problem(split) else _split_numbers(split)
+
+
+def _split_numbers(split: str) -> list[float] | None:
+    """``split``'s 1 to 3 numbers (of any sign) padded with 0 to three, or None."""
     words = [w for w in re.split(r"[,/ ]+", split.strip()) if w]
     if not 1 <= len(words) <= 3 or not all(_FLOAT.match(w) for w in words):
         return None
-    weights = [float(w) for w in words] + [0.0] * (3 - len(words))
-    return weights if sum(weights) > 0 else None
+    return [float(w) for w in words] + [0.0] * (3 - len(words))
+
+
+def split_problem(split: str) -> str | None:
+    """What is wrong with ``split`` as a clause with what to change, or None. Megatron-Core
+    reads only its digits (``-10,110,0`` as 10,110,0), so a sign is refused here."""
+    weights = _split_numbers(split)
+    if weights is None:
+        return f"{split!r} is not up to three weights such as 969,30,1 (train, valid, test)"
+    if min(weights) < 0:
+        return f"{split!r} has a negative weight: give each of train, valid, test a weight >= 0"
+    if sum(weights) == 0:
+        return (
+            f"{split!r} gives every split weight 0: give the training split a weight above 0 "
+            "(969,30,1)"
+        )
+    return None
 
 
 def blend_problem(words: str) -> str | None:
     """What is wrong with a data path's words (Megatron-Core's ``get_blend_from_list``:
     prefixes, or weight-prefix pairs with weights >= 0), or None."""
     items = words.split()
+    pairs = "pairs of a weight and a prefix (0.7 data/a_text_document 0.3 data/b_text_document)"
     if len(items) % 2 == 1:
-        return None
+        number = next((w for w in items if _FLOAT.match(w)), None)
+        if number is None or len(items) == 1:
+            return None
+        return (
+            f"{words!r} has {len(items)} words, among them the number {number!r}: a blend "
+            f"alternates weight and prefix, so give dataset prefixes alone, or {pairs}"
+        )
     weights = items[0::2]
     if not all(_FLOAT.match(w) for w in weights):
         odd = next(w for w in weights if not _FLOAT.match(w))
-        return (
-            f"{odd!r} stands where a blend weight goes: give dataset prefixes alone, or "
-            "pairs of a weight and a prefix (0.7 data/a_text_document 0.3 data/b_text_document)"
-        )
+        return f"{odd!r} stands where a blend weight goes: give dataset prefixes alone, or {pairs}"
+    if min(float(w) for w in weights) < 0:
+        negative = next(w for w in weights if float(w) < 0)
+        return f"blend weight {negative} is negative: give each dataset a weight >= 0"
+    if max(float(w) for w in weights) == 0:
+        return "every blend weight is 0: give at least one dataset a weight above 0"
     return None
 
 
@@ -1248,10 +1306,9 @@ def _check_data(cfg: TrainConfig) -> Problem:
         problem = None if value is None else blend_problem(value)
         if problem is not None:
             return key, problem
-    if split_weights(cfg.split) is None:
-        return "split", (
-            f"{cfg.split!r} is not up to three weights such as 969,30,1 (train, valid, test)"
-        )
+    problem = split_problem(cfg.split)
+    if problem is not None:
+        return "split", problem
     if not cfg.uses_data_files and not cfg.mock_data:
         for key in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
             if getattr(cfg, key):

@@ -17,7 +17,8 @@ the ranks while global rank 0 writes the index caches); only ranks with ``builds
 dataset. :func:`check_data_files` refuses, before any work, a missing ``.bin`` or ``.idx``,
 a pair that is not one indexed dataset (:func:`~.indexed_files.read_index`), and a split
 with a weight above 0 that Megatron-Core's rounding leaves without a token (its
-``GPTDataset`` would loop for ever building it, on every rank that builds).
+``GPTDataset`` would loop for ever building it, on every rank that builds), and a token id
+the tokenizer does not have (the embedding would fail on it after the ranks start).
 """
 
 from __future__ import annotations
@@ -28,12 +29,21 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
 
-from .config import DATA_PATH_KEYS, ConfigError, TrainConfig
-from .indexed_files import IndexedFiles, NotAnIndexedDataset, read_index, split_ranges
+from .checkpoint_files import unwritable
+from .config import DATA_PATH_KEYS, ConfigError, TrainConfig, blame
+from .indexed_files import (
+    SCAN_BYTES,
+    IndexedFiles,
+    NotAnIndexedDataset,
+    largest_token,
+    read_index,
+    split_ranges,
+)
 
 __all__ = ["build_datasets", "check_data_files", "dataset_prefixes"]
 
@@ -52,15 +62,29 @@ def dataset_prefixes(cfg: TrainConfig) -> list[tuple[str, str]]:
     return found
 
 
-def check_data_files(cfg: TrainConfig, source: str) -> None:
+def check_data_files(cfg: TrainConfig, source: str, vocabulary: int | None = None) -> None:
     """Refuse, in one sentence naming the key and the file, a dataset prefix without its
-    ``.bin`` or ``.idx``, whose ``.idx`` does not index its ``.bin``, or of which a split
-    with a weight above 0 gets no token (see the module docstring)."""
+    ``.bin`` or ``.idx``, whose ``.idx`` does not index its ``.bin``, of which a split
+    with a weight above 0 gets no token (see the module docstring), or holding a token id
+    not below ``vocabulary`` (the tokenizer's ``vocab_size``; the ``.bin`` read whole up
+    to :data:`~.indexed_files.SCAN_BYTES`, else a sample of that size, and not at all
+    where its dtype cannot hold such an id); and a ``data_cache_path`` this process cannot
+    write Megatron-Core's index caches to."""
+    uses_cache = cfg.uses_data_files or cfg.mock_data
+    why = unwritable(cfg.data_cache_path) if uses_cache and cfg.data_cache_path else None
+    if why is not None:
+        raise ConfigError(
+            f"{blame(source, 'data_cache_path')}: data_cache_path: "
+            f"cannot write to {cfg.data_cache_path} ({why}): "
+            "Megatron-Core writes its dataset index caches there: set data_cache_path to a "
+            "folder this user can write to"
+        )
     for key, prefix in dataset_prefixes(cfg):
         for suffix in (".idx", ".bin"):
             if not Path(prefix + suffix).is_file():
                 raise ConfigError(
-                    f"{source}: {key}: {prefix}{suffix} does not exist: name each dataset by "
+                    f"{blame(source, key)}: {key}: "
+                    f"{prefix}{suffix} does not exist: name each dataset by "
                     "the prefix its .bin and .idx share (megatron-dualpipe preprocess "
                     "--output-prefix P writes P_text_document.bin and .idx)"
                 )
@@ -68,13 +92,34 @@ def check_data_files(cfg: TrainConfig, source: str) -> None:
             index = read_index(prefix)
         except (NotAnIndexedDataset, OSError) as err:
             raise ConfigError(
-                f"{source}: {key}: {prefix}.idx and {prefix}.bin are not one indexed dataset "
+                f"{blame(source, key)}: {key}: "
+                f"{prefix}.idx and {prefix}.bin are not one indexed dataset "
                 f"({err}): write both again from the corpus with megatron-dualpipe preprocess "
                 "(or Megatron-LM's tools/preprocess_data.py), and name the prefix they share"
             ) from None
-        problem = _empty_split(cfg, key, prefix, index)
+        problem = _empty_split(cfg, key, prefix, index) or _beyond_vocabulary(
+            cfg, key, prefix, index, vocabulary
+        )
         if problem is not None:
-            raise ConfigError(f"{source}: {problem}")
+            raise ConfigError(f"{blame(source, key)}: {problem}")
+
+
+def _beyond_vocabulary(
+    cfg: TrainConfig, key: str, prefix: str, index: IndexedFiles, vocabulary: int | None
+) -> str | None:
+    """``key: ...`` with what to change where ``prefix.bin`` holds a token id the
+    tokenizer (``vocabulary`` ids) does not have; None where it holds none."""
+    if vocabulary is None or np.iinfo(index.dtype).max < vocabulary:
+        return None
+    largest, whole = largest_token(prefix, index.dtype)
+    if largest < vocabulary:
+        return None
+    read = "" if whole else f" (in a sample of {SCAN_BYTES >> 20:,} MiB)"
+    return (
+        f"{key}: {prefix}.bin holds token id {largest:,}{read}, beyond the {vocabulary:,} ids "
+        f"of the tokenizer ({cfg.tokenizer_type}): train with the tokenizer that wrote it, "
+        "or preprocess the corpus again with this one"
+    )
 
 
 def _empty_split(cfg: TrainConfig, key: str, prefix: str, index: IndexedFiles) -> str | None:

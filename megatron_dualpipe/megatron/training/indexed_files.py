@@ -32,12 +32,16 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
 )
 from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType
 
-__all__ = ["IndexedFiles", "NotAnIndexedDataset", "read_index", "split_ranges"]
+__all__ = ["IndexedFiles", "NotAnIndexedDataset", "largest_token", "read_index", "split_ranges"]
 
 #: Bytes before the sequence lengths: magic, version, dtype code, the two counts.
 _HEADER_BYTES = len(_INDEX_HEADER) + 8 + 1 + 8 + 8
 #: Sequences compared at a time (bounds the memory of checking a large index).
 _CHUNK = 1 << 22
+#: Bytes of a ``.bin`` :func:`largest_token` reads: all of a ``.bin`` up to this size, else
+#: evenly spaced windows of ``_WINDOW`` bytes adding up to it (a bounded sample).
+SCAN_BYTES = 1 << 30
+_WINDOW = 1 << 24
 
 
 class NotAnIndexedDataset(ValueError):
@@ -137,6 +141,23 @@ def _check_documents(documents: np.ndarray, sequences: int) -> None:
             f"the .idx's document index goes back at entry {at} ({int(documents[at - 1])} "
             f"then {int(documents[at])})"
         )
+
+
+def largest_token(prefix: str, dtype: np.dtype, budget: int = SCAN_BYTES) -> tuple[int, bool]:
+    """(the largest token id read from ``prefix.bin`` of ``dtype`` tokens, whether the
+    whole ``.bin`` was read): all of it up to ``budget`` bytes, else evenly spaced windows
+    adding up to ``budget`` (see :data:`SCAN_BYTES`); -1 for an empty ``.bin``."""
+    if Path(prefix + ".bin").stat().st_size == 0:
+        return -1, True
+    tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
+    window = _WINDOW // dtype.itemsize
+    whole = tokens.nbytes <= budget
+    if whole:
+        starts = range(0, tokens.size, window)
+    else:
+        count = max(1, budget // _WINDOW)
+        starts = np.linspace(0, tokens.size - window, count).astype(np.int64)
+    return max(int(tokens[start : start + window].max()) for start in starts), whole
 
 
 #: Megatron-Core's split names, in ``split``'s order.

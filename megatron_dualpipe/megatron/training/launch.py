@@ -44,7 +44,7 @@ from ..checks import cuda_device_max_connections
 from ..cpu_compat import apply_cpu_compat
 from ..layer_specs import te_missing
 from .checkpoint import CheckpointError, check_fresh_save, check_loadable
-from .config import ConfigError, TrainConfig
+from .config import ConfigError, TrainConfig, blame
 from .datasets import check_data_files
 from .errors import TrainError
 from .loop import TrainResult, run_rank
@@ -138,7 +138,8 @@ def _check_step_input(cfg: TrainConfig, source: str, ranks_here: int) -> None:
     gib = 2.0**30
     if need * ranks_here > total // 2:
         raise ConfigError(
-            f"{source}: global_batch_size: a step's {m} micro-batches of {mbs} x "
+            f"{blame(source, 'global_batch_size')}: global_batch_size: "
+            f"a step's {m} micro-batches of {mbs} x "
             f"{cfg.seq_length} tokens take {need / gib:.1f} GiB of input on each of the "
             f"{ranks_here} ranks here, beyond half of this machine's {total / gib:.0f} GiB: "
             "lower global_batch_size (or seq_length)"
@@ -149,7 +150,8 @@ def _check_step_input(cfg: TrainConfig, source: str, ranks_here: int) -> None:
     index = samples * _INDEX_BYTES_PER_SAMPLE
     if index * ranks_here > total // 2:
         raise ConfigError(
-            f"{source}: train_iters: {cfg.train_iters} steps of {cfg.global_batch_size} "
+            f"{blame(source, 'train_iters')}: train_iters: "
+            f"{cfg.train_iters} steps of {cfg.global_batch_size} "
             f"samples make Megatron-Core's dataset index {samples:,} samples long, about "
             f"{index / gib:.0f} GiB on each of the {ranks_here} ranks here, beyond half of this "
             f"machine's {total / gib:.0f} GiB: lower train_iters (or global_batch_size)"
@@ -177,36 +179,42 @@ def _preflight(cfg: TrainConfig, source: str, on_gpu: bool, ranks_here: int) -> 
     """Refuse what cannot run here, before any process group exists."""
     if cfg.cuda_graph_impl != "none" and not on_gpu:
         raise ConfigError(
-            f"{source}: cuda_graph_impl: {cfg.cuda_graph_impl} captures CUDA graphs, and this "
+            f"{blame(source, 'cuda_graph_impl')}: cuda_graph_impl: "
+            f"{cfg.cuda_graph_impl} captures CUDA graphs, and this "
             "machine has no CUDA device: set cuda_graph_impl: none here"
         )
     _check_step_input(cfg, source, ranks_here)
     if not on_gpu and cfg.use_distributed_optimizer:
         raise ConfigError(
-            f"{source}: use_distributed_optimizer: needs GPUs (Megatron's distributed "
+            f"{blame(source, 'use_distributed_optimizer')}: use_distributed_optimizer: "
+            "needs GPUs (Megatron's distributed "
             "optimizer checks for CUDA tensors): set it to false on CPU"
         )
     if cfg.save is not None and importlib.util.find_spec("psutil") is None:
         raise ConfigError(
-            f"{source}: save: megatron-core's checkpoint writer needs psutil (without it a "
+            f"{blame(source, 'save')}: save: "
+            "megatron-core's checkpoint writer needs psutil (without it a "
             "save hangs in 0.16.1): pip install psutil"
         )
     missing = te_missing() if cfg.transformer_impl == "transformer_engine" else None
     if missing is not None:
         raise ConfigError(
-            f"{source}: transformer_impl: transformer_engine needs a CUDA device and Transformer "
+            f"{blame(source, 'transformer_impl')}: transformer_impl: "
+            "transformer_engine needs a CUDA device and Transformer "
             f"Engine, and this machine has {missing}: set transformer_impl: local, or leave it "
             "unset (then local here, transformer_engine where both are present)"
         )
     if cfg.fp8 is not None and transformer_impl(cfg) == "local":
         raise ConfigError(
-            f"{source}: fp8: FP8 training runs through Transformer Engine's layers, and this "
+            f"{blame(source, 'fp8')}: fp8: "
+            "FP8 training runs through Transformer Engine's layers, and this "
             "run builds Megatron-Core's local ones: set transformer_impl: transformer_engine "
             "on a machine with CUDA and Transformer Engine, or unset fp8"
         )
     if "moe_act" in (cfg.recompute_modules or "").split() and transformer_impl(cfg) == "local":
         raise ConfigError(
-            f"{source}: recompute_modules: moe_act recomputes the grouped-GEMM experts' "
+            f"{blame(source, 'recompute_modules')}: recompute_modules: "
+            "moe_act recomputes the grouped-GEMM experts' "
             "activation, and this run builds Megatron-Core's local experts (grouped GEMM comes "
             "with transformer_impl: transformer_engine): set that on a machine with CUDA and "
             "Transformer Engine, or recompute moe instead"
@@ -217,9 +225,10 @@ def _preflight(cfg: TrainConfig, source: str, on_gpu: bool, ranks_here: int) -> 
         raise ConfigError(
             f"{source}: Megatron-Core rejects the model configuration: {err}"
         ) from None
-    check_data_files(cfg, source)
+    tokenizer = build_tokenizer(cfg, source)
+    check_data_files(cfg, source, None if tokenizer is None else tokenizer.vocab_size)
     check_tensorboard(cfg, source)
-    check_loadable(cfg, model_vocab_size(cfg, build_tokenizer(cfg, source)))
+    check_loadable(cfg, model_vocab_size(cfg, tokenizer))
 
 
 def train(cfg: TrainConfig, *, source: str = "config") -> TrainResult:

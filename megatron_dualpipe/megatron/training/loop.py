@@ -346,12 +346,13 @@ class _Run:
         if loaded is None:
             self.say([f" no checkpoint under {self.cfg.load}: training from scratch"])
             return
-        self.state, _ = loaded
+        self.state, _, note = loaded
         self.result.resumed_from = self.state.iteration
         self.say(
             [
                 f"  successfully loaded checkpoint from {self.cfg.load} {self._ranks_tag()} "
-                f"at iteration {self.state.iteration}"
+                f"at iteration {self.state.iteration}",
+                *([note] if note else []),
             ]
         )
 

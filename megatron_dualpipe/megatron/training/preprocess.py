@@ -59,7 +59,7 @@ from typing import Any
 import numpy
 
 from .config import ConfigError
-from .tokenizer import check_huggingface_dir, huggingface_tokenizer
+from .tokenizer import check_huggingface_dir, end_of_document_problem, huggingface_tokenizer
 
 __all__ = [
     "DEFAULT_MAX_DOCUMENT_CHARS",
@@ -539,11 +539,9 @@ def preprocess(
         raise PreprocessError(f"--input: {source} {what}: give a jsonl file") from None
     with stream:
         tokenizer = huggingface_tokenizer(tokenizer_dir, "--tokenizer")
-        if tokenizer.eod is None:
-            raise PreprocessError(
-                f"--tokenizer: {tokenizer_dir} has no end-of-document token (eos_token in "
-                "tokenizer_config.json): add one, Megatron appends it to every document"
-            )
+        problem = end_of_document_problem(tokenizer, tokenizer_dir)
+        if problem is not None:
+            raise PreprocessError(f"--tokenizer: {problem}")
         dtype = DType.optimal_dtype(tokenizer.vocab_size)
         encoder = _Encoder(source, keys, tokenizer, tokenizer.eod, dtype, max_document_chars)
         first = _first_document(source, stream, encoder)

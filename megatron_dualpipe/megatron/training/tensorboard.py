@@ -25,7 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .config import ConfigError, TrainConfig
+from .checkpoint_files import unwritable
+from .config import ConfigError, TrainConfig, blame
 
 __all__ = [
     "MEMORY_SCALARS",
@@ -48,11 +49,22 @@ TENSORBOARD_INSTALL = "pip install 'tensorboard>=2.14'"
 
 
 def check_tensorboard(cfg: TrainConfig, source: str) -> None:
-    """Refuse ``tensorboard_dir`` without the tensorboard package, in one sentence."""
-    if cfg.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
+    """Refuse, in one sentence, ``tensorboard_dir`` without the tensorboard package or
+    where this process cannot write (the run's folder in it made here if missing)."""
+    if cfg.tensorboard_dir is None:
+        return
+    if importlib.util.find_spec("tensorboard") is None:
         raise ConfigError(
-            f"{source}: tensorboard_dir: writing TensorBoard events needs the tensorboard "
+            f"{blame(source, 'tensorboard_dir')}: tensorboard_dir: "
+            "writing TensorBoard events needs the tensorboard "
             f"package, which is not installed: {TENSORBOARD_INSTALL} (or unset tensorboard_dir)"
+        )
+    why = unwritable(cfg.tensorboard_run_dir)
+    if why is not None:
+        raise ConfigError(
+            f"{blame(source, 'tensorboard_dir')}: tensorboard_dir: "
+            f"cannot write to {cfg.tensorboard_run_dir} ({why}): "
+            "set tensorboard_dir to a folder this user can write to, or unset it"
         )
 
 

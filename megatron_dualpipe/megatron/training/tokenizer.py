@@ -32,12 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from ..version import null_tokenizer_library
-from .config import ConfigError, TrainConfig
+from .config import ConfigError, TrainConfig, blame
 
 __all__ = [
     "build_tokenizer",
     "check_huggingface_dir",
     "check_tokenizer_files",
+    "end_of_document_problem",
     "huggingface_tokenizer",
     "model_vocab_size",
     "padded_vocab_size",
@@ -62,14 +63,16 @@ def check_tokenizer_files(cfg: TrainConfig, source: str) -> None:
     reads, and a missing transformers; before anything is loaded."""
     kind = cfg.tokenizer_type
     if kind == "HuggingFaceTokenizer":
-        check_huggingface_dir(cfg.tokenizer_model, f"{source}: tokenizer_model")
+        where = f"{blame(source, 'tokenizer_model')}: tokenizer_model"
+        check_huggingface_dir(cfg.tokenizer_model, where)
     for key in ("vocab_file", "merge_file"):
         path = getattr(cfg, key)
         if kind == "GPT2BPETokenizer" and not Path(path).is_file():
-            raise ConfigError(f"{source}: {key}: {path} is not a file")
+            raise ConfigError(f"{blame(source, key)}: {key}: {path} is not a file")
     if kind in ("HuggingFaceTokenizer", "GPT2BPETokenizer") and not _has_transformers():
         raise ConfigError(
-            f"{source}: tokenizer_type: {kind} needs the transformers package, which is not "
+            f"{blame(source, 'tokenizer_type')}: tokenizer_type: "
+            f"{kind} needs the transformers package, which is not "
             f"installed: {TRANSFORMERS_INSTALL}"
         )
 
@@ -117,13 +120,18 @@ def build_tokenizer(cfg: TrainConfig, source: str = "config") -> Any | None:
         metadata = {"library": null_tokenizer_library()}
         return MegatronTokenizer.from_pretrained(metadata_path=metadata, vocab_size=cfg.vocab_size)
     if cfg.tokenizer_type == "HuggingFaceTokenizer":
-        return huggingface_tokenizer(cfg.tokenizer_model, f"{source}: tokenizer_model")
+        where = f"{blame(source, 'tokenizer_model')}: tokenizer_model"
+        tokenizer = huggingface_tokenizer(cfg.tokenizer_model, where)
+        problem = end_of_document_problem(tokenizer, cfg.tokenizer_model)
+        if problem is not None:
+            raise ConfigError(f"{where}: {problem}")
+        return tokenizer
     with tempfile.TemporaryDirectory(prefix="gpt2-bpe-") as scratch:
         os.symlink(Path(cfg.vocab_file).resolve(), Path(scratch) / "vocab.json")
         os.symlink(Path(cfg.merge_file).resolve(), Path(scratch) / "merges.txt")
         config = {"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>"}
         (Path(scratch) / TOKENIZER_CONFIG).write_text(json.dumps(config), encoding="utf-8")
-        return huggingface_tokenizer(scratch, f"{source}: vocab_file")
+        return huggingface_tokenizer(scratch, f"{blame(source, 'vocab_file')}: vocab_file")
 
 
 def huggingface_tokenizer(directory: str | Path, where: str) -> Any:
@@ -143,6 +151,17 @@ def huggingface_tokenizer(directory: str | Path, where: str) -> Any:
     except (ValueError, OSError) as err:
         first = " ".join(str(err).split())[:300]
         raise ConfigError(f"{where}: the tokenizer does not load: {first}") from None
+
+
+def end_of_document_problem(tokenizer: Any, directory: str | Path) -> str | None:
+    """The clause refusing a Hugging Face tokenizer (of ``directory``) without an
+    end-of-document token, which Megatron ends every document with; None if it has one."""
+    if tokenizer.eod is not None:
+        return None
+    return (
+        f"{directory} has no end-of-document token (eos_token in tokenizer_config.json): "
+        "add one, Megatron appends it to every document"
+    )
 
 
 def model_vocab_size(cfg: TrainConfig, tokenizer: Any | None) -> int:
