@@ -34,13 +34,22 @@ EVERY, WARM_UP, TOLERANCE = max(25, ITERATIONS // 20), ITERATIONS // 5, 0.05
 BOUND = 5
 
 
+def _is(obj: object, kind: type) -> bool:
+    """``isinstance``, False for a weak proxy whose object is gone (gc lists those too, and
+    asking one its class raises ReferenceError)."""
+    try:
+        return isinstance(obj, kind)
+    except ReferenceError:
+        return False
+
+
 def _sample(iteration: int) -> dict[str, int]:
     objects = gc.get_objects()
-    executors = [o for o in objects if isinstance(o, PipelineExecutor)]
+    executors = [o for o in objects if _is(o, PipelineExecutor)]
     return {
         "iteration": iteration,
         "rss": psutil.Process().memory_info().rss,
-        "tensors": sum(1 for o in objects if isinstance(o, torch.Tensor)),
+        "tensors": sum(1 for o in objects if _is(o, torch.Tensor)),
         "live_activations": sum(e.live_activations for e in executors),
         "peak_activations": sum(e.peak_activations for e in executors),
         "deferred_dw": sum(len(e.store) for e in executors),
