@@ -177,6 +177,12 @@ def _pair_after_uneven_groups(rank: int, world: int) -> list[float]:
     """Rank 0 holds one group more than its mirror rank 1 (as Megatron's first pipeline
     rank holds the position-embedding group alone), then both make their pair and sum."""
     dist.new_group([0])  # every rank calls; only rank 0 is a member
+    return _summed_by_a_pair(rank, world)
+
+
+def _summed_by_a_pair(rank: int, world: int) -> list[float]:
+    """A new pair sums two one-layer chunks whose gradients are 10 rank + chunk; the
+    first weight gradient of each chunk after the sum."""
     pair = MirrorPair(Placement("mirror", world, 2 * world, 2), rank, timeout_s=10.0)
     chunks = [nn.Linear(2, 2) for _ in range(2)]
     for chunk, module in enumerate(chunks):
@@ -202,14 +208,7 @@ def _pairs_made_and_destroyed(rank: int, world: int) -> list[float]:
 
     sums = []
     for _ in range(3):
-        pair = MirrorPair(Placement("mirror", world, 2 * world, 2), rank, timeout_s=10.0)
-        chunks = [nn.Linear(2, 2) for _ in range(2)]
-        for chunk, module in enumerate(chunks):
-            for p in module.parameters():
-                p.grad = torch.full_like(p, float(10 * rank + chunk))
-        pair.sync_grads(chunks)
-        pair.close()
-        sums.append(chunks[0].weight.grad[0, 0].item())
+        sums.append(_summed_by_a_pair(rank, world)[0])
         default = distributed_c10d._get_default_group()
         for group in list(distributed_c10d._world.pg_map):
             if group is not default:
