@@ -4,7 +4,9 @@ rank, the action it waited on and the peer, within about one timeout."""
 from __future__ import annotations
 
 import re
+import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -16,7 +18,10 @@ from megatron_dualpipe.runtime import (
     PipelineWaitError,
     TensorSpec,
 )
+from megatron_dualpipe.runtime.p2p import PipeComm
 from megatron_dualpipe.runtime.watchdog import Watchdog
+from megatron_dualpipe.schedules.comm_plan import Comm, CommOp, Issue, Wait
+from megatron_dualpipe.schedules.ir import Kind, Placement
 from megatron_dualpipe.schedules.registry import generate
 from tests.multiproc import run_workers
 
@@ -114,3 +119,69 @@ def test_only_a_broken_connection_is_blamed_on_the_peer(case, error, cause) -> N
     message = str(raised.value)
     assert message.startswith("pipeline rank 0 ") and "0SEND_F0 (peer: rank 1)" in message
     assert f"{cause} ({_GLOO_ERRORS[case]})" in message
+
+
+class _NeverReceived:
+    """A send whose receiver never posts its receive: it completes only when released."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if not self.released.wait(None if timeout is None else timeout.total_seconds()):
+            raise RuntimeError("Timed out waiting for send")
+        return True
+
+    def is_completed(self) -> bool:
+        return self.released.is_set()
+
+
+class _SilentPeer:
+    """A gloo-like transport (waits with a deadline on the host) whose peer never answers."""
+
+    host_waits = "timed"
+
+    def __init__(self) -> None:
+        self.works: list[_NeverReceived] = []
+
+    def setup(self, comm, rank, peers, watchdog) -> None:
+        return None
+
+    def start(self, comm, ops) -> list[_NeverReceived]:
+        self.works += [_NeverReceived() for _ in ops]
+        return self.works[-len(ops) :]
+
+    def abort(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def test_a_send_never_received_is_named_as_a_wait_that_timed_out() -> None:
+    """A send the peer never receives fails in the sentence of every other wait: the
+    message's name alone after "gave up on", then the timeout (the launcher's pattern)."""
+    placement = Placement("loop", 2, 2, 1)
+    transport = _SilentPeer()
+    comm = PipeComm(
+        placement, 0, {(Kind.RECV_B, 0): (TensorSpec((2,)),)}, Watchdog(0, 0.2), transport
+    )
+    key = (Kind.RECV_F, 1, 0)
+    send = CommOp("send", 1, Comm("F", (0, 1)), key)
+    comm.issue(Issue((send,)), {key: (torch.ones(2),)})
+    start = time.monotonic()
+    try:
+        with pytest.raises(PipelineWaitError) as raised:
+            comm.wait(Wait((key,)))
+    finally:
+        comm.abandon()
+        for work in transport.works:
+            work.released.set()
+        comm.close()
+    assert time.monotonic() - start < 2.0
+    assert _MESSAGE.match(str(raised.value)), raised.value
+    assert re.fullmatch(
+        r"pipeline rank 0 gave up on \S+ \(peer: rank 1\) after 0\.2 s: no progress within the "
+        r"0\.2 s timeout \(the peer never received this send\)",
+        str(raised.value),
+    ), raised.value

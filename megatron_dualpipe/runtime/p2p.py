@@ -300,10 +300,11 @@ class PipeComm:
             if time.monotonic() - start >= self.watchdog.timeout_s:
                 raise PipelineWaitError(
                     self.rank,
-                    f"{sent.what} to be received",
+                    sent.what,
                     sent.peer,
                     self.watchdog.timeout_s,
-                    "the peer never received it",
+                    f"no progress within the {self.watchdog.timeout_s:g} s timeout (the "
+                    "peer never received this send)",
                 )
 
     def _release(self) -> None:
