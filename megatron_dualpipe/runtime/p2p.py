@@ -303,8 +303,7 @@ class PipeComm:
                     sent.what,
                     sent.peer,
                     self.watchdog.timeout_s,
-                    f"no progress within the {self.watchdog.timeout_s:g} s timeout (the "
-                    "peer never received this send)",
+                    self.watchdog.no_progress("the peer never received this send"),
                 )
 
     def _release(self) -> None:

@@ -95,6 +95,11 @@ class Watchdog:
         self.rank = rank
         self.timeout_s = timeout_s
 
+    def no_progress(self, detail: str) -> str:
+        """The cause every timed-out wait gives (one wording, which the launcher's report
+        follows), with ``detail`` in brackets."""
+        return f"no progress within the {self.timeout_s:g} s timeout ({detail})"
+
     @contextmanager
     def guard(self, what: str, peer: int, *, bounded: bool = False) -> Iterator[None]:
         """Turn a communication error raised in the block (about ``what``, exchanged with
@@ -109,7 +114,7 @@ class Watchdog:
             text = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
             lower = text.lower()
             if (bounded and elapsed >= self.timeout_s * 0.99) or "timed out" in lower:
-                cause = f"no progress within the {self.timeout_s:g} s timeout ({text})"
+                cause = self.no_progress(text)
             elif peer_lost(lower):
                 cause = f"the connection broke, the peer has probably died ({text})"
             else:
@@ -205,8 +210,9 @@ class HangMonitor:
             what,
             peer,
             elapsed,
-            f"no progress within the {self._watchdog.timeout_s:g} s timeout (seen by the "
-            "rank's hang monitor, which aborted its pipeline communicators)",
+            self._watchdog.no_progress(
+                "seen by the rank's hang monitor, which aborted its pipeline communicators"
+            ),
         )
         logger.error("%s", self.error)
         try:
