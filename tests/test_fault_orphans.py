@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -68,13 +69,13 @@ def _survivors(tag: str, within_s: float = GONE_WITHIN_S) -> list[str]:
 
 @contextlib.contextmanager
 def _started(
-    args: list[str], tag: str, tmp_path: Path, nohup: bool = False
+    args: list[str], tag: str, tmp_path: Path, nohup: bool = False, temp: Path | None = None
 ) -> Iterator[subprocess.Popen]:
     """``args`` under Python in a session of its own (so a signal to its process group
     reaches it and what it started, never pytest), tagged with ``tag``, its signals as a
-    terminal gives them (``nohup``: SIGHUP ignored, as ``nohup`` starts it); on the way
-    out whatever of it is left is killed."""
-    env = dict(os.environ, **{TAG: tag})
+    terminal gives them (``nohup``: SIGHUP ignored, as ``nohup`` starts it), with ``temp``
+    as its temporary folder where given; on the way out whatever of it is left is killed."""
+    env = dict(os.environ, **{TAG: tag}, **({"TMPDIR": str(temp)} if temp else {}))
     proc = subprocess.Popen(
         [sys.executable, *args],
         cwd=ROOT,
@@ -163,12 +164,12 @@ def test_nothing_of_run_ranks_survives_its_launcher(tmp_path: Path, how: str) ->
 
 
 def _train(
-    tmp_path: Path, tag: str, *sets: str, nohup: bool = False
+    tmp_path: Path, tag: str, *sets: str, nohup: bool = False, temp: Path | None = None
 ) -> contextlib.AbstractContextManager:
     items = ("output_dir=null", "eval_interval=null", "log_interval=1", *sets)
     args = [arg for item in items for arg in ("--set", item)]
     command = ["-m", "megatron_dualpipe", "train", "--config", str(TINY), *args]
-    return _started(command, tag, tmp_path, nohup)
+    return _started(command, tag, tmp_path, nohup, temp)
 
 
 def _writers(tag: str) -> list[psutil.Process]:
@@ -297,23 +298,36 @@ def _safely(read: Callable[[], Any]) -> Any:
         return None
 
 
-def _run_directory(launcher: int) -> Path:
-    """The run's temporary directory: named after the launcher's pid, in the temporary folder."""
-    (found,) = Path(tempfile.gettempdir()).glob(f"megatron-dualpipe-run-{launcher}-*")
+def _run_directory(launcher: int, temp: Path) -> Path:
+    """The run's temporary directory: named after the launcher's pid, in the folder ``temp``."""
+    (found,) = temp.glob(f"megatron-dualpipe-run-{launcher}-*")
     return found
 
 
+@pytest.fixture
+def own_temp() -> Iterator[Path]:
+    """A temporary folder of the test's own, short (the run's sockets live under it, and a
+    Unix socket's path holds at most 107 bytes), removed after."""
+    folder = Path(tempfile.mkdtemp(prefix="mdp-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.mark.slow
-def test_kill_9_of_the_whole_run_at_once_leaves_nothing(tmp_path: Path) -> None:
+def test_kill_9_of_the_whole_run_at_once_leaves_nothing(
+    tmp_path: Path, own_temp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The issue's reproduction of ``pkill -9 -f``: the launcher, its guard and the ranks
     killed together after a save (so each rank holds its writer's queue manager and the
     resource tracker). Nothing of the run may be left running five seconds later (they
     used to run on under PID 1), and the next launch removes the temporary directory
-    nobody was left to remove."""
+    nobody was left to remove. The run and that next launch share a temporary folder of
+    their own: any other launch on the machine (CI's other leg) would sweep it as well."""
     from megatron_dualpipe.runtime.launch import run_ranks
 
-    tag, save = uuid.uuid4().hex, tmp_path / "ck"
-    with _train(tmp_path, tag, f"save={save}", "save_interval=2", "train_iters=300") as proc:
+    tag, save, temp = uuid.uuid4().hex, tmp_path / "ck", own_temp
+    sets = (f"save={save}", "save_interval=2", "train_iters=300")
+    with _train(tmp_path, tag, *sets, temp=temp) as proc:
         out = tmp_path / "stdout"
         wait_for(
             "iteration 3 after a save",
@@ -332,6 +346,7 @@ def test_kill_9_of_the_whole_run_at_once_leaves_nothing(tmp_path: Path) -> None:
             with contextlib.suppress(psutil.NoSuchProcess):  # a writer that just finished
                 victim.kill()
         assert _survivors(tag) == []
-    directory = _run_directory(proc.pid)  # nobody was left to remove it ...
+    directory = _run_directory(proc.pid, temp)  # nobody was left to remove it ...
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     run_ranks(_manager_directory, 1, timeout_s=120)
     assert not directory.exists()  # ... so the next launch did
