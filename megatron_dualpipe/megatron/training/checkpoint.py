@@ -256,7 +256,7 @@ def save_checkpoint(
         if isinstance(err, CheckpointException) and err.args[:1] == ("write",):
             # Raised on every rank, with the causes on the coordinator only: say its words.
             dist.broadcast_object_list(message, src=0)
-        raise CheckpointError(message[0]) from None
+        raise CheckpointError(message[0], every_rank=True) from None
     dist.barrier()
     _on_rank_0(lambda: write_tracker(cfg.save, state.iteration), cfg.save, state.iteration)
     return directory
@@ -275,7 +275,7 @@ def _on_rank_0(step: Callable[[], object], root: str, iteration: int) -> None:
             problem = [_save_failure(root, iteration, err, cause=cause, ranks=[0])]
     dist.broadcast_object_list(problem, src=0)
     if problem[0] is not None:
-        raise CheckpointError(problem[0])
+        raise CheckpointError(problem[0], every_rank=True)
 
 
 def _save_failure(
@@ -529,7 +529,8 @@ def load_checkpoint(
         )
         raise CheckpointError(
             f"checkpoint {directory} cannot be loaded: reading it failed{where if ranks else ''} "
-            f"({cause}): {advice}"
+            f"({cause}): {advice}",
+            every_rank=True,
         ) from None
     for i, chunk in enumerate(model):
         unwrap_model(chunk).load_state_dict(loaded[f"model{i}"], strict=True)

@@ -333,7 +333,7 @@ def _save_locked(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> Iterat
                 held.enter_context(save_lock(cfg.save))
                 check_fresh_save(cfg)
             except (SaveDirectoryInUse, CheckpointError) as err:
-                refusal = [type(err)(str(err))]
+                refusal = [type(err)(str(err), every_rank=True)]
         if world_size > 1:
             dist.broadcast_object_list(refusal, src=0)
         if refusal[0] is not None:

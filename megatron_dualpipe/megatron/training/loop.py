@@ -285,7 +285,8 @@ class _Run:
             f"{when}: found {found} (check_for_nan_in_loss_and_grad): stopped "
             f"{'before the optimizer step ' if when.startswith('iteration') else ''}"
             f"and saved nothing ({last}); lower lr ({self.cfg.lr:g}) or "
-            "clip_grad, or set check_for_nan_in_loss_and_grad: false to carry on regardless"
+            "clip_grad, or set check_for_nan_in_loss_and_grad: false to carry on regardless",
+            every_rank=True,
         )
 
     def train_step(self, measure: bool) -> tuple[float, bool, float | None, StepRecorder | None]:
@@ -630,7 +631,8 @@ def _check_writable(cfg: TrainConfig) -> None:
         where = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
         raise TrainError(
             f"{key}: cannot write to {path} on {where} ({why}): set {key} to a directory "
-            f"{'every rank' if key == 'save' else 'rank 0'} can write to"
+            f"{'every rank' if key == 'save' else 'rank 0'} can write to",
+            every_rank=True,
         )
 
 
