@@ -256,7 +256,9 @@ def save_checkpoint(
         if isinstance(err, CheckpointException) and err.args[:1] == ("write",):
             # Raised on every rank, with the causes on the coordinator only: say its words.
             dist.broadcast_object_list(message, src=0)
-        raise CheckpointError(message[0], every_rank=True) from None
+        # torch's CheckpointException is raised on every rank alike; another error is local.
+        every_rank = isinstance(err, CheckpointException)
+        raise CheckpointError(message[0], every_rank=every_rank) from None
     dist.barrier()
     _on_rank_0(lambda: write_tracker(cfg.save, state.iteration), cfg.save, state.iteration)
     return directory
@@ -530,7 +532,7 @@ def load_checkpoint(
         raise CheckpointError(
             f"checkpoint {directory} cannot be loaded: reading it failed{where if ranks else ''} "
             f"({cause}): {advice}",
-            every_rank=True,
+            every_rank=isinstance(err, CheckpointException),
         ) from None
     for i, chunk in enumerate(model):
         unwrap_model(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
