@@ -22,7 +22,7 @@ setup(
     extras_require={
         # Users bring their own (CUDA) torch; megatron-core needs torch >= 2.6.
         "torch": ["torch>=2.6"],
-        # megatron-core: the releases megatron_dualpipe/megatron/version.py supports (an
+        # megatron-core: the releases megatron_dualpipe/megatron/compat/version.py supports (an
         # installed one in the range is kept); psutil: megatron-core's dist_checkpointing
         # writer needs it (checkpoints hang without).
         "megatron": ["torch>=2.6", "megatron-core>=0.16.1,<0.20", "psutil>=5.9"],

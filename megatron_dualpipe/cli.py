@@ -295,7 +295,7 @@ def _add_preprocess(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_preprocess(args: argparse.Namespace) -> None:
-    from .megatron.known_warnings import silence_known_warnings
+    from .megatron.compat.known_warnings import silence_known_warnings
     from .megatron.training.preprocess import preprocess  # imports torch and megatron
 
     silence_known_warnings()
@@ -393,7 +393,7 @@ def _add_patch_megatron_lm(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_patch_megatron_lm(args: argparse.Namespace) -> None:
-    from .megatron.lm_patch import make_patched_training  # reads files: imports no megatron
+    from .megatron.compat.lm_patch import make_patched_training  # reads files: imports no megatron
 
     training, patch = make_patched_training(args.out)
     out = args.out.resolve()
@@ -439,7 +439,7 @@ def _unwind_on_stop_signals() -> Iterator[None]:
 
 
 def _run_dry_run(args: argparse.Namespace) -> None:
-    from .megatron.known_warnings import silence_known_warnings
+    from .megatron.compat.known_warnings import silence_known_warnings
 
     silence_known_warnings()
     from .megatron.training import load_config

@@ -36,7 +36,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .megatron.checks import (
+from .megatron.schedule.checks import (
     DualPipeConfigError,
     check_run,
     overlap_problem,
@@ -138,7 +138,7 @@ def _check_cuda_graphs(args: Any, schedule: str) -> None:
     ``--cuda-graph-scope``, read by :func:`~.megatron.version.cuda_graph_setting`): a CUDA
     device for any graph, and what the schedule can graph
     (:func:`~.schedules.cuda_graphs.cuda_graph_problem`)."""
-    from .megatron.version import cuda_graph_setting
+    from .megatron.compat.version import cuda_graph_setting
 
     impl, modules = cuda_graph_setting(args)
     if impl == "none":
@@ -261,7 +261,7 @@ def apply(args: Any, *, exit_on_error: bool = False) -> None:
     No-op without the argument. Under dualpipe with ``--overlap-grad-reduce`` it also sets
     ``args.ddp_num_buckets = 1`` (one DDP bucket per model chunk, see prepare_mirrors).
 
-    Raises :class:`~megatron_dualpipe.megatron.checks.DualPipeConfigError`, one sentence
+    Raises :class:`~megatron_dualpipe.megatron.schedule.checks.DualPipeConfigError`, one sentence
     saying what to change; with ``exit_on_error``, prints ``error: <sentence>`` and exits 2
     instead (for the launcher: no traceback per rank).
     """
@@ -289,8 +289,8 @@ def forward_backward_func(args: Any, megatrons: Callable[..., Any]) -> Callable[
     if ref is None or ref() is not args:
         func = None
         if ours:
-            from .megatron.forward_backward import DualPipeForwardBackward
-            from .megatron.version import cuda_graph_setting
+            from .megatron.compat.version import cuda_graph_setting
+            from .megatron.schedule.forward_backward import DualPipeForwardBackward
 
             timeout_min = getattr(args, "distributed_timeout_minutes", None)
             options = {"timeout_s": 60.0 * timeout_min} if timeout_min else {}
@@ -341,13 +341,13 @@ def build_model_chunks(
     **provider_kwargs: Any,
 ) -> list[Any]:
     """This pipeline rank's model chunks, chunk 0 first, in the schedule's placement,
-    through the same :func:`~megatron_dualpipe.megatron.chunks.build_chunks` as ``train``.
+    through the same :func:`~megatron_dualpipe.megatron.model.chunks.build_chunks` as ``train``.
 
     Calls ``model_provider(pre_process=, post_process=, vp_stage=, config=, **provider_kwargs)``
     once per chunk with the chunk's own ends. The config is ``config_from_args(args)``
     (Megatron's ``core_transformer_config_from_args``), or ``config`` when given; under
     dualpipe and dualpipev its ``pipeline_model_parallel_layout`` is our
-    :class:`~megatron_dualpipe.megatron.placement.StagePlacementLayout` (the split arguments
+    :class:`~megatron_dualpipe.megatron.model.placement.StagePlacementLayout` (the split arguments
     read over the model stages; the MTP block where the loss is; a given ``config`` must
     already carry one), so that Megatron's layer builders give each chunk its global layers
     (and parameter names). With ``--transformer-impl transformer_engine`` (Megatron-LM's
@@ -356,9 +356,9 @@ def build_model_chunks(
     in the rank's two chunks are marked as one parameter and every linear layer, the output
     layer included, defers its dW (DDP must then come from :func:`ddp_config`).
     """
-    from .megatron.chunks import ChunkEnds, build_chunks, model_config
-    from .megatron.placement import StagePlacementLayout, config_chunk_roles
-    from .megatron.version import mtp_block_on_any_chunk
+    from .megatron.compat.version import mtp_block_on_any_chunk
+    from .megatron.model.chunks import ChunkEnds, build_chunks, model_config
+    from .megatron.model.placement import StagePlacementLayout, config_chunk_roles
 
     schedule = _schedule(args)
     pp = args.pipeline_model_parallel_size
@@ -398,8 +398,8 @@ def ddp_config(config: Any, args: Any) -> Any:
     (Megatron DDP then hooks each deferred weight through its layer); else ``config``."""
     if not builds_model_chunks(args):
         return config
-    from .megatron.chunks import ddp_config as for_schedule
-    from .megatron.chunks import ddp_config_fields
+    from .megatron.model.chunks import ddp_config as for_schedule
+    from .megatron.model.chunks import ddp_config_fields
 
     fields = ddp_config_fields(config)
     del fields["delay_wgrad_compute"]  # Megatron-LM's --delay-wgrad-compute: set here
@@ -410,8 +410,8 @@ def float16_chunks(model: Sequence[Any], config: Any, args: Any, *, pp_rank: int
     """``get_model``'s Float16Module wrapping for dualpipe / dualpipev: each chunk converts
     its output to fp32 where our placement puts the loss (Megatron's own wrapper looks for
     it on the last pipeline rank)."""
-    from .megatron.placement import chunk_roles
-    from .megatron.precision import StageFloat16Module
+    from .megatron.model.placement import chunk_roles
+    from .megatron.model.precision import StageFloat16Module
 
     roles = chunk_roles(
         _schedule(args), args.pipeline_model_parallel_size, pp_rank, _stage_layers(args)
@@ -431,10 +431,10 @@ def prepare_model(model: Sequence[Any], args: Any) -> None:
     schedules."""
     if not places_model_chunks(args):
         return
-    from .megatron.tied import copy_tied_params
+    from .megatron.model.tied import copy_tied_params
 
     if schedule_spec(_schedule(args)).placement == "mirror":
-        from .megatron.mirror import prepare_mirrors
+        from .megatron.grads.mirror import prepare_mirrors
         from .megatron.training.checkpoint import save_as_mirror_replicas
 
         prepare_mirrors(model)
@@ -447,7 +447,7 @@ def embedding_ranks(args: Any, pp_ranks: list[int]) -> list[int] | None:
     under dualpipe and dualpipev only its first rank (the embedding's copies share a rank
     and are summed there, dualpipe's two copies of a stage by the mirror sum), so Megatron's
     embedding all-reduce does nothing; None: Megatron's own choice."""
-    from .megatron.placement import embedding_ranks as ranks_of
+    from .megatron.model.placement import embedding_ranks as ranks_of
 
     ranks = ranks_of(_schedule(args))
     return None if ranks is None else ranks(pp_ranks)
@@ -470,7 +470,7 @@ def losses_on_last_stage(losses: list[dict[str, Any]], args: Any) -> list[dict[s
     """
     if not places_model_chunks(args):
         return losses
-    from .megatron.loss_reports import mtp_losses_to_last_stage, reports_to_last_stage
+    from .megatron.grads.loss_reports import mtp_losses_to_last_stage, reports_to_last_stage
 
     if getattr(args, "mtp_num_layers", None):
         mtp_losses_to_last_stage(args.mtp_num_layers)

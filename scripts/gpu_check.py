@@ -15,7 +15,7 @@ the FP8 checks need compute capability 9.0 (Hopper) or newer.
 - ``te-deferral-bf16``, ``te-deferral-fp8``: a GPT of Megatron's TE spec (a dense model with
   biases and a MoE model with grouped-GEMM experts) built twice from the same weights,
   Megatron DDP with ``overlap_grad_reduce`` off and on: plain backwards, and our deferral
-  (``megatron_dualpipe.megatron.chunks``: ``delay_wgrad_compute``, hooked TE layers, DDP
+  (``megatron_dualpipe.megatron.model.chunks``: ``delay_wgrad_compute``, hooked TE layers, DDP
   for deferral) in DualPipe's order, B0 and B1 (dX only; no deferred ``main_grad`` may
   move), a full backward BW2 between, then W0 and W1; two steps. Every ``main_grad`` must
   equal the reference's (max |a - b| / max |b| <= --tol; FP8 with Megatron's tensorwise
@@ -125,7 +125,7 @@ def _init_distributed() -> None:
 def _tiny_te_config(moe: bool, fp8: bool, **overrides: Any) -> Any:
     import torch
 
-    from megatron_dualpipe.megatron import tiny_models as tm
+    from megatron_dualpipe.megatron.model import tiny_models as tm
 
     experts = dict(num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=True) if moe else {}
     precision = dict(fp8="hybrid", fp8_recipe="tensorwise") if fp8 else {}
@@ -146,15 +146,15 @@ def _tiny_te_config(moe: bool, fp8: bool, **overrides: Any) -> Any:
 def _te_gpt(config: Any, *, pre: bool = True, post: bool = True) -> Any:
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_dualpipe.megatron import tiny_models as tm
-    from megatron_dualpipe.megatron.layer_specs import gpt_chunk_specs
+    from megatron_dualpipe.megatron.model import tiny_models as tm
+    from megatron_dualpipe.megatron.model.layer_specs import gpt_chunk_specs
 
     block, _ = gpt_chunk_specs(config, transformer_impl="transformer_engine")
     return GPTModel(config, block, tm.VOCAB_SIZE, tm.SEQ_LENGTH, pre_process=pre, post_process=post)
 
 
 def _loss(model: Any, batch: dict) -> Any:
-    from megatron_dualpipe.megatron import tiny_models as tm
+    from megatron_dualpipe.megatron.model import tiny_models as tm
 
     return tm._masked_mean(batch["loss_mask"], tm._forward(model, batch)) / 3
 
@@ -169,8 +169,13 @@ def _deferral_case(moe: bool, fp8: bool, overlap: bool) -> tuple[float, list[str
     """One comparison (module docstring); the max relative error and the problems."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from megatron_dualpipe.megatron import tiny_models as tm
-    from megatron_dualpipe.megatron.chunks import ChunkEnds, build_chunks, ddp_config, model_config
+    from megatron_dualpipe.megatron.model import tiny_models as tm
+    from megatron_dualpipe.megatron.model.chunks import (
+        ChunkEnds,
+        build_chunks,
+        ddp_config,
+        model_config,
+    )
     from megatron_dualpipe.runtime import WeightGradStore
 
     config = _tiny_te_config(moe, fp8)
@@ -259,8 +264,8 @@ def _overlap_contexts(args: argparse.Namespace) -> tuple[bool, str]:
     from megatron.core.pipeline_parallel.utils import set_streams
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_dualpipe.megatron import tiny_models as tm
-    from megatron_dualpipe.megatron.schedule_plan import run_plans, start_forward
+    from megatron_dualpipe.megatron.model import tiny_models as tm
+    from megatron_dualpipe.megatron.schedule.schedule_plan import run_plans, start_forward
 
     def fresh() -> tuple[Any, Any]:
         config = _tiny_te_config(True, False, fp8="hybrid", fp8_recipe="delayed")
@@ -316,7 +321,7 @@ def _layer_costs(moe: bool) -> Callable[[argparse.Namespace], tuple[bool, str]]:
         import torch.nn.functional as F
         from megatron.core.transformer.transformer_config import TransformerConfig
 
-        from megatron_dualpipe.megatron.chunks import ChunkEnds, build_chunks, model_config
+        from megatron_dualpipe.megatron.model.chunks import ChunkEnds, build_chunks, model_config
         from megatron_dualpipe.runtime import WeightGradStore
         from megatron_dualpipe.schedules.memory import MemoryModel
         from megatron_dualpipe.schedules.model_cost import ModelShape

@@ -32,7 +32,7 @@ pipelines of that size, each running the check.
 - ``mirror-distributed-optimizer``: the same with every chunk wrapped in Megatron DDP with
   the distributed optimizer (``main_grad`` in DDP's buffers, ``disable_bucketing``) on
   Megatron's own pipeline groups (one data-parallel rank), summed by
-  ``megatron_dualpipe.megatron.mirror``; needs megatron-core.
+  ``megatron_dualpipe.megatron.grads.mirror``; needs megatron-core.
 - ``nccl-memory``: dualpipe PP=2; the device memory in use outside PyTorch's caching
   allocator (``torch.cuda.mem_get_info`` less ``memory_reserved``: what nvidia-smi shows,
   less PyTorch's own) before and after the pipeline communicator's creation and first
@@ -274,7 +274,7 @@ def _mirror_distributed(args: argparse.Namespace, _: Any) -> tuple[bool, str]:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_dualpipe.megatron.mirror import (
+    from megatron_dualpipe.megatron.grads.mirror import (
         mirror_pair,
         prepare_mirrors,
         sync_mirror_gradients,

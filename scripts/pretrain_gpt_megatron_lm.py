@@ -227,11 +227,11 @@ def _refuse(sentence: str) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse Megatron-LM's arguments (``argv``, default ``sys.argv[1:]``) with
     ``--pipeline-schedule``, and run ``pretrain`` (on a machine without a GPU, on CPU ranks
-    over gloo: :func:`~megatron_dualpipe.megatron.cpu_compat_training.megatron_training_on_cpu`).
+    over gloo: ``cpu_compat_training.megatron_training_on_cpu``).
     Refuses, before any work, another megatron-core than 0.19 and an unpatched
     ``megatron/training``."""
-    from megatron_dualpipe.megatron.lm_patch import unpatched_training_problem
-    from megatron_dualpipe.megatron.version import installed_megatron_core, megatron_lm_tag
+    from megatron_dualpipe.megatron.compat.lm_patch import unpatched_training_problem
+    from megatron_dualpipe.megatron.compat.version import installed_megatron_core, megatron_lm_tag
 
     if megatron_lm_tag() != "core_v0.19.0":
         raise SystemExit(
@@ -248,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
-    from megatron_dualpipe.megatron.cpu_compat_training import megatron_training_on_cpu
+    from megatron_dualpipe.megatron.compat.cpu_compat_training import megatron_training_on_cpu
 
     saved = sys.argv
     sys.argv = [saved[0], *(saved[1:] if argv is None else argv)]

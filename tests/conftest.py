@@ -3,7 +3,7 @@ registered in pyproject.toml (``slow``, ``multiproc``, ``megatron``; the fast lo
 ``python -m pytest -m "not slow"``):
 
 - a session that runs a test marked ``megatron`` first applies Megatron-Core's CPU
-  compatibility layer (:func:`~megatron_dualpipe.megatron.cpu_compat.apply_cpu_compat`,
+  compatibility layer (:func:`~megatron_dualpipe.megatron.compat.cpu_compat.apply_cpu_compat`,
   a no-op with CUDA), once and before any worker forks, so every worker inherits it;
 - a session that runs a test marked ``multiproc`` first pays torch's lazy imports, once in
   the parent rather than once per forked worker.
@@ -27,7 +27,7 @@ def _runs_marked(session: pytest.Session, marker: str) -> bool:
 def cpu_compat(request: pytest.FixtureRequest) -> None:
     """Megatron-Core's CPU compatibility layer, where the session runs Megatron tests."""
     if _runs_marked(request.session, "megatron"):
-        from megatron_dualpipe.megatron.cpu_compat import apply_cpu_compat
+        from megatron_dualpipe.megatron.compat.cpu_compat import apply_cpu_compat
 
         apply_cpu_compat()
 

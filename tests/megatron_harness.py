@@ -28,19 +28,22 @@ from megatron.core.pipeline_parallel import schedules as megatron_schedules
 from megatron.core.tensor_parallel import random as megatron_random
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-from megatron_dualpipe.megatron import tiny_models as tm
-from megatron_dualpipe.megatron.checks import stage_layers
-from megatron_dualpipe.megatron.deferral import (
+from megatron_dualpipe.megatron.compat.version import clean_mtp_tracker, mtp_tracker_fields
+from megatron_dualpipe.megatron.grads.deferral import (
     ddp_config_for_deferral,
     enable_weight_grad_deferral,
 )
-from megatron_dualpipe.megatron.mirror import prepare_mirrors
-from megatron_dualpipe.megatron.names import global_named_parameters
-from megatron_dualpipe.megatron.placement import StagePlacementLayout, embedding_ranks
-from megatron_dualpipe.megatron.position_copies import finalize_model_grads, mark_position_copies
-from megatron_dualpipe.megatron.registry import get_forward_backward_func
-from megatron_dualpipe.megatron.tied import mark_tied_copies
-from megatron_dualpipe.megatron.version import clean_mtp_tracker, mtp_tracker_fields
+from megatron_dualpipe.megatron.grads.mirror import prepare_mirrors
+from megatron_dualpipe.megatron.model import tiny_models as tm
+from megatron_dualpipe.megatron.model.names import global_named_parameters
+from megatron_dualpipe.megatron.model.placement import StagePlacementLayout, embedding_ranks
+from megatron_dualpipe.megatron.model.position_copies import (
+    finalize_model_grads,
+    mark_position_copies,
+)
+from megatron_dualpipe.megatron.model.tied import mark_tied_copies
+from megatron_dualpipe.megatron.schedule.checks import stage_layers
+from megatron_dualpipe.megatron.schedule.registry import get_forward_backward_func
 from megatron_dualpipe.runtime import WeightGradStore
 from megatron_dualpipe.schedules.ir import Kind
 from megatron_dualpipe.schedules.registry import generate

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dualpipe.megatron.checks import cuda_device_max_connections
+from megatron_dualpipe.megatron.schedule.checks import cuda_device_max_connections
 from megatron_dualpipe.megatron.training import launch
 from megatron_dualpipe.megatron.training.config import load_config
 

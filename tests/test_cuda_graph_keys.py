@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from megatron_dualpipe import megatron_lm
-from megatron_dualpipe.megatron.checks import DualPipeConfigError
-from megatron_dualpipe.megatron.training import ConfigError, launch, load_config
-from megatron_dualpipe.megatron.version import (
+from megatron_dualpipe.megatron.compat.version import (
     cuda_graph_config,
     cuda_graph_setting,
     installed_megatron_core,
 )
+from megatron_dualpipe.megatron.schedule.checks import DualPipeConfigError
+from megatron_dualpipe.megatron.training import ConfigError, launch, load_config
 from megatron_dualpipe.schedules.cuda_graphs import cuda_graph_problem, deferring_modules
 
 pytestmark = pytest.mark.megatron

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from megatron_dualpipe.cli import main
+from megatron_dualpipe.megatron.compat.version import installed_megatron_core
 from megatron_dualpipe.megatron.training import ConfigError, load_config
-from megatron_dualpipe.megatron.version import installed_megatron_core
 from tests.multiproc import run_workers, slow_unless
 
 pytestmark = pytest.mark.megatron
@@ -71,8 +71,8 @@ def _real_build(rank: int, world_size: int, name: str) -> dict:
     from megatron.core import parallel_state
     from megatron.core.utils import unwrap_model
 
-    from megatron_dualpipe.megatron.cpu_compat import apply_cpu_compat
-    from megatron_dualpipe.megatron.names import global_named_parameters
+    from megatron_dualpipe.megatron.compat.cpu_compat import apply_cpu_compat
+    from megatron_dualpipe.megatron.model.names import global_named_parameters
     from megatron_dualpipe.megatron.training.loop import initialize_parallel_state
     from megatron_dualpipe.megatron.training.model import build_model, transformer_config
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_dualpipe.megatron.compat.version import common_state_in_dcp
 from megatron_dualpipe.megatron.training import ConfigError, TrainError, load_config, train
-from megatron_dualpipe.megatron.version import common_state_in_dcp
 from tests.processes import wait_for
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multiproc, pytest.mark.slow]

@@ -1,5 +1,5 @@
 """``cuda_graph_impl: full_iteration`` under zb1p and dualpipev: ``train``'s step function
-wrapped as Megatron-LM wraps its own (:mod:`megatron_dualpipe.megatron.full_iteration`),
+wrapped as Megatron-LM wraps its own (:mod:`megatron_dualpipe.megatron.schedule.full_iteration`),
 run on two forked CPU ranks with a stand-in of Megatron-Core's ``FullCudaGraphWrapper``
 (``megatron/core/full_cuda_graph.py``, 0.16.1 to 0.19.2) in place of the real one, which
 needs CUDA to capture.
@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 import torch
 
+from megatron_dualpipe.megatron.compat.version import installed_megatron_core
 from megatron_dualpipe.megatron.training import ConfigError, load_config
-from megatron_dualpipe.megatron.version import installed_megatron_core
 from tests.multiproc import run_workers
 from tests.test_graph_safe_step import host_sync_detector
 
@@ -200,9 +200,9 @@ def test_full_iteration_warms_up_at_least_one_step() -> None:
 
 
 def test_the_wrapper_wants_a_graph_safe_function() -> None:
-    from megatron_dualpipe.megatron.checks import DualPipeConfigError
-    from megatron_dualpipe.megatron.forward_backward import DualPipeForwardBackward
-    from megatron_dualpipe.megatron.full_iteration import full_iteration_step
+    from megatron_dualpipe.megatron.schedule.checks import DualPipeConfigError
+    from megatron_dualpipe.megatron.schedule.forward_backward import DualPipeForwardBackward
+    from megatron_dualpipe.megatron.schedule.full_iteration import full_iteration_step
 
     made: list[Any] = []
     with pytest.raises(ValueError, match="build it with graph_safe=True"):

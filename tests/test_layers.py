@@ -79,7 +79,7 @@ def test_only_the_adapter_package_imports_megatron() -> None:
 
 def test_production_code_never_imports_the_test_fixtures() -> None:
     others = [p for p in _modules("") if p.name != "tiny_models.py"]
-    assert _violations(others, ("megatron_dualpipe.megatron.tiny_models",)) == []
+    assert _violations(others, ("megatron_dualpipe.megatron.model.tiny_models",)) == []
 
 
 def _prints(node: ast.AST) -> bool:
@@ -105,14 +105,15 @@ def test_runtime_logs_and_never_prints() -> None:
 def test_the_checker_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
     """The rules above can fail: a lazy relative import of megatron code is found."""
     fake = PACKAGE / "schedules" / "_layer_probe.py"
-    fake.write_text("def f():\n    from ..megatron import checks\n    import torch\n")
+    fake.write_text("def f():\n    from ..megatron.schedule import checks\n    import torch\n")
     try:
         found = _violations([fake], ("torch", "megatron_dualpipe.megatron"))
     finally:
         fake.unlink()
     assert found == [
-        "megatron_dualpipe/schedules/_layer_probe.py imports megatron_dualpipe.megatron",
-        "megatron_dualpipe/schedules/_layer_probe.py imports megatron_dualpipe.megatron.checks",
+        "megatron_dualpipe/schedules/_layer_probe.py imports megatron_dualpipe.megatron.schedule",
+        "megatron_dualpipe/schedules/_layer_probe.py imports "
+        "megatron_dualpipe.megatron.schedule.checks",
         "megatron_dualpipe/schedules/_layer_probe.py imports torch",
     ]
 

@@ -13,7 +13,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules as megatron_schedules
 from megatron.core.tensor_parallel import random as megatron_random
 
-from megatron_dualpipe.megatron.cpu_compat import apply_cpu_compat, cpu_compat_applied
+from megatron_dualpipe.megatron.compat.cpu_compat import apply_cpu_compat, cpu_compat_applied
 from tests.megatron_harness import (
     CPU_ONLY,
     REL_TOL,

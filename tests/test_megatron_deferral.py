@@ -23,9 +23,8 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.tensor_parallel import random as megatron_random
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-from megatron_dualpipe.megatron import deferral
-from megatron_dualpipe.megatron import tiny_models as tm
-from megatron_dualpipe.megatron.deferral import (
+from megatron_dualpipe.megatron.grads import deferral
+from megatron_dualpipe.megatron.grads.deferral import (
     DeferrableColumnParallelLinear,
     DeferrableRowParallelLinear,
     WeightGradDeferralError,
@@ -33,6 +32,7 @@ from megatron_dualpipe.megatron.deferral import (
     enable_weight_grad_deferral,
     with_delay_wgrad_compute,
 )
+from megatron_dualpipe.megatron.model import tiny_models as tm
 from megatron_dualpipe.runtime import DeferrableLayer, WeightGradStore
 from tests.megatron_harness import CPU_ONLY
 from tests.multiproc import run_workers

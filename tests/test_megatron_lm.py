@@ -23,15 +23,15 @@ import torch
 from megatron.core.transformer.enums import LayerType
 
 from megatron_dualpipe import megatron_lm
-from megatron_dualpipe.megatron.checks import DualPipeConfigError
-from megatron_dualpipe.megatron.forward_backward import DualPipeForwardBackward
-from megatron_dualpipe.megatron.placement import StagePlacementLayout
-from megatron_dualpipe.megatron.version import (
+from megatron_dualpipe.megatron.compat.version import (
     MEGATRON_LM_TAGS,
     megatron_lm_tag,
     mtp_tracker_fields,
     save_mtp_metrics,
 )
+from megatron_dualpipe.megatron.model.placement import StagePlacementLayout
+from megatron_dualpipe.megatron.schedule.checks import DualPipeConfigError
+from megatron_dualpipe.megatron.schedule.forward_backward import DualPipeForwardBackward
 from tests.multiproc import one_fast, run_workers
 
 pytestmark = pytest.mark.megatron
@@ -363,7 +363,7 @@ def _gather_losses(rank: int, world_size: int, schedule: str) -> tuple[list[dict
     from megatron.core import parallel_state
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    from megatron_dualpipe.megatron.cpu_compat import apply_cpu_compat
+    from megatron_dualpipe.megatron.compat.cpu_compat import apply_cpu_compat
 
     apply_cpu_compat()  # the tracker's device
 
@@ -416,12 +416,12 @@ def _route_chunks(rank: int, world_size: int, schedule: str) -> dict[str, Any]:
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    from megatron_dualpipe.megatron import tiny_models as tm
-    from megatron_dualpipe.megatron.cpu_compat import apply_cpu_compat
-    from megatron_dualpipe.megatron.deferral import (
+    from megatron_dualpipe.megatron.compat.cpu_compat import apply_cpu_compat
+    from megatron_dualpipe.megatron.grads.deferral import (
         DeferrableColumnParallelLinear,
         DeferrableRowParallelLinear,
     )
+    from megatron_dualpipe.megatron.model import tiny_models as tm
 
     apply_cpu_compat()
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world_size)
@@ -619,7 +619,7 @@ def test_the_megatron_lm_script_refuses_a_release_without_its_training(
 
 
 def test_float16_chunks_convert_where_our_placement_puts_the_loss() -> None:
-    from megatron_dualpipe.megatron.tiny_models import tiny_gpt_config
+    from megatron_dualpipe.megatron.model.tiny_models import tiny_gpt_config
 
     config = tiny_gpt_config(num_layers=8, bf16=True)
     args = _args(pipeline_model_parallel_size=2, num_layers=8, global_batch_size=8)

@@ -3,7 +3,7 @@ installed megatron-core wheel (0.19 ships ``megatron/training``), copied to a te
 folder and patched with the ``megatron/training`` hunks of
 ``patches/megatron-lm-core_v0.19.0.patch``, driven by ``scripts/pretrain_gpt_megatron_lm.py``
 with ``--mock-data`` on 2 and 4 forked CPU ranks over gloo (the script applies
-:mod:`~megatron_dualpipe.megatron.cpu_compat_training` without a GPU).
+:mod:`~megatron_dualpipe.megatron.compat.cpu_compat_training` without a GPU).
 
 Megatron-LM seeds each pipeline rank differently (``seed + 100 * pp_rank``), so a schedule
 that places layers elsewhere starts from other random weights: every run here starts from
@@ -40,7 +40,7 @@ import megatron.core
 import pytest
 import torch.distributed as dist
 
-from megatron_dualpipe.megatron.version import installed_megatron_core
+from megatron_dualpipe.megatron.compat.version import installed_megatron_core
 from tests.multiproc import run_workers
 
 #: The timeout is the first test's, whose setup runs every run of its world size.

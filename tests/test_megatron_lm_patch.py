@@ -16,7 +16,7 @@ import megatron.core
 import pytest
 
 from megatron_dualpipe.cli import main
-from megatron_dualpipe.megatron.version import installed_megatron_core
+from megatron_dualpipe.megatron.compat.version import installed_megatron_core
 
 pytestmark = pytest.mark.megatron
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_dualpipe.megatron.checks import DualPipeConfigError, stage_layers
+from megatron_dualpipe.megatron.schedule.checks import DualPipeConfigError, stage_layers
 from tests.megatron_harness import Layout, Model, _check, check_training
 
 pytestmark = [

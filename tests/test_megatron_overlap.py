@@ -26,19 +26,19 @@ from megatron.core.distributed import (
 )
 from megatron.core.pipeline_parallel.utils import ScheduleNode
 
-from megatron_dualpipe.megatron import tiny_models as tm
-from megatron_dualpipe.megatron.deferral import (
+from megatron_dualpipe.megatron.compat.version import layer_plan_attention_node
+from megatron_dualpipe.megatron.grads.deferral import (
     DeferrableColumnParallelLinear,
     DeferrableRowParallelLinear,
     ddp_config_for_deferral,
     enable_weight_grad_deferral,
 )
-from megatron_dualpipe.megatron.mirror import prepare_mirrors
-from megatron_dualpipe.megatron.placement import StagePlacementLayout, chunk_roles
-from megatron_dualpipe.megatron.precision import StageFloat16Module
-from megatron_dualpipe.megatron.registry import get_forward_backward_func
-from megatron_dualpipe.megatron.stage import MegatronStage
-from megatron_dualpipe.megatron.version import layer_plan_attention_node
+from megatron_dualpipe.megatron.grads.mirror import prepare_mirrors
+from megatron_dualpipe.megatron.model import tiny_models as tm
+from megatron_dualpipe.megatron.model.placement import StagePlacementLayout, chunk_roles
+from megatron_dualpipe.megatron.model.precision import StageFloat16Module
+from megatron_dualpipe.megatron.schedule.registry import get_forward_backward_func
+from megatron_dualpipe.megatron.schedule.stage import MegatronStage
 from tests.megatron_harness import PG_TIMEOUT_S, _init_parallel
 from tests.multiproc import run_workers, slow_unless
 

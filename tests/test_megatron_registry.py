@@ -8,15 +8,15 @@ from megatron.core import pipeline_parallel
 from megatron.core.pipeline_parallel import schedules as megatron_schedules
 
 import megatron_dualpipe
-from megatron_dualpipe.megatron import registry
-from megatron_dualpipe.megatron.checks import DualPipeConfigError, check_run
-from megatron_dualpipe.megatron.forward_backward import DualPipeForwardBackward
-from megatron_dualpipe.megatron.placement import (
+from megatron_dualpipe.megatron.model.placement import (
     StagePlacementLayout,
     chunk_roles,
     config_chunk_roles,
 )
-from megatron_dualpipe.megatron.tiny_models import tiny_gpt_config
+from megatron_dualpipe.megatron.model.tiny_models import tiny_gpt_config
+from megatron_dualpipe.megatron.schedule import registry
+from megatron_dualpipe.megatron.schedule.checks import DualPipeConfigError, check_run
+from megatron_dualpipe.megatron.schedule.forward_backward import DualPipeForwardBackward
 
 pytestmark = pytest.mark.megatron
 

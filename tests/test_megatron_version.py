@@ -20,20 +20,20 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from megatron_dualpipe.errors import DualPipeError
-from megatron_dualpipe.megatron import tiny_models as tm
-from megatron_dualpipe.megatron import version
-from megatron_dualpipe.megatron.deferral import (
-    DeferrableColumnParallelLinear,
-    WeightGradDeferralError,
-    deferrable_layer_spec,
-)
-from megatron_dualpipe.megatron.version import (
+from megatron_dualpipe.megatron.compat import version
+from megatron_dualpipe.megatron.compat.version import (
     SUPPORTED_MEGATRON_CORE,
     TESTED_MEGATRON_CORE,
     MegatronVersionError,
     installed_megatron_core,
     unsupported_megatron_core,
 )
+from megatron_dualpipe.megatron.grads.deferral import (
+    DeferrableColumnParallelLinear,
+    WeightGradDeferralError,
+    deferrable_layer_spec,
+)
+from megatron_dualpipe.megatron.model import tiny_models as tm
 from tests.multiproc import run_workers
 
 pytestmark = pytest.mark.megatron
@@ -97,7 +97,7 @@ def test_importing_the_adapter_refuses_an_unsupported_release_before_megatron_ru
     env = _fake_megatron_core(tmp_path, minor=20)
     code = (
         "try:\n"
-        "    import megatron_dualpipe.megatron.placement\n"
+        "    import megatron_dualpipe.megatron.model.placement\n"
         "except Exception as err:\n"
         "    print(type(err).__name__, err)\n"
     )
@@ -183,7 +183,7 @@ def _marked_without_initialisation(rank: int, world_size: int) -> bool:
     from megatron.core.tensor_parallel import RowParallelLinear
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_dualpipe.megatron.cpu_compat import apply_cpu_compat
+    from megatron_dualpipe.megatron.compat.cpu_compat import apply_cpu_compat
 
     apply_cpu_compat()
     parallel_state.initialize_model_parallel()

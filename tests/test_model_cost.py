@@ -243,7 +243,7 @@ def _megatron_parameter_counts(rank: int, world_size: int) -> dict[str, int]:
     from megatron.core.tensor_parallel import random as megatron_random
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_dualpipe.megatron.cpu_compat import apply_cpu_compat
+    from megatron_dualpipe.megatron.compat.cpu_compat import apply_cpu_compat
 
     apply_cpu_compat()
     parallel_state.initialize_model_parallel(1, 1)

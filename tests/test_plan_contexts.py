@@ -16,11 +16,12 @@ import pytest
 import torch
 from megatron.core.enums import Fp8Recipe
 
-from megatron_dualpipe.megatron import deferral, schedule_plan
-from megatron_dualpipe.megatron.checks import DualPipeConfigError
-from megatron_dualpipe.megatron.deferral import enable_weight_grad_deferral
-from megatron_dualpipe.megatron.forward_backward import DualPipeForwardBackward
-from megatron_dualpipe.megatron.schedule_plan import PlanHandle, run_plans, start_forward
+from megatron_dualpipe.megatron.grads import deferral
+from megatron_dualpipe.megatron.grads.deferral import enable_weight_grad_deferral
+from megatron_dualpipe.megatron.schedule import schedule_plan
+from megatron_dualpipe.megatron.schedule.checks import DualPipeConfigError
+from megatron_dualpipe.megatron.schedule.forward_backward import DualPipeForwardBackward
+from megatron_dualpipe.megatron.schedule.schedule_plan import PlanHandle, run_plans, start_forward
 
 pytestmark = pytest.mark.megatron
 

@@ -101,8 +101,8 @@ def test_the_timeline_barrier_names_the_gpu_on_nccl(monkeypatch, backend, expect
 
 
 def test_the_token_count_stays_on_the_losses_device() -> None:
-    from megatron_dualpipe.megatron.placement import ChunkRole
-    from megatron_dualpipe.megatron.stage import MegatronStage, StepInputs
+    from megatron_dualpipe.megatron.model.placement import ChunkRole
+    from megatron_dualpipe.megatron.schedule.stage import MegatronStage, StepInputs
 
     meta = torch.device("meta")
     step = StepInputs(None, None, 1, False, False, None, 1, device=meta)

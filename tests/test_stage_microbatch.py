@@ -11,8 +11,8 @@ import pytest
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_dualpipe.megatron.placement import ChunkRole
-from megatron_dualpipe.megatron.stage import MegatronStage, StepInputs
+from megatron_dualpipe.megatron.model.placement import ChunkRole
+from megatron_dualpipe.megatron.schedule.stage import MegatronStage, StepInputs
 
 pytestmark = pytest.mark.megatron
 

@@ -23,12 +23,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_dualpipe.megatron import deferral, schedule_plan, te_wgrad
-from megatron_dualpipe.megatron.deferral import (
+from megatron_dualpipe.megatron.grads import deferral, te_wgrad
+from megatron_dualpipe.megatron.grads.deferral import (
     WeightGradDeferralError,
     enable_weight_grad_deferral,
     te_layers_left_to_plan,
 )
+from megatron_dualpipe.megatron.schedule import schedule_plan
 from megatron_dualpipe.runtime import WeightGradStore
 
 pytestmark = pytest.mark.megatron

@@ -60,8 +60,8 @@ def _marks(name: str, pipeline_rank: int, megatron_initialises: bool) -> dict:
     import torch
     from megatron.core import parallel_state
 
-    from megatron_dualpipe.megatron.cpu_compat import apply_cpu_compat
-    from megatron_dualpipe.megatron.names import global_named_parameters
+    from megatron_dualpipe.megatron.compat.cpu_compat import apply_cpu_compat
+    from megatron_dualpipe.megatron.model.names import global_named_parameters
     from megatron_dualpipe.megatron.training.loop import initialize_parallel_state
     from megatron_dualpipe.megatron.training.model import build_chunks_here, transformer_config
 
@@ -111,7 +111,7 @@ def _norm_of_ones(rank: int, world_size: int, tp: int) -> tuple[float, int]:
     every gradient 1, and this rank's parameter count."""
     from megatron.core import parallel_state
 
-    from megatron_dualpipe.megatron.cpu_compat import apply_cpu_compat
+    from megatron_dualpipe.megatron.compat.cpu_compat import apply_cpu_compat
     from megatron_dualpipe.megatron.training.loop import initialize_parallel_state
     from megatron_dualpipe.megatron.training.model import build_model, transformer_config
     from megatron_dualpipe.megatron.training.optim import build_optimizer

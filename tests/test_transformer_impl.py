@@ -16,10 +16,10 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_dualpipe.megatron import layer_specs
-from megatron_dualpipe.megatron import tiny_models as tm
-from megatron_dualpipe.megatron.deferral import DeferrableColumnParallelLinear
-from megatron_dualpipe.megatron.layer_specs import gpt_chunk_specs
+from megatron_dualpipe.megatron.grads.deferral import DeferrableColumnParallelLinear
+from megatron_dualpipe.megatron.model import layer_specs
+from megatron_dualpipe.megatron.model import tiny_models as tm
+from megatron_dualpipe.megatron.model.layer_specs import gpt_chunk_specs
 from megatron_dualpipe.megatron.training import ConfigError, train
 from megatron_dualpipe.megatron.training.config import load_config
 from megatron_dualpipe.megatron.training.model import transformer_config, transformer_impl

@@ -9,7 +9,7 @@ torch.distributed.pipelining's, and measured runs on sleep-op models.
   (forked CPU+gloo ranks with a deadline), :mod:`.peers` (torch's runtime measured).
 - :mod:`.measured` (Megatron-Core's 1F1B and interleaved schedules, torch's and ours
   measured in one interleaved run; Megatron runs the same stages through
-  :mod:`megatron_dualpipe.megatron.module_chunks`), its
+  :mod:`megatron_dualpipe.megatron.model.module_chunks`), its
   tables and statements in :mod:`.measured_report`.
 
 Importing this package does not import torch; the sections import what they need.

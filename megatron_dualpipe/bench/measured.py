@@ -419,7 +419,7 @@ class _MegatronRunner(_Runner):
     ) -> None:
         import torch
 
-        from ..megatron.module_chunks import module_chunks, mse_forward_step
+        from ..megatron.model.module_chunks import module_chunks, mse_forward_step
         from .sleep_model import SleepCosts, SleepStage
 
         chunks = INTERLEAVED_CHUNKS if name == "megatron-interleaved" else 1
@@ -497,7 +497,7 @@ def _measured_rank(
     names = list(config.schedules)
     with contextlib.ExitStack() as stack:
         if any(MEASURED_SCHEDULES[n][0] == "megatron" for n in names):
-            from ..megatron.module_chunks import megatron_pipeline
+            from ..megatron.model.module_chunks import megatron_pipeline
 
             stack.enter_context(megatron_pipeline(config.pp, config.pg_timeout_s))
         clock = SleepClock()
@@ -598,14 +598,14 @@ def calibrate(config: MeasuredConfig) -> Calibration:
 def _prepare_parent(config: MeasuredConfig) -> None:
     """Import (and patch) what the workers need before forking, so they start warm; hide
     megatron-core's known warnings (as ``train`` does) in the parent and the ranks."""
-    from ..megatron.known_warnings import silence_known_warnings
+    from ..megatron.compat.known_warnings import silence_known_warnings
 
     silence_known_warnings()
     import torch
     import torch.distributed.pipelining  # noqa: F401
 
     if any(MEASURED_SCHEDULES[n][0] == "megatron" for n in config.schedules):
-        from ..megatron.module_chunks import prepare_megatron
+        from ..megatron.model.module_chunks import prepare_megatron
 
         prepare_megatron()
     # The first backward from a non-scalar output imports torch.fx: pay it once, here.

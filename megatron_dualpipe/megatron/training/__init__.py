@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..known_warnings import silence_known_warnings
+from ..compat.known_warnings import silence_known_warnings
 from .config import ConfigError, TrainConfig, load_config
 from .errors import TrainError
 

@@ -49,9 +49,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ...runtime.openmp import release_thread_pool
-from ..checks import schedule_spec
-from ..cpu_compat import apply_cpu_compat
-from ..position_copies import POSITION_TABLE, mark_position_copy_replica
+from ..compat.cpu_compat import apply_cpu_compat
+from ..model.position_copies import POSITION_TABLE, mark_position_copy_replica
+from ..schedule.checks import schedule_spec
 from .checkpoint_files import (
     TRACKER,
     CheckpointError,

@@ -38,7 +38,7 @@ from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from ..version import common_state_in_dcp
+from ..compat.version import common_state_in_dcp
 from .checkpoint_trust import UntrustedPickle, load_weights_only, read_metadata
 from .errors import TrainError
 

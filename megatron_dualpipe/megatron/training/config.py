@@ -36,7 +36,7 @@ from ...schedules.limits import (
 from ...schedules.model_cost import Recompute, parse_moe_layer_freq
 from ...schedules.registry import OUR_SCHEDULES, SCHEDULES
 from ...schedules.validate import check_weight_grads_in_b_order, validate
-from ..checks import DualPipeConfigError, overlap_problem, schedule_spec, stage_layers
+from ..schedule.checks import DualPipeConfigError, overlap_problem, schedule_spec, stage_layers
 from .run_name import run_name, run_name_problem
 
 __all__ = [

@@ -61,12 +61,12 @@ from ...schedules.comm_plan import Issue, comm_plan
 from ...schedules.ir import Kind, ScheduleError
 from ...schedules.memory import GIB, MemoryModel, MemorySettings, RankMemory
 from ...schedules.model_cost import ModelShape
-from ..checks import schedule_spec
-from ..cpu_compat import apply_cpu_compat
-from ..forward_backward import stage_input_spec
-from ..layer_specs import te_available
-from ..names import global_named_parameters
-from ..placement import config_chunk_roles
+from ..compat.cpu_compat import apply_cpu_compat
+from ..model.layer_specs import te_available
+from ..model.names import global_named_parameters
+from ..model.placement import config_chunk_roles
+from ..schedule.checks import schedule_spec
+from ..schedule.forward_backward import stage_input_spec
 from .config import ConfigError, TrainConfig
 from .loop import initialize_parallel_state
 from .model import build_chunks_here, in_precision, transformer_config, transformer_impl

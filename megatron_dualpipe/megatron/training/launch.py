@@ -19,7 +19,7 @@ Three ways, decided by the environment:
   need torchrun or srun.
 
 On GPUs every rank uses NCCL and the GPU ``LOCAL_RANK`` names; on CPU, gloo, and
-:func:`~megatron_dualpipe.megatron.cpu_compat.apply_cpu_compat` is applied before the
+:func:`~megatron_dualpipe.megatron.compat.cpu_compat.apply_cpu_compat` is applied before the
 model exists. Configuration problems are reported before any process-group work.
 """
 
@@ -40,9 +40,9 @@ import torch.distributed as dist
 from ...errors import DualPipeError
 from ...runtime.launch import LaunchFailure, pick_port, run_ranks
 from ...runtime.watchdog import PipelineCommError, peer_lost
-from ..checks import cuda_device_max_connections
-from ..cpu_compat import apply_cpu_compat
-from ..layer_specs import te_missing
+from ..compat.cpu_compat import apply_cpu_compat
+from ..model.layer_specs import te_missing
+from ..schedule.checks import cuda_device_max_connections
 from .checkpoint import CheckpointError, check_fresh_save, check_loadable
 from .config import ConfigError, TrainConfig, blame
 from .datasets import check_data_files

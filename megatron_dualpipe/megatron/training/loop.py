@@ -40,10 +40,10 @@ from ...schedules.limits import TRAIN_BUILD_NOTICE_S, train_build_estimate
 from ...schedules.megatron_flops import megatron_lm_flops
 from ...schedules.model_cost import ModelShape
 from ...schedules.registry import SCHEDULES
-from ..full_iteration import GraphWrapper, chunk_iterators, full_iteration_step
-from ..loss_reports import mtp_losses
-from ..placement import embedding_ranks
-from ..registry import get_forward_backward_func
+from ..grads.loss_reports import mtp_losses
+from ..model.placement import embedding_ranks
+from ..schedule.full_iteration import GraphWrapper, chunk_iterators, full_iteration_step
+from ..schedule.registry import get_forward_backward_func
 from . import finite
 from .checkpoint import TrainState, load_checkpoint, save_checkpoint
 from .checkpoint_files import unwritable

@@ -38,7 +38,7 @@ from ...schedules.export import figure_width, to_png
 from ...schedules.ir import Action, Kind, Schedule
 from ...schedules.registry import generate
 from ...schedules.simulate import SimResult, simulate
-from ..forward_backward import DualPipeForwardBackward
+from ..schedule.forward_backward import DualPipeForwardBackward
 
 __all__ = ["StepRecorder", "predict", "stage_costs", "write_side_by_side_png"]
 

@@ -54,19 +54,19 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from ..checks import schedule_spec
-from ..chunks import ChunkEnds, build_chunks, ddp_config, model_config
-from ..layer_specs import gpt_chunk_specs, te_available
-from ..mirror import prepare_mirrors
-from ..names import global_named_parameters
-from ..placement import StagePlacementLayout
-from ..position_copies import finalize_model_grads, mark_position_copies
-from ..precision import StageFloat16Module
-from ..version import (
+from ..compat.version import (
     cuda_graph_config,
     mtp_block_on_any_chunk,
     tensor_parallel_marks_without_initialisation,
 )
+from ..grads.mirror import prepare_mirrors
+from ..model.chunks import ChunkEnds, build_chunks, ddp_config, model_config
+from ..model.layer_specs import gpt_chunk_specs, te_available
+from ..model.names import global_named_parameters
+from ..model.placement import StagePlacementLayout
+from ..model.position_copies import finalize_model_grads, mark_position_copies
+from ..model.precision import StageFloat16Module
+from ..schedule.checks import schedule_spec
 from .config import TrainConfig
 
 __all__ = [

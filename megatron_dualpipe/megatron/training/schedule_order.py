@@ -19,7 +19,7 @@ from megatron.core import parallel_state
 from ...runtime import p2p_latency_s
 from ...schedules.ir import Schedule, ScheduleError
 from ...schedules.validate import validate
-from ..forward_backward import DualPipeForwardBackward
+from ..schedule.forward_backward import DualPipeForwardBackward
 from .errors import TrainError
 from .measure import StepRecorder
 

@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..version import null_tokenizer_library
+from ..compat.version import null_tokenizer_library
 from .config import ConfigError, TrainConfig, blame
 
 __all__ = [

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-from .version import clean_mtp_tracker, mtp_tracker_fields, save_mtp_metrics
+from ..compat.version import clean_mtp_tracker, mtp_tracker_fields, save_mtp_metrics
 
 __all__ = ["mtp_losses", "mtp_losses_to_last_stage", "reports_to_last_stage"]
 

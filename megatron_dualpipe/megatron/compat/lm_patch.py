@@ -23,7 +23,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from ..errors import DualPipeError
+from ...errors import DualPipeError
 from .version import MEGATRON_LM_TAGS, version_on_disk
 
 __all__ = [
@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 #: The patches of a checkout of this project (setup.py does not install them).
-PATCHES = Path(__file__).resolve().parents[2] / "patches"
+PATCHES = Path(__file__).resolve().parents[3] / "patches"
 
 
 class MegatronLMPatchError(DualPipeError, RuntimeError):
@@ -114,7 +114,7 @@ def unpatched_training_problem() -> str | None:
     Imports ``megatron.training.training``."""
     from megatron.training import training
 
-    from .. import megatron_lm
+    from ... import megatron_lm
 
     if getattr(training, "dualpipe_lm", None) is megatron_lm:
         return None

@@ -23,7 +23,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
-from .cpu_compat import apply_cpu_compat
+from ..compat.cpu_compat import apply_cpu_compat
 
 __all__ = [
     "ModuleChunk",

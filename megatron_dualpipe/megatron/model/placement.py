@@ -28,8 +28,8 @@ from typing import Any
 from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
-from ..schedules.ir import Placement
-from .checks import DualPipeConfigError, schedule_spec, stage_layers
+from ...schedules.ir import Placement
+from ..schedule.checks import DualPipeConfigError, schedule_spec, stage_layers
 
 __all__ = [
     "ChunkRole",

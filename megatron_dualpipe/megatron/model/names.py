@@ -20,7 +20,7 @@ import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.utils import unwrap_model
 
-from .version import mtp_inner_layer_name
+from ..compat.version import mtp_inner_layer_name
 
 __all__ = ["global_named_parameters"]
 

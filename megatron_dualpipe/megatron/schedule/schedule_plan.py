@@ -42,10 +42,10 @@ from megatron.core.pipeline_parallel.utils import ScheduleNode, get_comp_stream,
 from megatron.core.utils import get_attr_wrapped_model, unwrap_model
 from torch import nn
 
-from ..runtime.weight_grad_store import WeightGradStore, active_store, defers
-from .cpu_compat import schedule_plan_context
-from .te_wgrad import exactly, te_layer_classes
-from .version import layer_plan_nodes
+from ...runtime.weight_grad_store import WeightGradStore, active_store, defers
+from ..compat.cpu_compat import schedule_plan_context
+from ..compat.version import layer_plan_nodes
+from ..grads.te_wgrad import exactly, te_layer_classes
 
 __all__ = [
     "PlanHandle",

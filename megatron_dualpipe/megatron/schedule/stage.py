@@ -23,7 +23,7 @@ import torch
 from megatron.core.pipeline_parallel.schedules import forward_step, set_current_microbatch
 from torch import nn
 
-from .placement import ChunkRole
+from ..model.placement import ChunkRole
 from .schedule_plan import PlanHandle, run_plans, start_forward
 
 __all__ = ["MegatronStage", "StepInputs"]

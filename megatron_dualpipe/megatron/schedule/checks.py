@@ -7,11 +7,11 @@ the schedule registry.
 
 from __future__ import annotations
 
-from ..errors import DualPipeError
-from ..schedules.ir import ScheduleError
-from ..schedules.layer_split import LayerSplit, stage_layouts
-from ..schedules.layout import DECODER
-from ..schedules.registry import SCHEDULES, ScheduleSpec, spec
+from ...errors import DualPipeError
+from ...schedules.ir import ScheduleError
+from ...schedules.layer_split import LayerSplit, stage_layouts
+from ...schedules.layout import DECODER
+from ...schedules.registry import SCHEDULES, ScheduleSpec, spec
 
 __all__ = [
     "DualPipeConfigError",

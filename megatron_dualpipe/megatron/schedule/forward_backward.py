@@ -58,18 +58,18 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.utils import get_model_config, unwrap_model
 
-from ..runtime import DEFAULT_TIMEOUT_S, PipelineExecutor, RankTimeline, TensorSpec
-from ..runtime.mirror import MirrorPair
-from ..runtime.transport import GroupTransport, Transport, make_pipeline_group
-from ..schedules.ir import Action, Kind, Placement, Schedule
-from ..schedules.step_collectives import grad_final_points
+from ...runtime import DEFAULT_TIMEOUT_S, PipelineExecutor, RankTimeline, TensorSpec
+from ...runtime.mirror import MirrorPair
+from ...runtime.transport import GroupTransport, Transport, make_pipeline_group
+from ...schedules.ir import Action, Kind, Placement, Schedule
+from ...schedules.step_collectives import grad_final_points
+from ..grads.deferral import te_layers_left_to_plan
+from ..grads.mirror import mirror_pair, sync_mirror_expert_loads, sync_mirror_gradients
+from ..model.placement import config_chunk_roles
+from ..model.tied import sum_tied_gradients
 from .checks import DualPipeConfigError, check_run, schedule_spec
-from .deferral import te_layers_left_to_plan
-from .mirror import mirror_pair, sync_mirror_expert_loads, sync_mirror_gradients
-from .placement import config_chunk_roles
 from .schedule_plan import plan_supported
 from .stage import MegatronStage, StepInputs
-from .tied import sum_tied_gradients
 
 __all__ = ["DualPipeForwardBackward", "OverlapReport", "TimelineSink", "stage_input_spec"]
 

@@ -26,10 +26,10 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+from ..compat.version import mtp_block_on_any_chunk
 from .layer_specs import local_gpt_specs
 from .names import global_named_parameters
 from .tied import release_unused_output_weight
-from .version import mtp_block_on_any_chunk
 
 __all__ = [
     "SEQ_LENGTH",

@@ -52,7 +52,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DualPipeError
+from ...errors import DualPipeError
 
 if TYPE_CHECKING:
     from packaging.version import Version

@@ -25,8 +25,12 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
-from .checks import schedule_spec
-from .deferral import ddp_config_for_deferral, enable_weight_grad_deferral, with_delay_wgrad_compute
+from ..grads.deferral import (
+    ddp_config_for_deferral,
+    enable_weight_grad_deferral,
+    with_delay_wgrad_compute,
+)
+from ..schedule.checks import schedule_spec
 from .tied import mark_tied_copies, release_unused_output_weight
 
 __all__ = ["ChunkEnds", "build_chunks", "ddp_config", "ddp_config_fields", "model_config"]

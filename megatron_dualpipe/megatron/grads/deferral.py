@@ -115,8 +115,8 @@ from megatron.core.utils import (
 )
 from torch import nn
 
-from ..errors import DualPipeError
-from ..runtime.weight_grad_store import (
+from ...errors import DualPipeError
+from ...runtime.weight_grad_store import (
     WeightGradStore,
     accumulate_grad,
     active_store,

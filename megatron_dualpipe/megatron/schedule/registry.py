@@ -23,7 +23,7 @@ from typing import Any
 
 from megatron.core.pipeline_parallel import schedules as megatron_schedules
 
-from ..runtime import DEFAULT_TIMEOUT_S
+from ...runtime import DEFAULT_TIMEOUT_S
 from .checks import schedule_spec
 from .forward_backward import DualPipeForwardBackward
 

@@ -45,7 +45,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
-from .deferral import deferrable_layer_spec
+from ..grads.deferral import deferrable_layer_spec
 
 __all__ = [
     "TRANSFORMER_IMPLS",

@@ -20,10 +20,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import nn
 
-from ..runtime import DEFAULT_TIMEOUT_S
-from ..runtime.mirror import Buckets, MirrorPair, param_buckets, param_grad
-from .checks import DualPipeConfigError
-from .placement import placement_of
+from ...runtime import DEFAULT_TIMEOUT_S
+from ...runtime.mirror import Buckets, MirrorPair, param_buckets, param_grad
+from ..model.placement import placement_of
+from ..schedule.checks import DualPipeConfigError
 
 __all__ = [
     "mirror_pair",

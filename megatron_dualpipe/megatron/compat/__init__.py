@@ -1,0 +1,1 @@
+"""Compatibility room: versions, CPU shims, warnings, Megatron-LM patch; no other room."""

@@ -1,0 +1,1 @@
+"""Gradient room: deferred wgrad, TE wgrad, mirror, loss reports; imports model/ compat/."""

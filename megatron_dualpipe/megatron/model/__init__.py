@@ -1,0 +1,1 @@
+"""Model room: placement, chunks, specs, tied and named params; imports compat/ only."""

@@ -1,0 +1,1 @@
+"""Schedule room: registry, plan, stages, forward-backward; imports model/ grads/ compat/."""
