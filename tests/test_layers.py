@@ -82,6 +82,28 @@ def test_production_code_never_imports_the_test_fixtures() -> None:
     assert _violations(others, ("megatron_dualpipe.megatron.model.tiny_models",)) == []
 
 
+# Which sibling rooms of ``megatron_dualpipe/megatron/`` each room may import.
+_ROOMS = ("schedule", "model", "grads", "compat", "training")
+_ROOM_MAY_IMPORT = {
+    "compat": (),
+    "model": ("compat", "grads", "schedule"),
+    "grads": ("compat", "model", "schedule"),
+    "schedule": ("compat", "model", "grads"),
+    "training": ("compat", "model", "grads", "schedule"),
+}
+
+
+def _room_violations(room: str, paths: list[Path]) -> list[str]:
+    allowed = (room, *_ROOM_MAY_IMPORT[room])
+    forbidden = tuple(f"megatron_dualpipe.megatron.{r}" for r in _ROOMS if r not in allowed)
+    return _violations(paths, forbidden)
+
+
+@pytest.mark.parametrize("room", sorted(_ROOM_MAY_IMPORT))
+def test_each_adapter_room_imports_only_its_allowed_siblings(room: str) -> None:
+    assert _room_violations(room, _modules(f"megatron/{room}")) == []
+
+
 def _prints(node: ast.AST) -> bool:
     """A call of ``print`` or of ``sys.<stream>.write``."""
     if not isinstance(node, ast.Call):
