@@ -296,7 +296,7 @@ def _add_preprocess(sub: argparse._SubParsersAction) -> None:
 
 def _run_preprocess(args: argparse.Namespace) -> None:
     from .megatron.compat.known_warnings import silence_known_warnings
-    from .megatron.training.preprocess import preprocess  # imports torch and megatron
+    from .megatron.training.data.preprocess import preprocess  # imports torch and megatron
 
     silence_known_warnings()
     given = args.max_document_chars
@@ -360,7 +360,7 @@ def _add_make_tokenizer(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_make_tokenizer(args: argparse.Namespace) -> None:
-    from .megatron.training.make_tokenizer import make_tokenizer
+    from .megatron.training.data.make_tokenizer import make_tokenizer
 
     with _unwind_on_stop_signals(), Progress(delay_s=0.5) as bar:
         bar.phase(f"training a BPE on {args.input}")

@@ -435,7 +435,7 @@ def prepare_model(model: Sequence[Any], args: Any) -> None:
 
     if schedule_spec(_schedule(args)).placement == "mirror":
         from .megatron.grads.mirror import prepare_mirrors
-        from .megatron.training.checkpoint import save_as_mirror_replicas
+        from .megatron.training.checkpoint.save_load import save_as_mirror_replicas
 
         prepare_mirrors(model)
         save_as_mirror_replicas(model[1])

@@ -28,7 +28,7 @@ from megatron_dualpipe.megatron.training.config import (  # noqa: E402
     config_from_values,
     read_yaml_values,
 )
-from megatron_dualpipe.megatron.training.flags import (  # noqa: E402
+from megatron_dualpipe.megatron.training.config.flags import (  # noqa: E402
     add_config_flags,
     flag_values,
     parse_flags,

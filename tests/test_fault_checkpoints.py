@@ -189,7 +189,7 @@ def _object_ranges(directory: Path) -> dict[str, list[tuple[int, int]]]:
     """Per shard file, the (offset, end) of each object that is not a tensor."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from megatron_dualpipe.megatron.training.checkpoint_trust import read_metadata
+    from megatron_dualpipe.megatron.training.checkpoint.trust import read_metadata
 
     found = read_metadata(directory / ".metadata")
     ranges: dict[str, list[tuple[int, int]]] = {}

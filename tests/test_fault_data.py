@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from megatron_dualpipe.megatron.training import ConfigError, load_config, train
-from megatron_dualpipe.megatron.training.preprocess import preprocess
+from megatron_dualpipe.megatron.training.data.preprocess import preprocess
 from tests.corpus import train_tokenizer, write_corpus
 
 pytestmark = [pytest.mark.megatron]
@@ -75,7 +75,7 @@ def _refused(root: Path, documents: int, *more: str) -> str:
 def test_megatrons_split_arithmetic_is_reproduced() -> None:
     """The documented default on 120 documents: 116 train, 4 valid, none for the test split
     (Megatron-Core's builder rounds 0.999 x 120 = 119.88 to 120)."""
-    from megatron_dualpipe.megatron.training.indexed_files import split_ranges
+    from megatron_dualpipe.megatron.training.data.indexed_files import split_ranges
 
     assert split_ranges("969,30,1", 120) == [
         ("train", 0.969, range(0, 116)),
@@ -267,7 +267,7 @@ def test_an_idx_that_does_not_index_its_bin_is_refused(
     corpora: Path, tmp_path: Path, damage: str
 ) -> None:
     """Checked from the files alone (the launcher's pre-flight calls this check)."""
-    from megatron_dualpipe.megatron.training.datasets import check_data_files
+    from megatron_dualpipe.megatron.training.data.datasets import check_data_files
 
     prefix, why = _damaged(corpora, tmp_path, damage)
     cfg = load_config(CONFIG, _sets(corpora, 120, f"data_path={prefix}", "split=90,10,0"))
@@ -286,7 +286,7 @@ def test_a_bin_with_another_corpus_idx_does_not_train(corpora: Path, tmp_path: P
 
 
 def test_the_genuine_pair_passes(corpora: Path, tmp_path: Path) -> None:
-    from megatron_dualpipe.megatron.training.datasets import check_data_files
+    from megatron_dualpipe.megatron.training.data.datasets import check_data_files
 
     prefix = _pair(corpora, tmp_path)
     check_data_files(load_config(CONFIG, _sets(corpora, 120, f"data_path={prefix}")), "cfg")
@@ -298,12 +298,12 @@ def test_the_genuine_pair_passes(corpora: Path, tmp_path: Path) -> None:
 def test_token_ids_beyond_the_tokenizers_vocabulary_are_refused(corpora: Path) -> None:
     """The corpus's tokenizer has 320 ids; a NullTokenizer of 100 (101 with its
     end-of-document id) failed in the embedding after the ranks started."""
-    from megatron_dualpipe.megatron.training.indexed_files import largest_token, read_index
+    from megatron_dualpipe.megatron.training.data.indexed_files import largest_token, read_index
 
     prefix = _prefix(corpora, 120)
     largest, whole = largest_token(prefix, read_index(prefix).dtype)
     assert whole and 100 < largest < 320
-    from megatron_dualpipe.megatron.training.tokenizer import build_tokenizer
+    from megatron_dualpipe.megatron.training.data.tokenizer import build_tokenizer
 
     null = ["tokenizer_type=NullTokenizer", "tokenizer_model=null", "vocab_size=100"]
     # 101 in 0.16.1 (its end-of-document id after the 100), 100 in 0.19.
@@ -317,7 +317,7 @@ def test_token_ids_beyond_the_tokenizers_vocabulary_are_refused(corpora: Path) -
 
 
 def test_the_largest_token_of_a_large_bin_is_read_from_a_bounded_sample(tmp_path: Path) -> None:
-    from megatron_dualpipe.megatron.training.indexed_files import largest_token
+    from megatron_dualpipe.megatron.training.data.indexed_files import largest_token
 
     tokens = np.zeros(1 << 24, dtype=np.uint16)  # 32 MiB: two 16 MiB windows
     tokens[5] = 7

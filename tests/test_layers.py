@@ -104,6 +104,35 @@ def test_each_adapter_room_imports_only_its_allowed_siblings(room: str) -> None:
     assert _room_violations(room, _modules(f"megatron/{room}")) == []
 
 
+# The trainer's rooms (``megatron/training/``): which of the others each may import. Every
+# room may import the trainer's leaves; the modules beside the rooms (the run) import all.
+_TRAINING = "megatron_dualpipe.megatron.training"
+_TRAINING_LEAVES = ("errors", "writable")
+_TRAINING_ROOM_MAY_IMPORT = {"config": (), "data": ("config",), "checkpoint": ("config",)}
+
+
+def _training_room_violations(room: str) -> list[str]:
+    folder = PACKAGE / "megatron" / "training"
+    run = [p.stem for p in folder.glob("*.py") if p.stem not in (*_TRAINING_LEAVES, "__init__")]
+    others = [
+        r for r in _TRAINING_ROOM_MAY_IMPORT if r not in (room, *_TRAINING_ROOM_MAY_IMPORT[room])
+    ]
+    forbidden = tuple(f"{_TRAINING}.{name}" for name in (*others, *run))
+    return _violations(_modules(f"megatron/training/{room}"), forbidden)
+
+
+@pytest.mark.parametrize("room", sorted(_TRAINING_ROOM_MAY_IMPORT))
+def test_each_trainer_room_imports_only_its_allowed_siblings(room: str) -> None:
+    assert _training_room_violations(room) == []
+
+
+def test_the_trainer_room_rule_sees_the_rooms_relative_imports() -> None:
+    """Were config/ not allowed to data/, its imports of it would be found (a check that
+    cannot fail proves nothing)."""
+    found = _violations(_modules("megatron/training/data"), (f"{_TRAINING}.config",))
+    assert any("data/datasets.py imports" in line for line in found), found
+
+
 def _prints(node: ast.AST) -> bool:
     """A call of ``print`` or of ``sys.<stream>.write``."""
     if not isinstance(node, ast.Call):

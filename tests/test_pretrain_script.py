@@ -15,7 +15,7 @@ import pytest
 
 from megatron_dualpipe.megatron.training import ConfigError, TrainConfig, load_config
 from megatron_dualpipe.megatron.training.config import config_keys
-from megatron_dualpipe.megatron.training.megatron_lm_flags import (
+from megatron_dualpipe.megatron.training.config.megatron_lm_flags import (
     LATER_MEGATRON_LM_FLAGS,
     MEGATRON_LM_FLAGS,
 )

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_dualpipe.megatron.training.data import (
+from megatron_dualpipe.megatron.training.data.samples import (
     MicroBatchReader,
     SyntheticSamples,
     sample_tokens,

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from megatron_dualpipe.megatron.training import ConfigError, load_config, train
-from megatron_dualpipe.megatron.training.preprocess import PreprocessError, preprocess
+from megatron_dualpipe.megatron.training.data.preprocess import PreprocessError, preprocess
 from tests.corpus import train_tokenizer, write_corpus
 
 pytestmark = [pytest.mark.megatron]
@@ -68,7 +68,7 @@ def test_preprocess_writes_megatrons_indexed_dataset_ending_each_document(corpus
 
 
 def test_the_vocabulary_is_the_tokenizers_padded_as_megatron_lm_pads_it(corpus: Path) -> None:
-    from megatron_dualpipe.megatron.training.tokenizer import build_tokenizer, model_vocab_size
+    from megatron_dualpipe.megatron.training.data.tokenizer import build_tokenizer, model_vocab_size
 
     cfg = _config(corpus)
     tokenizer = build_tokenizer(cfg)
@@ -191,8 +191,8 @@ def test_a_missing_corpus_or_tokenizer_json_is_one_sentence(corpus: Path, tmp_pa
 
 
 def test_data_keys_that_cannot_work_are_one_sentence_naming_the_key(corpus: Path) -> None:
-    from megatron_dualpipe.megatron.training.datasets import check_data_files
-    from megatron_dualpipe.megatron.training.tokenizer import check_tokenizer_files
+    from megatron_dualpipe.megatron.training.data.datasets import check_data_files
+    from megatron_dualpipe.megatron.training.data.tokenizer import check_tokenizer_files
 
     missing = _config(corpus, f"data_path={corpus / 'nothing_text_document'}")
     with pytest.raises(ConfigError) as info:

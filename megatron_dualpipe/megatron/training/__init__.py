@@ -1,20 +1,14 @@
 """The pretraining loop behind ``megatron-dualpipe train``, on megatron-core (part of the
 Megatron adapter layer: the only layer that imports megatron.core).
 
-- :mod:`.config`: the YAML config, read and validated into a :class:`TrainConfig`
-  (no torch or megatron import);
-- :mod:`.flags`: Megatron-LM's command-line flags for the config's keys, generated from its
-  field definitions (the pretrain script's parser); :mod:`.megatron_lm_flags`: the names
-  of Megatron-LM's flags, to refuse the others by name;
-- :mod:`.data`: deterministic synthetic token data by sample index;
-- :mod:`.model`: this rank's model chunks under the schedule's placement, in DDP;
-- :mod:`.optim`: Megatron's optimizer and learning-rate scheduler;
-- :mod:`.loop`: one rank's run (train, evaluate, log, checkpoint, measure);
-- :mod:`.checkpoint`: layout-agnostic dist_checkpointing checkpoints;
-- :mod:`.measure`: one step's measured timeline beside the simulator's;
-- :mod:`.report`: the printed lines;
-- :mod:`.launch`: torchrun, srun or the embedded CPU launcher, and :func:`train`;
-- :mod:`.errors`: :class:`TrainError`, what a failed run raises.
+Its rooms, each a package: :mod:`.config` (the YAML config read and checked into a
+:class:`TrainConfig`; no torch or megatron import), :mod:`.data` (samples, datasets,
+tokenizers, preprocess) and :mod:`.checkpoint` (dist_checkpointing saves and loads, the
+files on disk). The modules beside them are the run itself: :mod:`.launch` (torchrun, srun
+or the embedded CPU launcher, and :func:`train`), :mod:`.loop` (one rank's run),
+:mod:`.model`, :mod:`.optim`, :mod:`.finite`, :mod:`.measure`, :mod:`.report`,
+:mod:`.profiling`, :mod:`.tensorboard`, :mod:`.schedule_order` and :mod:`.dry_run`; and two
+leaves every room may import: :mod:`.errors` (:class:`TrainError`) and :mod:`.writable`.
 
 Importing this package imports neither torch nor megatron; :func:`train` does.
 """

@@ -68,9 +68,9 @@ from ..model.placement import config_chunk_roles
 from ..schedule.checks import schedule_spec
 from ..schedule.forward_backward import stage_input_spec
 from .config import ConfigError, TrainConfig
+from .data.tokenizer import build_tokenizer, model_vocab_size
 from .loop import initialize_parallel_state
 from .model import build_chunks_here, in_precision, transformer_config, transformer_impl
-from .tokenizer import build_tokenizer, model_vocab_size
 
 __all__ = [
     "ChunkReport",

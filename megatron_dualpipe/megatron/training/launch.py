@@ -43,15 +43,15 @@ from ...runtime.watchdog import PipelineCommError, peer_lost
 from ..compat.cpu_compat import apply_cpu_compat
 from ..model.layer_specs import te_missing
 from ..schedule.checks import cuda_device_max_connections
-from .checkpoint import CheckpointError, check_fresh_save, check_loadable
+from .checkpoint.lock import SaveDirectoryInUse, save_lock
+from .checkpoint.save_load import CheckpointError, check_fresh_save, check_loadable
 from .config import ConfigError, TrainConfig, blame
-from .datasets import check_data_files
+from .data.datasets import check_data_files
+from .data.tokenizer import build_tokenizer, model_vocab_size
 from .errors import TrainError
 from .loop import TrainResult, run_rank
 from .model import transformer_config, transformer_impl
-from .save_lock import SaveDirectoryInUse, save_lock
 from .tensorboard import check_tensorboard
-from .tokenizer import build_tokenizer, model_vocab_size
 
 __all__ = ["LaunchError", "RankEnv", "launcher_env", "train"]
 

@@ -45,10 +45,10 @@ from ..model.placement import embedding_ranks
 from ..schedule.full_iteration import GraphWrapper, chunk_iterators, full_iteration_step
 from ..schedule.registry import get_forward_backward_func
 from . import finite
-from .checkpoint import TrainState, load_checkpoint, save_checkpoint
-from .checkpoint_files import unwritable
+from .checkpoint.save_load import TrainState, load_checkpoint, save_checkpoint
 from .config import OPTIMIZE_AFTER, TrainConfig
-from .data import MicroBatchReader, PendingMicroBatch, SyntheticSamples
+from .data.samples import MicroBatchReader, PendingMicroBatch, SyntheticSamples
+from .data.tokenizer import build_tokenizer, model_vocab_size
 from .errors import TrainError
 from .measure import StepRecorder, predict, write_side_by_side_png
 from .model import build_model, transformer_config
@@ -65,7 +65,7 @@ from .report import (
 )
 from .schedule_order import optimise_from_measured, saved_schedule
 from .tensorboard import StepScalars, open_log
-from .tokenizer import build_tokenizer, model_vocab_size
+from .writable import unwritable
 
 __all__ = [
     "TrainResult",
@@ -185,7 +185,7 @@ class _Run:
             train: Any = SyntheticSamples(cfg.seed, "train", cfg.seq_length, self.vocab_size)
             valid: Any = SyntheticSamples(cfg.seed, "valid", cfg.seq_length, self.vocab_size)
         else:
-            from .datasets import build_datasets
+            from .data.datasets import build_datasets
 
             train, valid = build_datasets(cfg, self.tokenizer, self._reads_data())
         layout = dict(

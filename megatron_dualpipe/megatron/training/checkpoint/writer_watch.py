@@ -34,7 +34,7 @@ from collections.abc import Iterator
 import psutil
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-from ...lifetime import die_with_parent
+from ....lifetime import die_with_parent
 
 __all__ = ["WriterDied", "writer_queue_dies_with_rank", "writers_watched"]
 

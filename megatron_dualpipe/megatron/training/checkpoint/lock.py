@@ -25,8 +25,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ...runtime.launch import process_exists
-from .errors import TrainError
+from ....runtime.launch import process_exists
+from ..errors import TrainError
 
 __all__ = ["LOCK_NAME", "SaveDirectoryInUse", "save_lock"]
 

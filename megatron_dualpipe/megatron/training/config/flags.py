@@ -13,8 +13,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .config import ConfigKey, config_keys, parse_overrides
+from .keys import ConfigKey, config_keys
 from .megatron_lm_flags import MEGATRON_LM_FLAGS, MEGATRON_LM_TAG, NO_OP_FLAGS
+from .reading import parse_overrides
 
 __all__ = ["add_config_flags", "flag_values", "no_op_note", "parse_flags", "unknown_flag_problem"]
 

@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy
 
-from .config import ConfigError
+from ..config import ConfigError
 from .tokenizer import check_huggingface_dir, end_of_document_problem, huggingface_tokenizer
 
 __all__ = [

@@ -48,11 +48,13 @@ from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ...runtime.openmp import release_thread_pool
-from ..compat.cpu_compat import apply_cpu_compat
-from ..model.position_copies import POSITION_TABLE, mark_position_copy_replica
-from ..schedule.checks import schedule_spec
-from .checkpoint_files import (
+from ....runtime.openmp import release_thread_pool
+from ...compat.cpu_compat import apply_cpu_compat
+from ...model.position_copies import POSITION_TABLE, mark_position_copy_replica
+from ...schedule.checks import schedule_spec
+from ..config import TrainConfig
+from ..config.scheduler import scheduler_settings
+from .files import (
     TRACKER,
     CheckpointError,
     Damaged,
@@ -66,8 +68,6 @@ from .checkpoint_files import (
     write_tracker,
     writer_errors,
 )
-from .config import TrainConfig
-from .optim import scheduler_settings
 from .writer_watch import WriterDied, writer_queue_dies_with_rank, writers_watched
 
 __all__ = [

@@ -31,8 +31,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..compat.version import null_tokenizer_library
-from .config import ConfigError, TrainConfig, blame
+from ...compat.version import null_tokenizer_library
+from ..config import ConfigError, TrainConfig, blame
 
 __all__ = [
     "build_tokenizer",

@@ -34,8 +34,8 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
 
-from .checkpoint_files import unwritable
-from .config import DATA_PATH_KEYS, ConfigError, TrainConfig, blame
+from ..config import DATA_PATH_KEYS, ConfigError, TrainConfig, blame
+from ..writable import unwritable
 from .indexed_files import (
     SCAN_BYTES,
     IndexedFiles,

@@ -38,9 +38,9 @@ from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from ..compat.version import common_state_in_dcp
-from .checkpoint_trust import UntrustedPickle, load_weights_only, read_metadata
-from .errors import TrainError
+from ...compat.version import common_state_in_dcp
+from ..errors import TrainError
+from .trust import UntrustedPickle, load_weights_only, read_metadata
 
 __all__ = [
     "COMMON_PT",
@@ -56,7 +56,6 @@ __all__ = [
     "iteration_dir",
     "iterations",
     "read_tracker",
-    "unwritable",
     "write_tracker",
     "writer_errors",
 ]
@@ -241,19 +240,6 @@ def earlier_advice(root: str | Path, *, before: int | None = None) -> str:
         f"load an earlier iteration with ckpt_step (complete checkpoints in {root}: "
         f"iteration{'s' if len(complete) > 1 else ''} {listed})"
     )
-
-
-def unwritable(path: str | Path) -> str | None:
-    """Why this process cannot create files under ``path`` (made if missing), or None."""
-    directory = Path(path)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".write-test.{os.getpid()}"
-        probe.write_bytes(b"megatron-dualpipe")
-        probe.unlink()
-    except OSError as err:
-        return err.strerror or str(err)
-    return None
 
 
 #: The logger of megatron-core's checkpoint writer: from 0.17 a failing writer worker is
