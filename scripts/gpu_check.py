@@ -340,16 +340,20 @@ def _layer_costs(moe: bool) -> Callable[[argparse.Namespace], tuple[bool, str]]:
             if moe
             else {}
         )
+        # One layer of these sizes, for the layer built and for its cost model alike.
+        dims = {
+            "num_layers": 1,
+            "hidden_size": h,
+            "num_attention_heads": 32,
+            "num_query_groups": 8,
+            "ffn_hidden_size": ffn,
+            "normalization": "RMSNorm",
+            "add_bias_linear": False,
+        }
         config = TransformerConfig(
-            num_layers=1,
-            hidden_size=h,
-            num_attention_heads=32,
-            num_query_groups=8,
-            ffn_hidden_size=ffn,
+            **dims,
             gated_linear_unit=True,
             activation_func=F.silu,
-            normalization="RMSNorm",
-            add_bias_linear=False,
             hidden_dropout=0.0,
             attention_dropout=0.0,
             bf16=True,
@@ -396,16 +400,10 @@ def _layer_costs(moe: bool) -> Callable[[argparse.Namespace], tuple[bool, str]]:
             x.grad = None
         f, b, w = (statistics.median(times[k]) for k in "FBW")
         shape = ModelShape(
-            num_layers=1,
-            hidden_size=h,
-            num_attention_heads=32,
-            num_query_groups=8,
+            **dims,
             seq_length=s,
             vocab_size=128,
-            ffn_hidden_size=ffn,
             swiglu=True,
-            normalization="RMSNorm",
-            add_bias_linear=False,
             position_embedding_type="rope",
             **({"num_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": ffn} if moe else {}),
         )

@@ -449,9 +449,10 @@ def _install_cpu_rng_tracker() -> None:
 
 
 class _TensorMethodOverride(TorchFunctionMode):
-    """Within this mode a call of the tensor method ``method`` returns ``result(tensor)``."""
+    """Within this mode a call of the tensor method ``method`` returns ``result(tensor, *args,
+    **kwargs)`` (the mode is off while ``result`` runs, so it may call the method itself)."""
 
-    def __init__(self, method: Callable[..., Any], result: Callable[[torch.Tensor], Any]):
+    def __init__(self, method: Callable[..., Any], result: Callable[..., Any]):
         super().__init__()
         self._method, self._result = method, result
 
@@ -463,19 +464,19 @@ class _TensorMethodOverride(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         if func is self._method:
-            return self._result(args[0])
+            return self._result(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
 
 
 def _tensor_cuda_is_identity() -> TorchFunctionMode:
     """Within this mode ``tensor.cuda()`` returns the tensor itself."""
-    return _TensorMethodOverride(torch.Tensor.cuda, lambda tensor: tensor)
+    return _TensorMethodOverride(torch.Tensor.cuda, lambda tensor, *_, **__: tensor)
 
 
 def _record_stream_is_no_op() -> TorchFunctionMode:
     """Within this mode ``tensor.record_stream(stream)`` does nothing: CPU work runs in
     order, and CPU tensors have no ``record_stream``."""
-    return _TensorMethodOverride(torch.Tensor.record_stream, lambda tensor: None)
+    return _TensorMethodOverride(torch.Tensor.record_stream, lambda *_, **__: None)
 
 
 def schedule_plan_context() -> contextlib.AbstractContextManager[None]:
@@ -485,20 +486,17 @@ def schedule_plan_context() -> contextlib.AbstractContextManager[None]:
     return _record_stream_is_no_op() if _applied else contextlib.nullcontext()
 
 
-class _CpuTypesLookCuda(TorchFunctionMode):
-    """Within this mode ``tensor.type()`` names CPU tensors as their CUDA types."""
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        result = func(*args, **(kwargs or {}))
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            return result.replace("torch.", "torch.cuda.", 1) if ".cuda." not in result else result
+def _cuda_type_name(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """``tensor.type()`` naming a CPU tensor as its CUDA type; a conversion as it is."""
+    result = torch.Tensor.type(tensor, *args, **kwargs)
+    if args or kwargs or ".cuda." in result:
         return result
+    return result.replace("torch.", "torch.cuda.", 1)
+
+
+def _cpu_types_look_cuda() -> TorchFunctionMode:
+    """Within this mode ``tensor.type()`` names CPU tensors as their CUDA types."""
+    return _TensorMethodOverride(torch.Tensor.type, _cuda_type_name)
 
 
 def _patch_distributed_optimizer_types() -> None:
@@ -508,7 +506,7 @@ def _patch_distributed_optimizer_types() -> None:
 
     original = DistributedOptimizer._build_model_and_main_param_groups
     DistributedOptimizer._build_model_and_main_param_groups = staticmethod(
-        _within(_CpuTypesLookCuda, original)
+        _within(_cpu_types_look_cuda, original)
     )
 
 
@@ -518,7 +516,7 @@ def _patch_float16_optimizer_types() -> None:
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
     original = Float16OptimizerWithFloat16Params.__init__
-    Float16OptimizerWithFloat16Params.__init__ = _within(_CpuTypesLookCuda, original)
+    Float16OptimizerWithFloat16Params.__init__ = _within(_cpu_types_look_cuda, original)
 
 
 def _make_tensor_cuda_identity_in_embedding_setup() -> None:
