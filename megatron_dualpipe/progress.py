@@ -17,7 +17,7 @@ import time
 from types import TracebackType
 from typing import TextIO
 
-__all__ = ["Progress"]
+__all__ = ["Progress", "StatusLine"]
 
 
 class Progress:
@@ -83,3 +83,24 @@ class Progress:
             self.stream.flush()
             self._drawn = True
             self._stop.wait(self.every_s)
+
+
+class StatusLine:
+    """One line of progress on stderr, rewritten in place, when stderr is a terminal and
+    ``CI`` is unset; silent otherwise. Call :meth:`clear` before printing results."""
+
+    def __init__(self) -> None:
+        self.enabled = sys.stderr.isatty() and not os.environ.get("CI")
+        self.last = 0.0
+
+    def __call__(self, text: str) -> None:
+        now = time.monotonic()
+        if self.enabled and now - self.last > 0.1:
+            self.last = now
+            sys.stderr.write(f"\r\x1b[K{text[: shutil.get_terminal_size().columns - 1]}")
+            sys.stderr.flush()
+
+    def clear(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from ..report import text_table
-from ..simulate import SimResult
-from .optimizer import OptimizeResult
+from collections.abc import Callable
 
-__all__ = ["bubble_removed", "summary", "summary_json"]
+from ..cost import CostModel
+from ..ir import Schedule
+from ..registry import generate
+from ..report import rank_table, text_table
+from ..simulate import SimResult, simulate
+from .optimizer import OptimizeResult, optimize
+
+__all__ = ["against_1f1b", "bubble_removed", "heading", "summary", "summary_json"]
 
 
 def bubble_removed(makespan: float, reference: SimResult) -> float | None:
@@ -80,3 +85,40 @@ def summary_json(result: OptimizeResult, reference: SimResult) -> dict:
         "search_seconds": result.search_seconds,
         "bubble_removed_vs_1f1b": bubble_removed(result.makespan, reference),
     }
+
+
+def heading(base: Schedule, time_limit: float) -> str:
+    """The line ``simulate --optimize`` prints before the search."""
+    p = base.placement
+    return (
+        f"optimising the {p.kind} placement of {base.name}: PP={p.num_ranks} "
+        f"micro-batches={p.num_microbatches} stages={p.num_stages}, time limit "
+        f"{time_limit:g} s"
+    )
+
+
+def against_1f1b(
+    base: Schedule,
+    cost_for: Callable[[Schedule], CostModel],
+    *,
+    memory_cap: int | None,
+    time_limit: float,
+    warm_start: bool,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[OptimizeResult, str, dict]:
+    """Optimise ``base``'s placement (from ``base`` itself too where ``warm_start``) on the
+    cost model ``cost_for`` gives a schedule; the result, its summary and per-rank table
+    against 1F1B on the same ranks and micro-batches, and :func:`summary_json`."""
+    p = base.placement
+    result = optimize(
+        p,
+        cost_for(base),
+        memory_cap=memory_cap,
+        time_limit=time_limit,
+        warm_starts=[base.compute_only()] if warm_start else (),
+        progress=progress,
+    )
+    one_f_one_b = generate("1f1b", p.num_ranks, p.num_microbatches)
+    reference = simulate(one_f_one_b, cost_for(one_f_one_b))
+    text = f"{summary(result, reference)}\n{rank_table(result.result)}"
+    return result, text, summary_json(result, reference)
