@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from megatron_dualpipe.cli import _train_defaults
+from megatron_dualpipe.megatron.training.advice import train_defaults
 from megatron_dualpipe.schedules.advisor import PipelineSetup, stages_for
 from megatron_dualpipe.schedules.config_values import ConfigValueError, read_values
 from megatron_dualpipe.schedules.memory import (
@@ -201,7 +201,7 @@ def test_bad_settings_are_one_sentence(settings: dict, message: str) -> None:
 
 
 def _deepseek_ranks(overrides: list[str]) -> list[Any]:
-    values = {**_train_defaults(), **read_values(DEEPSEEK, overrides)}
+    values = {**train_defaults(), **read_values(DEEPSEEK, overrides)}
     shape = ModelShape.from_values(values, "deepseek")
     setup = PipelineSetup.from_values(values, "deepseek")
     settings = MemorySettings.from_values(values, "deepseek")

@@ -1,0 +1,81 @@
+"""The top parser and :func:`main`: each command's module adds its parser and runs it;
+here, every error becomes one sentence on stderr and an exit status."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import signal
+import sys
+
+from .. import __version__
+from ..errors import DualPipeError
+from . import bench, make_tokenizer, patch_megatron_lm, preprocess, simulate, train
+from .common import Terminated
+
+__all__ = ["main"]
+
+#: The commands in ``--help``'s order: each module's ``add(sub)`` and ``run(args)``.
+COMMANDS = {
+    "simulate": simulate,
+    "train": train,
+    "preprocess": preprocess,
+    "make-tokenizer": make_tokenizer,
+    "bench": bench,
+    "patch-megatron-lm": patch_megatron_lm,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command in ``argv`` (default: this process's command line) and return its
+    exit status. Run as the command, it leaves its objects out of the interpreter's last
+    garbage collections (``gc.freeze``): torch's and Megatron's module graphs made the exit
+    take 4 to 10 s on a loaded machine, after the work was done."""
+    code = _main(argv)
+    if argv is None:
+        gc.freeze()
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="megatron-dualpipe",
+        description="DualPipe and DualPipeV pipeline schedules for Megatron-Core: simulate a "
+        "schedule, train a GPT with one, benchmark them all. Each command's --help says more.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in COMMANDS.values():
+        command.add(sub)
+    args = parser.parse_args(argv)
+    try:
+        COMMANDS[args.command].run(args)
+    except KeyboardInterrupt:
+        # The embedded launchers kill every rank they started on the way out.
+        print(f"megatron-dualpipe: {args.command} interrupted", file=sys.stderr)
+        return 130
+    except Terminated as stop:
+        name = signal.Signals(stop.signum).name
+        with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+            print(f"megatron-dualpipe: {args.command} terminated ({name})", file=sys.stderr)
+        return 128 + stop.signum
+    except BrokenPipeError:  # the reader of our output went away (| head)
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the interpreter's final flush
+        return 1
+    except ModuleNotFoundError as err:
+        if (err.name or "").split(".")[0] not in ("torch", "megatron"):
+            raise
+        print(
+            f"megatron-dualpipe: error: {args.command} needs torch and megatron-core, and "
+            f"{err.name} is not installed: from the megatron-dualpipe checkout (it is not on "
+            "PyPI), pip install -e '.[megatron]' (or install your own CUDA build of torch "
+            "first)",
+            file=sys.stderr,
+        )
+        return 2
+    except (DualPipeError, OSError) as err:
+        print(f"megatron-dualpipe: error: {err}", file=sys.stderr)
+        return 2
+    return 0

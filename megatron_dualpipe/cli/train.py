@@ -1,0 +1,89 @@
+"""``megatron-dualpipe train`` (and ``train --dry-run``): a GPT pretrained on megatron-core
+with a pipeline schedule; the work is :mod:`megatron_dualpipe.megatron.training`
+(:func:`~megatron_dualpipe.megatron.training.train`, and its ``dry_run`` module)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..errors import DualPipeError
+from .common import unwind_on_stop_signals
+
+__all__ = ["add", "run"]
+
+
+def add(sub: argparse._SubParsersAction) -> None:
+    try:
+        from ..megatron.training.config import config_keys  # pure Python: no torch, no megatron
+    except DualPipeError as err:  # an unsupported megatron-core: train says so when run
+        keys = f"(not listed here: {err})"
+    else:
+        keys = ", ".join(key.name for key in config_keys())
+    p = sub.add_parser(
+        "train",
+        help="pretrain a GPT on megatron-core with a pipeline schedule",
+        description="Train the model of a YAML config (keys mirror Megatron-LM's flags). "
+        "Without torchrun or srun and without a GPU, forks world_size CPU ranks itself.",
+        epilog=f"config keys (YAML or --set; each key's meaning and default: python "
+        f"scripts/pretrain_gpt_dualpipe.py --help, which takes them as Megatron-LM's flags): "
+        f"{keys}",
+    )
+    p.add_argument("--config", type=Path, required=True, help="e.g. configs/tiny_gpt_cpu.yaml")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key (repeatable), e.g. --set pipeline_schedule=1f1b",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile with torch.profiler as Megatron-LM's --profile --use-pytorch-profiler "
+        "(the steps after profile_step_start up to profile_step_end, on profile_ranks; set "
+        "them with --set): one Chrome trace per profiled rank, a span per pipeline action, "
+        "for simulate --profile",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="build the pipeline ranks' model chunks at full size on the meta device in a "
+        "fake world of the config's size (nothing allocated, no GPU) and print per rank the "
+        "layers, parameters beside the memory model, process groups and messages",
+    )
+    p.add_argument(
+        "--ranks",
+        metavar="R,...",
+        help="with --dry-run: the pipeline ranks to build (default: every one)",
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.dry_run:
+        _dry_run(args)
+        return
+    from ..megatron.training import ConfigError, load_config, train  # train imports torch
+    from ..megatron.training.config import config_source
+
+    if args.ranks is not None:
+        raise ConfigError("--ranks chooses the ranks of a dry run: add --dry-run")
+    profiling = ["profile=true", "use_pytorch_profiler=true"] if args.profile else []
+    overrides = [*profiling, *args.overrides]
+    with unwind_on_stop_signals():
+        train(load_config(args.config, overrides), source=config_source(args.config, overrides))
+
+
+def _dry_run(args: argparse.Namespace) -> None:
+    from ..megatron.compat.known_warnings import silence_known_warnings
+
+    silence_known_warnings()
+    from ..megatron.training import load_config
+    from ..megatron.training.config import config_source
+    from ..megatron.training.dry_run import dry_run, dry_run_lines, parse_ranks
+
+    cfg = load_config(args.config, args.overrides)
+    ranks = parse_ranks(args.ranks, cfg.pipeline_model_parallel_size)
+    source = config_source(args.config, args.overrides)
+    print("\n".join(dry_run_lines(dry_run(cfg, ranks, source=source))))
