@@ -7,6 +7,7 @@ loads when torch and megatron cannot be imported at all.
    through it), and no production module imports the test fixtures ``tiny_models``.
 4. With torch and megatron blocked, the CLI's ``simulate`` works and the config layer loads.
 5. ``runtime/`` never prints (nor writes to ``sys.stdout``/``sys.stderr``): it logs.
+6. Each command's module of ``cli/`` imports no other command's (nor ``cli.command``).
 """
 
 from __future__ import annotations
@@ -131,6 +132,35 @@ def test_the_trainer_room_rule_sees_the_rooms_relative_imports() -> None:
     cannot fail proves nothing)."""
     found = _violations(_modules("megatron/training/data"), (f"{_TRAINING}.config",))
     assert any("data/datasets.py imports" in line for line in found), found
+
+
+# The command line (``cli/``): ``command`` (the top parser) imports every command's module;
+# a command's module imports ``common`` and the layers below, never another command.
+_CLI_SHARED = ("__init__", "__main__", "command", "common")
+
+
+def _cli_command_violations() -> list[str]:
+    commands = [p for p in _modules("cli") if p.stem not in _CLI_SHARED]
+    found = []
+    for path in commands:
+        others = tuple(f"megatron_dualpipe.cli.{p.stem}" for p in commands if p != path)
+        found += _violations([path], (*others, "megatron_dualpipe.cli.command"))
+    return found
+
+
+def test_each_command_module_imports_no_other_command() -> None:
+    assert _cli_command_violations() == []
+
+
+def test_the_command_rule_sees_a_command_importing_another() -> None:
+    """A command module that imports another command's module is found."""
+    fake = PACKAGE / "cli" / "_command_probe.py"
+    fake.write_text("def run(args):\n    from .simulate import run as simulate\n")
+    try:
+        found = _cli_command_violations()
+    finally:
+        fake.unlink()
+    assert "megatron_dualpipe/cli/_command_probe.py imports megatron_dualpipe.cli.simulate" in found
 
 
 def _prints(node: ast.AST) -> bool:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from megatron_dualpipe.megatron.training.advice import train_defaults
+from megatron_dualpipe.megatron.training.config.advice import train_defaults
 from megatron_dualpipe.schedules.advisor import PipelineSetup, stages_for
 from megatron_dualpipe.schedules.config_values import ConfigValueError, read_values
 from megatron_dualpipe.schedules.memory import (

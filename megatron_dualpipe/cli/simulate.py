@@ -385,7 +385,7 @@ def _run_profile_config(args: argparse.Namespace, profile: TraceCosts) -> None:
 
 def _run_advisor(args: argparse.Namespace) -> None:
     """``simulate --config``: the balance advisor (pure Python, as the rest of simulate)."""
-    from ..megatron.training.advice import train_refuses
+    from ..megatron.training.config.advice import train_refuses
     from ..schedules.config_advice import ConfigModel, advice_text, advise_config, write_advice
 
     if args.pp is not None:
@@ -428,7 +428,7 @@ def _run_advisor(args: argparse.Namespace) -> None:
 def _train_defaults() -> dict:
     """The trainer's defaults (its config module imports no torch), so that the advisor
     models what ``train`` builds."""
-    from ..megatron.training.advice import train_defaults
+    from ..megatron.training.config.advice import train_defaults
 
     return train_defaults()
 

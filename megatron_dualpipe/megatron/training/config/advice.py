@@ -1,6 +1,6 @@
 """What ``train`` makes of the balance advisor's proposal: the trainer's defaults (so the
 advisor models what ``train`` builds) and why its config loader would refuse the proposed
-lines. Pure Python: imports :mod:`.config` only (no torch, no megatron)."""
+lines. Pure Python: imports :mod:`.keys` and :mod:`.reading` only."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, TrainConfig, load_config
+from .keys import ConfigError, TrainConfig
+from .reading import load_config
 
 __all__ = ["train_defaults", "train_refuses"]
 
