@@ -12,7 +12,13 @@ from pathlib import Path
 
 from ..schedules.ir import ScheduleError
 
-__all__ = ["Terminated", "add_json_keys", "check_outputs", "unwind_on_stop_signals"]
+__all__ = [
+    "Terminated",
+    "add_json_keys",
+    "add_overrides",
+    "check_outputs",
+    "unwind_on_stop_signals",
+]
 
 
 class Terminated(BaseException):
@@ -72,4 +78,11 @@ def add_json_keys(p: argparse.ArgumentParser, what: str) -> None:
     """Megatron-LM's ``--json-keys`` (default: text)."""
     p.add_argument(
         "--json-keys", nargs="+", default=["text"], metavar="KEY", help=f"{what} (default: text)"
+    )
+
+
+def add_overrides(p: argparse.ArgumentParser, what: str) -> None:
+    """``--set KEY=VALUE`` (repeatable), into ``args.overrides``."""
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=what
     )

@@ -40,7 +40,7 @@ from ..schedules.simulation import (
     write_outputs,
 )
 from ..schedules.validate import validate
-from .common import check_outputs
+from .common import add_overrides, check_outputs
 
 __all__ = ["add", "run"]
 
@@ -142,14 +142,7 @@ def add(sub: argparse._SubParsersAction) -> None:
         help="balance advisor: a training config (e.g. configs/deepseek_v3_pp16.yaml) whose "
         "model, batch sizes and pipeline settings give the per-stage costs; see docs/advisor.md",
     )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="with --config: override a config key (repeatable)",
-    )
+    add_overrides(p, "with --config: override a config key (repeatable)")
     p.add_argument(
         "--memory-cap",
         type=float,

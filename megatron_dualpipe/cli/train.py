@@ -8,7 +8,7 @@ import argparse
 from pathlib import Path
 
 from ..errors import DualPipeError
-from .common import unwind_on_stop_signals
+from .common import add_overrides, unwind_on_stop_signals
 
 __all__ = ["add", "run"]
 
@@ -30,14 +30,7 @@ def add(sub: argparse._SubParsersAction) -> None:
         f"{keys}",
     )
     p.add_argument("--config", type=Path, required=True, help="e.g. configs/tiny_gpt_cpu.yaml")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key (repeatable), e.g. --set pipeline_schedule=1f1b",
-    )
+    add_overrides(p, "override a config key (repeatable), e.g. --set pipeline_schedule=1f1b")
     p.add_argument(
         "--profile",
         action="store_true",
