@@ -51,7 +51,7 @@ def _helper(
     """Our helper (``ours``, else Megatron's own) over ``schedule``'s chunks on ``rank``
     (``depth`` layers each),
     built without Megatron's ``__init__`` (which needs TE), its attributes as ``__init__``
-    sets them (Megatron's warm-up count as its interleaved schedule's)."""
+    sets them."""
     from megatron.core.pipeline_parallel import schedules as megatron_schedules
     from megatron.core.transformer import cuda_graphs
 
@@ -63,14 +63,15 @@ def _helper(
     monkeypatch.setattr(cuda_graphs, "log_on_each_pipeline_stage", lambda **_: None)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda *_: 0)
     pp, chunks = schedule.num_ranks, schedule.placement.num_chunks
-    warmup = min(m * chunks, (pp - rank - 1) * 2 + (chunks - 1) * pp)  # Megatron's, interleaved
-    monkeypatch.setattr(
-        megatron_schedules, "get_pp_rank_microbatches", lambda *a, **k: (0, 0, warmup, 0)
-    )
-    if hasattr(cuda_graphs, "parallel_state"):  # 0.16.1 reads it; 0.19 helper.pp_group
-        monkeypatch.setattr(
-            cuda_graphs.parallel_state, "get_pipeline_model_parallel_world_size", lambda: pp
-        )
+    # Megatron's own order is built by Megatron's functions from these (ours then replaces
+    # it); for Megatron's helper alone, as its interleaved schedule would see them.
+    virtual = None if ours else chunks
+    pp_group = SimpleNamespace(size=lambda: pp, rank=lambda: rank)
+    p2p = SimpleNamespace(pp_group=pp_group, virtual_pipeline_model_parallel_size=virtual)
+    state = megatron_schedules.parallel_state
+    monkeypatch.setattr(state, "get_pipeline_model_parallel_world_size", lambda: pp)
+    monkeypatch.setattr(state, "get_pipeline_model_parallel_rank", lambda: rank)
+    monkeypatch.setattr(state, "get_virtual_pipeline_model_parallel_world_size", lambda: virtual)
     cls = (
         schedule_te_cuda_graph_helper(lambda p, n: schedule, pp_size=pp, rank=rank, wgrad=wgrad)
         if ours
@@ -108,10 +109,10 @@ def _helper(
         flattened_callables_is_mtp=[False] * chunks * depth,
         _graphs_created=False,
         _capture_finished=False,
-        pp_group=SimpleNamespace(size=lambda: pp),
+        pp_group=pp_group,
         tp_group=None,
         dp_cp_group=None,
-        p2p_communicator=None,
+        p2p_communicator=p2p,
     )
     monkeypatch.setattr(helper, "_start_capturing", lambda: 0.0)
     monkeypatch.setattr(helper, "_finish_capturing", lambda start: None)
