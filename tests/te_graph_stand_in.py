@@ -1,5 +1,6 @@
 """A CPU stand-in for Transformer Engine's ``make_graphed_callables`` with ``_order``,
-following ``transformer_engine/pytorch/graph.py``'s ``_make_graphed_callables``: the same
+following ``transformer_engine/pytorch/graph.py``'s ``_make_graphed_callables`` (TE 2.17;
+wgrad entries since 2.11): the same
 checks of ``_order`` (dimensions, ``_num_layers_per_chunk`` of 1 with wgrad entries, a
 forward only as an ``int``, the count-based wgrad validation), the same capture walk
 (per-chunk forward and backward counters; a wgrad entry captures the wgrad graph of the
