@@ -5,7 +5,10 @@ wires these hooks into Megatron-LM's ``pretrain_gpt.py`` and ``megatron/training
 
 - :func:`add_arguments`: the ``extra_args_provider`` part that adds ``--pipeline-schedule``;
 - :func:`apply`: right after Megatron validated its arguments, before any process-group
-  work: checks the combination (one sentence saying what to change);
+  work: checks the combination (one sentence saying what to change); under
+  ``--cuda-graph-impl transformer_engine`` it puts our ``TECudaGraphHelper``, capturing in
+  the schedule's order (:mod:`.megatron.te_graphs`), where Megatron-LM's ``train`` builds
+  Megatron's;
 - :func:`forward_backward_func`: where Megatron-LM's ``train`` and ``evaluate`` ask for
   their forward-backward function, ours for our schedules (one object per run, kept with
   the run's ``args``; nothing is patched);
@@ -275,6 +278,27 @@ def apply(args: Any, *, exit_on_error: bool = False) -> None:
             raise
         print(f"error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    _graph_in_schedule_order(args, schedule)
+
+
+def _graph_in_schedule_order(args: Any, schedule: str) -> None:
+    """``--cuda-graph-impl transformer_engine`` under our schedules: Megatron-LM's
+    ``train`` builds ``TECudaGraphHelper`` by the name its module imported; ours goes in its
+    place and captures TE's graphs in the order this run's schedule runs them
+    (:mod:`.megatron.te_graphs`)."""
+    from .megatron.version import cuda_graph_setting
+
+    if not schedule_spec(schedule).runs_ours or cuda_graph_setting(args)[0] != "transformer_engine":
+        return
+    import importlib
+
+    from .megatron.te_graphs import helper_on_this_rank
+
+    def schedule_for(pp_size: int, num_microbatches: int) -> Any:
+        return forward_backward_func(args, None)._schedule_to_run(pp_size, num_microbatches)
+
+    training = importlib.import_module("megatron.training.training")
+    training.TECudaGraphHelper = helper_on_this_rank(schedule_for)
 
 
 def forward_backward_func(args: Any, megatrons: Callable[..., Any]) -> Callable[..., Any]:
