@@ -758,11 +758,13 @@ def _run_optimize(args: argparse.Namespace, extra: dict | None = None) -> None:
         time_limit=args.time_limit,
         warm_starts=[base.compute_only()] if args.load else (),
         progress=lambda line: print(f"  {line}", flush=True),
+        generated=() if args.load else [base],
+        timeline=any((args.grid, args.png, args.trace, args.json)),
     )
     from .schedules.report import rank_table
 
     one_f_one_b = generate("1f1b", p.num_ranks, p.num_microbatches)
-    reference = simulate(one_f_one_b, _cost_for(one_f_one_b, args))
+    reference = simulate(one_f_one_b, _cost_for(one_f_one_b, args), timeline=False)
     print(summary(result, reference))
     print(rank_table(result.result))
     _write_outputs([result.result], args, {**summary_json(result, reference), **(extra or {})})
@@ -890,7 +892,8 @@ def _run_simulate(args: argparse.Namespace) -> None:
         return
     args.pp = _DEFAULT_PP if args.pp is None else args.pp
     if args.optimize:
-        _run_optimize(args, extra)
+        with _no_cyclic_gc():
+            _run_optimize(args, extra)
         return
     if args.overrides or args.memory_cap is not None:
         raise ScheduleError(
