@@ -51,9 +51,10 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -265,16 +266,44 @@ def _launch(
         stopped = [rank for rank in unfinished if _is_stopped(procs[rank].pid)]
         return results, errors, unfinished, stopped, guard
     finally:
-        group.kill()
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):  # not in the group after all
-                os.kill(proc.pid, signal.SIGKILL)
-        for proc in procs:
-            proc.join()
-            proc.close()
-        for watch in watches:
-            watch.close()
-        group.close()
+        with _stop_signals_held():  # a second Ctrl-C or SIGTERM must not cut this short
+            group.kill()
+            for proc in procs:
+                with contextlib.suppress(ProcessLookupError):  # not in the group after all
+                    os.kill(proc.pid, signal.SIGKILL)
+            for proc in procs:
+                proc.join()
+                proc.close()
+            for watch in watches:
+                watch.close()
+            group.close()
+
+
+#: What stops a run from outside: Ctrl-C, ``kill``, a closed terminal.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _stop_signals_held() -> Iterator[None]:
+    """Within the block, a stop signal is held and raised again on leaving it, so the
+    block (the ranks killed, the run's folder removed) runs to its end; outside the main
+    thread, where no handler can be set, the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {signum: signal.getsignal(signum) for signum in _STOP_SIGNALS}
+    for signum, handler in previous.items():
+        if handler not in (signal.SIG_IGN, None):
+            signal.signal(signum, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+        for signum in dict.fromkeys(held):
+            signal.raise_signal(signum)
 
 
 class _RunGroup:
