@@ -562,6 +562,7 @@ def test_patch_calls_only_hooks_that_exist(tag: str) -> None:
         "apply",
         "build_model_chunks",
         "builds_model_chunks",
+        "cuda_graph_helper",
         "ddp_config",
         "embedding_ranks",
         "float16_chunks",
