@@ -5,13 +5,14 @@ wires these hooks into Megatron-LM's ``pretrain_gpt.py`` and ``megatron/training
 
 - :func:`add_arguments`: the ``extra_args_provider`` part that adds ``--pipeline-schedule``;
 - :func:`apply`: right after Megatron validated its arguments, before any process-group
-  work: checks the combination (one sentence saying what to change); under
-  ``--cuda-graph-impl transformer_engine`` it puts our ``TECudaGraphHelper``, capturing in
-  the schedule's order (:mod:`.megatron.te_graphs`), where Megatron-LM's ``train`` builds
-  Megatron's;
+  work: checks the combination (one sentence saying what to change);
 - :func:`forward_backward_func`: where Megatron-LM's ``train`` and ``evaluate`` ask for
   their forward-backward function, ours for our schedules (one object per run, kept with
   the run's ``args``; nothing is patched);
+- :func:`cuda_graph_helper`: what Megatron-LM's ``train`` builds its ``TECudaGraphHelper``
+  with under ``--cuda-graph-impl transformer_engine``: for our schedules a subclass
+  capturing TE's graphs in the order the schedule runs them (:mod:`.megatron.te_graphs`),
+  else Megatron's class;
 - :func:`build_model_chunks` / :func:`prepare_model`: ``get_model``'s chunks for zb1p,
   dualpipe and dualpipev, built as ``train`` builds them (chunk 0 and chunk 1 in the
   schedule's placement: V for dualpipev, mirrored copies for dualpipe; split as
@@ -55,6 +56,7 @@ __all__ = [
     "apply",
     "build_model_chunks",
     "builds_model_chunks",
+    "cuda_graph_helper",
     "ddp_config",
     "embedding_ranks",
     "float16_chunks",
@@ -278,27 +280,6 @@ def apply(args: Any, *, exit_on_error: bool = False) -> None:
             raise
         print(f"error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    _graph_in_schedule_order(args, schedule)
-
-
-def _graph_in_schedule_order(args: Any, schedule: str) -> None:
-    """``--cuda-graph-impl transformer_engine`` under our schedules: Megatron-LM's
-    ``train`` builds ``TECudaGraphHelper`` by the name its module imported; ours goes in its
-    place and captures TE's graphs in the order this run's schedule runs them
-    (:mod:`.megatron.te_graphs`)."""
-    from .megatron.version import cuda_graph_setting
-
-    if not schedule_spec(schedule).runs_ours or cuda_graph_setting(args)[0] != "transformer_engine":
-        return
-    import importlib
-
-    from .megatron.te_graphs import helper_on_this_rank
-
-    def schedule_for(pp_size: int, num_microbatches: int) -> Any:
-        return forward_backward_func(args, None)._schedule_to_run(pp_size, num_microbatches)
-
-    training = importlib.import_module("megatron.training.training")
-    training.TECudaGraphHelper = helper_on_this_rank(schedule_for)
 
 
 def forward_backward_func(args: Any, megatrons: Callable[..., Any]) -> Callable[..., Any]:
@@ -325,6 +306,29 @@ def forward_backward_func(args: Any, megatrons: Callable[..., Any]) -> Callable[
         _RUNS[key] = (weakref.ref(args, lambda _: _RUNS.pop(key, None)), func)
         _log_schedule(schedule, ours, megatrons)
     return func if ours else megatrons
+
+
+def cuda_graph_helper(args: Any, megatrons: Callable[..., Any]) -> Callable[..., Any]:
+    """What Megatron-LM's ``train`` builds its CUDA-graph helper with (called with the
+    arguments it passes ``TECudaGraphHelper``): under ``--cuda-graph-impl
+    transformer_engine`` and a schedule our runtime runs, our ``TECudaGraphHelper`` for this
+    pipeline rank, capturing TE's graphs in the order this run's schedule runs them
+    (:mod:`.megatron.te_graphs`); else ``megatrons`` (Megatron's class, unchanged)."""
+    from .megatron.version import cuda_graph_setting
+
+    schedule = _schedule(args)
+    if (
+        schedule is None
+        or not schedule_spec(schedule).runs_ours
+        or cuda_graph_setting(args)[0] != "transformer_engine"
+    ):
+        return megatrons
+    from .megatron.te_graphs import helper_on_this_rank
+
+    def schedule_for(pp_size: int, num_microbatches: int) -> Any:
+        return forward_backward_func(args, None)._schedule_to_run(pp_size, num_microbatches)
+
+    return helper_on_this_rank(schedule_for)
 
 
 def _log_schedule(schedule: str | None, ours: bool, megatrons: Callable[..., Any]) -> None:

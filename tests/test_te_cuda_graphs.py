@@ -10,6 +10,8 @@ what is checked is the graph bookkeeping, not the model."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -243,39 +245,160 @@ def test_megatron_s_own_helper_captures_an_order_dualpipev_does_not_replay(
     assert te.replayed != te.captured
 
 
-def test_the_megatron_lm_route_builds_our_helper_where_te_can_graph(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """``megatron_lm.apply`` puts our helper where Megatron-LM's ``train`` builds
-    ``TECudaGraphHelper`` (its module's name), under our schedules only; the helper it
-    builds captures the run's schedule for the pipeline rank (CUDA stood in for)."""
-    import types
-
-    from megatron_dualpipe import megatron_lm
-    from tests.test_cuda_graph_keys import NEW_NAMES, _lm_args
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    training = types.ModuleType("megatron.training.training")
-    training.TECudaGraphHelper = object
-    monkeypatch.setitem(__import__("sys").modules, "megatron.training.training", training)
-    key = "cuda_graph_modules" if NEW_NAMES else "cuda_graph_scope"
-    megatron_lm.apply(_lm_args(pipeline_schedule="1f1b", cuda_graph_impl="transformer_engine"))
-    assert training.TECudaGraphHelper is object
-    args = _lm_args(cuda_graph_impl="transformer_engine", **{key: ["moe_router"]})
-    megatron_lm.apply(args)
-    build = training.TECudaGraphHelper
-    assert build is not object
-
+def _route_helper(monkeypatch: pytest.MonkeyPatch, build: Any) -> Any:
+    """``build`` called as Megatron-LM's ``train`` calls ``TECudaGraphHelper`` on pipeline
+    rank 1 of 4 (Megatron's ``__init__``, which needs TE, stood in for)."""
     from megatron.core import parallel_state
     from megatron.core.transformer import cuda_graphs
 
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda: 4)
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: 1)
     monkeypatch.setattr(cuda_graphs.TECudaGraphHelper, "__init__", lambda self, *a, **k: None)
-    helper = build("model", "config", 8, 1)
-    assert isinstance(helper, cuda_graphs.TECudaGraphHelper)
-    order = [1, -1] * 8  # Megatron's, replaced in place by dualpipev's rank 1 order
+    return build(
+        model="model", config="config", seq_length=8, micro_batch_size=1, optimizers=[None]
+    )
+
+
+def _captures_dualpipev_rank_1(monkeypatch: pytest.MonkeyPatch, helper: Any) -> bool:
+    """Whether ``helper`` puts dualpipev's rank-1 order (PP 4, 8 micro-batches) in place of
+    Megatron's before Megatron lays out its buffers."""
+    from megatron.core.transformer import cuda_graphs
+
+    order = [1, -1] * 8  # Megatron's, replaced in place by ours
     helper.num_model_chunks, helper.num_microbatches = 2, 8
     monkeypatch.setattr(cuda_graphs.TECudaGraphHelper, "_get_sample_arguments", lambda *a: None)
     helper._get_sample_arguments(order)
-    assert order == graph_order(SCHEDULES["dualpipev"].generate(4, 8), 1, wgrad=False)[0]
+    return order == graph_order(SCHEDULES["dualpipev"].generate(4, 8), 1, wgrad=False)[0]
+
+
+@pytest.mark.megatron
+def test_the_megatron_lm_hook_gives_our_helper_where_te_can_graph(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``megatron_lm.cuda_graph_helper`` (what the patched ``train`` builds its helper with)
+    gives Megatron's class back unless ``--cuda-graph-impl transformer_engine`` runs under
+    one of our schedules, and there a helper capturing the run's schedule for the pipeline
+    rank; ``apply`` leaves Megatron-LM's module alone."""
+    import sys
+    import types
+
+    from megatron.core.transformer import cuda_graphs
+
+    from megatron_dualpipe import megatron_lm
+    from tests.test_cuda_graph_keys import NEW_NAMES, _lm_args
+
+    megatrons = cuda_graphs.TECudaGraphHelper
+    key = "cuda_graph_modules" if NEW_NAMES else "cuda_graph_scope"
+    te = {"cuda_graph_impl": "transformer_engine", key: ["moe_router"]}
+    for megatrons_own in (
+        _lm_args(),  # cuda_graph_impl local
+        _lm_args(pipeline_schedule="1f1b", **te),
+        _lm_args(pipeline_schedule=None, **te),
+    ):
+        assert megatron_lm.cuda_graph_helper(megatrons_own, megatrons) is megatrons
+    args = _lm_args(**te)
+    build = megatron_lm.cuda_graph_helper(args, megatrons)
+    assert build is not megatrons
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    training = types.ModuleType("megatron.training.training")
+    training.TECudaGraphHelper = megatrons
+    monkeypatch.setitem(sys.modules, "megatron.training.training", training)
+    megatron_lm.apply(args)
+    assert training.TECudaGraphHelper is megatrons
+
+    helper = _route_helper(monkeypatch, build)
+    assert isinstance(helper, megatrons) and type(helper) is not megatrons
+    assert _captures_dualpipev_rank_1(monkeypatch, helper)
+
+
+def _patched_graph_helper_block(out: Path) -> ast.If:
+    """The ``if args.cuda_graph_impl == "transformer_engine":`` block of ``train`` that
+    builds ``cuda_graph_helper``, in the installed wheel's ``megatron/training`` patched as
+    ``megatron-dualpipe patch-megatron-lm`` patches it (skips where the wheel ships none)."""
+    from megatron_dualpipe.megatron.lm_patch import MegatronLMPatchError, make_patched_training
+
+    try:
+        training, _ = make_patched_training(out)
+    except MegatronLMPatchError as err:
+        if "ships no megatron/training" in str(err):
+            pytest.skip(str(err))
+        raise
+    tree = ast.parse((training / "training.py").read_text())
+    train = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
+    blocks = [
+        node
+        for node in ast.walk(train)
+        if isinstance(node, ast.If)
+        and ast.unparse(node.test) == "args.cuda_graph_impl == 'transformer_engine'"
+        and any(
+            isinstance(target, ast.Name) and target.id == "cuda_graph_helper"
+            for statement in node.body
+            if isinstance(statement, ast.Assign)
+            for target in statement.targets
+        )
+    ]
+    assert len(blocks) == 1, f"{len(blocks)} blocks of train build cuda_graph_helper"
+    return blocks[0]
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("schedule", ["dualpipev", "1f1b"])
+def test_the_patched_train_builds_its_helper_through_the_hook(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, schedule: str
+) -> None:
+    """The patched ``train``'s own lines that build ``cuda_graph_helper`` (the installed
+    wheel's, 0.17 and newer), run with our hooks module as their ``dualpipe_lm``: our helper
+    under dualpipev, capturing its order for the rank; Megatron's own class under 1F1B."""
+    from megatron.core.transformer import cuda_graphs
+
+    from megatron_dualpipe import megatron_lm
+    from tests.test_cuda_graph_keys import NEW_NAMES, _lm_args
+
+    block = _patched_graph_helper_block(tmp_path)
+    key = "cuda_graph_modules" if NEW_NAMES else "cuda_graph_scope"
+    megatrons = cuda_graphs.TECudaGraphHelper
+    args = _lm_args(
+        pipeline_schedule=schedule, cuda_graph_impl="transformer_engine", **{key: ["moe_router"]}
+    )
+    args.seq_length = 8
+    names = {
+        "args": args,
+        "model": "model",
+        "config": "config",
+        "optimizer": None,
+        "TECudaGraphHelper": megatrons,
+        "dualpipe_lm": megatron_lm,
+    }
+
+    def run_train_s_lines(**_: Any) -> Any:
+        exec(compile(ast.Module([block], type_ignores=[]), "training.py", "exec"), names)
+        return names["cuda_graph_helper"]
+
+    helper = _route_helper(monkeypatch, run_train_s_lines)
+    assert isinstance(helper, megatrons)
+    if schedule == "1f1b":
+        assert type(helper) is megatrons
+    else:
+        assert type(helper) is not megatrons, "train builds Megatron's own helper"
+        assert _captures_dualpipev_rank_1(monkeypatch, helper)
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("tag", ["core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0"])
+def test_every_patch_builds_trains_helper_through_the_hook(tag: str) -> None:
+    """Each tag's patch replaces ``train``'s ``TECudaGraphHelper(...)`` by the class
+    ``dualpipe_lm.cuda_graph_helper`` gives (read from the patch's hunks: not every tag's
+    ``megatron/training`` is installed)."""
+    from tests.test_megatron_lm import PATCHES, _parse_patch
+
+    hunks = _parse_patch((PATCHES / f"megatron-lm-{tag}.patch").read_text())[
+        "megatron/training/training.py"
+    ]
+    bodies = [body for *_, body in hunks if any("cuda_graph_helper(" in line for line in body)]
+    assert len(bodies) == 1, f"{tag}: no hunk builds train's helper through the hook"
+    assert "-        cuda_graph_helper = TECudaGraphHelper(" in bodies[0]
+    assert any(
+        line.startswith("+") and "dualpipe_lm.cuda_graph_helper(args, TECudaGraphHelper)" in line
+        for line in bodies[0]
+    )
