@@ -9,6 +9,10 @@ wires these hooks into Megatron-LM's ``pretrain_gpt.py`` and ``megatron/training
 - :func:`forward_backward_func`: where Megatron-LM's ``train`` and ``evaluate`` ask for
   their forward-backward function, ours for our schedules (one object per run, kept with
   the run's ``args``; nothing is patched);
+- :func:`cuda_graph_helper`: what Megatron-LM's ``train`` builds its ``TECudaGraphHelper``
+  with under ``--cuda-graph-impl transformer_engine``: for our schedules a subclass
+  capturing TE's graphs in the order the schedule runs them (:mod:`.megatron.schedule.te_graphs`),
+  else Megatron's class;
 - :func:`build_model_chunks` / :func:`prepare_model`: ``get_model``'s chunks for zb1p,
   dualpipe and dualpipev, built as ``train`` builds them (chunk 0 and chunk 1 in the
   schedule's placement: V for dualpipev, mirrored copies for dualpipe; split as
@@ -52,6 +56,7 @@ __all__ = [
     "apply",
     "build_model_chunks",
     "builds_model_chunks",
+    "cuda_graph_helper",
     "ddp_config",
     "embedding_ranks",
     "float16_chunks",
@@ -135,7 +140,7 @@ def _stage_layers(args: Any) -> tuple[int, ...]:
 
 def _check_cuda_graphs(args: Any, schedule: str) -> None:
     """``--cuda-graph-impl`` and the graphed parts (``--cuda-graph-modules``, 0.16/0.17:
-    ``--cuda-graph-scope``, read by :func:`~.megatron.version.cuda_graph_setting`): a CUDA
+    ``--cuda-graph-scope``, read by :func:`~.megatron.compat.version.cuda_graph_setting`): a CUDA
     device for any graph, and what the schedule can graph
     (:func:`~.schedules.cuda_graphs.cuda_graph_problem`)."""
     from .megatron.compat.version import cuda_graph_setting
@@ -301,6 +306,29 @@ def forward_backward_func(args: Any, megatrons: Callable[..., Any]) -> Callable[
         _RUNS[key] = (weakref.ref(args, lambda _: _RUNS.pop(key, None)), func)
         _log_schedule(schedule, ours, megatrons)
     return func if ours else megatrons
+
+
+def cuda_graph_helper(args: Any, megatrons: Callable[..., Any]) -> Callable[..., Any]:
+    """What Megatron-LM's ``train`` builds its CUDA-graph helper with (called with the
+    arguments it passes ``TECudaGraphHelper``): under ``--cuda-graph-impl
+    transformer_engine`` and a schedule our runtime runs, our ``TECudaGraphHelper`` for this
+    pipeline rank, capturing TE's graphs in the order this run's schedule runs them
+    (:mod:`.megatron.schedule.te_graphs`); else ``megatrons`` (Megatron's class, unchanged)."""
+    from .megatron.compat.version import cuda_graph_setting
+
+    schedule = _schedule(args)
+    if (
+        schedule is None
+        or not schedule_spec(schedule).runs_ours
+        or cuda_graph_setting(args)[0] != "transformer_engine"
+    ):
+        return megatrons
+    from .megatron.schedule.te_graphs import helper_on_this_rank
+
+    def schedule_for(pp_size: int, num_microbatches: int) -> Any:
+        return forward_backward_func(args, None)._schedule_to_run(pp_size, num_microbatches)
+
+    return helper_on_this_rank(schedule_for)
 
 
 def _log_schedule(schedule: str | None, ours: bool, megatrons: Callable[..., Any]) -> None:

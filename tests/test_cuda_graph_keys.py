@@ -93,8 +93,9 @@ def test_local_under_1f1b_is_read_with_either_name() -> None:
         ),
         (
             ["cuda_graph_impl=transformer_engine"],
-            "cuda_graph_impl: transformer_engine under dualpipev would capture TE's graphs in "
-            "Megatron's interleaved order",
+            "cuda_graph_impl: transformer_engine under dualpipev graphs the whole layer, and "
+            "the whole layer defers its weight gradient to a W that TE graphs apart for a "
+            "chunk's latest backward only",
         ),
         (
             ["pipeline_schedule=dualpipe", "cuda_graph_impl=full_iteration"],

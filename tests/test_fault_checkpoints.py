@@ -385,6 +385,44 @@ def test_a_full_disk_names_the_iteration_and_keeps_the_last_checkpoint(tmp_path:
     assert result.resumed_from == 1 and sorted(result.losses) == [2, 3]
 
 
+#: What a checkpoint writer worker raised on a full disk one save in four (torch's
+#: PyTorchStreamWriter's short write, no errno), as megatron-core's writer wraps it.
+_SHORT_WRITE = (
+    "[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file "
+    "data/3: file write failed"
+)
+
+
+def _worker_failure() -> RuntimeError:
+    try:
+        raise RuntimeError(f"Worker failure: {_SHORT_WRITE}") from RuntimeError(_SHORT_WRITE)
+    except RuntimeError as err:
+        return err
+
+
+def test_a_short_write_on_a_full_disk_says_the_disk_is_full(tmp_path: Path) -> None:
+    """It was reported as ``Worker failure [enforce fail at inline_container.cc:672]`` with
+    the advice to choose a directory every rank can write to."""
+    from megatron_dualpipe.megatron.training.checkpoint.files import failure_cause
+    from megatron_dualpipe.megatron.training.checkpoint.save_load import _save_failure
+
+    err = _worker_failure()
+    with _tmpfs(tmp_path / "disk", "size=4m") as disk:
+        root = disk / "ckpt"
+        root.mkdir()
+        assert failure_cause(err, (), root) == (
+            [], "RuntimeError: Worker failure: [enforce fail at inline_container.cc:672]"
+        )  # room left: the worker's words
+        with pytest.raises(OSError), (disk / "filler").open("wb") as filler:
+            filler.write(b"x" * (8 << 20))
+        assert failure_cause(err, (), root) == ([], "no space left on device")
+        assert _save_failure(str(root), 2, err) == (
+            f"saving iteration 2 to {root / 'iter_0000002'} failed: no space left on device; "
+            f"there is no complete checkpoint in {root} yet: free space in {root} or set save "
+            "to another directory"
+        )
+
+
 def test_another_seq_length_is_refused_before_any_rank_starts(copy: Path) -> None:
     """The learned position table follows seq_length where max_position_embeddings is left
     unset: it was found only after the ranks started, with the advice to load an earlier

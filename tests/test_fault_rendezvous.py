@@ -64,3 +64,14 @@ def test_a_rank_0_out_of_reach_is_one_sentence(monkeypatch) -> None:
         f"rank 1 of 2: could not reach the rendezvous at 127.0.0.1:{port} (rank 0 hosts it) "
         "before the timeout: start rank 0, or check MASTER_ADDR and MASTER_PORT"
     )
+
+
+def test_a_rank_0_out_of_reach_prints_no_cpp_frames(monkeypatch, capfd) -> None:
+    """Before its sentence it printed c10d's log of each failed try, each with the c10
+    error's 36 lines of C++ frames."""
+    _as_rank(monkeypatch, 1, pick_port())
+    cfg = load_config(TINY, ["distributed_timeout_minutes=0.02", "output_dir=null"])
+    with pytest.raises(LaunchError, match="could not reach the rendezvous at "):
+        train(cfg, source=str(TINY))
+    err = capfd.readouterr().err
+    assert "frame #" not in err and "[c10d]" not in err, err

@@ -48,6 +48,18 @@ def test_the_command_writes_the_patched_training_and_refuses_to_overwrite_it(
     )
 
 
+@pytest.mark.skipif(not SHIPS_TRAINING, reason="the megatron-core wheel ships no megatron/training")
+def test_the_command_patches_a_copy_inside_a_git_work_tree(tmp_path: Path) -> None:
+    """``--out`` inside a git work tree (the checkout of a project, say): ``git apply`` run
+    there takes the patch's paths from the work tree's top and skips them all, which left
+    an unpatched copy behind a success."""
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    out = tmp_path / "lm"
+    assert main(["patch-megatron-lm", "--out", str(out)]) == 0
+    source = (out / "megatron" / "training" / "training.py").read_text(encoding="utf-8")
+    assert "dualpipe_lm.forward_backward_func(args, forward_backward_func)" in source
+
+
 @pytest.mark.skipif(SHIPS_TRAINING, reason="this megatron-core wheel ships megatron/training")
 def test_a_wheel_without_megatron_training_is_one_sentence(
     tmp_path: Path, capsys: pytest.CaptureFixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -122,3 +123,29 @@ def test_a_verdict_every_rank_reaches_is_said_without_a_rank_when_a_peer_is_late
     with pytest.raises(LaunchFailure) as info:  # the same error without the flag: rank 0's
         run_ranks(_fail_on_rank, 2, args=(0,), plain_errors=(ValueError,))
     assert info.value.first.startswith("rank 0 of 2 failed: deliberate failure on rank 0")
+
+
+class _Stopped(Exception):
+    """What the test's SIGTERM handler raises (a launcher's caller unwinding on SIGTERM)."""
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise _Stopped(signum)
+
+
+def test_stop_signals_wait_for_the_launch_clean_up_to_end() -> None:
+    """A second SIGTERM while the ranks are killed and the run's folder removed is held,
+    and raised again once that is done (it cut the removal short, leaving the folder)."""
+    from megatron_dualpipe.runtime.launch import _stop_signals_held
+
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    done = []
+    try:
+        with pytest.raises(_Stopped), _stop_signals_held():
+            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(signal.SIGTERM)
+            done.append("the clean-up ran to its end")
+        assert done == ["the clean-up ran to its end"]
+        assert signal.getsignal(signal.SIGTERM) is _raise_stopped
+    finally:
+        signal.signal(signal.SIGTERM, previous)

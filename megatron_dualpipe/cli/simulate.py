@@ -197,7 +197,8 @@ def run(args: argparse.Namespace) -> None:
         return
     args.pp = _DEFAULT_PP if args.pp is None else args.pp
     if args.optimize:
-        _run_optimize(args, extra)
+        with no_cyclic_gc():
+            _run_optimize(args, extra)
         return
     if args.overrides or args.memory_cap is not None:
         raise ScheduleError(
@@ -458,6 +459,7 @@ def _run_optimize(args: argparse.Namespace, extra: dict | None = None) -> None:
         time_limit=args.time_limit,
         warm_start=bool(args.load),
         progress=lambda line: print(f"  {line}", flush=True),
+        timeline=any((args.grid, args.png, args.trace, args.json)),
     )
     print(text)
     _write_outputs([result.result], args, {**figures, **(extra or {})})

@@ -51,9 +51,10 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,7 @@ from ..errors import DualPipeError
 from ..lifetime import die_with_parent
 from .openmp import release_thread_pool
 
-__all__ = ["GUARD_NAME", "LaunchFailure", "pick_port", "run_ranks"]
+__all__ = ["GUARD_NAME", "LaunchFailure", "TempDirTooLong", "pick_port", "run_ranks"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,35 @@ _LAUNCH_ATTEMPTS = 3
 GUARD_NAME = "dualpipe-guard"
 #: The run's temporary directory: this, the parent's pid, a dash, a random tail.
 _TMPDIR_PREFIX = "megatron-dualpipe-run-"
+#: The longest AF_UNIX socket path: ``sun_path`` less its closing NUL (108 bytes on Linux).
+_SOCKET_PATH_MAX = (108 if sys.platform.startswith("linux") else 104) - 1
+#: What goes under the temporary folder before a rank's socket name ends: the run's folder
+#: (the prefix, a pid of up to 7 digits, a dash, mkdtemp's 8 random characters), then
+#: multiprocessing's ``pymp-`` folder and a listener's name in it (``util.get_temp_dir``,
+#: ``connection.arbitrary_address``: each 8 random characters after its prefix), the
+#: sockets of the checkpoint writer's result-queue manager and of torch's tensor sharing.
+_SOCKET_TAIL = len(f"/{_TMPDIR_PREFIX}1234567-abcdefgh/pymp-abcdefgh/listener-abcdefgh")
 _ports_handed_out: set[int] = set()
+
+
+class TempDirTooLong(DualPipeError, ValueError):
+    """The temporary folder leaves no room for the ranks' socket paths (see
+    :func:`check_tmpdir`)."""
+
+
+def check_tmpdir() -> None:
+    """Raise :class:`TempDirTooLong` where a socket the ranks open under the temporary
+    folder (TMPDIR) would be longer than an AF_UNIX path may be: multiprocessing's bind
+    would fail in a worker ("AF_UNIX path too long"), and the rank with a bare EOFError."""
+    root = tempfile.gettempdir()
+    limit = _SOCKET_PATH_MAX - _SOCKET_TAIL
+    length = len(os.fsencode(root))
+    if length > limit:
+        raise TempDirTooLong(
+            f"TMPDIR {root} is {length} characters long, and the ranks' sockets live under "
+            f"it, which leaves it at most {limit} (an AF_UNIX socket path is at most "
+            f"{_SOCKET_PATH_MAX} bytes): set TMPDIR to a shorter directory, such as /tmp"
+        )
 
 
 class LaunchFailure(DualPipeError, RuntimeError):
@@ -167,12 +196,14 @@ def run_ranks(
     set; return their picklable results in rank order, or raise :class:`LaunchFailure`
     (or, given ``failure_as``, the caller's own error made from it).
 
-    ``timeout_s`` None waits as long as the ranks run. An exception of a ``plain_errors``
-    type is reported by its message alone (it explains itself); others as
-    ``Type: message`` followed by the traceback.
+    A temporary folder too long for the ranks' socket paths raises :class:`TempDirTooLong`
+    before any rank starts. ``timeout_s`` None waits as long as the ranks run. An exception
+    of a ``plain_errors`` type is reported by its message alone (it explains itself); others
+    as ``Type: message`` followed by the traceback.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    check_tmpdir()
     deadline = float("inf") if timeout_s is None else time.monotonic() + timeout_s
     for attempt in range(1, _LAUNCH_ATTEMPTS + 1):
         results, errors, unfinished, stopped, guard = _launch(
@@ -235,16 +266,44 @@ def _launch(
         stopped = [rank for rank in unfinished if _is_stopped(procs[rank].pid)]
         return results, errors, unfinished, stopped, guard
     finally:
-        group.kill()
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):  # not in the group after all
-                os.kill(proc.pid, signal.SIGKILL)
-        for proc in procs:
-            proc.join()
-            proc.close()
-        for watch in watches:
-            watch.close()
-        group.close()
+        with _stop_signals_held():  # a second Ctrl-C or SIGTERM must not cut this short
+            group.kill()
+            for proc in procs:
+                with contextlib.suppress(ProcessLookupError):  # not in the group after all
+                    os.kill(proc.pid, signal.SIGKILL)
+            for proc in procs:
+                proc.join()
+                proc.close()
+            for watch in watches:
+                watch.close()
+            group.close()
+
+
+#: What stops a run from outside: Ctrl-C, ``kill``, a closed terminal.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _stop_signals_held() -> Iterator[None]:
+    """Within the block, a stop signal is held and raised again on leaving it, so the
+    block (the ranks killed, the run's folder removed) runs to its end; outside the main
+    thread, where no handler can be set, the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {signum: signal.getsignal(signum) for signum in _STOP_SIGNALS}
+    for signum, handler in previous.items():
+        if handler not in (signal.SIG_IGN, None):
+            signal.signal(signum, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+        for signum in dict.fromkeys(held):
+            signal.raise_signal(signum)
 
 
 class _RunGroup:

@@ -10,9 +10,11 @@ Megatron-Core offers three implementations (``cuda_graph_impl``; megatron-core 0
   gradients of the graphed part inside it, so a dW cannot be deferred out of it. Allowed
   where the graphed part defers no dW (:func:`cuda_graph_problem`).
 - ``transformer_engine``: ``TECudaGraphHelper`` hands TE's ``make_graphed_callables`` an
-  ``_order`` built from Megatron's own interleaved table. :func:`cuda_graph_order` is that
-  ``_order`` for any schedule of the IR and :func:`check_cuda_graph_order` the rules TE's
-  ``transformer_engine/pytorch/graph.py`` (``_make_graphed_callables``) holds it to.
+  ``_order`` built from Megatron's own interleaved table; ``megatron.schedule.te_graphs`` puts
+  :func:`cuda_graph_order` (that ``_order`` for any schedule of the IR) in its place, and
+  :func:`check_cuda_graph_order` holds it to the rules of TE's
+  ``transformer_engine/pytorch/graph.py`` (``_make_graphed_callables``). Allowed where the
+  graphed part defers no dW, as ``local``.
 - ``full_iteration``: ``FullCudaGraphWrapper`` captures the whole forward-backward function
   once; it needs a step without host synchronisation (the executor's ``graph_safe`` mode).
 
@@ -76,11 +78,14 @@ def cuda_graph_problem(
     None. Megatron's own schedules (1f1b, interleaved-1f1b) take every implementation as
     Megatron does. Under this project's schedules:
 
-    - ``local`` only where no graphed part defers its dW (:func:`deferring_modules`) when
-      the schedule splits the backward (zb1p, dualpipe, dualpipev): the replayed backward
-      graph computes dW inside it;
-    - ``transformer_engine``: Megatron's helper builds its ``_order`` from Megatron's
-      interleaved table and has no hook for another schedule's order;
+    - ``local`` and ``transformer_engine`` only where no graphed part defers its dW
+      (:func:`deferring_modules`) when the schedule splits the backward (zb1p, dualpipe,
+      dualpipev): ``local``'s replayed backward graph computes dW inside it, and TE would
+      need a wgrad graph per deferred W, which it captures for a chunk's latest backward
+      only (:func:`check_cuda_graph_order`), while these schedules keep several backwards
+      of one chunk waiting for their W at most sizes (:func:`max_wgrads_waiting`). TE's
+      graphs are captured in the schedule's own order
+      (``megatron.schedule.te_graphs.schedule_te_cuda_graph_helper``);
     - ``full_iteration``: the graph-safe executor runs under zb1p and dualpipev; dualpipe's
       two chunks on a rank each take half of the step's micro-batches, while
       ``FullCudaGraphWrapper.data_read`` reads all of them for every chunk.
@@ -96,26 +101,24 @@ def cuda_graph_problem(
     found = spec(schedule)
     if impl == "none" or not found.runs_ours:
         return None
-    if impl == "local":
+    if impl in ("local", "transformer_engine"):
         deferring = deferring_modules(
             modules, shared_expert_in_router_graph=shared_expert_in_router_graph
         )
         if not found.splits_backward or not deferring:
             return None
         graphed = " ".join(modules) if modules else "the whole layer"
-        return (
-            f"cuda_graph_impl local under {schedule} graphs {graphed}, and {deferring[0]} "
-            f"defers its weight gradient to a W that the replayed backward graph cannot leave "
-            "out: graph only moe_router / moe_preprocess (without the shared expert, or with "
-            "moe_shared_expert_overlap), or choose 1f1b or interleaved-1f1b to graph whole "
-            "layers"
+        cannot = (
+            "that the replayed backward graph cannot leave out"
+            if impl == "local"
+            else "that TE graphs apart for a chunk's latest backward only, and "
+            f"{schedule} keeps several backwards of a chunk waiting for theirs"
         )
-    if impl == "transformer_engine":
         return (
-            f"cuda_graph_impl transformer_engine under {schedule} would capture TE's graphs in "
-            "Megatron's interleaved order (TECudaGraphHelper has no hook for another "
-            "schedule's order), not in the order this schedule replays them: use "
-            "cuda_graph_impl local on moe_router, or 1f1b / interleaved-1f1b for TE graphs"
+            f"cuda_graph_impl {impl} under {schedule} graphs {graphed}, and {deferring[0]} "
+            f"defers its weight gradient to a W {cannot}: graph only moe_router / "
+            "moe_preprocess (without the shared expert, or with moe_shared_expert_overlap), "
+            "or choose 1f1b or interleaved-1f1b to graph whole layers"
         )
     if found.placement == "mirror":
         return (

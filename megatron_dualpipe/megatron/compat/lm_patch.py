@@ -19,6 +19,7 @@ wheel is found and its release read from files (:mod:`.version`).
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -30,6 +31,7 @@ __all__ = [
     "PATCHES",
     "MegatronLMPatchError",
     "make_patched_training",
+    "outside_any_work_tree",
     "patch_of",
     "unpatched_training_problem",
 ]
@@ -96,7 +98,7 @@ def make_patched_training(out: Path) -> tuple[Path, Path]:
     for check in (["--check"], []):
         done = subprocess.run(
             [git, "apply", *check, "--include=megatron/training/*", str(patch)],
-            cwd=out, capture_output=True, text=True,
+            cwd=out, env=outside_any_work_tree(out), capture_output=True, text=True,
         )  # fmt: skip
         if done.returncode != 0:
             shutil.rmtree(target)
@@ -106,6 +108,15 @@ def make_patched_training(out: Path) -> tuple[Path, Path]:
                 f"Megatron-LM tag {tag}"
             )
     return target, patch
+
+
+def outside_any_work_tree(folder: Path) -> dict[str, str]:
+    """The environment for ``git apply`` in ``folder`` as in a folder of no git work tree.
+    Inside one (``folder`` in a checkout, or a venv's site-packages there), git takes the
+    patch's paths from the work tree's top and skips those outside ``folder``: every one,
+    with exit status 0. ``GIT_CEILING_DIRECTORIES`` stops git's search for a work tree at
+    ``folder``."""
+    return {**os.environ, "GIT_CEILING_DIRECTORIES": str(Path(folder).resolve().parent)}
 
 
 def unpatched_training_problem() -> str | None:

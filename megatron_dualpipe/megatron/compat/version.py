@@ -37,8 +37,12 @@ release starts from them): ``_forward_impl`` of Megatron's linear layers passes
 ``gtp_remat_size=`` (0.19; the deferrable linear takes it and refuses a sharded weight); a
 layer spec's MLP is a ``functools.partial`` (0.18; the deferrable spec looks inside);
 ``get_forward_backward_func`` takes ``schedule_pg_collection=`` (0.19; ours passes
-Megatron's keywords through); ``set_streams`` lost ``comp_stream`` (0.17); the checkpoint
-writer raises a failing worker as its exception class and logs the error (0.17;
+Megatron's keywords through); ``TECudaGraphHelper`` takes ``pg_collection=`` and reads the
+pipeline size from it (0.19; was ``parallel_state``), while ``_get_cuda_graph_input_data``
+hands ``_get_sample_arguments(order, chunk_id_list)`` the very list it passes TE as
+``_order`` in 0.16.1 and 0.19.2 alike (``megatron.schedule.te_graphs`` overrides that one method and
+passes the constructor's arguments through); ``set_streams`` lost ``comp_stream`` (0.17);
+the checkpoint writer raises a failing worker as its exception class and logs the error (0.17;
 ``checkpoint_files.writer_errors`` reads the log). The CPU compatibility layer's sites per
 release: docs/megatron-on-cpu.md.
 """

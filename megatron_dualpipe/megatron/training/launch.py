@@ -30,6 +30,8 @@ import importlib.util
 import logging
 import os
 import re
+import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -280,13 +282,14 @@ def _run_here(cfg: TrainConfig, env: RankEnv, on_gpu: bool) -> TrainResult:
         torch.cuda.set_device(env.local_rank)
     os.environ.update(MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port))
     try:
-        dist.init_process_group(
-            "nccl" if on_gpu else "gloo",
-            init_method="env://",
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=timedelta(minutes=cfg.distributed_timeout_minutes),
-        )
+        with _c10d_log_held():
+            dist.init_process_group(
+                "nccl" if on_gpu else "gloo",
+                init_method="env://",
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=timedelta(minutes=cfg.distributed_timeout_minutes),
+            )
     except RuntimeError as err:  # torch's DistStoreError and DistNetworkError among them
         raise LaunchError(_rendezvous_failure(env, err)) from None
     try:
@@ -342,6 +345,57 @@ def _save_locked(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> Iterat
 
 
 _JOINED = re.compile(r"(\d+)/(\d+) clients joined")
+#: A line of c10's log (``[E1202 16:55:51.939312040 socket.cpp:1028] [c10d] ...``).
+_C10D_LOG = re.compile(r"^\[[EWIF]\d{4} [^\]]*\] \[c10d\]")
+#: The lines of a c10 error's C++ stack trace, as its ``what()`` carries it into a log line.
+_CPP_FRAMES = ("Exception raised from ", "frame #", "<omitting python frames>")
+
+
+@contextlib.contextmanager
+def _c10d_log_held() -> Iterator[None]:
+    """Hold what is written to stderr (file descriptor 2: torch's C++ side writes there)
+    while the block runs, then write it back without C++ stack traces: c10d's rendezvous
+    logs each failed try with the c10 error's ``what()``, the message and some 36 lines of
+    frames. Where the block raises, c10d's own log lines go too: the rendezvous error's
+    sentence says what they said."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr to hold
+        yield
+        return
+    failed = False
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = _without_cpp_frames(held.read().decode(errors="replace"), failed)
+            if kept:
+                sys.stderr.write(kept)
+                sys.stderr.flush()
+
+
+def _without_cpp_frames(text: str, without_c10d: bool) -> str:
+    """``text`` less the C++ stack traces in it (and c10d's log lines, ``without_c10d``)."""
+    kept, in_trace = [], False
+    for line in text.splitlines(keepends=True):
+        if line.startswith(_CPP_FRAMES):
+            in_trace = True
+            continue
+        if in_trace and not line.strip():
+            continue  # the blank line closing a trace
+        in_trace = False
+        if not (without_c10d and _C10D_LOG.match(line)):
+            kept.append(line)
+    return "".join(kept)
 
 
 def _rendezvous_failure(env: RankEnv, err: RuntimeError) -> str:

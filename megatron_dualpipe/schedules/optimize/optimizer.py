@@ -101,8 +101,9 @@ class OptimizeResult:
 
     @cached_property
     def baseline_result(self) -> SimResult:
-        """The warm start simulated under the same costs (computed when first asked)."""
-        return simulate(self.baseline, self.result.cost)
+        """The warm start simulated under the same costs (computed when first asked; its
+        figures alone)."""
+        return simulate(self.baseline, self.result.cost, timeline=False)
 
     @property
     def makespan(self) -> float:
@@ -126,11 +127,18 @@ def hand_schedules(placement: Placement) -> list[Schedule]:
     return list(_hand_schedules(placement))
 
 
-def _hand_schedules(placement: Placement) -> Iterator[Schedule]:
-    """:func:`hand_schedules`, each generated when asked for."""
+def _hand_schedules(
+    placement: Placement, generated: Sequence[Schedule] = ()
+) -> Iterator[Schedule]:
+    """:func:`hand_schedules`, each generated when asked for; one the caller has
+    ``generated`` already (named as its registry entry) is taken as it is."""
     ranks, microbatches = placement.num_ranks, placement.num_microbatches
-    for entry in SCHEDULES.values():
+    known = {s.name: s for s in generated if s.placement == placement}
+    for name, entry in SCHEDULES.items():
         if entry.placement != placement.kind or not entry.is_legal(ranks, microbatches):
+            continue
+        if name in known:
+            yield known[name]
             continue
         options = {"chunks": placement.num_chunks} if entry.chunks is None else {}
         try:
@@ -205,18 +213,23 @@ def optimize(
     name: str | None = None,
     progress: Callable[[str], None] | None = None,
     effort: Effort | None = None,
+    generated: Sequence[Schedule] = (),
+    timeline: bool = True,
 ) -> OptimizeResult:
     """Optimise the per-rank order of ``placement``'s work under ``cost`` (per stage, as
     the simulator takes it) within ``memory_cap`` live activations per rank (one int for
     every rank, or one per rank; default: the peak of the best hand-made schedule of the
     placement), spending about ``time_limit`` seconds at most.
 
-    ``warm_starts`` adds schedules of the same placement to the hand-made ones;
-    ``effort`` bounds the search by work (reproducible) as well as by time. The
-    result is validated and simulated; it is never slower than the best warm start that
-    keeps the cap (that one is returned, with ``fell_back`` set, if nothing better is
-    found). Raises :class:`ScheduleError` with one sentence for an unsupported placement,
-    a cap too small to run it, or warm starts of another placement."""
+    ``warm_starts`` adds schedules of the same placement to the hand-made ones, and
+    ``generated`` gives hand-made ones the caller has built already (not built again: at
+    PP x micro-batches in the hundreds of thousands that takes seconds); ``effort`` bounds
+    the search by work (reproducible) as well as by time. The result is validated and
+    simulated (``timeline=False``: its figures alone, the simulator's faster mode); it is
+    never slower than the best warm start that keeps the cap (that one is returned, with
+    ``fell_back`` set, if nothing better is found). Raises :class:`ScheduleError` with one
+    sentence for an unsupported placement, a cap too small to run it, or warm starts of
+    another placement."""
     import scipy.optimize  # noqa: F401  (imported before the clock starts: a one-off cost)
 
     _check_placement(placement)
@@ -232,12 +245,14 @@ def optimize(
                 f"warm start {schedule.name} runs on {schedule.placement}, not {placement}"
             )
     search = _Search(placement, cost, time_limit, progress, effort)
-    search.warm_start([s.compute_only() for s in warm_starts], _hand_schedules(placement))
+    search.warm_start(
+        [s.compute_only() for s in warm_starts], _hand_schedules(placement, generated)
+    )
     search.set_caps(_caps(search.inst, memory_cap, search.baseline_peak))
     search.prove_bound()
     search.construct()
     search.improve()
-    return search.result(name, time_limit)
+    return search.result(name, time_limit, timeline)
 
 
 def optimize_on_placements(
@@ -441,7 +456,7 @@ class _Search:
                 self.inst, new, self.deadline, evaluations=evaluations
             )
 
-    def result(self, name: str | None, time_limit: float) -> OptimizeResult:
+    def result(self, name: str | None, time_limit: float, timeline: bool) -> OptimizeResult:
         """Validate and simulate the best orders; fall back to the best warm start that
         keeps the cap where they are not faster (simulated once: the search's best orders
         are often that start's own)."""
@@ -455,14 +470,14 @@ class _Search:
             schedule = Schedule(label, self.placement, orders, caps)
             schedule = schedule.with_weight_grads_in_b_order()
             validate(schedule, dry_run=False)
-            result = simulate(schedule, self.cost)
+            result = simulate(schedule, self.cost, timeline=timeline)
         fell_back = fallback is not None and (
             result is None or result.makespan >= fallback[2].makespan - 1e-12
         )
         if fell_back:
             schedule = Schedule(label, self.placement, fallback[0].ranks, caps)
             schedule = schedule.with_weight_grads_in_b_order()
-            result = simulate(schedule, self.cost)
+            result = simulate(schedule, self.cost, timeline=timeline)
             self.note(f"nothing better than {fallback[0].name} found: returning it")
         baseline = self.starts[0][0] if self.starts else schedule
         found = OptimizeResult(

@@ -105,10 +105,13 @@ def against_1f1b(
     time_limit: float,
     warm_start: bool,
     progress: Callable[[str], None] | None = None,
+    timeline: bool = False,
 ) -> tuple[OptimizeResult, str, dict]:
-    """Optimise ``base``'s placement (from ``base`` itself too where ``warm_start``) on the
-    cost model ``cost_for`` gives a schedule; the result, its summary and per-rank table
-    against 1F1B on the same ranks and micro-batches, and :func:`summary_json`."""
+    """Optimise ``base``'s placement (from ``base`` itself too where ``warm_start``; else
+    ``base`` is the generated schedule, not generated again) on the cost model ``cost_for``
+    gives a schedule; the result (every action's times kept only with ``timeline``), its
+    summary and per-rank table against 1F1B on the same ranks and micro-batches, and
+    :func:`summary_json`."""
     p = base.placement
     result = optimize(
         p,
@@ -117,8 +120,10 @@ def against_1f1b(
         time_limit=time_limit,
         warm_starts=[base.compute_only()] if warm_start else (),
         progress=progress,
+        generated=() if warm_start else [base],
+        timeline=timeline,
     )
     one_f_one_b = generate("1f1b", p.num_ranks, p.num_microbatches)
-    reference = simulate(one_f_one_b, cost_for(one_f_one_b))
+    reference = simulate(one_f_one_b, cost_for(one_f_one_b), timeline=False)
     text = f"{summary(result, reference)}\n{rank_table(result.result)}"
     return result, text, summary_json(result, reference)

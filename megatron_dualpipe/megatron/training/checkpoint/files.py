@@ -270,16 +270,19 @@ def writer_errors() -> Iterator[list[str]]:
         logger.removeHandler(handler)
 
 
-def failure_cause(err: BaseException, logged: Sequence[str] = ()) -> tuple[list[int], str]:
+def failure_cause(
+    err: BaseException, logged: Sequence[str] = (), directory: str | Path | None = None
+) -> tuple[list[int], str]:
     """The ranks and the one-line cause behind a dist_checkpointing failure (torch's
     CheckpointException gathers each failing rank's exception); ENOSPC reads as "no space
-    left on device", also when only the writer's ``logged`` errors name it."""
+    left on device", also when only the writer's ``logged`` errors name it, and so does a
+    short write without an errno where ``directory`` (the save directory) is full."""
     failures = getattr(err, "failures", None)
     if isinstance(failures, dict) and failures:
         causes = {rank: _unwrap(failure) for rank, failure in failures.items()}
         ranks = sorted(causes)
-        return ranks, _cause_text(causes[ranks[0]], logged)
-    return [], _cause_text(err, logged)
+        return ranks, _cause_text(causes[ranks[0]], logged, directory)
+    return [], _cause_text(err, logged, directory)
 
 
 def _cause(err: BaseException) -> BaseException | object:
@@ -298,23 +301,50 @@ def _unwrap(failure: object) -> BaseException | object:
     return failure
 
 
-def _cause_text(err: BaseException | object, logged: Sequence[str] = ()) -> str:
+#: What torch's ``PyTorchStreamWriter`` (``caffe2/serialize/inline_container.cc``) says of
+#: a write that wrote less than asked, with no errno: on a full disk, one save in four.
+_SHORT_WRITE = ("file write failed", "inline_container.cc")
+#: A file system with less free than this (to this process) counts as full.
+_NEARLY_FULL_BYTES = 1 << 20
+
+
+def _cause_text(
+    err: BaseException | object, logged: Sequence[str] = (), directory: str | Path | None = None
+) -> str:
     seen: set[int] = set()
+    texts = [str(err), *logged]
     current: BaseException | None = err if isinstance(err, BaseException) else None
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         if isinstance(current, OSError) and current.errno == errno.ENOSPC:
             return "no space left on device"
+        texts.append(str(current))
         current = current.__cause__ or current.__context__
-    if any("No space left on device" in text for text in (str(err), *logged)):
+    if any("No space left on device" in text for text in texts):
+        return "no space left on device"
+    short_write = any(mark in text for text in texts for mark in _SHORT_WRITE)
+    if short_write and directory is not None and _is_full(directory):
         return "no space left on device"
     return _first_line(err)
+
+
+def _is_full(directory: str | Path) -> bool:
+    """Whether the file system of ``directory`` (or of its nearest existing parent) has
+    (nearly) no space left for this process."""
+    path = Path(directory)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        stats = os.statvfs(path)
+    except OSError:
+        return False
+    return stats.f_bavail * stats.f_frsize < _NEARLY_FULL_BYTES
 
 
 def _first_line(err: BaseException | object) -> str:
     """``Type: first sentence`` of an exception's message, at most about 120 characters."""
     text = " ".join(str(err).split())
-    sentence = text.split(". ", 1)[0].rstrip(".")
+    sentence = text.split(". ", 1)[0].rstrip(". ")
     if len(sentence) > 120:
         sentence = sentence[:117] + "..."
     return f"{type(err).__name__}: {sentence}" if sentence else type(err).__name__

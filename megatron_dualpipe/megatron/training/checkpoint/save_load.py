@@ -289,7 +289,7 @@ def _save_failure(
     cause: str | None = None,
     ranks: list[int] | None = None,
 ) -> str:
-    found_ranks, found_cause = failure_cause(err, logged)
+    found_ranks, found_cause = failure_cause(err, logged, root)
     ranks, cause = ranks or found_ranks, cause or found_cause
     where = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else ""
     last = read_tracker(root)

@@ -480,8 +480,9 @@ def _check_recompute(cfg: TrainConfig) -> Problem:
 def _check_cuda_graphs(cfg: TrainConfig) -> Problem:
     """The CUDA-graph keys: one name of the graphed parts, the implementation the schedule
     can graph (:func:`~...schedules.cuda_graphs.cuda_graph_problem`), and the one this
-    loop runs (local: the layers capture themselves; transformer_engine and
-    full_iteration are captured by Megatron-LM's training loop)."""
+    loop runs (local: the layers capture themselves; full_iteration under our schedules:
+    the whole step; transformer_engine is captured by Megatron-LM's training loop, under
+    our schedules in their order: :mod:`...megatron.schedule.te_graphs`)."""
     if cfg.cuda_graph_modules is not None and cfg.cuda_graph_scope is not None:
         return "cuda_graph_scope", (
             "is megatron-core 0.16/0.17's name of cuda_graph_modules, which is set too: keep one"
@@ -521,9 +522,14 @@ def _check_cuda_graphs(cfg: TrainConfig) -> Problem:
             if cfg.cuda_graph_impl == "transformer_engine"
             else "FullCudaGraphWrapper"
         )
+        in_order = (
+            f" (in {cfg.pipeline_schedule}'s order under the bundled patch)"
+            if ours and cfg.cuda_graph_impl == "transformer_engine"
+            else ""
+        )
         return "cuda_graph_impl", (
             f"{cfg.cuda_graph_impl} graphs of {cfg.pipeline_schedule} are captured by "
-            f"Megatron-LM's training loop ({helper}), which train does not run: use "
+            f"Megatron-LM's training loop ({helper}{in_order}), which train does not run: use "
             "cuda_graph_impl: local, full_iteration under zb1p or dualpipev, or Megatron-LM's "
             "pretrain_gpt.py with the bundled patch"
         )

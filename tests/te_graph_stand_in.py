@@ -1,0 +1,157 @@
+"""A CPU stand-in for Transformer Engine's ``make_graphed_callables`` with ``_order``,
+following ``transformer_engine/pytorch/graph.py``'s ``_make_graphed_callables`` (TE 2.17;
+wgrad entries since 2.11): the same
+checks of ``_order`` (dimensions, ``_num_layers_per_chunk`` of 1 with wgrad entries, a
+forward only as an ``int``, the count-based wgrad validation), the same capture walk
+(per-chunk forward and backward counters; a wgrad entry captures the wgrad graph of the
+chunk's latest backward, ``bwd_idx - 1``), and graphed callables whose replays are recorded
+(a wgrad graph never captured fails on replay, as a CUDA graph replayed without a capture
+does). "Capturing" records the graph; replay runs the layer eagerly on the given input."""
+
+from __future__ import annotations
+
+from math import ceil
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class StandInTE:
+    """``make_graphed_callables`` (call the instance) and what it captured and replayed."""
+
+    def __init__(self) -> None:
+        self.captured: list[tuple[str, int]] = []
+        self.replayed: list[tuple[str, int]] = []
+
+    def __call__(
+        self,
+        callables: tuple[nn.Module, ...],
+        sample_args: list[tuple[torch.Tensor, ...]],
+        *,
+        _order: list[float],
+        _num_layers_per_chunk: list[int] | None = None,
+        **_: Any,
+    ) -> list[Any]:
+        order = list(_order)
+        without_wgrad = [c for c in order if ceil(c) == c]
+        wgrad = len(without_wgrad) != len(order)
+        chunks = max(without_wgrad)
+        per_chunk = len(without_wgrad) // chunks // 2
+        if chunks * per_chunk * 2 != len(without_wgrad):
+            raise ValueError("Pipeline-parallel order dimension mismatch")
+        layers = _num_layers_per_chunk or [len(callables) // chunks] * chunks
+        if wgrad and any(n != 1 for n in layers):
+            raise ValueError("Each model chunk must have only one layer when delay_wgrad_compute")
+        if len(sample_args) != sum(layers) * per_chunk:
+            raise ValueError(f"Expected {sum(layers) * per_chunk} args tuple")
+        prefix = [sum(layers[:c]) for c in range(chunks)]
+        fwd, bwd = [0] * chunks, [0] * chunks
+        wgrad_captured: set[int] = set()
+        for i, c_id in enumerate(order):
+            if c_id > 0:
+                if not isinstance(c_id, int):
+                    raise TypeError("Forward order value must be an integer")
+                m = c_id - 1
+                for layer in range(layers[m]):
+                    self.captured.append(("F", prefix[m] * per_chunk + fwd[m] * layers[m] + layer))
+                fwd[m] += 1
+                continue
+            m = -ceil(c_id) - 1
+            for layer in reversed(range(layers[m])):
+                index = prefix[m] * per_chunk + bwd[m] * layers[m] + layer
+                if ceil(c_id) != c_id:  # TE: per_callable_bwd_idx -= layers; no bwd_idx step
+                    self.captured.append(("W", index - layers[m]))
+                    wgrad_captured.add(index - layers[m])
+                    continue
+                if wgrad:
+                    _validate_wgrad(order, i, c_id)
+                self.captured.append(("B", index))
+            if ceil(c_id) == c_id:
+                bwd[m] += 1
+        return [
+            _Graphed(
+                self,
+                callables[_callable_of(g, prefix, layers, per_chunk)],
+                g,
+                wgrad,
+                g in wgrad_captured,
+            )
+            for g in range(len(sample_args))
+        ]
+
+
+def _callable_of(graph: int, prefix: list[int], layers: list[int], per_chunk: int) -> int:
+    """The callable a per-(layer, micro-batch) graph index belongs to (TE's layout)."""
+    for m in reversed(range(len(prefix))):
+        start = prefix[m] * per_chunk
+        if graph >= start:
+            return prefix[m] + (graph - start) % layers[m]
+    raise IndexError(graph)
+
+
+def _validate_wgrad(order: list[float], i: int, c_id: float) -> None:
+    """TE's check of a dgrad entry: as many wgrad entries of the chunk follow as dgrads,
+    counted from ``i`` until they balance ("Number of wgrad graph ... doesn't match")."""
+    same, wgrads = 1, 0
+    for entry in order[i + 1 :]:
+        if entry > 0:
+            continue
+        same += entry == c_id
+        wgrads += entry + 0.5 == c_id
+        if same == wgrads:
+            return
+        if same < wgrads:
+            break
+    raise RuntimeError(f"Number of wgrad graph({wgrads}) doesn't match dgrad ({same})")
+
+
+class _Graphed:
+    """One (layer, micro-batch) graph: forward, backward and ``backward_dw`` replays."""
+
+    def __init__(self, te: StandInTE, module: nn.Module, index: int, wgrad: bool, dw: bool):
+        self.te, self.module, self.index, self.wgrad, self.dw_captured = (
+            te,
+            module,
+            index,
+            wgrad,
+            dw,
+        )
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _Replay.apply(self, x)
+
+    def backward_dw(self) -> None:
+        if not self.dw_captured:
+            raise RuntimeError(f"replay of wgrad graph {self.index}, never captured")
+        self.te.replayed.append(("W", self.index))
+        out, grad = self._pending
+        params = list(self.module.parameters())
+        for p, g in zip(params, torch.autograd.grad(out, params, grad), strict=True):
+            p.grad = g if p.grad is None else p.grad + g
+        self._pending = None
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, graphed: _Graphed, x: torch.Tensor) -> torch.Tensor:
+        graphed.te.replayed.append(("F", graphed.index))
+        with torch.enable_grad():
+            inp = x.detach().requires_grad_()
+            out = graphed.module(inp)
+        ctx.graphed, ctx.saved = graphed, (inp, out)
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        graphed = ctx.graphed
+        graphed.te.replayed.append(("B", graphed.index))
+        inp, out = ctx.saved
+        params = [] if graphed.wgrad else list(graphed.module.parameters())
+        grads = torch.autograd.grad(out, [inp, *params], grad, retain_graph=graphed.wgrad)
+        for p, g in zip(params, grads[1:], strict=True):
+            p.grad = g if p.grad is None else p.grad + g
+        if graphed.wgrad:
+            graphed._pending = (out, grad)
+        return None, grads[0]
