@@ -33,7 +33,9 @@ from megatron_dualpipe.runtime.timeline import (
     DeviceClock,
     HostClock,
     RankTimeline,
+    aligned_timelines,
     clock_for,
+    host_boot_id,
     start_barrier,
 )
 from megatron_dualpipe.runtime.transport import GroupTransport
@@ -82,6 +84,22 @@ def test_a_gpu_timeline_reports_event_times_read_after_the_step() -> None:
 def test_a_cpu_timeline_uses_the_host_clock() -> None:
     assert isinstance(clock_for(torch.device("cpu")), HostClock)
     assert isinstance(clock_for(None), HostClock)
+
+
+def _timeline_at(rank: int, wall: float, host: tuple[str, float] | None) -> RankTimeline:
+    timeline = RankTimeline(rank, clock=None, wall_origin=wall, host_origin=host)
+    timeline.add(Action(Kind.F, 0, 0), 0.0, 1.0)
+    return timeline
+
+
+def test_timelines_align_on_one_hosts_monotonic_origins_else_on_the_wall_clock() -> None:
+    one_host = [_timeline_at(0, 100.0, ("boot", 5.0)), _timeline_at(1, 100.9, ("boot", 5.25))]
+    assert [t.actions[0].start for t in aligned_timelines(one_host)] == [0.0, 250.0]
+    two_hosts = [_timeline_at(0, 100.0, ("a", 5.0)), _timeline_at(1, 100.5, ("b", 5.25))]
+    assert [t.actions[0].start for t in aligned_timelines(two_hosts)] == [0.0, 500.0]
+    unknown = [_timeline_at(0, 100.5, None), _timeline_at(1, 100.0, ("boot", 5.0))]
+    assert [t.actions[0].start for t in aligned_timelines(unknown)] == [500.0, 0.0]
+    assert RankTimeline(0).host_origin[0] == host_boot_id()
 
 
 @pytest.mark.parametrize(

@@ -438,7 +438,11 @@ def test_planned_stages_interleave_every_fb_action(case: Case) -> None:
 TIMELINE_CASE = Case("dualpipev", 2, 4)
 
 
-def record_timeline(rank: int, world_size: int, trace_dir: str, case: Case) -> SimResult | None:
+def record_timeline(
+    rank: int, world_size: int, trace_dir: str, case: Case, wall_skew_s: float = 0.0
+) -> SimResult | None:
+    """One recorded step, gathered; rank 0's wall-clock origin read ``wall_skew_s`` late (as
+    if it were descheduled between reading its two origins)."""
     schedule = case.build()
     placement = schedule.placement
     inputs, targets = make_data(case)
@@ -451,12 +455,26 @@ def record_timeline(rank: int, world_size: int, trace_dir: str, case: Case) -> S
         timeout_s=TIMEOUT_S,
     )
     result = executor.run(inputs, record_timeline=True)
+    if rank == 0:
+        result.timeline.wall_origin += wall_skew_s
     return gather_timeline(
         result.timeline,
         executor.schedule,
         trace_path=f"{trace_dir}/measured.json",
         png_path=f"{trace_dir}/measured.png",
     )
+
+
+def test_ranks_on_one_host_align_on_the_monotonic_clock_not_the_wall_clock(tmp_path) -> None:
+    """Rank 0's wall origin 200 ms off (a rank descheduled between its two reads) moves
+    nothing: ranks of one host align on their monotonic origins, so every message is seen
+    arriving after it was sent."""
+    result, _ = run_workers(
+        record_timeline, 2, args=(str(tmp_path), TIMELINE_CASE, 0.2), timeout_s=60
+    )
+    assert result.messages
+    assert all(m.sent <= m.arrived for m in result.messages)
+    assert min(m.arrived - m.sent for m in result.messages) < 200
 
 
 @pytest.mark.parametrize("interleaved", one_fast([False, True], False), ids=["plain", "planned"])

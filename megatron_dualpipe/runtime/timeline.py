@@ -4,10 +4,12 @@ The gathered result is a :class:`~megatron_dualpipe.schedules.simulate.SimResult
 simulator's exports (text grid, Chrome trace, PNG) draw a measured step exactly as they
 draw a simulated one, and the two can be put side by side. Times are milliseconds since
 the earliest rank started recording (the executor starts right after a barrier). Each
-rank measures from an origin it also reads on the wall clock; the wall-clock origins align
-the ranks: exactly on one host, to the hosts' clock sync (NTP: about a millisecond) across
-hosts. The result's cost model is fitted from the measurement: the mean duration of each
-kind of action.
+rank measures from an origin; ranks that measure on one host's monotonic clock (Linux's
+CLOCK_MONOTONIC is one clock for every process of a host, known by its boot id) align on
+those origins exactly. Otherwise each rank also reads its origin on the wall clock, which
+aligns the ranks to the hosts' clock sync (NTP: about a millisecond), give or take the
+moment between the two reads (a rank descheduled there is off by that long). The result's
+cost model is fitted from the measurement: the mean duration of each kind of action.
 
 What a rank measures with (:func:`clock_for`): on CPU the host's monotonic clock; on a GPU
 CUDA events recorded on the current stream and read once the step is over, so a duration
@@ -34,8 +36,10 @@ __all__ = [
     "DeviceClock",
     "HostClock",
     "RankTimeline",
+    "aligned_timelines",
     "clock_for",
     "gather_timeline",
+    "host_boot_id",
     "start_barrier",
 ]
 
@@ -50,13 +54,14 @@ class Clock(Protocol):
 
 
 class HostClock:
-    """Milliseconds of the host's monotonic clock since the clock was made."""
+    """Milliseconds of the host's monotonic clock since the clock was made; ``origin`` is
+    that moment on the clock, in seconds."""
 
     def __init__(self) -> None:
-        self.origin = time.perf_counter()
+        self.origin = time.monotonic()
 
     def mark(self) -> float:
-        return (time.perf_counter() - self.origin) * 1e3
+        return (time.monotonic() - self.origin) * 1e3
 
     def resolve(self, marks: list[Any]) -> list[float]:
         return list(marks)
@@ -90,6 +95,16 @@ def clock_for(device: torch.device | None, event: Callable[[], Any] | None = Non
     return HostClock()
 
 
+def host_boot_id() -> str | None:
+    """This host's boot id (the same for every process between two boots), or None where
+    the system does not tell it."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as file:
+            return file.read().strip() or None
+    except OSError:
+        return None
+
+
 def start_barrier(group: dist.ProcessGroup | None) -> None:
     """The barrier the ranks pass right before they start recording, over ``group``: on
     NCCL on the current CUDA device (``device_ids``), so that torch need not guess which
@@ -114,6 +129,13 @@ class RankTimeline:
     received: list[tuple[_Key, int, float]] = field(default_factory=list)
     clock: Clock | None = field(default_factory=HostClock, repr=False)
     wall_origin: float = field(default_factory=time.time)
+    #: ``(boot id, origin)`` where the clock is the host's monotonic clock, else None.
+    host_origin: tuple[str, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.host_origin is None and isinstance(self.clock, HostClock):
+            boot_id = host_boot_id()
+            self.host_origin = (boot_id, self.clock.origin) if boot_id else None
 
     def now(self) -> Any:
         """A mark of this moment on the timeline's clock (milliseconds on the host's)."""
@@ -143,6 +165,7 @@ class RankTimeline:
             [(key, peer, at + ms) for key, peer, at in self.received],
             None,
             self.wall_origin,
+            self.host_origin,
         )
 
     def add(self, action: Action, start: float, end: float) -> None:
@@ -163,6 +186,18 @@ def _fitted_cost(timelines: list[RankTimeline]) -> CostModel:
     else:
         b, w = mean.get(Kind.BW, 0.0), 0.0
     return CostModel(f=f, b=b, w=w, fb=mean.get(Kind.FB))
+
+
+def aligned_timelines(timelines: list[RankTimeline]) -> list[RankTimeline]:
+    """The timelines on one time axis, 0 at the earliest origin: by their monotonic origins
+    where all were measured on one host's monotonic clock, else by their wall origins."""
+    hosts = {t.host_origin[0] if t.host_origin else None for t in timelines}
+    if len(hosts) == 1 and None not in hosts:
+        origins = [t.host_origin[1] for t in timelines]
+    else:
+        origins = [t.wall_origin for t in timelines]
+    start = min(origins)
+    return [t.shifted((origin - start) * 1e3) for t, origin in zip(timelines, origins, strict=True)]
 
 
 def gather_timeline(
@@ -186,10 +221,7 @@ def gather_timeline(
     dist.gather_object(timeline, gathered, group=group, group_dst=0)
     if gathered is None:
         return None
-    start = min(t.wall_origin for t in gathered)
-    ranks = sorted(
-        (t.shifted((t.wall_origin - start) * 1e3) for t in gathered), key=lambda t: t.rank
-    )
+    ranks = sorted(aligned_timelines(gathered), key=lambda t: t.rank)
     sent = {key: (t.rank, at) for t in ranks for key, _, at in t.sent}
     messages = [
         Message(key[0], key[1], key[2], src, t.rank, sent[key][1], at)
