@@ -311,9 +311,11 @@ _NEARLY_FULL_BYTES = 1 << 20
 def _cause_text(
     err: BaseException | object, logged: Sequence[str] = (), directory: str | Path | None = None
 ) -> str:
+    """``err``'s first line, or "no space left on device" where it, its causes or the lines
+    ``logged`` with it show a full disk (``directory``: where it was written)."""
     seen: set[int] = set()
-    texts = [str(err), *logged]
     current: BaseException | None = err if isinstance(err, BaseException) else None
+    texts = [*logged] if current is not None else [str(err), *logged]
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         if isinstance(current, OSError) and current.errno == errno.ENOSPC:
