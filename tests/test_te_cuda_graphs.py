@@ -11,6 +11,8 @@ what is checked is the graph bookkeeping, not the model."""
 from __future__ import annotations
 
 import ast
+import sys
+import types
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -405,3 +407,109 @@ def test_every_patch_builds_trains_helper_through_the_hook(tag: str) -> None:
         line.startswith("+") and "dualpipe_lm.cuda_graph_helper(args, TECudaGraphHelper)" in line
         for line in bodies[0]
     )
+
+
+# -- train's own loop ------------------------------------------------------------------
+
+MOE = Path(__file__).resolve().parents[1] / "configs" / "tiny_moe_cpu.yaml"
+TRAIN_ITERS, WARMUP = 4, 2  # steps 1-2 eager, capture before step 3, steps 3-4 replayed
+TE_VERSION = "2.8.0"  # the stand-in's (tests/te_graph_stand_in.py)
+
+
+def _train(rank: int, world: int, settings: list[str], graphed: bool) -> dict[str, Any]:
+    """``run_rank`` as ``train`` runs it; with ``graphed``, CUDA and TE stood in for: TE's
+    ``make_graphed_callables`` by :class:`StandInTE` (and TE's package by an empty one
+    once it captured, as a layer's replay imports it), and the CUDA calls of Megatron's
+    helper that CPU lacks (``current_device`` for the static inputs' device,
+    ``synchronize``) by the CPU's. Megatron's helper and our subclass run as they are."""
+    from megatron.core import utils as megatron_utils
+    from megatron.core.transformer import cuda_graphs
+    from packaging.version import Version
+
+    from megatron_dualpipe.megatron.training import load_config, loop
+
+    te = StandInTE()
+    steps: list[int] = []
+    captures: list[int] = []  # the training steps run before each capture
+    if graphed:
+        train_step = loop._Run.train_step
+
+        def counted(self: Any, measure: bool) -> Any:
+            steps.append(self.state.iteration)
+            return train_step(self, measure)
+
+        def make_graphed_callables(*args: Any, **kwargs: Any) -> Any:
+            captures.append(len(steps))
+            # From here on TE's package is there, as the layers' replay imports it.
+            package = types.ModuleType("transformer_engine")
+            package.__version__ = TE_VERSION  # type: ignore[attr-defined]
+            megatron_utils._te_version = None  # read again, from it
+            package.pytorch = types.ModuleType("transformer_engine.pytorch")  # type: ignore[attr-defined]
+            package.pytorch.make_graphed_callables = te  # type: ignore[attr-defined]
+            sys.modules.update(
+                {"transformer_engine": package, "transformer_engine.pytorch": package.pytorch}
+            )
+            return te(*args, **kwargs)
+
+        loop._Run.train_step = counted
+        cuda_graphs.HAVE_TE_GRAPHS = True
+        cuda_graphs.make_graphed_callables = make_graphed_callables
+        cuda_graphs.is_te_min_version = lambda v, *a, **k: Version(v) <= Version(TE_VERSION)
+        torch.cuda.current_device = lambda: "cpu"
+        torch.cuda.synchronize = lambda *a, **k: None
+    result = loop.run_rank(load_config(MOE, settings))
+    from megatron.core import parallel_state
+
+    assert not parallel_state.model_parallel_is_initialized()
+    return {
+        "losses": dict(result.losses),
+        "validation": dict(result.validation),
+        "captured": te.captured,
+        "replayed": te.replayed,
+        "captures": captures,
+    }
+
+
+def _train_settings(impl: str) -> list[str]:
+    return [
+        "world_size=2",
+        "expert_model_parallel_size=1",
+        f"train_iters={TRAIN_ITERS}",
+        "output_dir=null",
+        "eval_interval=2",
+        "eval_iters=1",
+        f"cuda_graph_impl={impl}",
+        "cuda_graph_modules=moe_router",
+        f"cuda_graph_warmup_steps={WARMUP}",
+    ]
+
+
+@pytest.mark.megatron
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_train_captures_te_graphs_after_the_warm_up_in_dualpipev_order() -> None:
+    """``train`` under dualpipev (PP 2, MoE, the router graphed): Megatron's helper through
+    our subclass captures once, before step WARMUP + 1, in each rank's dualpipev order; the
+    two replayed steps follow it; the losses (training and validation, which runs eagerly)
+    equal the eager run's."""
+    from megatron_dualpipe.megatron.training import load_config
+    from tests.multiproc import run_workers
+
+    cfg = load_config(MOE, _train_settings("transformer_engine"))
+    schedule = SCHEDULES["dualpipev"].generate(2, cfg.num_microbatches)
+    eager = run_workers(_train, 2, args=(_train_settings("none"), False), timeout_s=300)
+    graphed = run_workers(
+        _train, 2, args=(_train_settings("transformer_engine"), True), timeout_s=300
+    )
+    for rank in range(2):
+        got = graphed[rank]
+        assert got["captures"] == [WARMUP], f"rank {rank}: captured after {got['captures']}"
+        order, per_chunk = graph_order(schedule, rank, wgrad=False)
+        ours = StandInTE()  # what TE captures given dualpipev's order, one layer per chunk
+        ours((_Layer(), _Layer()), [(torch.zeros(1),)] * 2 * per_chunk, _order=order)
+        assert got["captured"] == ours.captured, f"rank {rank}: not dualpipev's order"
+        replays = TRAIN_ITERS - WARMUP
+        assert got["replayed"] == got["captured"] * replays, f"rank {rank}: replay order"
+        assert got["losses"] == eager[rank]["losses"]
+        assert got["validation"] == eager[rank]["validation"]
+        assert len(got["losses"]) == TRAIN_ITERS
