@@ -106,6 +106,15 @@ def test_local_under_1f1b_is_read_with_either_name() -> None:
             ["pipeline_schedule=1f1b", "cuda_graph_impl=full_iteration"],
             "(FullCudaGraphWrapper), which train does not run",
         ),
+        (
+            [
+                "pipeline_schedule=1f1b",
+                "cuda_graph_impl=transformer_engine",
+                "transformer_impl=local",
+            ],
+            "cuda_graph_impl: transformer_engine graphing the whole layer with transformer_impl: "
+            "local replays attention without its causal mask",
+        ),
     ],
 )
 def test_each_graph_mistake_is_one_sentence(overrides: list[str], expected: str) -> None:

@@ -11,6 +11,7 @@ what is checked is the graph bookkeeping, not the model."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import sys
 import types
 from pathlib import Path
@@ -416,7 +417,13 @@ TRAIN_ITERS, WARMUP = 4, 2  # steps 1-2 eager, capture before step 3, steps 3-4 
 TE_VERSION = "2.8.0"  # the stand-in's (tests/te_graph_stand_in.py)
 
 
-def _train(rank: int, world: int, settings: list[str], graphed: bool) -> dict[str, Any]:
+def _train(
+    rank: int,
+    world: int,
+    settings: list[str],
+    graphed: bool = False,
+    unchecked: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """``run_rank`` as ``train`` runs it; with ``graphed``, CUDA and TE stood in for: TE's
     ``make_graphed_callables`` by :class:`StandInTE` (and TE's package by an empty one
     once it captured, as a layer's replay imports it), and the CUDA calls of Megatron's
@@ -457,7 +464,8 @@ def _train(rank: int, world: int, settings: list[str], graphed: bool) -> dict[st
         cuda_graphs.is_te_min_version = lambda v, *a, **k: Version(v) <= Version(TE_VERSION)
         torch.cuda.current_device = lambda: "cpu"
         torch.cuda.synchronize = lambda *a, **k: None
-    result = loop.run_rank(load_config(MOE, settings))
+    cfg = load_config(MOE, settings)
+    result = loop.run_rank(dataclasses.replace(cfg, **(unchecked or {})))
     from megatron.core import parallel_state
 
     assert not parallel_state.model_parallel_is_initialized()
@@ -470,16 +478,17 @@ def _train(rank: int, world: int, settings: list[str], graphed: bool) -> dict[st
     }
 
 
-def _train_settings(impl: str) -> list[str]:
+def _train_settings(impl: str, schedule: str = "dualpipev", modules: str = "") -> list[str]:
     return [
         "world_size=2",
         "expert_model_parallel_size=1",
+        f"pipeline_schedule={schedule}",
         f"train_iters={TRAIN_ITERS}",
         "output_dir=null",
         "eval_interval=2",
         "eval_iters=1",
         f"cuda_graph_impl={impl}",
-        "cuda_graph_modules=moe_router",
+        f"cuda_graph_modules={modules}",
         f"cuda_graph_warmup_steps={WARMUP}",
     ]
 
@@ -487,29 +496,63 @@ def _train_settings(impl: str) -> list[str]:
 @pytest.mark.megatron
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_train_captures_te_graphs_after_the_warm_up_in_dualpipev_order() -> None:
-    """``train`` under dualpipev (PP 2, MoE, the router graphed): Megatron's helper through
-    our subclass captures once, before step WARMUP + 1, in each rank's dualpipev order; the
-    two replayed steps follow it; the losses (training and validation, which runs eagerly)
-    equal the eager run's."""
+@pytest.mark.parametrize("schedule", ["dualpipev", "1f1b"])
+def test_train_captures_te_graphs_after_the_warm_up_in_the_schedule_s_order(schedule: str) -> None:
+    """``train`` at PP 2, the tiny MoE with its router graphed (it defers no dW; graphed
+    attention is refused with local layers): Megatron's helper (through our subclass under
+    dualpipev, Megatron's own under 1F1B) captures once, before step WARMUP + 1, in each
+    rank's order of the schedule; the two replayed steps follow it; the losses (training,
+    and validation, which runs eagerly) equal the eager run's."""
     from megatron_dualpipe.megatron.training import load_config
     from tests.multiproc import run_workers
 
-    cfg = load_config(MOE, _train_settings("transformer_engine"))
-    schedule = SCHEDULES["dualpipev"].generate(2, cfg.num_microbatches)
-    eager = run_workers(_train, 2, args=(_train_settings("none"), False), timeout_s=300)
-    graphed = run_workers(
-        _train, 2, args=(_train_settings("transformer_engine"), True), timeout_s=300
-    )
+    settings = _train_settings("transformer_engine", schedule, "moe_router")
+    cfg = load_config(MOE, settings)
+    generated = SCHEDULES[schedule].generate(2, cfg.num_microbatches)
+    eager = run_workers(_train, 2, args=(_train_settings("none", schedule),), timeout_s=300)
+    graphed = run_workers(_train, 2, args=(settings, True), timeout_s=300)
+    chunks = generated.placement.num_chunks
+    depth = cfg.num_layers // 2 // chunks  # every layer is a MoE layer, graphable
     for rank in range(2):
         got = graphed[rank]
         assert got["captures"] == [WARMUP], f"rank {rank}: captured after {got['captures']}"
-        order, per_chunk = graph_order(schedule, rank, wgrad=False)
-        ours = StandInTE()  # what TE captures given dualpipev's order, one layer per chunk
-        ours((_Layer(), _Layer()), [(torch.zeros(1),)] * 2 * per_chunk, _order=order)
-        assert got["captured"] == ours.captured, f"rank {rank}: not dualpipev's order"
+        order, per_chunk = graph_order(generated, rank, wgrad=False)
+        ours = StandInTE()  # what TE captures given the schedule's order
+        ours(
+            tuple(_Layer() for _ in range(chunks * depth)),
+            [(torch.zeros(1),)] * chunks * depth * per_chunk,
+            _order=order,
+            _num_layers_per_chunk=[depth] * chunks,
+        )
+        assert got["captured"] == ours.captured, f"rank {rank}: not {schedule}'s order"
         replays = TRAIN_ITERS - WARMUP
         assert got["replayed"] == got["captured"] * replays, f"rank {rank}: replay order"
         assert got["losses"] == eager[rank]["losses"]
         assert got["validation"] == eager[rank]["validation"]
         assert len(got["losses"]) == TRAIN_ITERS
+
+
+@pytest.mark.megatron
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_graphed_local_attention_leaves_the_eager_losses() -> None:
+    """What the refusal of graphed attention with ``transformer_impl: local`` saves: under
+    1F1B with ``attn`` graphed (past the check), the replayed steps' losses differ from the
+    eager run's (Megatron's replay hands the graph an all-False mask, which the local
+    attention applies in place of its causal one), while the warm-up steps' are equal."""
+    from megatron_dualpipe.megatron.training import ConfigError, load_config
+    from tests.multiproc import run_workers
+
+    with pytest.raises(ConfigError, match="replays attention without its causal mask"):
+        load_config(
+            MOE, [*_train_settings("transformer_engine", "1f1b", "attn"), "transformer_impl=local"]
+        )
+    settings = _train_settings("transformer_engine", "1f1b", "moe_router")
+    eager = run_workers(_train, 2, args=(_train_settings("none", "1f1b"),), timeout_s=300)
+    unchecked = {"cuda_graph_modules": "attn"}
+    graphed = run_workers(_train, 2, args=(settings, True, unchecked), timeout_s=300)
+    for rank in range(2):
+        got, want = graphed[rank]["losses"], eager[rank]["losses"]
+        assert [got[i] == want[i] for i in sorted(want)] == [True] * WARMUP + [False] * (
+            TRAIN_ITERS - WARMUP
+        )

@@ -503,6 +503,16 @@ def _check_cuda_graphs(cfg: TrainConfig) -> Problem:
     if problem is not None:  # "<key> <what is wrong>": the key leads the message
         named, _, message = problem.partition(" ")
         return ("cuda_graph_impl" if named == "cuda_graph_impl" else key), message
+    te_graphs = cfg.cuda_graph_impl == "transformer_engine"
+    if te_graphs and cfg.transformer_impl == "local" and (not modules or "attn" in modules):
+        return "cuda_graph_impl", (
+            f"transformer_engine graphing {' '.join(modules) or 'the whole layer'} with "
+            "transformer_impl: local replays attention without its causal mask: Megatron's "
+            "replay hands the graph an all-False attention mask where the model passes none, "
+            "and Megatron's local attention applies a mask it is given in place of the causal "
+            "one (the replayed steps' losses left the eager run's, measured on CPU): graph "
+            "other parts, or use transformer_impl: transformer_engine"
+        )
     ours = SCHEDULES[cfg.pipeline_schedule].runs_ours
     if cfg.cuda_graph_impl in ("full_iteration", "transformer_engine") and ours:
         return _check_graphs_of_ours(cfg)
