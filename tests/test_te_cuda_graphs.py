@@ -556,3 +556,62 @@ def test_graphed_local_attention_leaves_the_eager_losses() -> None:
         assert [got[i] == want[i] for i in sorted(want)] == [True] * WARMUP + [False] * (
             TRAIN_ITERS - WARMUP
         )
+
+
+class _RecordingHelper:
+    """What ``LayerGraphs`` calls of a ``TECudaGraphHelper``, recorded."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs, self.calls, self._done = kwargs, [], False
+
+    def capture_finished(self) -> bool:
+        return self._done
+
+    def graphs_created(self) -> bool:
+        return self._done
+
+    def create_cudagraphs(self) -> None:
+        self.calls.append("create")
+        self._done = True
+
+    def delete_cuda_graphs(self) -> None:
+        self.calls.append("delete")
+        self._done = False
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize(("resumed", "skipped"), [(0, False), (5, False), (0, True)])
+def test_layer_graphs_capture_as_megatron_lm_s_train(
+    monkeypatch: pytest.MonkeyPatch, resumed: int, skipped: bool
+) -> None:
+    """Built with Megatron-LM's keywords; one capture at the top of the iteration
+    ``cuda_graph_warmup_steps`` after the start (a resumed iteration; one later where the
+    optimizer skipped the first step); deleted after the loop, with Megatron's micro-batch
+    calculator, which it set up."""
+    from megatron.core import num_microbatches_calculator as calculator
+
+    from megatron_dualpipe.megatron.training import load_config
+    from megatron_dualpipe.megatron.training.layer_graphs import LayerGraphs
+
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *_: 0)
+    cfg = load_config(MOE, _train_settings("transformer_engine", "dualpipev", "moe_router"))
+    graphs = LayerGraphs(cfg, None, ["chunk"], "config", "optimizer", _RecordingHelper)
+    helper = graphs.helper
+    assert helper.kwargs == {
+        "model": ["chunk"],
+        "config": "config",
+        "seq_length": cfg.seq_length,
+        "micro_batch_size": cfg.micro_batch_size,
+        "optimizers": ["optimizer"],
+    }
+    assert calculator.get_num_microbatches() == cfg.num_microbatches
+    captured_at = []
+    for iteration in range(resumed, resumed + 6):
+        graphs.before_step(iteration)
+        if helper.calls and not captured_at:
+            captured_at.append(iteration)
+        graphs.after_step(iteration + 1, success=not (skipped and iteration == resumed))
+    assert captured_at == [resumed + WARMUP + skipped]
+    graphs.close()
+    assert helper.calls == ["create", "delete"]
+    assert calculator._GLOBAL_NUM_MICROBATCHES_CALCULATOR is None

@@ -402,8 +402,6 @@ class _Run:
             )
         finally:
             profiler.close()
-            if self.layer_graphs is not None:
-                self.layer_graphs.close()
         if profiler.path is not None:
             print(f" wrote the profile of rank {self.rank}: {profiler.path}", flush=True)
         if recorder is not None:
@@ -733,6 +731,8 @@ def _train_here(cfg: TrainConfig, graph_wrapper: GraphWrapper | None = None) -> 
         finally:
             if run.board is not None:
                 run.board.close()
+            if run.layer_graphs is not None:
+                run.layer_graphs.close()
         seconds = time.perf_counter() - began
         run.say([_done_line(run, seconds)])
         return run.result
