@@ -6,7 +6,11 @@ stand-in of TE's ``make_graphed_callables`` that follows ``_make_graphed_callabl
 the graphs in the order they were captured (each chunk's graph picked by its own forward
 count, as ``set_current_microbatch`` gives it), and losses and gradients equal the eager
 step's. One or two layers per chunk; a rank's chunks are independent (no pipeline messages):
-what is checked is the graph bookkeeping, not the model."""
+what is checked is the graph bookkeeping, not the model.
+
+Then ``train``'s own loop (``megatron.training.layer_graphs``) on two forked CPU ranks with
+the tiny MoE: the same helpers, built and driven as Megatron-LM's ``train`` does, the real
+layers replaying through the stand-in, against the eager run."""
 
 from __future__ import annotations
 
