@@ -6,7 +6,11 @@ forward only as an ``int``, the count-based wgrad validation), the same capture 
 (per-chunk forward and backward counters; a wgrad entry captures the wgrad graph of the
 chunk's latest backward, ``bwd_idx - 1``), and graphed callables whose replays are recorded
 (a wgrad graph never captured fails on replay, as a CUDA graph replayed without a capture
-does). "Capturing" records the graph; replay runs the layer eagerly on the given input."""
+does). "Capturing" records the graph; replay runs the layer eagerly on the given input: a
+plain module on its one input, a Megatron layer as TE's capture ran it (its
+``_te_cuda_graph_capture`` with Megatron's capture flag up, on the replay's arguments,
+``is_first_microbatch`` being TE's own), its backward through autograd as TE's graphed
+function hands the parameters' gradients back."""
 
 from __future__ import annotations
 
@@ -70,7 +74,7 @@ class StandInTE:
             if ceil(c_id) == c_id:
                 bwd[m] += 1
         return [
-            _Graphed(
+            (_LayerGraphed if hasattr(callables[0], "_te_cuda_graph_capture") else _Graphed)(
                 self,
                 callables[_callable_of(g, prefix, layers, per_chunk)],
                 g,
@@ -155,3 +159,34 @@ class _Replay(torch.autograd.Function):
         if graphed.wgrad:
             graphed._pending = (out, grad)
         return None, grads[0]
+
+
+class _LayerGraphed(_Graphed):
+    """One (Megatron layer, micro-batch) graph: replays record F, and B when autograd
+    reaches the outputs' backward."""
+
+    def __call__(self, *args: Any, is_first_microbatch: bool | None = None, **kwargs: Any) -> Any:
+        from megatron.core.transformer import cuda_graphs
+
+        self.te.replayed.append(("F", self.index))
+        cuda_graphs._set_capture_start()
+        try:
+            outputs = self.module._te_cuda_graph_capture(*args, **kwargs)
+        finally:
+            cuda_graphs._set_capture_end()
+        return _Backward.apply(self, *outputs)
+
+
+class _Backward(torch.autograd.Function):
+    """The outputs as they are; their backward records the graph's B replay."""
+
+    @staticmethod
+    def forward(ctx: Any, graphed: _Graphed, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.graphed = graphed
+        ctx.mark_non_differentiable(*[t for t in outputs if not t.is_floating_point()])
+        return tuple(t.clone() if t.is_floating_point() else t for t in outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.graphed.te.replayed.append(("B", ctx.graphed.index))
+        return (None, *grads)

@@ -103,18 +103,60 @@ def test_local_under_1f1b_is_read_with_either_name() -> None:
             "micro-batch of the step for each of a rank's model chunks",
         ),
         (
-            ["pipeline_schedule=1f1b", "cuda_graph_impl=transformer_engine"],
-            "cuda_graph_impl: transformer_engine graphs of 1f1b are captured by Megatron-LM's "
-            "training loop (TECudaGraphHelper), which train does not run",
-        ),
-        (
             ["pipeline_schedule=1f1b", "cuda_graph_impl=full_iteration"],
             "(FullCudaGraphWrapper), which train does not run",
+        ),
+        (
+            [
+                "pipeline_schedule=1f1b",
+                "cuda_graph_impl=transformer_engine",
+                "transformer_impl=local",
+            ],
+            "cuda_graph_impl: transformer_engine graphing the whole layer with transformer_impl: "
+            "local replays attention without its causal mask",
         ),
     ],
 )
 def test_each_graph_mistake_is_one_sentence(overrides: list[str], expected: str) -> None:
     assert expected in _error(TINY, *overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["optimize_schedule=true"],
+            "optimize_schedule: reorders the step after it measures one, and TE's graphs under "
+            "cuda_graph_impl: transformer_engine replay in the order they were captured in",
+        ),
+        (
+            ["overlap_moe_expert_parallel_comm=true", "bf16=true"],
+            "overlap_moe_expert_parallel_comm: under cuda_graph_impl: transformer_engine has "
+            "Megatron graph each layer in its combined 1F1B order, which dualpipev does not run",
+        ),
+    ],
+)
+def test_transformer_engine_under_ours_refuses_what_reorders_its_graphs(
+    overrides: list[str], expected: str
+) -> None:
+    te = ["cuda_graph_impl=transformer_engine", "cuda_graph_modules=moe_router"]
+    assert expected in _error(MOE, *te, *overrides)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
+def test_train_takes_transformer_engine_where_te_can_graph(schedule: str) -> None:
+    """``train`` runs TE's per-layer graphs (``layer_graphs``): the whole layer under
+    Megatron's schedules, the router under ours."""
+    modules = "" if schedule == "1f1b" else "moe_router"
+    cfg = load_config(
+        MOE,
+        [
+            f"pipeline_schedule={schedule}",
+            "cuda_graph_impl=transformer_engine",
+            f"cuda_graph_modules={modules}",
+        ],
+    )
+    assert cfg.cuda_graph_impl == "transformer_engine"
 
 
 def test_local_on_the_router_of_a_moe_model_defers_nothing() -> None:

@@ -30,6 +30,9 @@ difference broke before it was gated):
   ``full_iteration``) and ``cuda_graph_scope`` became ``cuda_graph_modules`` (the old name
   kept as an alias, ``--cuda-graph-scope`` too): :func:`cuda_graph_config`,
   :func:`cuda_graph_setting`;
+- 0.17: ``TECudaGraphHelper`` gained ``capture_finished()``, which Megatron-LM's ``train``
+  asks before capturing (0.16: ``graphs_created()``, which then meant the same):
+  :func:`te_graph_capture_finished`;
 - each minor release has its Megatron-LM tag and patch: :func:`megatron_lm_tag`.
 
 Differences the code takes in its stride, without a gate (listed so that reading the next
@@ -80,6 +83,7 @@ __all__ = [
     "mtp_tracker_fields",
     "refuse_unsupported_at_import",
     "save_mtp_metrics",
+    "te_graph_capture_finished",
     "tensor_parallel_marks_without_initialisation",
     "unsupported_megatron_core",
     "version_on_disk",
@@ -293,6 +297,14 @@ def null_tokenizer_library() -> str:
     from megatron.core.tokenizers import megatron_tokenizer
 
     return "null-text" if hasattr(megatron_tokenizer, "TEXT_LIBRARIES") else "null"
+
+
+def te_graph_capture_finished(helper: Any) -> bool:
+    """Whether ``helper`` (a ``TECudaGraphHelper``) has run ``create_cudagraphs``, as
+    Megatron-LM's ``train`` asks it before capturing: ``capture_finished()`` from 0.17
+    (``graphs_created()`` there is whether any layer was graphed), ``graphs_created()`` in
+    0.16."""
+    return helper.capture_finished() if _since("0.17") else helper.graphs_created()
 
 
 def cuda_graph_config(impl: str, modules: Sequence[str], warmup_steps: int) -> dict[str, Any]:

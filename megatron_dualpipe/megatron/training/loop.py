@@ -50,6 +50,7 @@ from .config import OPTIMIZE_AFTER, TrainConfig
 from .data.samples import MicroBatchReader, PendingMicroBatch, SyntheticSamples
 from .data.tokenizer import build_tokenizer, model_vocab_size
 from .errors import TrainError
+from .layer_graphs import LayerGraphs
 from .measure import StepRecorder, predict, write_side_by_side_png
 from .model import build_model, transformer_config
 from .optim import build_optimizer
@@ -156,6 +157,12 @@ class _Run:
         self.model = build_model(cfg, self.config, self.vocab_size)
         self.optimizer, self.scheduler = build_optimizer(cfg, self.model)
         self.config.grad_scale_func = self.optimizer.scale_loss
+        #: TE's per-layer graphs under ``cuda_graph_impl: transformer_engine``.
+        self.layer_graphs = (
+            LayerGraphs(cfg, self.forward_backward, self.model, self.config, self.optimizer)
+            if cfg.cuda_graph_impl == "transformer_engine"
+            else None
+        )
         self.loss_scaling = finite.uses_loss_scaling(self.optimizer)
         self.bar: ProgressBar | None = None
         self.mtp: tuple[float, ...] = ()  # the last step's MTP losses
@@ -422,7 +429,11 @@ class _Run:
             measure = upcoming == last or switching or self._board_measures(upcoming, last)
             measure = measure and not self.whole_step_graphs  # a graph records no timeline
             profiler.before_step(self.state.iteration)
+            if self.layer_graphs is not None:
+                self.layer_graphs.before_step(self.state.iteration)
             loss, success, grad_norm, recorder = self.train_step(measure)
+            if self.layer_graphs is not None:
+                self.layer_graphs.after_step(self.state.iteration, success)
             profiler.after_step(self.state.iteration)
             if announced:
                 took = time.perf_counter() - start
@@ -720,6 +731,8 @@ def _train_here(cfg: TrainConfig, graph_wrapper: GraphWrapper | None = None) -> 
         finally:
             if run.board is not None:
                 run.board.close()
+            if run.layer_graphs is not None:
+                run.layer_graphs.close()
         seconds = time.perf_counter() - began
         run.say([_done_line(run, seconds)])
         return run.result

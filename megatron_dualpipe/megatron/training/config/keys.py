@@ -128,8 +128,9 @@ class TrainConfig:
         doc="CUDA graphs: none; local (each layer records and replays its graphs: under "
         "zb1p, dualpipe and dualpipev only parts that defer no weight gradient); "
         "full_iteration (the whole forward-backward step captured once, under zb1p and "
-        "dualpipev); transformer_engine is Megatron-LM's training loop's (refused here); "
-        "needs CUDA",
+        "dualpipev); transformer_engine (Transformer Engine's per-layer graphs, captured "
+        "after the warm-up in the schedule's order: under zb1p, dualpipe and dualpipev the "
+        "same parts as local); needs CUDA",
     )
     cuda_graph_modules: str | None = _key(
         None,

@@ -481,8 +481,8 @@ def _check_cuda_graphs(cfg: TrainConfig) -> Problem:
     """The CUDA-graph keys: one name of the graphed parts, the implementation the schedule
     can graph (:func:`~...schedules.cuda_graphs.cuda_graph_problem`), and the one this
     loop runs (local: the layers capture themselves; full_iteration under our schedules:
-    the whole step; transformer_engine is captured by Megatron-LM's training loop, under
-    our schedules in their order: :mod:`...megatron.schedule.te_graphs`)."""
+    the whole step; transformer_engine: TE's per-layer graphs, captured by this loop as by
+    Megatron-LM's, under our schedules in their order: :mod:`..layer_graphs`)."""
     if cfg.cuda_graph_modules is not None and cfg.cuda_graph_scope is not None:
         return "cuda_graph_scope", (
             "is megatron-core 0.16/0.17's name of cuda_graph_modules, which is set too: keep one"
@@ -503,34 +503,54 @@ def _check_cuda_graphs(cfg: TrainConfig) -> Problem:
     if problem is not None:  # "<key> <what is wrong>": the key leads the message
         named, _, message = problem.partition(" ")
         return ("cuda_graph_impl" if named == "cuda_graph_impl" else key), message
-    ours = SCHEDULES[cfg.pipeline_schedule].runs_ours
-    if cfg.cuda_graph_impl == "full_iteration" and ours:
-        if cfg.optimize_schedule:  # it measures a step's timeline, which a graph has none of
-            return "optimize_schedule", (
-                "measures a step's timeline, and a step under cuda_graph_impl: "
-                "full_iteration records none: set one of them"
-            )
-        if cfg.cuda_graph_warmup_steps < 1:  # the first step builds executor and groups
-            return "cuda_graph_warmup_steps", (
-                "0 under cuda_graph_impl: full_iteration would capture the first step, which "
-                "builds the executor and its process group: set it to 1 or more"
-            )
-        return None
-    if cfg.cuda_graph_impl in ("transformer_engine", "full_iteration"):
-        helper = (
-            "TECudaGraphHelper"
-            if cfg.cuda_graph_impl == "transformer_engine"
-            else "FullCudaGraphWrapper"
-        )
-        in_order = (
-            f" (in {cfg.pipeline_schedule}'s order under the bundled patch)"
-            if ours and cfg.cuda_graph_impl == "transformer_engine"
-            else ""
-        )
+    te_graphs = cfg.cuda_graph_impl == "transformer_engine"
+    if te_graphs and cfg.transformer_impl == "local" and (not modules or "attn" in modules):
         return "cuda_graph_impl", (
-            f"{cfg.cuda_graph_impl} graphs of {cfg.pipeline_schedule} are captured by "
-            f"Megatron-LM's training loop ({helper}{in_order}), which train does not run: use "
-            "cuda_graph_impl: local, full_iteration under zb1p or dualpipev, or Megatron-LM's "
-            "pretrain_gpt.py with the bundled patch"
+            f"transformer_engine graphing {' '.join(modules) or 'the whole layer'} with "
+            "transformer_impl: local replays attention without its causal mask: Megatron's "
+            "replay hands the graph an all-False attention mask where the model passes none, "
+            "and Megatron's local attention applies a mask it is given in place of the causal "
+            "one (the replayed steps' losses left the eager run's, measured on CPU): graph "
+            "other parts, or use transformer_impl: transformer_engine"
+        )
+    ours = SCHEDULES[cfg.pipeline_schedule].runs_ours
+    if cfg.cuda_graph_impl in ("full_iteration", "transformer_engine") and ours:
+        return _check_graphs_of_ours(cfg)
+    if cfg.cuda_graph_impl == "full_iteration":
+        return "cuda_graph_impl", (
+            f"full_iteration graphs of {cfg.pipeline_schedule} are captured by Megatron-LM's "
+            "training loop (FullCudaGraphWrapper), which train does not run: use "
+            "cuda_graph_impl: local or transformer_engine, full_iteration under zb1p or "
+            "dualpipev, or Megatron-LM's pretrain_gpt.py with the bundled patch"
+        )
+    return None
+
+
+def _check_graphs_of_ours(cfg: TrainConfig) -> Problem:
+    """Whole-step (full_iteration) or TE per-layer (transformer_engine) graphs under our
+    schedules: both are captured in one step's order, which the schedule optimiser would
+    change after it measures; the whole step is captured after at least one warm-up step,
+    and TE's layers in the schedule's order, which Megatron's combined 1F1B order under
+    ``overlap_moe_expert_parallel_comm`` would replace."""
+    impl = cfg.cuda_graph_impl
+    if cfg.optimize_schedule:  # it measures a step's timeline, then reorders the step
+        return "optimize_schedule", (
+            "measures a step's timeline, and a step under cuda_graph_impl: full_iteration "
+            "records none: set one of them"
+            if impl == "full_iteration"
+            else "reorders the step after it measures one, and TE's graphs under "
+            "cuda_graph_impl: transformer_engine replay in the order they were captured in: "
+            "set one of them"
+        )
+    if impl == "full_iteration" and cfg.cuda_graph_warmup_steps < 1:
+        return "cuda_graph_warmup_steps", (  # the first step builds executor and groups
+            "0 under cuda_graph_impl: full_iteration would capture the first step, which "
+            "builds the executor and its process group: set it to 1 or more"
+        )
+    if impl == "transformer_engine" and cfg.overlap_moe_expert_parallel_comm:
+        return "overlap_moe_expert_parallel_comm", (
+            "under cuda_graph_impl: transformer_engine has Megatron graph each layer in its "
+            f"combined 1F1B order, which {cfg.pipeline_schedule} does not run: turn one of "
+            "them off"
         )
     return None
