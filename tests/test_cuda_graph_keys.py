@@ -1,6 +1,6 @@
 """CUDA-graph keys and flags: ``cuda_graph_impl``, ``cuda_graph_modules`` (0.16/0.17:
 ``cuda_graph_scope``) and ``cuda_graph_warmup_steps`` in ``train``'s config and on the
-Megatron-LM route, each release's names (``megatron/version.py``), the refusal without
+Megatron-LM route, each release's names (``megatron/compat/version.py``), the refusal without
 CUDA before any work, and ``local`` allowed only where no graphed part defers its dW."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ order Transformer Engine captures per-layer graphs in (pure Python, no torch).
 
 Megatron-Core offers three implementations (``cuda_graph_impl``; megatron-core 0.18 added
 ``full_iteration`` as an implementation of its own, before it was ``local`` with the scope
-``full_iteration``; ``megatron/version.py`` spells each release's names):
+``full_iteration``; ``megatron/compat/version.py`` spells each release's names):
 
 - ``local``: each layer's ``CudaGraphManager`` records the layer's (or the scope's part of
   it) forward and backward and replays them; the backward graph accumulates the weight
