@@ -342,9 +342,12 @@ def test_kill_9_of_the_whole_run_at_once_leaves_nothing(
         guards = [p for p in known if _safely(p.name) == "dualpipe-guard"]
         ranks = [p for p in known if p not in guards and _safely(p.ppid) == proc.pid]
         assert len(guards) == 1 and len(ranks) == 2, [_safely(p.name) for p in known]
-        for victim in known:
-            with contextlib.suppress(psutil.NoSuchProcess):  # a writer that just finished
-                victim.kill()
+        # All stopped first, then killed: none sees another die and removes the directory
+        # (the guard on the launcher's exit, the launcher on a rank's), as with pkill at once.
+        for action in (psutil.Process.suspend, psutil.Process.kill):
+            for victim in known:
+                with contextlib.suppress(psutil.NoSuchProcess):  # a writer that just finished
+                    action(victim)
         assert _survivors(tag) == []
     directory = _run_directory(proc.pid, temp)  # nobody was left to remove it ...
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
