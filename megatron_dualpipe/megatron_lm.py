@@ -326,7 +326,7 @@ def cuda_graph_helper(args: Any, megatrons: Callable[..., Any]) -> Callable[...,
     from .megatron.schedule.te_graphs import helper_on_this_rank
 
     def schedule_for(pp_size: int, num_microbatches: int) -> Any:
-        return forward_backward_func(args, None)._schedule_to_run(pp_size, num_microbatches)
+        return forward_backward_func(args, None).schedule_to_run(pp_size, num_microbatches)
 
     return helper_on_this_rank(schedule_for)
 

@@ -65,6 +65,11 @@ PG_TIMEOUT_S = 6.0
 RUN_TIMEOUT_S = 60.0
 #: More ranks than cores wait on one another longer: timeouts grow with ranks per core.
 CORES = max(1, os.cpu_count() or 1)
+#: Megatron DDP's bucket size in the tests (elements) and the most bytes one exchange of
+#: dualpipe's mirror sum moves: both small, so that a tiny model's chunks fill several
+#: buckets and slices, and a rank's two dualpipe stages different numbers of them.
+BUCKET_ELEMENTS = 4096
+MIRROR_SLICE_BYTES = 1024
 # Optimizer check: SGD keeps the update linear in the gradient, so the 1e-5 bound on
 # gradients carries over; the step moves every weight tensor by 1e-4 (layer norms) to
 # 0.4 of its size, so a wrong update (unclipped, wrong group, missed parameter) shows
@@ -158,8 +163,9 @@ class Layout:
     first: int | None = None
     last: int | None = None
     layout: str | None = None
-    #: Megatron DDP's bucket size (elements); None: Megatron's default.
-    bucket_size: int | None = None
+    #: Megatron DDP's bucket size (elements); None: Megatron's default. Small by default,
+    #: so that a chunk's gradients fill several buckets, as a real model's do.
+    bucket_size: int | None = BUCKET_ELEMENTS
     #: Wrap chunks as Megatron-LM's ``get_model`` does (bucketing off from the second chunk
     #: on) instead of as megatron-dualpipe's ``train`` (also off for every dualpipe chunk).
     megatron_lm_bucketing: bool = False
@@ -393,7 +399,7 @@ def _ready_chunks(
         if layout.overlap_grad_reduce:
             config.no_sync_func = [c.no_sync for c in chunks]
     if layout.schedule == "dualpipe":
-        prepare_mirrors(chunks)
+        prepare_mirrors(chunks, slice_bytes=MIRROR_SLICE_BYTES)
     return chunks
 
 
@@ -493,7 +499,9 @@ def _pipelined_worker(
             )
 
         batches = _data(parallel_state.get_data_parallel_rank(), layout.microbatches)
-        schedule = get_forward_backward_func(pipeline_schedule=layout.schedule)
+        schedule = get_forward_backward_func(
+            pipeline_schedule=layout.schedule, mirror_slice_bytes=MIRROR_SLICE_BYTES
+        )
         deferred = _count_deferred_work()
         loss_dicts = _step(schedule, chunks, batches, layout)
         result: dict[str, Any] = {
@@ -647,7 +655,9 @@ def _trajectory_worker(
             ),
             chunks,
         )
-        schedule = get_forward_backward_func(pipeline_schedule=layout.schedule)
+        schedule = get_forward_backward_func(
+            pipeline_schedule=layout.schedule, mirror_slice_bytes=MIRROR_SLICE_BYTES
+        )
         trajectory, mtp, grads = [], [], {}
         batches = _data(0, layout.microbatches)  # the same batch each time: the loss falls
         for step in range(steps):

@@ -5,13 +5,14 @@
 - no wait has a host timeout (``wait()`` only; on NCCL that makes the current stream
   wait, and the host runs on), and at most two exchanges are issued and not yet waited
   (two are, so the exchange does overlap);
-- every operation goes to the pair's own two-rank group, made by its members with local
-  synchronisation, never to the pipeline group;
+- every operation goes to the pipeline group, to the mirror rank (no group is made);
 - a stuck exchange becomes a ``PipelineWaitError`` naming both ranks, from the hang monitor;
 - the layout travels on the gradients' device (NCCL serves CUDA tensors only: ``meta``
   stands for the GPU here);
-- on gloo, two ranks holding different numbers of process groups still meet on their
-  pair's group (torch names it after the count: the pair evens it first).
+- on gloo, two ranks holding different numbers of process groups still meet;
+- on gloo, a rank's two chunks are two different model stages, with different numbers of
+  buckets (stage r and R-1-r of a real model never have the same): every copy's
+  gradients are summed (this raised ValueError from ``zip(..., strict=True)``).
 """
 
 from __future__ import annotations
@@ -132,8 +133,7 @@ def test_the_mirror_exchange_never_waits_with_a_timeout_and_keeps_two_in_flight(
     assert log.waits == [((), {})] * (2 * buckets)  # every wait without a timeout
     assert log.peak == IN_FLIGHT == 2
     assert log.outstanding == 0
-    # No group made where the default group has no device (torch's fake backend here):
-    # the exchange runs on the pipeline group (make_mirror_group says why).
+    # No group made: the exchange runs on the pipeline group.
     assert created == []
     assert pair_ranks == [[0, 1, 2, 3]] and peers == {3}
 
@@ -222,3 +222,34 @@ def test_pairs_made_again_after_the_groups_were_destroyed_still_meet() -> None:
     ranks then read the earlier group's addresses from the store (this hung until the
     workers were killed)."""
     assert run_workers(_pairs_made_and_destroyed, 2, timeout_s=30) == [[11.0] * 3] * 2
+
+
+def _unequal_stages_summed(rank: int, world: int) -> dict:
+    """Stage 0 is two layers, stage 1 one: rank r's chunk 0 (stage r) and chunk 1 (stage
+    1 - r) fill different numbers of buckets. Gradients are 10 rank + chunk; returns each
+    chunk's bucket count and the distinct gradient values after the sum."""
+    torch.manual_seed(0)
+    stages = [nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), nn.Sequential(nn.Linear(8, 8))]
+    chunks = [stages[rank], stages[1 - rank]]
+    for chunk, module in enumerate(chunks):
+        for p in module.parameters():
+            p.grad = torch.full_like(p, float(10 * rank + chunk))
+    pair = MirrorPair(Placement("mirror", world, 2 * world, 2), rank, timeout_s=10.0)
+    try:
+        _sync(pair, chunks, check_layout=True)
+    finally:
+        pair.close()
+    return {
+        "buckets": [len(param_buckets(c, param_grad, bucket_bytes=BUCKET)) for c in chunks],
+        "values": sorted(
+            {v for c in chunks for p in c.parameters() for v in p.grad.flatten().tolist()}
+        ),
+    }
+
+
+@pytest.mark.multiproc
+def test_two_stages_of_different_bucket_counts_are_summed() -> None:
+    results = run_workers(_unequal_stages_summed, 2, timeout_s=30)
+    assert [r["buckets"] for r in results] == [[4, 2], [2, 4]]
+    # Each stage's two copies: 10 r + 0 (chunk 0 of rank r) + 10 (1 - r) + 1 = 11.
+    assert [r["values"] for r in results] == [[11.0], [11.0]]

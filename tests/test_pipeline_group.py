@@ -1,40 +1,127 @@
-"""Setting up the pipeline's communicator at scale, on torch's fake process-group backend.
+"""The lock-step plan's communicator is the pipeline group itself, on every backend: nothing
+makes a group of its own, so it comes up whatever groups a rank made before.
 
-- At world 2,048 with PP=16 (128 pipelines, Megatron's layout: pipeline ``i`` holds ranks
-  ``i, i + 128, ...``), every rank takes part in one group creation, of its own pipeline,
-  with local synchronisation (only its members join), and in no collective of the world;
-  every group is made by exactly its members. The design before (every rank made every
-  pipeline's two-rank channel groups, each ``new_group`` a call of the whole world, after
-  gathering every rank's pipeline) had each rank join 7,680 creations, 8 of them its
-  own, and one gather over the world. Run with ``-s`` to see the set-up times.
-- Where the default group is bound to a device, the group is split from the pipeline
-  group instead (torch would otherwise split the world's communicator, every rank of the
-  world taking part); the call is recorded, not run (it needs NCCL).
-- On NCCL the group asks for a high-priority stream (``ProcessGroupNCCL.Options(
-  is_high_priority_stream=True)``), elsewhere for the backend's defaults: checked on the
-  options passed, with a stand-in for the CUDA-only options class.
+- Why: torch names a group made with ``use_local_synchronization=True`` after the number
+  of groups its caller already holds (``distributed_c10d._hash_ranks_to_str``), and
+  Megatron's ``initialize_model_parallel`` leaves the pipeline's ranks holding different
+  numbers (the embedding groups hold only some of them). On 4 forked gloo ranks after
+  Megatron's set-up with our dualpipev embedding ranks, the ranks hold different numbers
+  of groups, a group made that way fails on every rank at its timeout, and the executor's
+  transport on Megatron's pipeline group sets up and carries a dualpipev step whose losses
+  are the non-pipelined model's.
+- At world 2,048 with PP=16 on torch's fake backend, building a rank's executor and
+  setting up its communicator joins no group creation and no collective of the world.
+- No module of the package calls ``new_group`` or ``split_group``.
 """
 
 from __future__ import annotations
 
-import itertools
-import time
+import ast
 from collections.abc import Callable
-from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed import distributed_c10d
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from megatron_dualpipe.runtime.transport import make_pipeline_group, pipeline_group_options
-from megatron_dualpipe.schedules.comm_plan import channels
+from megatron_dualpipe.runtime import PipelineExecutor, TensorSpec
 from megatron_dualpipe.schedules.registry import generate
+from tests.multiproc import run_workers
 
+PACKAGE = Path(__file__).resolve().parent.parent / "megatron_dualpipe"
 WORLD, PP = 2048, 16
 PIPELINES = WORLD // PP
-#: Collectives of a group a rank may be asked to join while groups are made.
+#: Collectives of the world a rank may be asked to join while its executor is built.
 COLLECTIVES = ("all_gather_object", "all_gather", "barrier", "broadcast", "all_reduce")
+HIDDEN, BATCH = 4, 2
+
+
+def _stages(count: int) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Linear(HIDDEN, HIDDEN) for _ in range(count)]
+
+
+def _inputs(microbatches: int) -> list[torch.Tensor]:
+    return [torch.full((BATCH, HIDDEN), 0.1 * (m + 1)) for m in range(microbatches)]
+
+
+def _loss(out: torch.Tensor, mb: int) -> torch.Tensor:
+    return out.square().mean()
+
+
+def _after_megatron_init(rank: int, world: int) -> dict:
+    """Megatron's groups with our dualpipev embedding ranks, then (a) a group made with
+    local synchronisation over the pipeline, (b) a dualpipev step on Megatron's pipeline
+    group through the executor's own transport."""
+    from megatron.core import parallel_state
+
+    from megatron_dualpipe.megatron.model.placement import embedding_ranks
+
+    parallel_state.initialize_model_parallel(
+        pipeline_model_parallel_size=world, get_embedding_ranks=embedding_ranks("dualpipev")
+    )
+    try:
+        held = len(distributed_c10d._world.pg_names)
+        pipeline = parallel_state.get_pipeline_model_parallel_group()
+        try:
+            dist.new_group(
+                dist.get_process_group_ranks(pipeline),
+                timeout=timedelta(seconds=2),
+                use_local_synchronization=True,
+            )
+            local_group = "made"
+        except Exception as error:  # the store's timeout, on every rank
+            local_group = type(error).__name__
+        schedule = generate("dualpipev", world, 2 * world)
+        placement = schedule.placement
+        stages = _stages(placement.num_model_stages)
+        mine = [stages[placement.stage_of(rank, c)] for c in range(placement.num_chunks)]
+        executor = PipelineExecutor(
+            schedule,
+            rank,
+            mine,
+            specs={s: TensorSpec((BATCH, HIDDEN)) for s in range(placement.num_stages)},
+            loss_fn=_loss,
+            group=pipeline,
+            timeout_s=30.0,
+        )
+        try:
+            entering = {m: x for m, x in enumerate(_inputs(2 * world)) if rank == 0}
+            losses = executor.run(entering).losses
+        finally:
+            executor.close()
+        return {
+            "held": held,
+            "local_group": local_group,
+            "same_group": executor.transport.group is pipeline,
+            "losses": {m: float(v) for m, v in losses.items()},
+        }
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.multiproc
+@pytest.mark.megatron
+def test_the_plan_runs_on_megatrons_pipeline_group_whatever_groups_ranks_hold() -> None:
+    world = 4
+    results = run_workers(_after_megatron_init, world, timeout_s=120, pg_timeout_s=30)
+    held = [r["held"] for r in results]
+    assert len(set(held)) > 1, f"every rank holds {held[0]} groups: the case is not met"
+    assert all(r["local_group"] != "made" for r in results)
+    assert all(r["same_group"] for r in results)
+    stages = _stages(2 * world)
+    expected = {}
+    for m, x in enumerate(_inputs(2 * world)):
+        for stage in stages:
+            x = stage(x)
+        expected[m] = _loss(x, m).item()
+    assert results[0]["losses"].keys() == expected.keys()
+    for m, value in expected.items():
+        assert results[0]["losses"][m] == pytest.approx(value, rel=1e-6)
 
 
 def _pipeline(rank: int) -> list[int]:
@@ -42,145 +129,69 @@ def _pipeline(rank: int) -> list[int]:
     return list(range(rank % PIPELINES, WORLD, PIPELINES))
 
 
-class _Calls:
-    """What one rank is asked to join: each group creation (its ranks and options) and
-    each collective over the world."""
+def _counting(patch: pytest.MonkeyPatch, calls: list[str]) -> None:
+    """Record every group creation and world collective (passing them on)."""
 
-    def __init__(self) -> None:
-        self.created: list[tuple[tuple[int, ...], dict]] = []
-        self.collectives: list[str] = []
+    def counted(name: str, call: Callable) -> Callable:
+        def run(*args, **kwargs):
+            calls.append(name)
+            return call(*args, **kwargs)
+
+        return run
+
+    for name in ("new_group", "split_group", *COLLECTIVES):
+        patch.setattr(dist, name, counted(name, getattr(dist, name)))
 
 
-@contextmanager
-def _fake_rank(rank: int):
-    """This process as ``rank`` of a fake world of WORLD ranks; yields its pipeline group
-    (made as Megatron makes it: not counted)."""
+@pytest.mark.parametrize("rank", [0, 1, PIPELINES, WORLD - 1])
+def test_a_rank_at_world_2048_joins_no_group_creation_and_no_world_collective(
+    rank: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=WORLD)
     try:
-        yield dist.new_group(_pipeline(rank), use_local_synchronization=True)
+        pipeline = dist.new_group(_pipeline(rank), use_local_synchronization=True)
+        schedule = generate("dualpipev", PP, 2 * PP)
+        placement = schedule.placement
+        pp_rank = pipeline.rank()
+        calls: list[str] = []
+        with monkeypatch.context() as patch:
+            _counting(patch, calls)
+            executor = PipelineExecutor(
+                schedule,
+                pp_rank,
+                [nn.Linear(HIDDEN, HIDDEN) for _ in range(placement.num_chunks)],
+                specs={s: TensorSpec((BATCH, HIDDEN)) for s in range(placement.num_stages)},
+                loss_fn=_loss,
+                group=pipeline,
+            )
+            plan = executor.plan()
+            inits = [s.comm for s in plan.ranks[pp_rank] if type(s).__name__ == "Init"]
+            for comm in inits:
+                executor.transport.setup(
+                    comm, pp_rank, plan.peers(pp_rank, comm), executor._watchdog
+                )
+            executor.close()
+        assert inits, "the plan sets up no communicator"
+        assert calls == [], f"rank {rank} joined {calls}"
     finally:
         dist.destroy_process_group()
 
 
-def _count(patch: pytest.MonkeyPatch, calls: _Calls) -> None:
-    """Count every group creation and world collective into ``calls`` (passing them on;
-    the fake backend's gather answers as a real one would)."""
-    new_group, split_group = dist.new_group, dist.split_group
-
-    def counted_new_group(ranks=None, **kwargs):
-        calls.created.append((tuple(ranks), kwargs))
-        return new_group(ranks, **kwargs)
-
-    def counted_split_group(parent_pg=None, split_ranks=None, **kwargs):
-        global_ranks = dist.get_process_group_ranks(parent_pg)
-        for split in split_ranks:
-            calls.created.append((tuple(global_ranks[i] for i in split), kwargs))
-        return split_group(parent_pg, split_ranks, **kwargs)
-
-    def counted(name: str, collective: Callable) -> Callable:
-        def run(*args, **kwargs):
-            calls.collectives.append(name)
-            if name != "all_gather_object":
-                return collective(*args, **kwargs)
-            every = args[0]  # the fake backend would gather only this rank's object
-            for r in range(WORLD):
-                every[r] = tuple(_pipeline(r))
-            return None
-
-        return run
-
-    patch.setattr(dist, "new_group", counted_new_group)
-    patch.setattr(dist, "split_group", counted_split_group)
-    for name in COLLECTIVES:
-        patch.setattr(dist, name, counted(name, getattr(dist, name)))
+def _group_makers(path: Path) -> list[str]:
+    """Calls of ``new_group`` or ``split_group`` in one module, as ``file:line``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute | ast.Name)
+        and getattr(node.func, "attr", getattr(node.func, "id", None))
+        in ("new_group", "split_group")
+    ]
 
 
-def _before(pipeline: dist.ProcessGroup) -> None:
-    """The design before: gather every rank's pipeline over the world, then make every
-    pipeline's two-rank channel groups, each a call of the whole world."""
-    mine = tuple(dist.get_process_group_ranks(pipeline))
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    placement = generate("dualpipe", PP, 2 * PP).placement
-    for members, comm in itertools.product(sorted(set(every)), channels(placement)):
-        dist.new_group([members[r] for r in comm.ranks])
-
-
-def _set_up(rank: int, monkeypatch, make: Callable) -> tuple[_Calls, float]:
-    calls = _Calls()
-    with _fake_rank(rank) as pipeline, monkeypatch.context() as patch:
-        _count(patch, calls)
-        start = time.perf_counter()
-        made = make(pipeline)
-        seconds = time.perf_counter() - start
-        if made is not None:
-            assert dist.get_process_group_ranks(made) == _pipeline(rank)
-    return calls, seconds
-
-
-def test_each_rank_joins_only_the_creation_of_its_own_pipelines_group(monkeypatch) -> None:
-    creators: dict[tuple[int, ...], set[int]] = {}
-    times = []
-    for rank in range(WORLD):
-        calls, seconds = _set_up(rank, monkeypatch, make_pipeline_group)
-        times.append(seconds)
-        assert calls.collectives == [], f"rank {rank} joined {calls.collectives}"
-        [(members, options)] = calls.created  # one creation, its own
-        assert members == tuple(_pipeline(rank))
-        assert options["use_local_synchronization"] is True
-        creators.setdefault(members, set()).add(rank)
-    assert all(set(members) == made_by for members, made_by in creators.items())
-    assert len(creators) == PIPELINES
-    sample = [0, 1, PIPELINES, WORLD - 1]
-    before = [_set_up(rank, monkeypatch, _before) for rank in sample]
-    for rank, (calls, _) in zip(sample, before, strict=True):
-        own = [m for m, _ in calls.created if rank in m]
-        assert len(calls.created) == PIPELINES * 60 == 7680 and len(own) in (4, 8), rank
-        assert calls.collectives == ["all_gather_object"]
-    print(
-        f"\nworld {WORLD}, PP {PP}: before, {len(before[0][0].created)} group creations per "
-        f"rank, {max(s for _, s in before) * 1e3:.0f} ms at most; after, 1 per rank, "
-        f"{max(times) * 1e3:.2f} ms at most (median {sorted(times)[WORLD // 2] * 1e3:.2f} ms)"
-    )
-
-
-class _Options:
-    """Stands in for ``ProcessGroupNCCL.Options`` (CUDA builds only)."""
-
-    def __init__(self, is_high_priority_stream: bool = False):
-        self.is_high_priority_stream = is_high_priority_stream
-
-
-class _StandInNccl:
-    Options = _Options
-
-
-def test_an_nccl_pipeline_group_asks_for_a_high_priority_stream(monkeypatch) -> None:
-    assert pipeline_group_options("gloo") is None
-    assert pipeline_group_options("fake") is None
-    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
-    monkeypatch.setattr(dist, "ProcessGroupNCCL", _StandInNccl, raising=False)
-    assert pipeline_group_options("nccl").is_high_priority_stream is True
-    seen = []
-    with _fake_rank(5) as pipeline, monkeypatch.context() as patch:
-        patch.setattr(dist, "get_backend", lambda group=None: "nccl")
-        patch.setattr(dist, "new_group", lambda ranks, **kw: seen.append(("new", kw)))
-        patch.setattr(
-            dist,
-            "split_group",
-            lambda parent, splits, **kw: seen.append(("split", parent, splits, kw)),
-        )
-        make_pipeline_group(pipeline)
-        world = dist.group.WORLD
-        world.bound_device_id = torch.device("cuda", 0)  # as init_process_group(device_id=)
-        try:
-            make_pipeline_group(pipeline)
-        finally:
-            world.bound_device_id = None
-    (new, options), (split, parent, splits, split_options) = seen
-    assert new == "new" and options["use_local_synchronization"] is True
-    assert options["pg_options"].is_high_priority_stream is True
-    assert split == "split" and parent is pipeline and splits == [list(range(PP))]
-    assert split_options["pg_options"].is_high_priority_stream is True
+def test_no_module_of_the_package_makes_a_process_group() -> None:
+    found = [hit for path in sorted(PACKAGE.rglob("*.py")) for hit in _group_makers(path)]
+    assert found == [], f"these make process groups: {found}"

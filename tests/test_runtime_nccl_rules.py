@@ -7,10 +7,9 @@
   complete only once their receive has started) runs the shipped lock-step plan; the
   design before it (a two-rank communicator per channel, receives pre-posted) hangs there,
   and every rank's hang monitor turns that into an error naming the rank within its
-  timeout, while it runs with a stream per communicator and on plain gloo.
-- The pipeline group (what NCCL gets), issued op by op or as NCCL gets it (one
-  ``batch_isend_irecv`` per batch, peers as group ranks), gives the losses and gradients
-  of the tagged single group, bit for bit.
+  timeout, while it runs with a stream per communicator.
+- The emulation gives the losses and gradients of the pipeline group's own transport
+  (what NCCL gets too: one ``batch_isend_irecv`` per batch), bit for bit.
 - The hang monitor: an operation pending past the timeout is named and the transport
   aborted; completed ones are forgotten.
 """
@@ -27,7 +26,7 @@ from torch import nn
 
 from megatron_dualpipe.runtime import PipelineExecutor, PipelineWaitError, TensorSpec
 from megatron_dualpipe.runtime.nccl_emulation import NcclRulesTransport
-from megatron_dualpipe.runtime.transport import GroupTransport, make_pipeline_group
+from megatron_dualpipe.runtime.transport import GroupTransport
 from megatron_dualpipe.runtime.watchdog import HangMonitor, Watchdog
 from megatron_dualpipe.schedules.comm_plan import Issue, Wait, comm_plan
 from megatron_dualpipe.schedules.registry import SCHEDULES, generate, spec
@@ -61,9 +60,6 @@ def _run(rank: int, name: str, microbatches: int, transport_kind: str, **executo
         transport = _Recording(NcclRulesTransport(dist.group.WORLD, ranks))
     elif transport_kind == "emulation-distinct":  # a stream per communicator
         transport = NcclRulesTransport(dist.group.WORLD, ranks, streams="distinct")
-    elif transport_kind.startswith("pipeline-group"):  # NCCL's path: batch_isend_irecv
-        batched = transport_kind.endswith("batched")
-        transport = GroupTransport(make_pipeline_group(), ranks, batched=batched)
     executor = PipelineExecutor(
         schedule,
         rank,
@@ -163,7 +159,7 @@ def test_the_executor_issues_exactly_its_plan(world: int, transport_kind: str) -
 
 
 def _compare(rank: int, world: int, name: str, microbatches: int, kind: str) -> bool:
-    """Whether ``kind``'s losses and gradients equal the tagged single group's, exactly."""
+    """Whether ``kind``'s losses and gradients equal the pipeline group's, exactly."""
     ours = _run(rank, name, microbatches, kind)
     plain = _run(rank, name, microbatches, "gloo")
     same_losses = ours[0].keys() == plain[0].keys() and all(
@@ -173,9 +169,8 @@ def _compare(rank: int, world: int, name: str, microbatches: int, kind: str) -> 
 
 
 @pytest.mark.parametrize("name", ["dualpipe", "dualpipev"])
-@pytest.mark.parametrize("kind", ["pipeline-group", "pipeline-group-batched", "emulation"])
-def test_the_pipeline_group_and_the_emulation_compute_what_one_tagged_group_does(name, kind):
-    assert all(run_workers(_compare, 2, args=(name, 4, kind), timeout_s=120))
+def test_the_emulation_computes_what_the_pipeline_group_does(name):
+    assert all(run_workers(_compare, 2, args=(name, 4, "emulation"), timeout_s=120))
 
 
 HANG_TIMEOUT_S = 1.0
@@ -205,11 +200,9 @@ def test_the_old_design_hangs_on_a_shared_stream_and_every_rank_says_where(name,
         assert message.startswith(f"pipeline rank {rank} gave up on "), message
         assert "hang monitor" in message, message
         assert seconds < HANG_TIMEOUT_S + 5, f"rank {rank} took {seconds:.1f} s"
-    # With a stream per channel (what that design assumed), and on plain gloo, which
-    # buffers sends and matches tags, the same plan runs.
-    for kind in ("emulation-distinct", "gloo"):
-        runs = run_workers(_hang, world, args=(name, kind), timeout_s=60)
-        assert [outcome[:2] for outcome in runs] == [("", "finished")] * world, kind
+    # With a stream per channel (what that design assumed) the same plan runs.
+    runs = run_workers(_hang, world, args=(name, "emulation-distinct"), timeout_s=60)
+    assert [outcome[:2] for outcome in runs] == [("", "finished")] * world
 
 
 class _Pending:

@@ -51,7 +51,6 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -67,7 +66,7 @@ from .nccl_emulation import NcclRulesTransport
 from .p2p import MessageKey, Payload, PipeComm, TensorSpec
 from .planned import PlannedStage
 from .timeline import RankTimeline, clock_for, start_barrier
-from .transport import GroupTransport, Transport, make_pipeline_group
+from .transport import GroupTransport, Transport
 from .watchdog import DEFAULT_TIMEOUT_S, Watchdog
 from .weight_grad_store import WeightGradStore
 
@@ -262,16 +261,15 @@ class PipelineExecutor:
     span, ``F stage=S mb=M`` and so on, one per action and FB half.
 
     Communication follows the schedule's :func:`~megatron_dualpipe.schedules.comm_plan.
-    comm_plan` and nothing else, through ``transport``: by default, on gloo one group with
-    a tag per message; on backends that ignore tags (NCCL) a group over the pipeline's
-    ranks, made here by those ranks only (:func:`~.transport.make_pipeline_group`: every
-    rank of the pipeline constructs its executor at the same point, or pass a transport);
+    comm_plan` and nothing else, through ``transport``: by default the pipeline ``group``
+    itself on every backend (:class:`~.transport.GroupTransport`: no group is made);
     with ``nccl_rules`` (gloo only, for tests) the NCCL-rules emulation, all of a rank's
-    communicators on one stream. On backends other than gloo the plan is checked here
-    under NCCL's rules in the worst case (every communicator of a rank on one stream, the
-    step's data- and expert-parallel collectives on it too, every send waiting for its
-    receive; :func:`~megatron_dualpipe.schedules.nccl_rules.check_nccl`), and a plan that
-    would deadlock is refused before any work.
+    communicators on one stream. On every backend the lock-step plan is checked here under
+    NCCL's rules in the worst case (every communicator of a rank on one stream, the step's
+    data- and expert-parallel collectives on it too, every send waiting for its receive;
+    :func:`~megatron_dualpipe.schedules.nccl_rules.check_nccl`), and a plan that would
+    deadlock is refused before any work (the designs before it run unchecked, to show
+    their deadlock on the emulation).
     """
 
     def __init__(
@@ -338,10 +336,10 @@ class PipelineExecutor:
         }
         device = _module_device(self.modules[0]) or torch.device("cpu")
         if transport is None:
-            transport = _default_transport(group, nccl_rules, device, timeout_s)
+            transport = _default_transport(group, nccl_rules, device)
         self.transport = transport
         self._plans: dict[bool, CommPlan] = {}
-        if device.type != "cpu":  # the worst case: one stream, every send large
+        if comm_layout == "lock-step":  # the worst case: one stream, every send large
             for forward_only in (False, True):
                 plan = self.plan(forward_only=forward_only)
                 check_nccl(plan, streams="shared", eager_limit=0, bound=False)
@@ -410,7 +408,6 @@ class PipelineExecutor:
 
     def close(self) -> None:
         """Stop the executor's helper threads; it is not used again."""
-        self._comm.abandon()
         self._comm.close()
 
     @property
@@ -474,7 +471,6 @@ class PipelineExecutor:
                 self._run_steps(steps, step)
                 comm.finish()
         except BaseException as error:
-            comm.abandon()
             lines = str(error).strip().splitlines()
             self._failed = f"{type(error).__name__}: {lines[0] if lines else ''}"
             raise
@@ -812,21 +808,15 @@ def _sender(placement: Placement, key: MessageKey) -> int:
 
 
 def _default_transport(
-    group: dist.ProcessGroup | None,
-    nccl_rules: bool,
-    device: torch.device,
-    timeout_s: float,
+    group: dist.ProcessGroup | None, nccl_rules: bool, device: torch.device
 ) -> Transport:
-    """Messages on the CPU (gloo): one group, a tag per message, or the NCCL-rules
-    emulation over it; on a device (NCCL): a group over the pipeline's ranks, whose own
-    timeout outlasts the executor's (its hang monitor speaks first)."""
-    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    """The pipeline group itself (default: the world) on every backend, or (tests) the
+    NCCL-rules emulation over it."""
+    group = group or dist.group.WORLD
+    ranks = dist.get_process_group_ranks(group)
     if nccl_rules:
-        return NcclRulesTransport(group or dist.group.WORLD, ranks)
-    if device.type == "cpu":
-        return GroupTransport(group or dist.group.WORLD, ranks)
-    pipeline = make_pipeline_group(group, timeout=timedelta(seconds=2 * timeout_s))
-    return GroupTransport(pipeline, ranks, device=device)
+        return NcclRulesTransport(group, ranks)
+    return GroupTransport(group, ranks, device=device)
 
 
 def _unpack(packed: tuple[torch.Tensor, _Token]) -> torch.Tensor:

@@ -13,11 +13,13 @@ bucket:
 
 Both copies end bit-identical (the sum is formed once, on the chunk-1 side, and copied), so
 they stay identical after any deterministic optimizer step. Each exchange is one batch of a
-rank's sends and receives to its partner, the same batches in the same order on both.
+rank's sends and receives to its partner, the same batches in the same order on both. A
+rank's two chunks are two different model stages (r and R-1-r), so they need not have as
+many buckets: exchange i sends this rank's bucket i where it has one and receives the
+partner's bucket i where the partner has one (the partner's chunk 0 is laid out as this
+rank's chunk 1), max(n0, n1) exchanges on both ranks.
 
-The exchanges run on a two-rank process group of the pair's own where the default group is
-bound to a device (:func:`make_mirror_group`, split by its two members), else on the
-pipeline group, with at most
+The exchanges run on the pipeline group itself (no group is made for a pair), with at most
 :data:`IN_FLIGHT` exchanges issued and not yet waited: the rank waits for the oldest before
 it issues a third. Waits never block the host with a timeout: ``work.wait()``, which on
 NCCL only makes the current stream wait (so on the GPU, too, an exchange starts only once
@@ -32,15 +34,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from datetime import timedelta
+from itertools import zip_longest
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..schedules.ir import Placement
-from .p2p import TAG_LIMIT
-from .transport import make_member_group
+from .transport import TAG_LIMIT
 from .watchdog import DEFAULT_TIMEOUT_S, HangMonitor, PipelineCommError, Watchdog
 
 __all__ = [
@@ -50,7 +51,6 @@ __all__ = [
     "MirrorPair",
     "check_mirror_layouts",
     "copy_mirror_params",
-    "make_mirror_group",
     "param_buckets",
     "sync_mirror_grads",
 ]
@@ -106,30 +106,11 @@ def _check_pair(modules: Sequence[nn.Module], placement: Placement) -> None:
         raise ValueError(f"a mirror rank holds 2 chunks, got {len(modules)} modules")
 
 
-def make_mirror_group(
-    parent: dist.ProcessGroup | None = None, *, timeout: timedelta | None = None
-) -> dist.ProcessGroup:
-    """The group the mirror exchange of this rank of ``parent`` (the pipeline group,
-    default: the world) runs on. Where the default group is bound to a device, the two-rank
-    group of this rank and its mirror rank (group rank R-1-r), split from ``parent`` by its
-    members (every rank of ``parent`` calls at once, each making its own pair's);
-    ``timeout`` is its own. Elsewhere ``parent`` itself: torch would make a pair's group
-    with local synchronisation, named after its ranks and the number of groups the caller
-    holds, a name that recurs once groups are destroyed, while the store still holds the
-    earlier group's addresses (a process that trains twice then connects to closed sockets)."""
-    parent = parent or dist.group.WORLD
-    if dist.group.WORLD.bound_device_id is None:
-        return parent
-    size = parent.size()
-    pairs = [sorted({i, size - 1 - i}) for i in range((size + 1) // 2)]
-    return make_member_group(parent, pairs, timeout=timeout)
-
-
 class MirrorPair:
-    """Pipeline rank ``rank`` and its mirror rank (R-1-r) of the pipeline ``group``
-    (default: the world), exchanging on the group :func:`make_mirror_group` gives
-    (collective over ``group``: every rank makes its pair's at once). Hold one for repeated
-    exchanges; ``timeout_s`` bounds each wait (see the module docstring)."""
+    """Pipeline rank ``rank`` and its mirror rank (R-1-r), exchanging on the pipeline
+    ``group`` (default: the world). Hold one for repeated exchanges; ``timeout_s`` bounds
+    each wait (see the module docstring); ``bucket_bytes`` is the most bytes a bucket of
+    :func:`param_buckets` holds where the caller gives no buckets of its own."""
 
     def __init__(
         self,
@@ -138,16 +119,15 @@ class MirrorPair:
         *,
         group: dist.ProcessGroup | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        bucket_bytes: int = BUCKET_BYTES,
     ):
         self.placement = placement
         self.rank = rank
         self.partner = placement.num_ranks - 1 - rank
+        self.bucket_bytes = bucket_bytes
         self.watchdog = Watchdog(rank, timeout_s)
-        # The group's own timeout outlasts the watchdog's: the hang monitor speaks first.
-        self.group = make_mirror_group(group, timeout=timedelta(seconds=2 * timeout_s))
-        self._peer = dist.get_group_rank(
-            self.group, dist.get_global_rank(group or dist.group.WORLD, self.partner)
-        )
+        self.group = group or dist.group.WORLD
+        self._peer = self.partner
         # Watches every exchange until it completes, also after the call that issued it
         # returned (on NCCL the GPU may still be exchanging then); its thread ends with
         # the pair, or at :meth:`close`.
@@ -237,11 +217,11 @@ class MirrorPair:
         """Make this rank's chunk 1 a copy of the partner's chunk 0 (see
         :func:`copy_mirror_params`)."""
         _check_pair(modules, self.placement)
-        mine = [param_buckets(m, lambda p: p.data) for m in modules]
+        mine = [param_buckets(m, lambda p: p.data, self.bucket_bytes) for m in modules]
         self.check_layouts([_layout(c) for c in mine], _device(mine))
         with torch.no_grad():
             self.run(
-                ((send, receive, None) for send, receive in zip(mine[0], mine[1], strict=True)),
+                ((send, receive, None) for send, receive in _paired(mine[0], mine[1])),
                 "the mirror copy's parameters",
             )
 
@@ -256,13 +236,20 @@ class MirrorPair:
         """Sum each model stage's gradients over its two copies (see
         :func:`sync_mirror_grads`)."""
         _check_pair(modules, self.placement)
-        bucketing = buckets or (lambda m: param_buckets(m, grad_of))
+        bucketing = buckets or (lambda m: param_buckets(m, grad_of, self.bucket_bytes))
         mine = [bucketing(m) for m in modules]
         if check_layout:
             self.check_layouts([_layout(c) for c in mine], _device(mine))
         what = "the mirror copy's gradients"
-        self.run((_add_into(s, a) for s, a in zip(mine[0], mine[1], strict=True)), what)
-        self.run(((s, o, None) for s, o in zip(mine[1], mine[0], strict=True)), what)
+        self.run((_add_into(s, a) for s, a in _paired(mine[0], mine[1])), what)
+        self.run(((s, o, None) for s, o in _paired(mine[1], mine[0])), what)
+
+
+def _paired(sent: Buckets, received: Buckets) -> Iterable[tuple[list, list]]:
+    """Exchange i's sends (``sent[i]``) and receive buffers (``received[i]``, laid out as
+    the partner's ``sent[i]``): as many exchanges as the longer list, an empty side where
+    one list has ended (module docstring)."""
+    return zip_longest(sent, received, fillvalue=[])
 
 
 def _add_into(send: list[torch.Tensor], add_to: list[torch.Tensor]) -> _Exchange:

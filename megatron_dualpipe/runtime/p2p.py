@@ -14,18 +14,15 @@ variable shapes a message is preceded by one small int64 message holding every e
 shape, and the spec gives only each element's number of dimensions and dtype.
 
 Sent tensors must be contiguous and stay untouched until their send completes; a send's
-tensors are released as soon as it is known to be complete: at every step the rank polls
-its pending sends (on gloo, whose works learn of their completion only when waited on, a
-helper thread waits on them in order). ``peak_sends`` is the most sends held at once.
+tensors are released as soon as it is known to be complete (at every step the rank polls
+its pending sends; gloo's works learn of their completion only when waited on, so there
+they go at the plan's wait for them). ``peak_sends`` is the most sends held at once.
 Where the transport's waits do not block the host with a timeout (NCCL), a
 :class:`~.watchdog.HangMonitor` watches every operation from a side thread.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -34,15 +31,13 @@ import torch
 from ..schedules.comm_plan import Comm, Issue, PlanKey, Wait, key_text
 from ..schedules.ir import Kind, Placement
 from ..schedules.lowering import MessageKey
-from .transport import ElementOp, Handle, Transport
-from .watchdog import HangMonitor, PipelineCommError, PipelineWaitError, Watchdog
+from .transport import TAG_LIMIT, ElementOp, Handle, Transport
+from .watchdog import HangMonitor, PipelineCommError, Watchdog
 
 __all__ = ["MAX_ELEMENTS", "TAG_LIMIT", "MessageKey", "Payload", "PipeComm", "TensorSpec"]
 
 #: What one message carries: its elements, in order.
 Payload = tuple[torch.Tensor, ...]
-#: Schedule messages use tags below this; tags from here up are free for other traffic.
-TAG_LIMIT = 2**30
 #: The most elements one message may have (each needs a tag of its own).
 MAX_ELEMENTS = 16
 
@@ -156,7 +151,6 @@ class PipeComm:
         self._shapes: dict[MessageKey, list[list[int]]] = {}
         self._sent: dict[PlanKey, _Sent] = {}
         self._released: set[PlanKey] = set()  # sends seen complete, tensors dropped
-        self._reaper: _SendReaper | None = None
         self.peak_sends = 0
 
     def setup(self, comms: Sequence[tuple[Comm, Sequence[int]]]) -> None:
@@ -215,11 +209,6 @@ class PipeComm:
             if op.kind == "recv":
                 self._posted[op.key].works.append(work)
                 continue
-            if self._monitor is None and not self.graph_safe:
-                # gloo: a helper thread learns when it completed
-                if self._reaper is None:
-                    self._reaper = _SendReaper(self.watchdog)
-                work = self._reaper.add(work, what, op.peer)
             sent = self._sent.get(op.key)
             if sent is None:
                 sent = self._sent[op.key] = _Sent(self._name(op.key), op.peer, [], [])
@@ -287,24 +276,7 @@ class PipeComm:
                     continue
                 raise RuntimeError(f"rank {self.rank} waits for {key_text(key)}, never issued")
             for work in sent.works:
-                if self._monitor is not None or self.graph_safe:
-                    self._wait(work, sent.what, sent.peer)
-                else:
-                    self._wait_reaped(work, sent)
-
-    def _wait_reaped(self, work: _ReapedSend, sent: _Sent) -> None:
-        """Wait for the helper thread to see a gloo send complete, within the timeout."""
-        start = time.monotonic()
-        while not work.done.wait(0.05):
-            self.check()
-            if time.monotonic() - start >= self.watchdog.timeout_s:
-                raise PipelineWaitError(
-                    self.rank,
-                    sent.what,
-                    sent.peer,
-                    self.watchdog.timeout_s,
-                    self.watchdog.no_progress("the peer never received this send"),
-                )
+                self._wait(work, sent.what, sent.peer)
 
     def _release(self) -> None:
         """Drop the tensors of every send known to be complete (a non-blocking poll; none
@@ -320,25 +292,14 @@ class PipeComm:
 
     def check(self) -> None:
         """Raise the error of an operation that failed in the background, if any."""
-        if self._reaper is not None and self._reaper.error is not None:
-            raise self._reaper.error
         if self._monitor is not None:
             self._monitor.check()
 
     def finish(self) -> None:
         """End the step: every issued message must have been waited on by the plan."""
-        if self._reaper is not None:
-            self._reaper.close()
-            self._reaper = None
         left = sorted(map(key_text, [*self._posted, *self._sent, *self._released]))
         if left:
             raise RuntimeError(f"rank {self.rank} ended the step with messages in flight: {left}")
-
-    def abandon(self) -> None:
-        """After a failed step: stop waiting on its sends in the background."""
-        if self._reaper is not None:
-            self._reaper.close()
-            self._reaper = None
 
     def close(self) -> None:
         """Stop the helper threads (the executor is not used again)."""
@@ -350,49 +311,3 @@ class PipeComm:
 def _element_name(message: str, element: int, elements: int) -> str:
     """``message`` itself when it has one element, else ``message[element]``."""
     return message if elements == 1 else f"{message}[{element}]"
-
-
-class _ReapedSend:
-    """A gloo send, and whether the helper thread that waits on it saw it complete."""
-
-    __slots__ = ("done", "work")
-
-    def __init__(self, work: Handle):
-        self.work: Handle | None = work
-        self.done = threading.Event()
-
-    def is_completed(self) -> bool:
-        return self.done.is_set()
-
-
-class _SendReaper:
-    """Waits on gloo sends in order in a helper thread (gloo's works learn of their
-    completion only when waited on) and marks each complete."""
-
-    def __init__(self, watchdog: Watchdog):
-        self._watchdog = watchdog
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.error: PipelineCommError | None = None
-        self._thread = threading.Thread(target=self._loop, name="pipeline-sends", daemon=True)
-        self._thread.start()
-
-    def add(self, work: Handle, what: str, peer: int) -> _ReapedSend:
-        reaped = _ReapedSend(work)
-        self._queue.put((reaped, what, peer))
-        return reaped
-
-    def _loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            reaped, what, peer = item
-            del item
-            try:
-                self._watchdog.wait(reaped.work, what, peer, bounded=False)
-            except PipelineCommError as error:
-                self.error = error
-                return
-            reaped.work = None
-            reaped.done.set()
-            del reaped
-
-    def close(self) -> None:
-        self._queue.put(None)

@@ -4,8 +4,8 @@ the same model stage. They start equal and stay equal: their gradients (Megatron
 gradient norm. With MoE expert bias (``moe_router_enable_expert_bias``) each copy's routers
 count the tokens of its half of the micro-batches; the counts are summed too, before
 Megatron updates the bias from them, so both copies update it alike. The exchange itself is
-the runtime's (:mod:`megatron_dualpipe.runtime.mirror`), on a two-rank group of each pair's
-own: :func:`mirror_pair` makes it (hold it across steps, as the schedule object does).
+the runtime's (:mod:`megatron_dualpipe.runtime.mirror`), on the pipeline group:
+:func:`mirror_pair` makes the pair (hold it across steps, as the schedule object does).
 
 Every function is collective over the pipeline group: Megatron's (``parallel_state``)
 unless ``group`` is given.
@@ -26,6 +26,7 @@ from ..model.placement import placement_of
 from ..schedule.checks import DualPipeConfigError
 
 __all__ = [
+    "SLICE_BYTES",
     "mirror_pair",
     "prepare_mirrors",
     "sync_mirror_expert_loads",
@@ -33,15 +34,25 @@ __all__ = [
 ]
 
 
+#: The most bytes one exchange of the mirror sum moves by default (a DDP bucket is cut
+#: into slices of at most this; tests shrink it).
+SLICE_BYTES = 64 * 2**20
+
+
 def mirror_pair(
-    group: dist.ProcessGroup | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S
+    group: dist.ProcessGroup | None = None,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    slice_bytes: int = SLICE_BYTES,
 ) -> MirrorPair:
-    """This pipeline rank and its mirror rank on a group of their own (collective over the
-    pipeline ``group``, default Megatron's: every rank makes its pair's at once)."""
+    """This pipeline rank and its mirror rank, exchanging on the pipeline ``group`` (default
+    Megatron's) at most ``slice_bytes`` per exchange."""
     if group is None:
         group = parallel_state.get_pipeline_model_parallel_group()
     placement = placement_of("dualpipe", group.size())
-    return MirrorPair(placement, group.rank(), group=group, timeout_s=timeout_s)
+    return MirrorPair(
+        placement, group.rank(), group=group, timeout_s=timeout_s, bucket_bytes=slice_bytes
+    )
 
 
 def _ddp_buffers(chunk: nn.Module) -> list | None:
@@ -52,24 +63,20 @@ def _ddp_buffers(chunk: nn.Module) -> list | None:
     return buffers + list(getattr(chunk, "expert_parallel_buffers", []))
 
 
-#: The most bytes one exchange of the mirror sum moves (a DDP bucket is cut into slices).
-SLICE_BYTES = 64 * 2**20
-
-
-def _slices(data: torch.Tensor) -> Buckets:
-    """``data`` (contiguous, 1-d) in slices of at most :data:`SLICE_BYTES`, one a bucket."""
-    step = max(1, SLICE_BYTES // data.element_size())
+def _slices(data: torch.Tensor, slice_bytes: int) -> Buckets:
+    """``data`` (contiguous, 1-d) in slices of at most ``slice_bytes``, one a bucket."""
+    step = max(1, slice_bytes // data.element_size())
     return [[data[at : at + step]] for at in range(0, data.numel(), step)]
 
 
-def _grad_buckets(chunk: nn.Module) -> Buckets:
+def _grad_buckets(chunk: nn.Module, slice_bytes: int) -> Buckets:
     """What the mirror exchange sends of a chunk: Megatron DDP's gradient buffers as laid
     out, in slices; with the distributed optimizer only this data-parallel rank's shard of
     each bucket (the only part reduced over the data-parallel ranks, and the only part the
     optimizer reads); unwrapped, the chunk's gradients."""
     buffers = _ddp_buffers(chunk)
     if buffers is None:
-        return param_buckets(chunk, _main_grad)
+        return param_buckets(chunk, _main_grad, slice_bytes)
     pieces: Buckets = []
     for buffer in buffers:
         sharded = buffer.ddp_config.use_distributed_optimizer
@@ -79,7 +86,7 @@ def _grad_buckets(chunk: nn.Module) -> Buckets:
             if sharded:
                 size = data.numel() // dp
                 data = data[dp_rank * size : (dp_rank + 1) * size]
-            pieces += _slices(data)
+            pieces += _slices(data, slice_bytes)
     return pieces
 
 
@@ -105,17 +112,18 @@ def prepare_mirrors(
     *,
     group: dist.ProcessGroup | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    slice_bytes: int = SLICE_BYTES,
 ) -> None:
-    """Make each chunk 1 a copy of its mirror's chunk 0 and leave chunk 1's parameters out of
-    the gradient norm (Megatron skips parameters marked ``shared``). Call once after
-    building (and wrapping) the model.
+    """Make each chunk 1 a copy of its mirror's chunk 0 (at most ``slice_bytes`` per
+    exchange) and leave chunk 1's parameters out of the gradient norm (Megatron skips
+    parameters marked ``shared``). Call once after building (and wrapping) the model.
 
     The copies' gradients are summed after Megatron's data-parallel reduction, which with
     the distributed optimizer leaves each rank only its shard of each DDP bucket: both
     copies of a stage must be bucketed alike, or the sum mixes shards. Megatron's DDP
     buckets only pipeline rank 0's first chunk, so under dualpipe wrap every chunk with
     ``disable_bucketing=True``; a different layout is refused here in one sentence."""
-    pair = mirror_pair(group, timeout_s=timeout_s)
+    pair = mirror_pair(group, timeout_s=timeout_s, slice_bytes=slice_bytes)
     try:
         pair.check_layouts([_bucket_layout(chunk) for chunk in model], _chunk_device(model[0]))
     except ValueError as err:
@@ -140,7 +148,8 @@ def sync_mirror_gradients(model: Sequence[nn.Module], pair: MirrorPair) -> None:
     of every stage on ``pair`` (see :func:`mirror_pair`), one slice of a DDP bucket per
     exchange (the extra memory: the receive buffers of the two slices in flight; the
     layouts were checked by :func:`prepare_mirrors`)."""
-    pair.sync_grads(model, buckets=_grad_buckets, check_layout=False)
+    slice_bytes = pair.bucket_bytes
+    pair.sync_grads(model, buckets=lambda c: _grad_buckets(c, slice_bytes), check_layout=False)
 
 
 class _TokenCounts(nn.Module):

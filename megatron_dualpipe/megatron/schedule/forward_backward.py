@@ -9,10 +9,8 @@ rank's part of the schedule with the runtime executor, each local model chunk wr
 ``param_sync_func``: see below).
 
 The object owns everything that lives longer than one step: an executor per model (held
-through weak references, so a dropped model is freed), the pipeline group a
-tag-ignoring backend needs for the lock-step plan (made once, at the first step, by the
-pipeline's ranks only),
-the timeout of every pipeline wait and an optional timeline sink. Keep one object per
+through weak references, so a dropped model is freed), dualpipe's mirror pair, the
+timeout of every pipeline wait and an optional timeline sink. Keep one object per
 training run: it checks the configuration once, when it first sees a model, and reuses
 that executor every step.
 
@@ -20,8 +18,8 @@ Process groups: as Megatron's own schedules, either pass neither ``p2p_communica
 ``pg_collection`` (the groups come from ``parallel_state``) or both; then the pipeline
 group is the communicator's (``pg_collection.pp`` must be the same group) and tensor and
 context parallel sizes come from ``pg_collection``. Messages go through this project's
-communication plan on a group over that group's ranks, never through the communicator's
-own send/receive calls.
+communication plan on that pipeline group itself, on every backend (no group is made:
+docs/runtime.md says why), never through the communicator's own send/receive calls.
 
 Gradient synchronisation with deferred dW: a parameter's gradient is complete after its
 chunk's last backward (parameters computed with dX, e.g. norms) or after its chunk's last W
@@ -50,7 +48,6 @@ import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -60,11 +57,15 @@ from megatron.core.utils import get_model_config, unwrap_model
 
 from ...runtime import DEFAULT_TIMEOUT_S, PipelineExecutor, RankTimeline, TensorSpec
 from ...runtime.mirror import MirrorPair
-from ...runtime.transport import GroupTransport, Transport, make_pipeline_group
-from ...schedules.ir import Action, Kind, Placement, Schedule
+from ...schedules.ir import Action, Kind, Schedule
 from ...schedules.step_collectives import grad_final_points
 from ..grads.deferral import te_layers_left_to_plan
-from ..grads.mirror import mirror_pair, sync_mirror_expert_loads, sync_mirror_gradients
+from ..grads.mirror import (
+    SLICE_BYTES,
+    mirror_pair,
+    sync_mirror_expert_loads,
+    sync_mirror_gradients,
+)
 from ..model.placement import config_chunk_roles
 from ..model.tied import sum_tied_gradients
 from .checks import DualPipeConfigError, check_run, schedule_spec
@@ -173,6 +174,7 @@ class DualPipeForwardBackward:
     whole by Megatron's ``FullCudaGraphWrapper`` (``cuda_graph_impl: full_iteration``,
     :mod:`.full_iteration`): no host synchronisation inside the step, static shapes, no
     timeline; the losses it returns are device tensors, read after the step.
+    ``mirror_slice_bytes`` is the most bytes one exchange of dualpipe's mirror sum moves.
     """
 
     def __init__(
@@ -182,6 +184,7 @@ class DualPipeForwardBackward:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         timeline_sink: TimelineSink | None = None,
         graph_safe: bool = False,
+        mirror_slice_bytes: int = SLICE_BYTES,
     ):
         self.spec = schedule_spec(schedule)
         if not self.spec.runs_ours:
@@ -195,9 +198,9 @@ class DualPipeForwardBackward:
         self.timeout_s = timeout_s
         self.timeline_sink = timeline_sink
         self.graph_safe = graph_safe
+        self.mirror_slice_bytes = mirror_slice_bytes
         # Keyed by the first model chunk, held weakly: a dropped model drops its executor.
         self._prepared: weakref.WeakKeyDictionary[Any, _Prepared] = weakref.WeakKeyDictionary()
-        self._transports: dict[tuple, Transport] = {}
         self._mirror_pairs: dict[tuple[int, ...], MirrorPair] = {}
         #: The schedule run in place of the generated one (see :meth:`use_schedule`).
         self.schedule: Schedule | None = None
@@ -252,23 +255,6 @@ class DualPipeForwardBackward:
         return None if prepared is None else prepared.executor
 
     # -- set-up, once per model -----------------------------------------------------------
-    def _transport(
-        self, pipeline: dist.ProcessGroup, placement: Placement, device: torch.device
-    ) -> Transport | None:
-        """For messages on a device (NCCL, which ignores tags): a group over the
-        pipeline's ranks, made at the first step by those ranks only, with a timeout
-        beyond the executor's, kept for every executor after it; on the CPU (gloo): None,
-        the executor's tagged default."""
-        if device.type == "cpu":
-            return None
-        ranks = dist.get_process_group_ranks(pipeline)
-        key = (tuple(ranks), placement.kind, placement.num_ranks)
-        if key not in self._transports:
-            timeout = timedelta(seconds=2 * self.timeout_s)
-            group = make_pipeline_group(pipeline, timeout=timeout)
-            self._transports[key] = GroupTransport(group, ranks, device=device)
-        return self._transports[key]
-
     def _prepare(
         self,
         model: list[Any],
@@ -295,7 +281,7 @@ class DualPipeForwardBackward:
             virtual_pipeline_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
             context_parallel_size=groups.cp_size,
         )
-        schedule = self._schedule_to_run(groups.pp_size, num_microbatches)
+        schedule = self.schedule_to_run(groups.pp_size, num_microbatches)
         roles = config_chunk_roles(config, self.schedule_name, groups.pp_size, groups.pp_rank)
         overlap = self._overlap(config, model)
         stages = [
@@ -308,7 +294,6 @@ class DualPipeForwardBackward:
             specs=dict.fromkeys(range(schedule.placement.num_stages), spec),
             loss_fn=lambda loss, mb: loss,
             group=groups.pipeline,
-            transport=self._transport(groups.pipeline, schedule.placement, device),
             defer_weight_grads=True,
             timeout_s=self.timeout_s,
             variable_shapes=bool(config.variable_seq_lengths),
@@ -319,7 +304,7 @@ class DualPipeForwardBackward:
         self._prepared[model[0]] = prepared
         return prepared
 
-    def _schedule_to_run(self, pp_size: int, num_microbatches: int) -> Schedule:
+    def schedule_to_run(self, pp_size: int, num_microbatches: int) -> Schedule:
         """The generated schedule, or the one given to :meth:`use_schedule` where it has
         the generated one's placement."""
         generated = self.spec.generate(pp_size, num_microbatches)
@@ -492,11 +477,13 @@ class DualPipeForwardBackward:
             sync_mirror_gradients(model, pair)
 
     def _mirror_pair(self, pipeline: dist.ProcessGroup) -> MirrorPair:
-        """This rank and its mirror rank on a group of their own, made at the first step
-        that needs it by every rank of ``pipeline`` (each its pair's), kept after."""
+        """This rank and its mirror rank on ``pipeline``, made at the first step that needs
+        it, kept after."""
         key = tuple(dist.get_process_group_ranks(pipeline))
         if key not in self._mirror_pairs:
-            self._mirror_pairs[key] = mirror_pair(pipeline, timeout_s=self.timeout_s)
+            self._mirror_pairs[key] = mirror_pair(
+                pipeline, timeout_s=self.timeout_s, slice_bytes=self.mirror_slice_bytes
+            )
         return self._mirror_pairs[key]
 
 

@@ -24,6 +24,7 @@ from typing import Any
 from megatron.core.pipeline_parallel import schedules as megatron_schedules
 
 from ...runtime import DEFAULT_TIMEOUT_S
+from ..grads.mirror import SLICE_BYTES
 from .checks import schedule_spec
 from .forward_backward import DualPipeForwardBackward
 
@@ -41,16 +42,20 @@ def get_forward_backward_func(
     pipeline_schedule: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     graph_safe: bool = False,
+    mirror_slice_bytes: int = SLICE_BYTES,
     **megatron_kwargs: Any,
 ) -> Callable[..., Any]:
     """Megatron's ``get_forward_backward_func``, aware of our schedules (unknown names are
-    a :class:`~.checks.DualPipeConfigError`; ``graph_safe``: ours built for whole-step CUDA
-    graphs, see :class:`~.forward_backward.DualPipeForwardBackward`); ``megatron_kwargs``
-    are Megatron's other keywords (0.19: ``schedule_pg_collection``), passed to Megatron's
+    a :class:`~.checks.DualPipeConfigError`; ``graph_safe`` and ``mirror_slice_bytes``: see
+    :class:`~.forward_backward.DualPipeForwardBackward`); ``megatron_kwargs`` are
+    Megatron's other keywords (0.19: ``schedule_pg_collection``), passed to Megatron's
     choice."""
     if pipeline_schedule is not None and schedule_spec(pipeline_schedule).runs_ours:
         return DualPipeForwardBackward(
-            pipeline_schedule, timeout_s=timeout_s, graph_safe=graph_safe
+            pipeline_schedule,
+            timeout_s=timeout_s,
+            graph_safe=graph_safe,
+            mirror_slice_bytes=mirror_slice_bytes,
         )
     return _megatron_get_forward_backward_func(pp_size, vp_size, **megatron_kwargs)
 

@@ -5,9 +5,8 @@ For each chosen pipeline rank (default: all, at data- and expert-parallel coordi
 this process joins a fake world of the config's size as that rank (torch's fake
 process-group backend, as Megatron-LM's ``--fake-process-group`` does: every collective
 returns at once, nothing is sent, and Megatron's gloo groups are off as there), sets up
-Megatron's ``parallel_state`` and the lock-step plan's pipeline communicator as ``train``
-does (:func:`.loop.initialize_parallel_state`,
-:func:`~...runtime.transport.make_pipeline_group`), and builds the rank's model chunks on
+Megatron's ``parallel_state`` as ``train`` does (:func:`.loop.initialize_parallel_state`;
+the lock-step plan runs on Megatron's pipeline group), and builds the rank's model chunks on
 the meta device with the builders ``train`` uses (:func:`.model.build_chunks_here`, then
 :func:`.model.in_precision`): every parameter has its shape and dtype, none has storage.
 It reports per rank (:class:`RankReport`):
@@ -19,8 +18,8 @@ It reports per rank (:class:`RankReport`):
   exactly (:attr:`RankReport.agrees`), and its other figures (FP8 weight copies,
   gradients, optimizer states, activations) are what the dry run does not build;
 - the process groups the rank is a member of and the group creations it takes part in:
-  Megatron's ``new_group`` calls, each one entered by every rank of the world, and the
-  pipeline communicator, made by its members only;
+  Megatron's ``new_group`` calls, each one entered by every rank of the world (the
+  pipeline's among them, which carries the plan: nothing more is made);
 - the communication plan's messages (:func:`~...schedules.comm_plan.comm_plan`, what the
   executor issues) by peer and kind, sized from the stage input the forward-backward
   function sends (:func:`..forward_backward.stage_input_spec`).
@@ -55,7 +54,6 @@ from megatron.core.utils import unwrap_model
 from torch.distributed import distributed_c10d
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from ...runtime.transport import make_pipeline_group
 from ...schedules.advisor import PipelineSetup, stages_for
 from ...schedules.comm_plan import Issue, comm_plan
 from ...schedules.ir import Kind, ScheduleError
@@ -136,7 +134,6 @@ class RankReport:
     model: RankMemory | None
     groups: tuple[GroupReport, ...]
     world_creations: int
-    member_creations: int
     messages: tuple[MessageLine, ...]
     message_shape: tuple[tuple[int, ...], str]
     exchange_points: int
@@ -269,7 +266,7 @@ def _groups(pipeline: dist.ProcessGroup) -> tuple[GroupReport, ...]:
         if not isinstance(group, dist.ProcessGroup):
             continue  # torch's marker for the groups it is not a member of
         if group is pipeline:
-            name = "pipeline communicator (the lock-step plan's)"
+            name = "pipeline group (Megatron's; carries the lock-step plan)"
         elif group is dist.group.WORLD:
             name = "world"
         else:
@@ -367,7 +364,7 @@ def _rank(
                     f"global rank {global_rank} is at (pipeline, data, expert) {where}, not "
                     f"({pipeline_rank}, 0, 0): Megatron's rank order is not the one assumed"
                 )
-            pipeline = make_pipeline_group(parallel_state.get_pipeline_model_parallel_group())
+            pipeline = parallel_state.get_pipeline_model_parallel_group()
             config = transformer_config(build_cfg, on_gpu=False)
             with torch.device("meta"):
                 chunks, ends = build_chunks_here(build_cfg, config, vocab_size, initialise=False)
@@ -390,7 +387,6 @@ def _rank(
                 model=memory[pipeline_rank] if memory else None,
                 groups=_groups(pipeline),
                 world_creations=world_creations,
-                member_creations=1,
                 messages=tuple(messages),
                 message_shape=shape,
                 exchange_points=points,
@@ -542,8 +538,8 @@ def _rank_lines(r: RankReport, cfg: TrainConfig) -> list[str]:
     lines.append(f"  process groups it is a member of ({len(r.groups)}): {groups}")
     lines.append(
         f"  group creations it takes part in: {r.world_creations:,} of the whole world "
-        f"(Megatron's new_group: every rank enters each), {r.member_creations} by its members "
-        "only (the pipeline communicator)"
+        "(Megatron's new_group: every rank enters each); the plan runs on Megatron's pipeline "
+        "group, none is made for it"
     )
     if not r.messages:
         lines.append("  communication plan: Megatron's own P2P (not planned by this project)")
@@ -553,7 +549,7 @@ def _rank_lines(r: RankReport, cfg: TrainConfig) -> list[str]:
     count = sum(m.count for m in r.messages)
     lines.append(
         f"  communication plan (lock-step, {r.exchange_points} batches on the pipeline "
-        f"communicator): {count} messages of {_b(r.messages[0].nbytes)} "
+        f"group): {count} messages of {_b(r.messages[0].nbytes)} "
         f"({dtype} {'x'.join(map(str, shape))}), {_b(total)} per step"
     )
     for m in r.messages:

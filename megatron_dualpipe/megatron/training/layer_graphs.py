@@ -51,7 +51,7 @@ def megatron_helper(cfg: TrainConfig, forward_backward: Any) -> HelperClass:
         return TECudaGraphHelper
     from ..schedule.te_graphs import helper_on_this_rank
 
-    return helper_on_this_rank(forward_backward._schedule_to_run)
+    return helper_on_this_rank(forward_backward.schedule_to_run)
 
 
 class LayerGraphs:
