@@ -10,7 +10,18 @@ does). "Capturing" records the graph; replay runs the layer eagerly on the given
 plain module on its one input, a Megatron layer as TE's capture ran it (its
 ``_te_cuda_graph_capture`` with Megatron's capture flag up, on the replay's arguments,
 ``is_first_microbatch`` being TE's own), its backward through autograd as TE's graphed
-function hands the parameters' gradients back."""
+function hands the parameters' gradients back.
+
+Static buffers, as TE's ``Graphed`` autograd function hands them out: a replay's outputs are
+views of the graph's static output buffers (``o.detach()``), its backward's input gradients
+views of its static grad-input buffers. With ``_reuse_graph_input_output_buffers`` (TE 2.7
+and later; Megatron passes it from TE 2.7 on) TE hands buffers back to the graph pool during
+capture (``_make_graphed_callables``): a graph's static outputs right after its backward
+graph is captured; the static grad inputs of the previous backward graph of the same
+order entry; those of the previous entry's first layer at the next entry's first layer.
+Memory handed back at capture position p may be written by any graph captured after p: the
+stand-in fills every handed-back buffer with NaN when a graph captured after its hand-back
+replays (after that replay read its own inputs), so a later read of it shows."""
 
 from __future__ import annotations
 
@@ -27,6 +38,29 @@ class StandInTE:
     def __init__(self) -> None:
         self.captured: list[tuple[str, int]] = []
         self.replayed: list[tuple[str, int]] = []
+        #: (capture position, "outputs" or "grad_inputs", graph) of each buffer handed back.
+        self.handed_back: list[tuple[int, str, int]] = []
+        self._statics: dict[tuple[str, int], list[torch.Tensor]] = {}
+
+    def static(self, what: str, graph: int, values: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``values`` written into graph ``graph``'s static ``what`` buffers (made at the
+        first write); the buffers' views, as TE hands them out."""
+        buffers = self._statics.get((what, graph))
+        if buffers is None:
+            buffers = self._statics[(what, graph)] = [torch.empty_like(v) for v in values]
+        for buffer, value in zip(buffers, values, strict=True):
+            buffer.copy_(value.detach())
+        return [b.detach() for b in buffers]
+
+    def replaying(self, kind: str, graph: int) -> None:
+        """Graph ``graph``'s ``kind`` pass replays (after reading its inputs): every buffer
+        handed back before its capture position is written over."""
+        position = self.captured.index((kind, graph))
+        for handed, what, owner in self.handed_back:
+            if handed < position:
+                for buffer in self._statics.get((what, owner), []):
+                    if buffer.is_floating_point():
+                        buffer.fill_(float("nan"))
 
     def __call__(
         self,
@@ -35,8 +69,10 @@ class StandInTE:
         *,
         _order: list[float],
         _num_layers_per_chunk: list[int] | None = None,
+        _reuse_graph_input_output_buffers: bool = False,
         **_: Any,
     ) -> list[Any]:
+        reuse = _reuse_graph_input_output_buffers
         order = list(_order)
         without_wgrad = [c for c in order if ceil(c) == c]
         wgrad = len(without_wgrad) != len(order)
@@ -52,6 +88,7 @@ class StandInTE:
         prefix = [sum(layers[:c]) for c in range(chunks)]
         fwd, bwd = [0] * chunks, [0] * chunks
         wgrad_captured: set[int] = set()
+        previous_chunk_last = None
         for i, c_id in enumerate(order):
             if c_id > 0:
                 if not isinstance(c_id, int):
@@ -62,6 +99,7 @@ class StandInTE:
                 fwd[m] += 1
                 continue
             m = -ceil(c_id) - 1
+            previous = None
             for layer in reversed(range(layers[m])):
                 index = prefix[m] * per_chunk + bwd[m] * layers[m] + layer
                 if ceil(c_id) != c_id:  # TE: per_callable_bwd_idx -= layers; no bwd_idx step
@@ -71,6 +109,16 @@ class StandInTE:
                 if wgrad:
                     _validate_wgrad(order, i, c_id)
                 self.captured.append(("B", index))
+                if reuse:  # TE's weak references after this backward graph's capture
+                    at = len(self.captured) - 1
+                    self.handed_back.append((at, "outputs", index))
+                    if previous is not None:
+                        self.handed_back.append((at, "grad_inputs", previous))
+                    previous = index
+                    if layer == 0:
+                        if previous_chunk_last is not None:
+                            self.handed_back.append((at, "grad_inputs", previous_chunk_last))
+                        previous_chunk_last = index
             if ceil(c_id) == c_id:
                 bwd[m] += 1
         return [
@@ -140,17 +188,22 @@ class _Graphed:
 class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, graphed: _Graphed, x: torch.Tensor) -> torch.Tensor:
-        graphed.te.replayed.append(("F", graphed.index))
+        te, index = graphed.te, graphed.index
+        te.replayed.append(("F", index))
+        inp = x.detach().clone().requires_grad_()  # TE copies into the static input
+        te.replaying("F", index)
         with torch.enable_grad():
-            inp = x.detach().requires_grad_()
             out = graphed.module(inp)
         ctx.graphed, ctx.saved = graphed, (inp, out)
-        return out.detach()
+        return te.static("outputs", index, [out])[0]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
         graphed = ctx.graphed
-        graphed.te.replayed.append(("B", graphed.index))
+        te, index = graphed.te, graphed.index
+        te.replayed.append(("B", index))
+        grad = grad.clone()  # TE copies into the static grad output
+        te.replaying("B", index)
         inp, out = ctx.saved
         params = [] if graphed.wgrad else list(graphed.module.parameters())
         grads = torch.autograd.grad(out, [inp, *params], grad, retain_graph=graphed.wgrad)
@@ -158,35 +211,60 @@ class _Replay(torch.autograd.Function):
             p.grad = g if p.grad is None else p.grad + g
         if graphed.wgrad:
             graphed._pending = (out, grad)
-        return None, grads[0]
+        return None, te.static("grad_inputs", index, [grads[0]])[0]
 
 
 class _LayerGraphed(_Graphed):
-    """One (Megatron layer, micro-batch) graph: replays record F, and B when autograd
-    reaches the outputs' backward."""
+    """One (Megatron layer, micro-batch) graph: a replay runs the layer's captured part on
+    copies of its arguments (TE's static inputs), its backward through autograd."""
 
     def __call__(self, *args: Any, is_first_microbatch: bool | None = None, **kwargs: Any) -> Any:
-        from megatron.core.transformer import cuda_graphs
-
-        self.te.replayed.append(("F", self.index))
-        cuda_graphs._set_capture_start()
-        try:
-            outputs = self.module._te_cuda_graph_capture(*args, **kwargs)
-        finally:
-            cuda_graphs._set_capture_end()
-        return _Backward.apply(self, *outputs)
+        return _LayerReplay.apply(self, kwargs, *args)
 
 
-class _Backward(torch.autograd.Function):
-    """The outputs as they are; their backward records the graph's B replay."""
+class _LayerReplay(torch.autograd.Function):
+    """A Megatron layer's graph replayed: outputs and input gradients are views of the
+    graph's static buffers (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx: Any, graphed: _Graphed, *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.graphed = graphed
-        ctx.mark_non_differentiable(*[t for t in outputs if not t.is_floating_point()])
-        return tuple(t.clone() if t.is_floating_point() else t for t in outputs)
+    def forward(ctx: Any, graphed: _Graphed, kwargs: dict, *args: Any) -> tuple[Any, ...]:
+        from megatron.core.transformer import cuda_graphs
+
+        te, index = graphed.te, graphed.index
+        te.replayed.append(("F", index))
+        inputs = [
+            a.detach().clone().requires_grad_(a.requires_grad) if torch.is_tensor(a) else a
+            for a in args
+        ]
+        te.replaying("F", index)
+        cuda_graphs._set_capture_start()
+        try:
+            with torch.enable_grad():
+                outputs = graphed.module._te_cuda_graph_capture(*inputs, **kwargs)
+        finally:
+            cuda_graphs._set_capture_end()
+        ctx.graphed, ctx.inputs, ctx.outputs = graphed, inputs, outputs
+        views = te.static("outputs", index, list(outputs))
+        ctx.mark_non_differentiable(*[v for v in views if not v.is_floating_point()])
+        return tuple(views)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.graphed.te.replayed.append(("B", ctx.graphed.index))
-        return (None, *grads)
+        graphed = ctx.graphed
+        te, index = graphed.te, graphed.index
+        te.replayed.append(("B", index))
+        grads = tuple(None if g is None else g.clone() for g in grads)
+        te.replaying("B", index)
+        pairs = [
+            (o, torch.zeros_like(o) if g is None else g)
+            for o, g in zip(ctx.outputs, grads, strict=True)
+            if o.requires_grad
+        ]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        needed = [a for a in ctx.inputs if torch.is_tensor(a) and a.requires_grad]
+        views = iter(te.static("grad_inputs", index, [a.grad for a in needed]))
+        return (
+            None,
+            None,
+            *[next(views) if torch.is_tensor(a) and a.requires_grad else None for a in ctx.inputs],
+        )

@@ -27,6 +27,8 @@ import torch
 from torch import nn
 
 from megatron_dualpipe.megatron.schedule.te_graphs import graph_order, schedule_te_cuda_graph_helper
+from megatron_dualpipe.runtime.deferrable import DeferrableLinear
+from megatron_dualpipe.runtime.weight_grad_store import WeightGradStore
 from megatron_dualpipe.schedules.cuda_graphs import (
     CudaGraphOrderError,
     cuda_graph_order,
@@ -129,15 +131,22 @@ def _helper(
 
 
 def _step(
-    schedule: Schedule, rank: int, layers: list[list[_Layer]], graphed: bool, wgrad: bool
+    schedule: Schedule,
+    rank: int,
+    layers: list[list[_Layer]],
+    graphed: bool,
+    wgrad: bool,
+    tails: list[nn.Module] | None = None,
 ) -> tuple[dict[tuple[int, int], torch.Tensor], list[torch.Tensor]]:
     """Run ``rank``'s compute actions in order; each (chunk, micro-batch) has its own input
-    and loss, through the chunk's layers in turn. Graphed: a forward replays its chunk's
-    graph of its own forward count, a backward (and W) the graph of its micro-batch, which
-    must be the chunk's next (FIFO)."""
+    and loss, through the chunk's layers in turn (then ``tails[chunk]``, a layer deferring
+    its dW to the action's W through a weight-gradient store, as our executor runs one).
+    Graphed: a forward replays its chunk's graph of its own forward count, a backward (and
+    W) the graph of its micro-batch, which must be the chunk's next (FIFO)."""
     losses: dict[tuple[int, int], torch.Tensor] = {}
     graph_of: dict[tuple[int, int], int] = {}
     counts = {kind: [0] * len(layers) for kind in "FBW"}
+    store = WeightGradStore()
 
     def next_graph(kind: str, key: tuple[int, int]) -> int:
         index = counts[kind][key[0]]
@@ -160,15 +169,22 @@ def _step(
                 graph_of[key] = next_graph("F", key)
                 for layer in chunk:
                     x = layer.cuda_graphs[graph_of[key]](x) if graphed else layer(x)
+                if tails is not None:
+                    with store.active():
+                        x = tails[half.chunk](x)
                 losses[key] = (x**2).mean()
                 continue
             if half.kind in (Kind.B, Kind.BW):
                 next_graph("B", key)
-                losses[key].backward()
+                with store.capture(key, lane=half.chunk):
+                    losses[key].backward()
+            if half.kind in (Kind.W, Kind.BW):
+                store.run(key, lane=half.chunk)
             if graphed and wgrad and half.kind in (Kind.W, Kind.BW):
                 (layer,) = chunk  # TE: wgrad graphs only with one layer per chunk
                 layer.cuda_graphs[next_graph("W", key)].backward_dw()
-    return losses, [p.grad.clone() for chunk in layers for x in chunk for p in x.parameters()]
+    modules = [x for chunk in layers for x in chunk] + list(tails or [])
+    return losses, [p.grad.clone() for x in modules for p in x.parameters()]
 
 
 def _cases() -> list[tuple[str, int, int, bool, int]]:
@@ -243,13 +259,80 @@ def test_megatron_s_own_helper_captures_an_order_dualpipev_does_not_replay(
 ) -> None:
     """Without the override (Megatron's ``TECudaGraphHelper`` as installed) the graphs are
     captured in Megatron's interleaved order and dualpipev's step replays them in another,
-    which graphs sharing TE's memory pool must not."""
+    which graphs sharing TE's memory pool must not: a buffer TE handed back (Megatron asks
+    TE to, from 2.7 on) is written by a graph replayed before its reader, which autograd
+    sees as an in-place change of a tensor it saved."""
     schedule = SCHEDULES["dualpipev"].generate(4, 8)
     helper, te, layers = _helper(monkeypatch, schedule, 0, wgrad=False, ours=False)
     helper.create_cudagraphs()
-    _step(schedule, 0, layers, graphed=True, wgrad=False)
-    assert sorted(te.replayed) == sorted(te.captured)
-    assert te.replayed != te.captured
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _step(schedule, 0, layers, graphed=True, wgrad=False)
+    assert te.handed_back
+    assert te.replayed != te.captured[: len(te.replayed)]
+
+
+#: dualpipev's rank at PP 4 whose last Ws run after other backwards (B1.6 B0.6 B1.7 B0.7
+#: W1.6 ...).
+RANK = 3
+
+
+def _with_deferring_tails(
+    monkeypatch: pytest.MonkeyPatch, helper_class: type | None
+) -> tuple[list[torch.Tensor], list[torch.Tensor], StandInTE]:
+    """dualpipev rank 3 at PP 4 (whose last Ws wait behind other backwards) with a
+    deferring linear layer after each chunk's graphed layer, graphed through our helper
+    (``helper_class``: a stand-in for it) and eagerly; the gradients of both steps, and
+    the stand-in TE."""
+    schedule = SCHEDULES["dualpipev"].generate(4, 8)
+    helper, te, layers = _helper(monkeypatch, schedule, RANK, wgrad=False)
+    if helper_class is not None:
+        helper.__class__ = helper_class
+    torch.manual_seed(0)
+    tails = [DeferrableLinear(HIDDEN, HIDDEN) for _ in layers]
+    eager_layers = [[_Layer() for _ in chunk] for chunk in layers]
+    eager_tails = [DeferrableLinear(HIDDEN, HIDDEN) for _ in tails]
+    pairs = zip(sum(eager_layers, []) + eager_tails, sum(layers, []) + tails, strict=True)
+    for eager, graphed in pairs:
+        eager.load_state_dict(graphed.state_dict())
+    helper.create_cudagraphs()
+    _, grads = _step(schedule, RANK, layers, graphed=True, wgrad=False, tails=tails)
+    _, eager_grads = _step(
+        schedule, RANK, eager_layers, graphed=False, wgrad=False, tails=eager_tails
+    )
+    return grads, eager_grads, te
+
+
+def test_a_deferred_w_reads_a_graphs_output_as_the_eager_step_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The layer after each graph keeps the graph's output (its input) for its W, which
+    dualpipev runs after other graphs replayed: our helper has TE keep every graph's
+    buffers (no ``_reuse_graph_input_output_buffers``), and every gradient is the eager
+    step's."""
+    grads, eager_grads, te = _with_deferring_tails(monkeypatch, None)
+    for got, want in zip(grads, eager_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    assert te.handed_back == []
+
+
+def test_with_megatron_s_buffer_reuse_a_deferred_w_reads_another_graphs_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What leaving the keyword out saves: with Megatron's keywords as it passes them
+    (TE >= 2.7: hand buffers back), the deferred W reads a buffer the stand-in TE handed
+    back and a later graph wrote (NaN)."""
+    from megatron.core.transformer import cuda_graphs
+
+    schedule = SCHEDULES["dualpipev"].generate(4, 8)
+    ours = schedule_te_cuda_graph_helper(lambda p, n: schedule, pp_size=4, rank=RANK, wgrad=False)
+
+    class WithReuse(ours):  # our order, Megatron's keywords
+        _get_cuda_graph_input_data = cuda_graphs.TECudaGraphHelper._get_cuda_graph_input_data
+
+    grads, eager_grads, te = _with_deferring_tails(monkeypatch, WithReuse)
+    assert te.handed_back
+    assert all(g.isfinite().all() for g in eager_grads)
+    assert not all(g.isfinite().all() for g in grads)
 
 
 def _route_helper(monkeypatch: pytest.MonkeyPatch, build: Any) -> Any:

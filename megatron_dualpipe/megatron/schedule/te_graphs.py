@@ -16,6 +16,19 @@ the chunk's own forward count (``set_current_microbatch`` through Megatron's
 ``forward_step``): TE's k-th graph of a chunk is captured for the chunk's k-th forward
 and k-th backward, first in, first out, as every schedule here runs a chunk's
 micro-batches.
+
+The helper also overrides ``_get_cuda_graph_input_data`` to leave out
+``_reuse_graph_input_output_buffers``, which Megatron passes for TE 2.7 and later. With it
+TE hands a graph's static outputs back to the graph pool once the graph's backward is
+captured, and its static input gradients once the chunk's next backward graph is: it
+assumes whatever reads them has finished by then (true where a W follows its B at once).
+Our schedules defer a layer's W past other backwards, and a deferred W keeps what it
+read: an ungraphed layer before the graph keeps the graph's input gradient as its
+``grad_output`` (attention's ``linear_proj`` before a ``moe_router`` graph), one after it
+keeps the graph's output as its input (the shared expert under
+``moe_shared_expert_overlap``). Left in the pool, those buffers would be written by other
+graphs before the W reads them. Without the keyword TE keeps every graph's buffers: the
+memory Megatron saves with it (each graph's outputs and input gradients) is spent again.
 """
 
 from __future__ import annotations
@@ -72,6 +85,13 @@ def schedule_te_cuda_graph_helper(
             ours, self.num_microbatches = graph_order(schedule, rank, wgrad=wgrad)
             order[:] = ours
             return super()._get_sample_arguments([e for e in ours if e == int(e)])
+
+        def _get_cuda_graph_input_data(self) -> tuple[Any, dict[str, Any]]:
+            """Megatron's sample arguments and TE keywords, without TE's reuse of graph
+            buffers (module docstring): a deferred W may read them after later graphs ran."""
+            sample_args, kwargs = super()._get_cuda_graph_input_data()
+            kwargs.pop("_reuse_graph_input_output_buffers", None)
+            return sample_args, kwargs
 
     return ScheduleTECudaGraphHelper
 
