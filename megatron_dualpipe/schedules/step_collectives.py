@@ -13,10 +13,13 @@ Megatron-Core (0.16 to 0.19) issues them:
   ``no_sync`` only around a chunk's grad-final actions (:func:`grad_final_points`), so:
   issued in those computes, waited after the step (``finish_grad_sync``, from
   ``finalize_model_grads``).
-- ``dp-all-gather`` (``overlap_param_gather`` with the distributed optimizer): the forward
-  pre-hook waits for the all-gather of the bucket group of the parameters it meets
-  (``finish_param_sync``, which first dispatches it if no one has and then dispatches the
-  next group's): issued and waited in each chunk's first forward.
+- ``dp-all-gather`` (``overlap_param_gather`` with the distributed optimizer): in a
+  training step the adapter calls ``param_sync_func`` (DDP's ``start_param_sync``) for
+  every chunk at the step's start, as Megatron's interleaved schedule launches its first
+  two chunks'; the forward pre-hook waits for the all-gather of the parameters it meets
+  (``finish_param_sync``): issued at the start, in chunk order, waited in each chunk's
+  first forward. In a forward-only step nobody launches it, and the pre-hook dispatches
+  it itself: issued and waited in each chunk's first forward.
 - ``ep-all-to-all``: the token dispatcher's dispatch and combine all-to-alls, issued and
   waited within every forward and backward of a MoE layer (under F&B overlap, combined
   1F1B's ``TransformerLayerSchedulePlan.run`` issues them on its communication stream
@@ -65,6 +68,13 @@ def _rank_steps(rank: int, steps: list[Step], kinds: Sequence[str], training: bo
     gathered: set[int] = set()
     out: list[Step] = []
     later: list[tuple] = []
+    launched: dict[int, tuple] = {}  # chunk: its all-gather, issued at the step's start
+    if "dp-all-gather" in kinds and training:
+        chunks = sorted({h.chunk for a in computes for h in a.computes if h.kind is Kind.F})
+        for chunk in chunks:
+            issue = _collective(rank, "DP", f"data-parallel all-gather of chunk {chunk}")
+            out.append(issue)
+            launched[chunk] = issue.ops[0].key
     for step in steps:
         if isinstance(step, Compute):
             action = step.action
@@ -72,6 +82,9 @@ def _rank_steps(rank: int, steps: list[Step], kinds: Sequence[str], training: bo
                 for half in action.computes:
                     if half.kind is Kind.F and half.chunk not in gathered:
                         gathered.add(half.chunk)
+                        if half.chunk in launched:
+                            out.append(Wait((launched[half.chunk],)))
+                            continue
                         issue = _collective(rank, "DP", f"data-parallel all-gather in {half}")
                         out += [issue, Wait((issue.ops[0].key,))]
             if "ep-all-to-all" in kinds and action.kind is not Kind.W:

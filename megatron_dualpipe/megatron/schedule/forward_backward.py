@@ -36,9 +36,10 @@ In DDP's first step the hooks only count the gradients; ``finish_grad_sync`` (th
 
 ``param_sync_func`` (Megatron-LM sets DDP's ``start_param_sync`` there under
 ``--overlap-param-gather`` with aligned gathers) is called in a training step once per
-chunk, with its parameters, right before its first forward, as Megatron's interleaved
-schedule launches each chunk's gather ahead of its first forward (not in forward-only
-steps, where Megatron does not either); DDP's forward pre-hooks wait for the gathers.
+chunk, with its parameters, every chunk at the step's start, as Megatron's interleaved
+schedule launches its first two chunks' gathers (ours have at most two chunks), so that
+each gather overlaps the work before its chunk's first forward (not in forward-only steps,
+where Megatron does not either); DDP's forward pre-hooks wait for the gathers.
 """
 
 from __future__ import annotations
@@ -397,14 +398,16 @@ class DualPipeForwardBackward:
             first_val_step=first_val_step,
             cp_group_size=groups.cp_size,
             device=_device_of(model[0]),
-            param_sync_funcs=(
-                None
-                if forward_only or config.param_sync_func is None
-                else _as_list(config.param_sync_func, len(model))
-            ),
         )
         for stage, data in zip(stages, _chunk_data(data_iterator, schedule, stages), strict=True):
             stage.begin_step(step, data)
+        if not forward_only and config.param_sync_func is not None:
+            # Every chunk's gather at once, at the step's start, as Megatron's interleaved
+            # schedule launches its first two chunks': each overlaps the work before the
+            # chunk's first forward, whose DDP pre-hook waits for it.
+            syncs = _as_list(config.param_sync_func, len(model))
+            for sync, chunk in zip(syncs, model, strict=True):
+                sync(chunk.parameters())
         executor.loss_fn = _loss_root(config, forward_only)
         executor.record_spans = self.record_spans
 

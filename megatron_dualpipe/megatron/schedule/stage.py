@@ -44,10 +44,6 @@ class StepInputs:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     forward_data_store: list[Any] = field(default_factory=list)
     total_num_tokens: torch.Tensor | None = None
-    #: Per local chunk, Megatron's ``config.param_sync_func`` (DDP's ``start_param_sync``
-    #: under ``overlap_param_gather``), called with the chunk's parameters before its first
-    #: forward of a training step, as Megatron's interleaved schedule does; None: not driven.
-    param_sync_funcs: list[Callable[..., Any]] | None = None
 
     def __post_init__(self) -> None:
         if self.total_num_tokens is None:
@@ -97,8 +93,6 @@ class MegatronStage(nn.Module):
             raise RuntimeError("MegatronStage.forward called outside a forward-backward step")
         index = self._forwards
         self._forwards += 1
-        if index == 0 and step.param_sync_funcs is not None and not step.forward_only:
-            step.param_sync_funcs[self.role.chunk](self.model.parameters())
         return step, _first_microbatch(step, index == 0), index
 
     def _count_tokens(self, num_tokens: torch.Tensor) -> None:
