@@ -47,7 +47,7 @@ from .megatron.schedule.checks import (
     schedule_spec,
     stage_layers,
 )
-from .schedules.cuda_graphs import cuda_graph_problem
+from .schedules.cuda_graphs import cuda_graph_problem, ep_overlap_graph_problem
 from .schedules.registry import SCHEDULES
 
 __all__ = [
@@ -165,6 +165,13 @@ def _check_cuda_graphs(args: Any, schedule: str) -> None:
     )
     if problem is not None:
         raise DualPipeConfigError(problem.replace("cuda_graph_impl ", "--cuda-graph-impl ", 1))
+    ep_overlap = bool(getattr(args, "overlap_moe_expert_parallel_comm", False))
+    problem = ep_overlap_graph_problem(schedule, impl, ep_overlap)
+    if problem is not None:  # before the warm-up steps, not at the capture after them
+        raise DualPipeConfigError(
+            "--overlap-moe-expert-parallel-comm "
+            + problem.replace("cuda_graph_impl: ", "--cuda-graph-impl ", 1)
+        )
     if impl == "full_iteration" and getattr(args, "variable_seq_lengths", False):
         raise DualPipeConfigError(
             "--cuda-graph-impl full_iteration captures one step's shapes, and "

@@ -230,6 +230,27 @@ def test_apply_refuses_a_bad_combination_in_one_sentence(
     assert "\n" not in text
 
 
+def test_apply_refuses_te_graphs_under_ep_overlap_before_the_warm_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TE's per-layer graphs with the all-to-all overlap: Megatron would capture them in
+    its combined 1F1B order after the warm-up steps; refused at start (a CUDA device
+    stood in for: the check reads that one is there)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    graphs = dict(cuda_graph_impl="transformer_engine", cuda_graph_modules=["moe_router"])
+    graphs["cuda_graph_scope"] = graphs["cuda_graph_modules"]  # megatron-core 0.16/0.17
+    with pytest.raises(DualPipeConfigError) as err:
+        megatron_lm.apply(_args(**graphs, overlap_moe_expert_parallel_comm=True))
+    assert str(err.value) == (
+        "--overlap-moe-expert-parallel-comm under --cuda-graph-impl transformer_engine has "
+        "Megatron graph each layer in its combined 1F1B order, which dualpipev does not run: "
+        "turn one of them off"
+    )
+    megatron_lm.apply(_args(**graphs))  # either one alone passes
+
+
 def test_apply_asks_get_model_for_one_bucket_per_chunk_under_dualpipe() -> None:
     """dualpipe's two copies of a stage must be bucketed alike (see prepare_mirrors)."""
     args = _args(pipeline_schedule="dualpipe", overlap_grad_reduce=True)

@@ -257,7 +257,14 @@ def _param_sync_worker(
             micro_batch_size=MICRO_BATCH_SIZE,
             forward_only=True,
         )
-        return {"training": training, "forward_only": events, "same_params": same_params}
+        from megatron.core.transformer.cuda_graphs import is_graph_capturing
+
+        return {
+            "training": training,
+            "forward_only": events,
+            "same_params": same_params,
+            "watch_paused": schedule_fn.executor(chunks).watch_paused is is_graph_capturing,
+        }
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -285,3 +292,5 @@ def test_param_sync_func_runs_for_every_chunk_before_any_forward(schedule: str) 
         assert all(kind == "forward" for kind, _ in training[len(chunks) :]), (rank, training)
         assert all(result["same_params"]), rank
         assert result["forward_only"] and all(k == "forward" for k, _ in result["forward_only"])
+        # The executor's hang monitor rests while Megatron captures CUDA graphs.
+        assert result["watch_paused"], rank

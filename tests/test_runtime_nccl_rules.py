@@ -286,3 +286,38 @@ def test_the_hang_monitor_leaves_operations_that_complete_in_time_alone() -> Non
         assert not aborted.is_set() and monitor.error is None and monitor.watching == 0
     finally:
         monitor.close()
+
+
+class _Counted(_Pending):
+    """A pending operation that counts its ``is_completed()`` calls (each one a CUDA event
+    query on NCCL)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queries = 0
+
+    def is_completed(self) -> bool:
+        self.queries += 1
+        return super().is_completed()
+
+
+def test_the_hang_monitor_queries_nothing_while_paused() -> None:
+    """While ``paused`` says so (Megatron's ``is_graph_capturing`` under the adapter: TE
+    captures in global mode, where another thread's event query breaks the capture) the
+    monitor queries no operation and reports nothing; then it goes on as before."""
+    aborted = threading.Event()
+    clock = _Clock()
+    capturing = [True]
+    monitor = HangMonitor(
+        Watchdog(0, 1.0), aborted.set, poll_s=3600, clock=clock, paused=lambda: capturing[0]
+    )
+    try:
+        work = _Counted()
+        monitor.watch(work, "0RECV_F1", 1)
+        monitor.waiting(work)
+        clock.now += 5.0
+        assert monitor.poll() and work.queries == 0 and not aborted.is_set()
+        capturing[0] = False
+        assert not monitor.poll() and work.queries == 1 and aborted.is_set()
+    finally:
+        monitor.close()

@@ -258,7 +258,9 @@ class PipelineExecutor:
     ``free_outputs`` (Megatron's ``deallocate_pipeline_outputs``)
     frees each sent output's storage once it is sent, and then refuses outputs that are
     views. ``record_spans`` (settable between steps) puts each compute action in a profiler
-    span, ``F stage=S mb=M`` and so on, one per action and FB half.
+    span, ``F stage=S mb=M`` and so on, one per action and FB half. ``watch_paused``: while
+    it returns True the hang monitor polls nothing (e.g. Megatron's ``is_graph_capturing``:
+    a CUDA graph captured in global mode forbids the event queries of another thread).
 
     Communication follows the schedule's :func:`~megatron_dualpipe.schedules.comm_plan.
     comm_plan` and nothing else, through ``transport``: by default the pipeline ``group``
@@ -291,6 +293,7 @@ class PipelineExecutor:
         free_outputs: bool = True,
         record_spans: bool = False,
         graph_safe: bool = False,
+        watch_paused: Callable[[], bool] | None = None,
     ):
         placement = schedule.placement
         if graph_safe and variable_shapes:
@@ -321,6 +324,7 @@ class PipelineExecutor:
         #: ``train --profile``); off, the executor makes no profiler call.
         self.record_spans = record_spans
         self.graph_safe = graph_safe
+        self.watch_paused = watch_paused
         self.store = WeightGradStore()
         self._counter = _Counter()
         self._watchdog = Watchdog(rank, timeout_s)
@@ -352,6 +356,7 @@ class PipelineExecutor:
             transport,
             variable_shapes=variable_shapes,
             graph_safe=graph_safe,
+            watch_paused=watch_paused,
         )
 
     # -- set-up ------------------------------------------------------------------------

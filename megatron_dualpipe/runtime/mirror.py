@@ -110,7 +110,8 @@ class MirrorPair:
     """Pipeline rank ``rank`` and its mirror rank (R-1-r), exchanging on the pipeline
     ``group`` (default: the world). Hold one for repeated exchanges; ``timeout_s`` bounds
     each wait (see the module docstring); ``bucket_bytes`` is the most bytes a bucket of
-    :func:`param_buckets` holds where the caller gives no buckets of its own."""
+    :func:`param_buckets` holds where the caller gives no buckets of its own;
+    ``watch_paused``: the hang monitor's ``paused`` (:class:`~.watchdog.HangMonitor`)."""
 
     def __init__(
         self,
@@ -120,6 +121,7 @@ class MirrorPair:
         group: dist.ProcessGroup | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         bucket_bytes: int = BUCKET_BYTES,
+        watch_paused: Callable[[], bool] | None = None,
     ):
         self.placement = placement
         self.rank = rank
@@ -131,7 +133,7 @@ class MirrorPair:
         # Watches every exchange until it completes, also after the call that issued it
         # returned (on NCCL the GPU may still be exchanging then); its thread ends with
         # the pair, or at :meth:`close`.
-        self._monitor = HangMonitor(self.watchdog, self.group.abort)
+        self._monitor = HangMonitor(self.watchdog, self.group.abort, paused=watch_paused)
 
     def check(self) -> None:
         """Raise the hang the pair's monitor saw, if any (every exchange checks first)."""

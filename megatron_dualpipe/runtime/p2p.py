@@ -23,7 +23,7 @@ Where the transport's waits do not block the host with a timeout (NCCL), a
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -89,6 +89,7 @@ class PipeComm:
 
     ``specs`` gives, for each (receive kind, local stage) this rank receives, the
     :class:`TensorSpec` of each element's receive buffer with its device resolved.
+    ``watch_paused``: the hang monitor's ``paused`` (:class:`~.watchdog.HangMonitor`).
     """
 
     def __init__(
@@ -101,6 +102,7 @@ class PipeComm:
         *,
         variable_shapes: bool = False,
         graph_safe: bool = False,
+        watch_paused: Callable[[], bool] | None = None,
     ):
         for (kind, stage), elements in specs.items():
             if len(elements) > MAX_ELEMENTS:
@@ -121,10 +123,10 @@ class PipeComm:
         self._specs = specs
         #: No host synchronisation in a step (a CUDA graph can capture it): every wait is a
         #: plain ``work.wait()`` (on NCCL, the compute stream waits), no deadline on the
-        #: host, no hang monitor or send reaper polling ``is_completed()``.
+        #: host, no hang monitor polling ``is_completed()``.
         self.graph_safe = graph_safe
         self._monitor = (
-            HangMonitor(watchdog, transport.abort)
+            HangMonitor(watchdog, transport.abort, paused=watch_paused)
             if transport.host_waits == "stream" and not graph_safe
             else None
         )

@@ -148,7 +148,9 @@ class HangMonitor:
     :class:`PipelineWaitError` naming the rank, the message and the peer, keep it as
     :attr:`error` and call ``abort`` (which makes the pending operations fail, so nothing
     waits forever). :meth:`check` raises that error on the rank's thread. ``clock``: the
-    monotonic seconds it measures with.
+    monotonic seconds it measures with. ``paused``: while it returns True the thread polls
+    nothing (``is_completed()`` reads a CUDA event, which a CUDA graph captured in global
+    mode, as Transformer Engine captures, forbids on every thread of the process).
     """
 
     def __init__(
@@ -158,10 +160,12 @@ class HangMonitor:
         *,
         poll_s: float = 0.05,
         clock: Callable[[], float] = time.monotonic,
+        paused: Callable[[], bool] | None = None,
     ):
         self._watchdog = watchdog
         self._abort = abort
         self._clock = clock
+        self._paused = paused
         self._lock = threading.Lock()
         # Per work: the work, what it is, its peer, when the rank began to wait (or None).
         self._watched: dict[int, tuple[_Watchable, str, int, float | None]] = {}
@@ -192,6 +196,8 @@ class HangMonitor:
         Whether to go on watching (not after a failure: that is reported once)."""
         if self.error is not None:
             return False
+        if self._paused is not None and self._paused():
+            return True
         with self._lock:
             watched = list(self._watched.items())
         now = self._clock()

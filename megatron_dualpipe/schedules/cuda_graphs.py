@@ -36,6 +36,7 @@ __all__ = [
     "check_cuda_graph_order",
     "cuda_graph_order",
     "cuda_graph_problem",
+    "ep_overlap_graph_problem",
     "deferring_modules",
     "max_wgrads_waiting",
 ]
@@ -128,6 +129,19 @@ def cuda_graph_problem(
             "whole-step graphs"
         )
     return None
+
+
+def ep_overlap_graph_problem(schedule: str, impl: str, ep_overlap: bool) -> str | None:
+    """Why ``impl`` cannot graph under ``schedule`` with ``overlap_moe_expert_parallel_comm``
+    (``ep_overlap``), as the rest of a sentence after that key's name, or None: Megatron
+    then captures TE's per-layer graphs in its combined 1F1B order, which our schedules do
+    not run."""
+    if impl != "transformer_engine" or not ep_overlap or not spec(schedule).runs_ours:
+        return None
+    return (
+        "under cuda_graph_impl: transformer_engine has Megatron graph each layer in its "
+        f"combined 1F1B order, which {schedule} does not run: turn one of them off"
+    )
 
 
 def cuda_graph_order(schedule: Schedule, rank: int) -> list[float]:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.transformer.cuda_graphs import is_graph_capturing
 from torch import nn
 
 from ...runtime import DEFAULT_TIMEOUT_S
@@ -46,12 +47,18 @@ def mirror_pair(
     slice_bytes: int = SLICE_BYTES,
 ) -> MirrorPair:
     """This pipeline rank and its mirror rank, exchanging on the pipeline ``group`` (default
-    Megatron's) at most ``slice_bytes`` per exchange."""
+    Megatron's) at most ``slice_bytes`` per exchange; its hang monitor rests while Megatron
+    captures CUDA graphs (``is_graph_capturing``)."""
     if group is None:
         group = parallel_state.get_pipeline_model_parallel_group()
     placement = placement_of("dualpipe", group.size())
     return MirrorPair(
-        placement, group.rank(), group=group, timeout_s=timeout_s, bucket_bytes=slice_bytes
+        placement,
+        group.rank(),
+        group=group,
+        timeout_s=timeout_s,
+        bucket_bytes=slice_bytes,
+        watch_paused=is_graph_capturing,
     )
 
 

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.transformer.cuda_graphs import is_graph_capturing
 from megatron.core.utils import get_model_config, unwrap_model
 
 from ...runtime import DEFAULT_TIMEOUT_S, PipelineExecutor, RankTimeline, TensorSpec
@@ -300,6 +301,7 @@ class DualPipeForwardBackward:
             variable_shapes=bool(config.variable_seq_lengths),
             free_outputs=config.deallocate_pipeline_outputs,
             graph_safe=self.graph_safe,
+            watch_paused=is_graph_capturing,
         )
         prepared = _Prepared(executor, stages, key)
         self._prepared[model[0]] = prepared

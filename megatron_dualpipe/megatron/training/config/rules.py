@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from ....schedules.config_values import override_origins
-from ....schedules.cuda_graphs import cuda_graph_problem
+from ....schedules.cuda_graphs import cuda_graph_problem, ep_overlap_graph_problem
 from ....schedules.ir import Schedule, ScheduleError
 from ....schedules.limits import (
     MAX_TRAIN_SIZE,
@@ -547,10 +547,7 @@ def _check_graphs_of_ours(cfg: TrainConfig) -> Problem:
             "0 under cuda_graph_impl: full_iteration would capture the first step, which "
             "builds the executor and its process group: set it to 1 or more"
         )
-    if impl == "transformer_engine" and cfg.overlap_moe_expert_parallel_comm:
-        return "overlap_moe_expert_parallel_comm", (
-            "under cuda_graph_impl: transformer_engine has Megatron graph each layer in its "
-            f"combined 1F1B order, which {cfg.pipeline_schedule} does not run: turn one of "
-            "them off"
-        )
-    return None
+    problem = ep_overlap_graph_problem(
+        cfg.pipeline_schedule, impl, cfg.overlap_moe_expert_parallel_comm
+    )
+    return None if problem is None else ("overlap_moe_expert_parallel_comm", problem)
