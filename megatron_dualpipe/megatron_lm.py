@@ -148,13 +148,6 @@ def _check_cuda_graphs(args: Any, schedule: str) -> None:
     impl, modules = cuda_graph_setting(args)
     if impl == "none":
         return
-    import torch
-
-    if not torch.cuda.is_available():
-        raise DualPipeConfigError(
-            f"--cuda-graph-impl {impl} captures CUDA graphs, and this machine has no CUDA "
-            "device: drop --cuda-graph-impl (or set it to none)"
-        )
     shared = getattr(args, "moe_shared_expert_intermediate_size", None) is not None
     problem = cuda_graph_problem(
         schedule,
@@ -176,6 +169,13 @@ def _check_cuda_graphs(args: Any, schedule: str) -> None:
         raise DualPipeConfigError(
             "--cuda-graph-impl full_iteration captures one step's shapes, and "
             "--variable-seq-lengths changes them every micro-batch: drop one of them"
+        )
+    import torch
+
+    if not torch.cuda.is_available():
+        raise DualPipeConfigError(
+            f"--cuda-graph-impl {impl} captures CUDA graphs, and this machine has no CUDA "
+            "device: drop --cuda-graph-impl (or set it to none)"
         )
 
 
