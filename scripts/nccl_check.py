@@ -10,8 +10,11 @@ GPU). One process per GPU, through torchrun:
 Each check prints one line on rank 0, ``CHECK <name>: PASS: ...``, ``CHECK <name>: FAIL:
 ...`` or ``CHECK <name>: CANNOT RUN: <reason>``. Exit code: 1 when a check failed, else 0
 (a check that cannot run is not a failure; ``--dry-run`` always 0). Needs CUDA, NCCL and
-at least as many GPUs (processes) as the check's pipeline has ranks; the world is cut into
-pipelines of that size, each running the check.
+at least as many GPUs (processes) as the check's pipeline has ranks, and (but for
+``rank-killed``) megatron-core: the world is made as Megatron-LM makes it, Megatron's
+``initialize_model_parallel`` with our placement's embedding ranks, which leaves a
+pipeline's ranks holding different numbers of process groups (rank 0 more), and every
+pipeline runs the check on Megatron's pipeline group.
 
 - ``dualpipev-pp2``, ``dualpipev-pp4``, ``dualpipe-pp4``: one training step of a small
   stack of stages (projection or norm, linear, tanh, linear, as in
@@ -20,7 +23,8 @@ pipelines of that size, each running the check.
   parameter gradient within ``--tol`` (relative; dualpipe's two copies summed first).
 - ``shared-streams``: the dualpipev PP=2 step again after drawing 32 CUDA streams of each
   priority (``torch.cuda.Stream()``): PyTorch's pool holds 32 per priority, handed out in
-  turn, so the pipeline communicator's stream, drawn next, is one of them (31 fill the pool
+  turn, so the pipeline communicator's stream, drawn next (NCCL makes the communicator at
+  its first use), is one of them (31 fill the pool
   with the communicator's own; the 32nd makes it shared whatever drew before). The
   lock-step plan must finish and give the same losses. The drawn streams sit idle: this
   shows the plan finishing on a shared stream, not under contention.
@@ -36,7 +40,8 @@ pipelines of that size, each running the check.
 - ``nccl-memory``: dualpipe PP=2; the device memory in use outside PyTorch's caching
   allocator (``torch.cuda.mem_get_info`` less ``memory_reserved``: what nvidia-smi shows,
   less PyTorch's own) before and after the pipeline communicator's creation and first
-  step, then after the mirror exchange's, beside the estimate of
+  step (Megatron's pipeline group, whose communicator NCCL makes at its first use), then
+  after the mirror exchange's, beside the estimate of
   ``schedules/nccl_memory.py`` for each; PASS reports both (a measurement, no bound).
 """
 
@@ -163,19 +168,33 @@ class _Ctx:
     device: Any
 
 
-def _pipeline(size: int) -> _Ctx:
-    """Cut the world into pipelines of ``size`` consecutive ranks (every rank makes every
-    group, in one order, as ``new_group`` needs)."""
+def _pipeline(size: int, schedule: str) -> _Ctx:
+    """The world as Megatron-LM makes it for ``schedule`` at PP ``size``: Megatron's
+    ``initialize_model_parallel`` with our placement's embedding ranks (made again for each
+    check), which leaves the pipeline's ranks holding different numbers of process groups,
+    as on a cluster; the plan runs on its pipeline group. (Without CUDA, the CPU: the
+    suite runs the checks' logic over gloo.)"""
     import torch
     import torch.distributed as dist
+    from megatron.core import parallel_state
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine = None
-    for start in range(0, world, size):
-        group = dist.new_group(list(range(start, start + size)))
-        if start <= rank < start + size:
-            mine = group
-    return _Ctx(rank, rank % size, mine, torch.device("cuda", torch.cuda.current_device()))
+    from megatron_dualpipe.megatron.model.placement import embedding_ranks
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    ranks = embedding_ranks(schedule)
+    parallel_state.initialize_model_parallel(
+        pipeline_model_parallel_size=size,
+        **({"get_embedding_ranks": ranks} if ranks else {}),
+    )
+    return _Ctx(
+        dist.get_rank(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_group(),
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu"),
+    )
 
 
 def _step(
@@ -245,7 +264,7 @@ def _schedule_check(name: str, pp: int) -> Callable[[argparse.Namespace, Any], t
     def run(args: argparse.Namespace, _: Any) -> tuple[bool, str]:
         from megatron_dualpipe.runtime import sync_mirror_grads
 
-        ctx = _pipeline(pp)
+        ctx = _pipeline(pp, name)
         modules, p, losses, _ = _step(name, pp, args, ctx)
         if p.kind == "mirror":
             sync_mirror_grads(
@@ -284,13 +303,14 @@ def _mirror_distributed(args: argparse.Namespace, _: Any) -> tuple[bool, str]:
     # tensor-parallel ranks that run the same pipeline), so that the distributed
     # optimizer's reduce-scatter leaves each rank the whole of its buffers to compare.
     pp, tp = 2, dist.get_world_size() // 2
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
-        )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+    )
     group = parallel_state.get_pipeline_model_parallel_group()
-    ctx = _pipeline(pp)
-    ctx = _Ctx(ctx.rank, parallel_state.get_pipeline_model_parallel_rank(), group, ctx.device)
+    device = torch.device("cuda", torch.cuda.current_device())
+    ctx = _Ctx(dist.get_rank(), parallel_state.get_pipeline_model_parallel_rank(), group, device)
     config = TransformerConfig(
         num_layers=2,
         hidden_size=HIDDEN,
@@ -417,7 +437,7 @@ def _nccl_memory(args: argparse.Namespace, _: Any) -> tuple[bool, str]:
         return total - free - torch.cuda.memory_reserved()
 
     pp = 2
-    ctx = _pipeline(pp)
+    ctx = _pipeline(pp, "dualpipe")
     warm = torch.ones(8, 8, device=ctx.device)
     (warm @ warm).sum().item()  # cuBLAS's handle before the first reading, not in it
     start = taken()
@@ -441,7 +461,7 @@ def _nccl_memory(args: argparse.Namespace, _: Any) -> tuple[bool, str]:
     )
 
 
-def _check(name: str, summary: str, ranks: int, run: Callable, megatron: bool = False) -> Check:
+def _check(name: str, summary: str, ranks: int, run: Callable, megatron: bool = True) -> Check:
     return Check(name, summary, ranks, megatron, run)
 
 
@@ -471,7 +491,11 @@ CHECKS = (
         _shared_streams,
     ),
     _check(
-        "rank-killed", "a rank killed mid-step is named and every process ends", 2, _rank_killed
+        "rank-killed",
+        "a rank killed mid-step is named and every process ends",
+        2,
+        _rank_killed,
+        megatron=False,
     ),
     _check(
         "mirror",
@@ -484,7 +508,6 @@ CHECKS = (
         "the mirror gradient sum under Megatron DDP with the distributed optimizer",
         2,
         _mirror_distributed,
-        megatron=True,
     ),
     _check(
         "nccl-memory",

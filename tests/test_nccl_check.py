@@ -15,14 +15,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = {
-    "dualpipev-pp2": "2 GPUs",
-    "dualpipev-pp4": "4 GPUs",
-    "dualpipe-pp4": "4 GPUs",
-    "shared-streams": "2 GPUs",
+    "dualpipev-pp2": "2 GPUs and megatron-core",
+    "dualpipev-pp4": "4 GPUs and megatron-core",
+    "dualpipe-pp4": "4 GPUs and megatron-core",
+    "shared-streams": "2 GPUs and megatron-core",
     "rank-killed": "2 GPUs",
-    "mirror": "2 GPUs",
+    "mirror": "2 GPUs and megatron-core",
     "mirror-distributed-optimizer": "2 GPUs and megatron-core",
-    "nccl-memory": "2 GPUs",
+    "nccl-memory": "2 GPUs and megatron-core",
 }
 
 
@@ -59,3 +59,32 @@ def test_on_cpu_every_check_cannot_run_with_its_reason_and_exit_code_0() -> None
         "CHECK rank-killed: CANNOT RUN: no CUDA device",
         "CHECK nccl-memory: CANNOT RUN: no CUDA device",
     ]
+
+
+def _schedule_check_on_gloo(rank: int, world: int, name: str) -> tuple[bool, str]:
+    """A schedule check's logic on forked gloo ranks, its world made as Megatron-LM makes
+    it (what NCCL then runs on GPUs)."""
+    import argparse
+    import importlib.util
+
+    from megatron.core import parallel_state
+
+    spec = importlib.util.spec_from_file_location("nccl_check", ROOT / "scripts" / "nccl_check.py")
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script  # its dataclasses look their module up
+    spec.loader.exec_module(script)
+    try:
+        return script._schedule_check(name, world)(argparse.Namespace(timeout=30.0, tol=1e-5), None)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.megatron
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["dualpipev", "dualpipe"])
+def test_a_schedule_check_passes_on_gloo_in_megatrons_world(name: str) -> None:
+    from tests.multiproc import run_workers
+
+    results = run_workers(_schedule_check_on_gloo, 4, args=(name,), timeout_s=120)
+    assert all(ok for ok, _ in results), results
+    assert all("max relative error" in detail for _, detail in results)
