@@ -38,10 +38,22 @@ the FP8 checks need compute capability 9.0 (Hopper) or newer.
   in that order: weight gradients equal to the eager run of the same order, ms per step
   both ways; and rank 1's order at PP=8, which ``check_cuda_graph_order`` refuses (two
   wgrads of one chunk waiting), refused or miscaptured by TE too (else the model is wrong).
+- ``graphs-te-buffers``: dualpipev at PP=4, rank 3 (whose last Ws wait behind other
+  backwards), each chunk a TE-graphed ``te.Linear`` followed by an eager ``te.Linear``
+  deferring its wgrad to the W: the deferred W reads the graph's output after other graphs
+  replayed. Captured as our helper asks TE (buffers kept) the weight gradients equal the
+  eager run's; as Megatron asks (``_reuse_graph_input_output_buffers``, buffers handed
+  back to the pool) the difference is measured and printed beside it (what
+  ``tests/te_graph_stand_in.py`` models on CPU).
 - ``graphs-full-step``: ``PipelineExecutor(graph_safe=True)`` on one rank holding both
   chunks of a two-stage pipeline with deferred W, captured whole with ``torch.cuda.graph``
   (what ``FullCudaGraphWrapper`` does with a step) and replayed: losses and gradients equal
   to the eager step's, ms per step both ways. Messages between ranks are not in it (one GPU).
+
+Not here, because they need two GPUs (NCCL refuses two ranks of one communicator on one
+GPU): dualpipev's first steps after Megatron's ``initialize_model_parallel`` and dualpipe's
+mirror sum of two stages of different bucket counts are ``scripts/nccl_check.py``'s
+``dualpipev-pp2`` and ``mirror`` (its world made as Megatron-LM makes it).
 
 Not measured: the F&B overlap factor (how much of the MoE all-to-all hides behind the other
 micro-batch's compute, ``simulate --cost overlap=``): it needs expert parallelism over two or
@@ -562,6 +574,89 @@ def _graphs_te_order(args: argparse.Namespace) -> tuple[bool, str]:
     )
 
 
+def _buffers_case(schedule: Any, rank: int, reuse: bool | None) -> list[Any]:
+    """``rank``'s compute actions of ``schedule`` over two chunks, each a TE-graphed
+    ``te.Linear`` (``reuse``: TE's ``_reuse_graph_input_output_buffers``; None: eager)
+    followed by an eager ``te.Linear`` deferring its wgrad to the action's W, as our
+    executor runs it; the weight gradients of all four layers after the step."""
+    import torch
+    import transformer_engine.pytorch as te
+
+    from megatron_dualpipe.megatron.grads.te_wgrad import exact_backward_dw
+    from megatron_dualpipe.schedules import cuda_graph_order
+    from megatron_dualpipe.schedules.ir import Kind
+
+    m = schedule.placement.num_microbatches // 2  # each chunk's micro-batches (the V)
+    generator = torch.Generator(device="cuda").manual_seed(SEED)
+    shape = (GRAPH_TOKENS, GRAPH_HIDDEN)
+    inputs = {
+        (c, k): torch.randn(shape, device="cuda", generator=generator, requires_grad=True)
+        for c in range(2)
+        for k in range(m)
+    }
+    grads = {key: torch.randn(shape, device="cuda", generator=generator) for key in inputs}
+    torch.manual_seed(SEED)
+    heads = [
+        te.Linear(GRAPH_HIDDEN, GRAPH_HIDDEN, params_dtype=torch.float32).cuda() for _ in range(2)
+    ]
+    tails = [
+        te.Linear(
+            GRAPH_HIDDEN, GRAPH_HIDDEN, delay_wgrad_compute=True, params_dtype=torch.float32
+        ).cuda()
+        for _ in range(2)
+    ]
+    if reuse is None:
+        run = [lambda x, c=c: heads[c](x) for c in range(2) for _ in range(m)]
+    else:
+        order = [e for e in cuda_graph_order(schedule, rank) if e == int(e)]
+        samples = tuple(
+            (inputs[(c, k)].detach().clone().requires_grad_(),) for c in range(2) for k in range(m)
+        )
+        run = te.make_graphed_callables(
+            tuple(heads),
+            samples,
+            _order=order,
+            _num_layers_per_chunk=[1, 1],
+            _reuse_graph_input_output_buffers=reuse,
+        )
+    seen, outputs = [0, 0], {}
+    for action in schedule.ranks[rank]:
+        for half in action.computes:
+            c = half.chunk
+            if half.kind is Kind.F:
+                k = seen[c]
+                seen[c] += 1
+                outputs[(c, half.microbatch)] = (k, tails[c](run[c * m + k](inputs[(c, k)])))
+            if half.kind in (Kind.B, Kind.BW):
+                k, out = outputs.pop((c, half.microbatch))
+                out.backward(grads[(c, k)])
+            if half.kind in (Kind.W, Kind.BW):
+                exact_backward_dw(tails[c])
+    torch.cuda.synchronize()
+    return [layer.weight.grad.clone() for layer in (*heads, *tails)]
+
+
+def _graphs_te_buffers(args: argparse.Namespace) -> tuple[bool, str]:
+    """dualpipev PP=4 rank 3 (whose last Ws wait behind other backwards): each chunk a
+    TE-graphed layer, then an eager layer deferring its wgrad, whose W reads the graph's
+    output after other graphs replayed. TE keeping every graph's buffers (our helper's
+    keywords) gives the eager gradients; TE handing them back to the pool (Megatron's
+    ``_reuse_graph_input_output_buffers``) is measured beside it."""
+    from megatron_dualpipe.schedules.registry import generate
+
+    schedule = generate("dualpipev", 4, 8)
+    eager = _buffers_case(schedule, 3, None)
+    kept = _buffers_case(schedule, 3, False)
+    reused = _buffers_case(schedule, 3, True)
+    error = max(_rel_err(a, b) for a, b in zip(kept, eager, strict=True))
+    reuse_error = max(_rel_err(a, b) for a, b in zip(reused, eager, strict=True))
+    detail = (
+        f"buffers kept (our helper): gradients within {error:.1e} of eager; handed back "
+        f"(Megatron's keyword): {reuse_error:.1e}"
+    )
+    return error <= args.tol, detail
+
+
 def _graphs_full_step(args: argparse.Namespace) -> tuple[bool, str]:
     """A graph-safe executor step with deferred W (one rank holding both chunks of a
     two-stage pipeline: F0 F1 B1 B0 per micro-batch, every W at the end), captured whole
@@ -650,6 +745,12 @@ CHECKS = (
         "TE's CUDA graphs captured in dualpipev's order (PP=4, rank 0) with deferred wgrad",
         False,
         _graphs_te_order,
+    ),
+    Check(
+        "graphs-te-buffers",
+        "a deferred W reading a TE graph's output under dualpipev (PP=4, rank 3)",
+        False,
+        _graphs_te_buffers,
     ),
     Check(
         "graphs-full-step",

@@ -32,7 +32,9 @@ pipeline runs the check on Megatron's pipeline group.
   with SIGKILL in the middle of a step, and expects the first to raise within ``--timeout``
   naming rank 1, and both processes to be gone.
 - ``mirror``: dualpipe PP=2 (partner ranks 0 and 1): after the step the two copies of each
-  stage hold the same summed gradient, equal to the unpipelined one.
+  stage hold the same summed gradient, equal to the unpipelined one; summed in 20 KiB
+  buckets, of which stage 0 (a projection) fills more than stage 1 (a norm), as two stages
+  of a real model do at the default 64 MiB.
 - ``mirror-distributed-optimizer``: the same with every chunk wrapped in Megatron DDP with
   the distributed optimizer (``main_grad`` in DDP's buffers, ``disable_bucketing``) on
   Megatron's own pipeline groups (one data-parallel rank), summed by
@@ -260,15 +262,28 @@ def _compare(
     )
 
 
-def _schedule_check(name: str, pp: int) -> Callable[[argparse.Namespace, Any], tuple[bool, str]]:
+def _schedule_check(
+    name: str, pp: int, mirror_bucket_bytes: int | None = None
+) -> Callable[[argparse.Namespace, Any], tuple[bool, str]]:
+    """One step of ``name`` at PP ``pp`` against the reference; dualpipe's copies summed
+    in buckets of ``mirror_bucket_bytes`` (None: the runtime's default)."""
+
     def run(args: argparse.Namespace, _: Any) -> tuple[bool, str]:
         from megatron_dualpipe.runtime import sync_mirror_grads
+        from megatron_dualpipe.runtime.mirror import param_buckets, param_grad
 
         ctx = _pipeline(pp, name)
         modules, p, losses, _ = _step(name, pp, args, ctx)
         if p.kind == "mirror":
             sync_mirror_grads(
-                modules, p, ctx.pipeline_rank, group=ctx.group, timeout_s=args.timeout
+                modules,
+                p,
+                ctx.pipeline_rank,
+                group=ctx.group,
+                timeout_s=args.timeout,
+                buckets=None
+                if mirror_bucket_bytes is None
+                else lambda m: param_buckets(m, param_grad, bucket_bytes=mirror_bucket_bytes),
             )
         return _compare(modules, p, losses, ctx, args, lambda param: param.grad)
 
@@ -499,9 +514,10 @@ CHECKS = (
     ),
     _check(
         "mirror",
-        "dualpipe's mirror gradient sum without the distributed optimizer",
+        "dualpipe's mirror gradient sum without the distributed optimizer, in 20 KiB buckets "
+        "(stage 0 fills more of them than stage 1: each rank's two chunks differ in count)",
         2,
-        _schedule_check("dualpipe", 2),
+        _schedule_check("dualpipe", 2, mirror_bucket_bytes=20 * 1024),
     ),
     _check(
         "mirror-distributed-optimizer",

@@ -20,6 +20,7 @@ CHECKS = (
     "layer-costs-dense",
     "layer-costs-moe",
     "graphs-te-order",
+    "graphs-te-buffers",
     "graphs-full-step",
 )
 

@@ -75,6 +75,8 @@ ARGS = (
 #: At 4 ranks (PP=2 x DP=2): one sample per micro-batch, so a step keeps 4 micro-batches
 #: and the 8 samples of the 2-rank runs.
 FOUR_RANKS = ["--micro-batch-size", "1"]
+#: At 4 ranks, PP=4 (8 layers: dualpipev's V has 8 stages; 8 micro-batches of one sample).
+PP4 = [*FOUR_RANKS, "--pipeline-model-parallel-size", "4", "--num-layers", "8"]
 #: A MoE model: every layer 4 experts, top-2, the all-to-all dispatcher, no linear biases
 #: (megatron-core's SequentialMLP with biases fails autograd's in-place check).
 MOE = [
@@ -331,12 +333,18 @@ def two_ranks(patched: Path, checkpoints: Checkpoints) -> dict[tuple[str, str], 
 def four_ranks(
     patched: Path, checkpoints: Checkpoints, two_ranks: dict, tmp_path_factory
 ) -> dict[tuple[str, str], Printed]:
-    """Every 4-rank run (PP=2 x DP=2), in one set of ranks: the MoE model's shared
-    checkpoint, then each 4-rank combination under each schedule (the dense ones from the
-    2-rank checkpoint, which dist_checkpointing reshards over the data-parallel ranks)."""
+    """Every 4-rank run, in one set of ranks: the MoE model's shared checkpoint, then each
+    4-rank combination (PP=2 x DP=2) under each schedule (the dense ones from the 2-rank
+    checkpoint, which dist_checkpointing reshards over the data-parallel ranks); and at
+    PP=4, a 1F1B checkpoint after one iteration and the first steps from it under 1F1B,
+    dualpipev and dualpipe."""
     moe_start = tmp_path_factory.mktemp("moe") / "start"
+    pp4_start = tmp_path_factory.mktemp("pp4") / "start"
     runs = {("moe start", "1f1b"): [*FOUR_RANKS, *MOE, "--expert-model-parallel-size", "2",
                                     *_save_at(moe_start, 1)]}  # fmt: skip
+    runs[("pp4 start", "1f1b")] = [*PP4, *_save_at(pp4_start, 1)]
+    for schedule in ("1f1b", "dualpipev", "dualpipe"):
+        runs[("pp4", schedule)] = [*PP4, "--load", str(pp4_start), *_ours(schedule)]
     for combination in COMBINATIONS:
         if combination.world_size == 4:
             start = moe_start if combination.moe else checkpoints.start
@@ -393,6 +401,16 @@ def test_each_combination_as_1f1b_with_the_same_flags(
             assert (printed.error, printed.train) == (combination.refused, {})
         return
     _assert_as_1f1b(schedule, ours, megatrons)
+
+
+@pytest.mark.parametrize("schedule", ["dualpipev", "dualpipe"])
+def test_first_steps_at_pp4_after_megatrons_set_up_as_1f1b(
+    four_ranks: dict, schedule: str
+) -> None:
+    """PP=4 on 4 ranks: Megatron-LM's ``initialize_model_parallel`` with our embedding ranks
+    leaves the pipeline's ranks holding different numbers of groups; the steps run on its
+    pipeline group, as on a cluster, with 1F1B's losses."""
+    _assert_as_1f1b(schedule, four_ranks[("pp4", schedule)], four_ranks[("pp4", "1f1b")])
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
