@@ -16,12 +16,14 @@ only ever sends and receives holds buffers for the peers it talks to and nothing
 ``NCCL_RUNTIME_CONNECT=1``; with ``0`` or an older NCCL they are made when the
 communicator is created, and this estimate does not count them).
 
-The communicators our plan uses on a rank: the pipeline communicator (one per pipeline;
-its peers are the ranks the schedule exchanges messages with; the executor's set-up
-connects each both ways) and, for the mirror placement (dualpipe), the mirror gradient
-sync between partner ranks ``r`` and ``R-1-r``. Not counted: Megatron-Core's own groups
-(tensor-, data-, expert-parallel and its pipeline group), NCCL's fixed per-communicator
-structures, and any sharing of network buffers (``NCCL_NET_SHARED_BUFFERS``).
+The communicator our plan uses on a rank: the pipeline group's (one per pipeline, the
+pipeline group itself: under Megatron, Megatron's); its peers are the ranks the schedule
+exchanges messages with (the executor's set-up connects each both ways) and, for the
+mirror placement (dualpipe), the partner rank ``R-1-r`` of the mirror gradient sum, a
+connection of its own only where the partner is not already a peer (listed apart, as
+``mirror``). Not counted: Megatron-Core's other groups (tensor-, data-,
+expert-parallel), NCCL's fixed per-communicator structures, and any sharing of network
+buffers (``NCCL_NET_SHARED_BUFFERS``).
 """
 
 from __future__ import annotations
@@ -156,8 +158,9 @@ def _pipeline_peers(schedule: Schedule) -> list[tuple[int, ...]]:
 
 
 def nccl_memory(schedule: Schedule, buffers: NcclBuffers | None = None) -> list[list[CommMemory]]:
-    """Per rank, the estimate for each communicator our plan uses on it (the pipeline's
-    one, then dualpipe's mirror pair); a rank without peers on a communicator has none."""
+    """Per rank, the estimate of the pipeline communicator's connections: the schedule's
+    peers (``pipeline``), then dualpipe's mirror partner where it is no such peer
+    (``mirror``, on the same communicator); a rank without peers has none."""
     rules = buffers or NcclBuffers()
     p = schedule.placement
     members = tuple(range(p.num_ranks))
@@ -167,8 +170,7 @@ def nccl_memory(schedule: Schedule, buffers: NcclBuffers | None = None) -> list[
         if peers:
             comms.append(CommMemory(rank, "pipeline", members, peers, rules.peer_bytes(len(peers))))
         partner = p.num_ranks - 1 - rank
-        if p.kind == "mirror" and partner != rank:
-            pair = tuple(sorted((rank, partner)))
-            comms.append(CommMemory(rank, "mirror", pair, (partner,), rules.peer_bytes(1)))
+        if p.kind == "mirror" and partner != rank and partner not in peers:
+            comms.append(CommMemory(rank, "mirror", members, (partner,), rules.peer_bytes(1)))
         out.append(comms)
     return out
