@@ -75,3 +75,23 @@ def test_help_and_a_missing_config_import_no_torch(argv: list[str], expected: st
     )
     assert expected in done.stdout + done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_what_the_interpreter_prints_at_shutdown_follows_no_command() -> None:
+    """The command's last line stays the last on stderr too: what the interpreter's
+    shutdown writes there afterwards (torch 2.15's Triton bindings: some 30 lines of
+    "nanobind: leaked ..."; here an exit handler stands for them) is dropped."""
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: sys.stderr.write('shutdown chatter\\n'))\n"
+        "from megatron_dualpipe.cli import main\n"
+        "sys.argv = ['megatron-dualpipe', 'simulate', '--schedule', 'dualpipev', '--pp', '2',"
+        " '--microbatches', '3']\n"
+        "sys.exit(main())\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1].startswith("megatron-dualpipe: error: dualpipev needs")
+    assert "shutdown chatter" not in proc.stderr

@@ -3,9 +3,10 @@ schedules can be validated, simulated and compared like ours.
 
 torch's schedule visualiser helper (``_schedule_visualizer.get_schedule_ops``) builds a
 schedule class through its own constructor on stand-in stages, so torch itself validates
-the parameters, and returns every rank's compute order. Idle slots (None) and bookkeeping
-actions (REDUCE_GRAD, UNSHARD, RESHARD) are dropped; communication is added, if wanted,
-by our own lowering.
+the parameters, and returns every rank's compute order. Idle slots (None), bookkeeping
+(REDUCE_GRAD, UNSHARD, RESHARD, and from torch 2.15 WAIT_REDUCE_GRAD) and communication
+(SEND/RECV, torch 2.15's WAIT_SEND_F/B) are dropped; communication is added, if wanted, by
+our own lowering. An action type torch adds later is refused in one sentence naming it.
 
 Contract: for each schedule in :data:`TORCH_SCHEDULES` and any (ranks, micro-batches)
 torch itself accepts, :func:`import_torch_schedule` returns a schedule our ``validate()``
@@ -34,8 +35,11 @@ _KINDS = {
     "FULL_BACKWARD": Kind.BW,
     "OVERLAP_F_B": Kind.FB,
 }
-# Actions that do no pipeline compute: gradient reduction and FSDP (un)sharding.
-_SKIPPED = frozenset({"REDUCE_GRAD", "UNSHARD", "RESHARD"})
+# Actions that do no pipeline compute: gradient reduction, FSDP (un)sharding, messages.
+_SKIPPED = frozenset(
+    {"REDUCE_GRAD", "WAIT_REDUCE_GRAD", "UNSHARD", "RESHARD"}
+    | {"SEND_F", "RECV_F", "SEND_B", "RECV_B", "WAIT_SEND_F", "WAIT_SEND_B"}
+)
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,14 @@ TORCH_SCHEDULES: dict[str, TorchScheduleSpec] = {
 
 
 def _convert(action, placement: Placement) -> Action:
-    kind = _KINDS[action.computation_type.name]
+    name = action.computation_type.name
+    kind = _KINDS.get(name)
+    if kind is None:
+        known = ", ".join([*_KINDS, *sorted(_SKIPPED)])
+        raise ScheduleError(
+            f"torch's schedule uses the action type {name}, which megatron-dualpipe does not "
+            f"know (it knows {known}): import the schedule with a torch it knows (2.6 to 2.15)"
+        )
     if kind is Kind.FB:
         forward, backward = (_convert(a, placement) for a in action.sub_actions)
         return Action.overlapped(forward, backward)

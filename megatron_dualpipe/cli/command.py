@@ -32,11 +32,25 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command in ``argv`` (default: this process's command line) and return its
     exit status. Run as the command, it leaves its objects out of the interpreter's last
     garbage collections (``gc.freeze``): torch's and Megatron's module graphs made the exit
-    take 4 to 10 s on a loaded machine, after the work was done."""
+    take 4 to 10 s on a loaded machine, after the work was done; and what the interpreter's
+    shutdown writes to stderr after the command's last line is dropped (:func:`_quiet_exit`)."""
     code = _main(argv)
     if argv is None:
         gc.freeze()
+        _quiet_exit()
     return code
+
+
+def _quiet_exit() -> None:
+    """Point stderr at the null device once the command's work and output are done, so
+    that its last line stays the last: torch 2.15 loads Triton, whose nanobind bindings
+    print some 30 lines of "nanobind: leaked ..." when the interpreter tears them down."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with contextlib.suppress(OSError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stderr.fileno())
+        os.close(null)
 
 
 def _main(argv: list[str] | None) -> int:
