@@ -25,7 +25,8 @@ setup(
         # megatron-core: the releases megatron_dualpipe/megatron/compat/version.py supports (an
         # installed one in the range is kept); psutil: megatron-core's dist_checkpointing
         # writer needs it (checkpoints hang without).
-        "megatron": ["torch>=2.6", "megatron-core>=0.16.1,<0.20", "psutil>=5.9"],
+        # pybind11: a Megatron-LM checkout compiles its dataset helpers at the first run.
+        "megatron": ["torch>=2.6", "megatron-core>=0.16.1,<0.20", "psutil>=5.9", "pybind11>=2.11"],
         "te": ["transformer-engine[pytorch]>=2.7"],
         # Megatron-Core's HuggingFaceTokenizer / GPT2BPETokenizer (train with tokenizer_type,
         # preprocess) load through transformers; tokenizers is its fast backend. Ranges, so

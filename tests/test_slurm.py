@@ -293,7 +293,9 @@ def _run_gpu_script(
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("SLURM_", "NCCL_", "CUDA_", "TRAIN_CMD", "CONTAINER_", "SRUN_"))
+        if not k.startswith(
+            ("SLURM_", "NCCL_", "CUDA_", "TRAIN_CMD", "TASK_SETUP", "CONTAINER_", "SRUN_")
+        )
     }
     env.pop("MASTER_PORT", None)
     env.update(
@@ -349,6 +351,20 @@ def test_gpu_launcher_task_falls_back_to_python_m_where_the_command_is_missing(
     proc, _, ran = _run_gpu_script(tmp_path, trainer="python")
     assert proc.returncode == 0, proc.stderr
     assert ran.startswith("python -m megatron_dualpipe train --config "), ran
+
+
+def test_gpu_launcher_task_setup_runs_in_the_task_before_training(tmp_path: Path) -> None:
+    """TASK_SETUP (e.g. the install, where the image lacks megatron-core) runs in the
+    task's shell, under a lock, before the trainer; one that fails ends the task."""
+    done = tmp_path / "setup.txt"
+    proc, _, ran = _run_gpu_script(tmp_path, TASK_SETUP=f"echo $SLURM_PROCID > {done}")
+    assert proc.returncode == 0, proc.stderr
+    assert done.read_text() == "3\n"
+    assert ran.startswith("megatron-dualpipe train --config "), ran
+    failed = tmp_path / "failed"
+    failed.mkdir()
+    _, _, ran = _run_gpu_script(failed, TASK_SETUP="echo no space left >&2; exit 7")
+    assert ran == "no space left\n", ran
 
 
 def test_gpu_launcher_train_cmd_is_run_by_the_task(tmp_path: Path) -> None:
