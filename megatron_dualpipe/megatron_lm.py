@@ -48,6 +48,8 @@ from .megatron.schedule.checks import (
     stage_layers,
 )
 from .schedules.cuda_graphs import cuda_graph_problem, ep_overlap_graph_problem
+from .schedules.ir import ScheduleError
+from .schedules.layout import parse_layout
 from .schedules.registry import SCHEDULES
 
 __all__ = [
@@ -179,10 +181,38 @@ def _check_cuda_graphs(args: Any, schedule: str) -> None:
         )
 
 
+def _take_layout(args: Any, schedule: str) -> None:
+    """A ``--pipeline-model-parallel-layout`` of a schedule that places its own chunks: one
+    entry per model stage in pipeline order (dualpipev: the V's 2 x PP stages), read over
+    our placement (:func:`_stage_layers`). Megatron-LM's ``validate_args`` read a layout of
+    more stages than ranks as a virtual pipeline and set
+    ``virtual_pipeline_model_parallel_size`` from it; ours is none (two chunks per rank by
+    the placement), so it is unset again. Another number of stages is refused."""
+    layout = getattr(args, "pipeline_model_parallel_layout", None)
+    found = schedule_spec(schedule)
+    if layout is None or not found.places_chunks:
+        return
+    pp = args.pipeline_model_parallel_size
+    try:
+        stages = len(parse_layout(layout))
+    except ScheduleError as err:
+        raise DualPipeConfigError(f"--pipeline-model-parallel-layout: {err}") from None
+    wanted = found.model_stages(pp)
+    if stages != wanted:
+        raise DualPipeConfigError(
+            f"{schedule} runs {wanted} model stages on {pp} ranks and "
+            f"--pipeline-model-parallel-layout has {stages}: give one entry per model stage, "
+            "in pipeline order"
+        )
+    if wanted > pp:
+        args.virtual_pipeline_model_parallel_size = None
+
+
 def _check(args: Any) -> None:
     schedule = _schedule(args)
     found = schedule_spec(schedule)
     _check_cuda_graphs(args, schedule)
+    _take_layout(args, schedule)
     vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
     pp = args.pipeline_model_parallel_size
     if found.chunks == 1 and vp is not None and vp > 1:
@@ -198,14 +228,6 @@ def _check(args: Any) -> None:
         )
     if not found.runs_ours:
         return
-    layout = getattr(args, "pipeline_model_parallel_layout", None)
-    if layout is not None and found.model_stages(pp) != pp:
-        raise DualPipeConfigError(
-            f"{schedule} runs {found.model_stages(pp)} model stages on {pp} ranks, and "
-            "Megatron-LM makes a layout of that many stages a virtual pipeline: split with "
-            "--decoder-first/last-pipeline-num-layers here, or use the layout with "
-            "megatron-dualpipe train"
-        )
     if getattr(args, "rampup_batch_size", None):
         raise DualPipeConfigError(
             f"{schedule} needs the same number of micro-batches every step: unset "

@@ -54,27 +54,25 @@ def model_provider(
     pg_collection: Any = None,
 ) -> Any:
     """One GPTModel chunk from Megatron's decoder block spec (Transformer Engine's with
-    ``--transformer-impl transformer_engine``, else the local one), as Megatron-LM's
-    ``gpt_builder`` builds it."""
+    ``--transformer-impl transformer_engine``, else the local one) and its MTP block spec,
+    as Megatron-LM's ``gpt_builder`` builds them, through ``train``'s
+    :func:`~megatron_dualpipe.megatron.model.layer_specs.gpt_chunk_specs` (which also
+    repairs multi-latent attention on the local spec: Megatron's local ``DotProductAttention``
+    takes no ``k_channels``)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_decoder_block_spec,
-        get_gpt_mtp_block_spec,
-    )
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
 
+    from megatron_dualpipe.megatron.model.layer_specs import gpt_chunk_specs
+
     args = get_args()
     config = config if config is not None else core_transformer_config_from_args(args)
-    use_te = args.transformer_impl == "transformer_engine"
-    block = get_gpt_decoder_block_spec(
-        config, use_transformer_engine=use_te, normalization=args.normalization, vp_stage=vp_stage
+    block, mtp = gpt_chunk_specs(
+        config,
+        transformer_impl=args.transformer_impl,
+        normalization=args.normalization,
+        vp_stage=vp_stage,
     )
-    mtp = None
-    if args.mtp_num_layers:
-        mtp = get_gpt_mtp_block_spec(
-            config, block.layer_specs[-1], use_transformer_engine=use_te, vp_stage=vp_stage
-        )
     return GPTModel(
         config=config,
         transformer_layer_spec=block,
@@ -144,10 +142,20 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[Any
     )
 
 
-def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
+def forward_step(
+    data_iterator: Any, model: Any, return_schedule_plan: bool = False
+) -> tuple[Any, Any]:
     """Megatron's ``forward_step_func`` contract: the chunk's output and the loss function
-    to apply to it where the pipeline ends."""
+    to apply to it where the pipeline ends; with ``return_schedule_plan`` (what Megatron's
+    combined 1F1B and our F&B overlap ask under ``--overlap-moe-expert-parallel-comm``),
+    the chunk's schedule plan (``GPTModel.build_schedule_plan``) in place of its output, as
+    Megatron-LM's ``pretrain_gpt.forward_step`` gives it."""
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    if return_schedule_plan:
+        plan = model.build_schedule_plan(
+            tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask
+        )
+        return plan, partial(loss_func, loss_mask)
     output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output, partial(loss_func, loss_mask)
 

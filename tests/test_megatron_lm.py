@@ -167,8 +167,9 @@ def test_megatrons_own_1f1b_keeps_megatrons_function() -> None:
         (dict(rampup_batch_size=["4", "4", "100"]), "unset --rampup-batch-size"),
         (dict(yaml_cfg="model.yaml"), "drop --yaml-cfg"),
         (
-            dict(pipeline_model_parallel_layout="Et|tt|tt|tt|tt|tt|tt|tL"),
-            "Megatron-LM makes a layout of that many stages a virtual pipeline",
+            dict(pipeline_model_parallel_layout="Etttt|tttt|tttt|ttttL"),
+            "dualpipev runs 8 model stages on 4 ranks and --pipeline-model-parallel-layout has "
+            "4: give one entry per model stage, in pipeline order",
         ),
         (
             dict(
@@ -245,6 +246,17 @@ def test_apply_refuses_te_graphs_under_ep_overlap_before_the_warm_up() -> None:
     )
     with pytest.raises(DualPipeConfigError, match="this machine has no CUDA device"):
         megatron_lm.apply(_args(**graphs))  # the graphs alone pass the schedule's checks
+
+
+def test_apply_takes_a_layout_of_the_vs_stages_megatron_read_as_a_virtual_pipeline() -> None:
+    """dualpipev at PP=4 has 8 model stages; Megatron-LM's validate_args made a layout of 8
+    stages a virtual pipeline of 2: apply unsets it (our placement gives the two chunks),
+    and the split is the layout's, read over the V's stages in pipeline order."""
+    layout = "Et|tt|ttt|tt|tt|tt|tt|ttL"
+    args = _args(pipeline_model_parallel_layout=layout, virtual_pipeline_model_parallel_size=2)
+    megatron_lm.apply(args)
+    assert args.virtual_pipeline_model_parallel_size is None
+    assert megatron_lm._stage_layers(args) == (1, 2, 3, 2, 2, 2, 2, 2)
 
 
 def test_apply_asks_get_model_for_one_bucket_per_chunk_under_dualpipe() -> None:

@@ -83,6 +83,21 @@ MOE = [
     *("--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall"),
     *("--disable-bias-linear", "--moe-aux-loss-coeff", "0.01"),
 ]
+#: A layout per schedule, as the balance advisor prints one (a repeat in brackets), of
+#: the even split the plain runs take (one decoder layer per stage of dualpipev's V).
+LAYOUTS = {"dualpipev": "Et|(t|)*2tL", "dualpipe": "Ett|ttL"}
+
+
+def _layout(layout: str) -> list[str]:
+    return ["--pipeline-model-parallel-layout", layout]
+
+
+#: Multi-latent attention (DeepSeek's) on the local spec, with RoPE.
+MLA = [
+    *("--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16"),
+    *("--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16"),
+    *("--position-embedding-type", "rope", "--rope-type", "rope"),
+]
 SCHEDULE_LINE = re.compile(r"pipeline schedule: .*")
 LOSS = re.compile(r"iteration +(\d+)/ +\d+ \|.*\| lm loss: (\d\.\d{6}E[-+]\d\d) \|")
 VALIDATION = re.compile(
@@ -120,6 +135,8 @@ class Combination:
 #: ``state_dict``), nor does a checkpoint of fp32 parameters hold bf16's fp32 copy: such
 #: runs load the checkpoint's weights only (1F1B as ours).
 WEIGHTS_ONLY = "--no-load-optim"
+#: The all-to-all overlap of F&B pairs (MoE, EP=2, bf16), against the same schedule without.
+EP_OVERLAP = ("--expert-model-parallel-size", "2", "--bf16", WEIGHTS_ONLY)
 COMBINATIONS = (
     Combination("overlap-grad-reduce", ("--overlap-grad-reduce",)),
     Combination(
@@ -322,6 +339,12 @@ def two_ranks(patched: Path, checkpoints: Checkpoints) -> dict[tuple[str, str], 
         if combination.world_size == 2:
             for schedule in SCHEDULES:
                 runs[(combination.name, schedule)] = combination.argv(schedule, start)
+    for schedule, layout in LAYOUTS.items():
+        runs[("layout", schedule)] = [*_layout(layout), "--load", str(start), *_ours(schedule)]
+    mla_start = checkpoints.start.parent / "mla"
+    runs[("mla start", "1f1b")] = [*MLA, *_save_at(mla_start, 1)]
+    for schedule in ("1f1b", "dualpipev"):
+        runs[("mla", schedule)] = [*MLA, "--load", str(mla_start), *_ours(schedule)]
     found = dict(zip(runs, _pretrain(patched, 2, list(runs.values())), strict=True))
     assert (start / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     for key, printed in found.items():
@@ -345,6 +368,10 @@ def four_ranks(
     runs[("pp4 start", "1f1b")] = [*PP4, *_save_at(pp4_start, 1)]
     for schedule in ("1f1b", "dualpipev", "dualpipe"):
         runs[("pp4", schedule)] = [*PP4, "--load", str(pp4_start), *_ours(schedule)]
+    for schedule in ("dualpipev", "dualpipe"):
+        plain = [*FOUR_RANKS, *MOE, *EP_OVERLAP, "--load", str(moe_start), *_ours(schedule)]
+        runs[("ep-overlap off", schedule)] = plain
+        runs[("ep-overlap on", schedule)] = [*plain, "--overlap-moe-expert-parallel-comm"]
     for combination in COMBINATIONS:
         if combination.world_size == 4:
             start = moe_start if combination.moe else checkpoints.start
@@ -411,6 +438,33 @@ def test_first_steps_at_pp4_after_megatrons_set_up_as_1f1b(
     leaves the pipeline's ranks holding different numbers of groups; the steps run on its
     pipeline group, as on a cluster, with 1F1B's losses."""
     _assert_as_1f1b(schedule, four_ranks[("pp4", schedule)], four_ranks[("pp4", "1f1b")])
+
+
+@pytest.mark.parametrize("schedule", list(LAYOUTS))
+def test_a_layout_gives_the_digits_of_the_split_it_spells(two_ranks: dict, schedule: str) -> None:
+    """``--pipeline-model-parallel-layout`` under our placements (dualpipev's 2 x PP stages,
+    which Megatron-LM reads as a virtual pipeline): the layout of the even split gives the
+    digits of the run without one."""
+    assert two_ranks[("layout", schedule)].losses() == two_ranks[("plain", schedule)].losses()
+
+
+def test_mla_on_the_local_spec_as_1f1b(two_ranks: dict) -> None:
+    """Multi-latent attention with ``--transformer-impl local``: Megatron's local spec gives
+    MLA an attention that takes no ``k_channels`` (the build failed); the script builds
+    ``train``'s repaired spec, and dualpipev gives 1F1B's digits."""
+    _assert_as_1f1b("dualpipev", two_ranks[("mla", "dualpipev")], two_ranks[("mla", "1f1b")])
+
+
+@pytest.mark.parametrize("schedule", ["dualpipev", "dualpipe"])
+def test_ep_overlap_gives_the_losses_of_the_same_schedule_without_it(
+    four_ranks: dict, schedule: str
+) -> None:
+    """``--overlap-moe-expert-parallel-comm`` runs each F&B pair through Megatron's schedule
+    plans (Megatron-LM's ``forward_step(..., return_schedule_plan=True)``), interleaving the
+    two micro-batches layer by layer: the same losses as the pairs run one after the
+    other."""
+    overlapped = four_ranks[("ep-overlap on", schedule)]
+    assert overlapped.losses() == four_ranks[("ep-overlap off", schedule)].losses()
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
