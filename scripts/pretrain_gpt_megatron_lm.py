@@ -215,15 +215,23 @@ train_valid_test_datasets_provider.is_distributed = True  # Megatron's "every ra
 
 def get_embedding_ranks(pp_ranks: list[int]) -> list[int]:
     """The embedding group of one pipeline: ours under dualpipe and dualpipev, else
-    Megatron's (the first rank, and the last with tied embeddings)."""
+    Megatron-LM's ``pretrain_gpt.get_embedding_ranks``: the first rank, the last with tied
+    embeddings, and the ranks of the MTP layers (whose copy of the word embedding is kept
+    in step with the original through this group)."""
+    from megatron.core.transformer.multi_token_prediction import get_mtp_ranks
     from megatron.training import get_args
+    from megatron.training.arguments import core_transformer_config_from_args
 
     args = get_args()
     ours = dualpipe_lm.embedding_ranks(args, pp_ranks)
     if ours is not None:
         return ours
-    last = [] if args.untie_embeddings_and_output_weights else pp_ranks[-1:]
-    return sorted({pp_ranks[0], *last})
+    ranks = {pp_ranks[0]}
+    if len(pp_ranks) > 1:
+        if not args.untie_embeddings_and_output_weights:
+            ranks.add(pp_ranks[-1])
+        ranks.update(get_mtp_ranks(pp_ranks, core_transformer_config_from_args(args)))
+    return sorted(ranks)
 
 
 def _refuse(sentence: str) -> None:

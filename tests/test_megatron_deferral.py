@@ -306,6 +306,53 @@ def _ddp_worker(rank: int, world_size: int, overlap: bool) -> dict[str, Any]:
         parallel_state.destroy_model_parallel()
 
 
+class _UsedTwice(torch.nn.Module):
+    """One Megatron linear layer used twice per micro-batch, as the output layer serves the
+    main head and the MTP block's."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.linear = ColumnParallelLinear(
+            16, 16, config=config, init_method=torch.nn.init.normal_, bias=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, _ = self.linear(x)
+        second, _ = self.linear(x.flip(0) * 3.0 - 1.0)
+        return (first * second).sum()
+
+
+def _used_twice_worker(rank: int, world_size: int) -> bool:
+    """Two micro-batches through Megatron DDP, plain and deferred (F0 B0 F1 B1 W0 W1):
+    whether the ``main_grad`` buffers are bit for bit equal."""
+    _init_parallel()
+    try:
+        config = _config(moe=False)
+        torch.manual_seed(INIT_SEED)
+        plain, deferred = _UsedTwice(config), _UsedTwice(config)
+        deferred.load_state_dict(plain.state_dict())
+        assert enable_weight_grad_deferral(deferred) == 1
+        plain_ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), plain)
+        ddp = DistributedDataParallel(config, ddp_config_for_deferral(), deferred)
+        generator = torch.Generator().manual_seed(DATA_SEED)
+        inputs = [torch.randn(5, 3, 16, generator=generator) for _ in range(2)]
+        for x in inputs:
+            plain_ddp(x).backward()
+        store = WeightGradStore()
+        for key, x in enumerate(inputs):
+            with store.active():
+                loss = ddp(x)
+            with store.capture(key):
+                loss.backward()
+        for key in range(len(inputs)):
+            store.run(key)
+        return torch.equal(
+            deferred.linear.weight.main_grad, plain.linear.weight.main_grad
+        ) and bool(plain.linear.weight.main_grad.any())
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
 def _refusal_worker(rank: int, world_size: int) -> dict[str, str]:
     """The order mistakes around DDP, each caught with its message."""
     _init_parallel()
@@ -514,6 +561,15 @@ def test_megatron_ddp_reduces_deferred_gradients(overlap: bool) -> None:
             assert step["plain_fired"] == expected
             assert step["fired"] == expected
     print(f"\nDDP overlap_grad_reduce={overlap}: max relative error {worst:.2e}")
+
+
+def test_a_layer_used_twice_per_micro_batch_sums_as_autograd_does() -> None:
+    """Both deferred dWs of a layer used twice in one micro-batch are summed in its
+    ``.grad`` before DDP's hook adds them to ``main_grad``, as autograd sums them: the
+    same bits (added one by one, the second micro-batch rounded differently)."""
+    assert run_workers(
+        _used_twice_worker, 1, timeout_s=RUN_TIMEOUT_S, pg_timeout_s=PG_TIMEOUT_S
+    ) == [True]
 
 
 def test_order_mistakes_around_ddp_are_refused() -> None:

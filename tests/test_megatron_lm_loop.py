@@ -92,6 +92,18 @@ def _layout(layout: str) -> list[str]:
     return ["--pipeline-model-parallel-layout", layout]
 
 
+#: One MTP layer (Megatron-Core refuses it with learned absolute positions: RoPE).
+MTP = [
+    *("--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.1"),
+    *("--position-embedding-type", "rope"),
+]
+#: The MoE router of NVIDIA's DeepSeek-V3 launch script, small.
+DEEPSEEK_ROUTER = [
+    *("--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"),
+    *("--moe-shared-expert-intermediate-size", "32", "--moe-router-dtype", "fp32"),
+    *("--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.0001"),
+    *("--calculate-per-token-loss", "--recompute-granularity", "selective"),
+]
 #: Multi-latent attention (DeepSeek's) on the local spec, with RoPE.
 MLA = [
     *("--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16"),
@@ -100,6 +112,7 @@ MLA = [
 ]
 SCHEDULE_LINE = re.compile(r"pipeline schedule: .*")
 LOSS = re.compile(r"iteration +(\d+)/ +\d+ \|.*\| lm loss: (\d\.\d{6}E[-+]\d\d) \|")
+MTP_LOSS = re.compile(r"iteration +(\d+)/ +\d+ \|.*\| mtp_1 loss: (\d\.\d{6}E[-+]\d\d) \|")
 VALIDATION = re.compile(
     r"validation loss at iteration (\d+) \| lm loss value: (\d\.\d{6}E[-+]\d\d)"
 )
@@ -179,9 +192,12 @@ class Printed:
     seconds: float = 0.0
     #: The log's "pipeline schedule: ..." lines, over all ranks.
     schedule_lines: list[str] = field(default_factory=list)
+    #: The MTP layer's training loss by iteration (runs with --mtp-num-layers 1).
+    mtp: dict[int, str] = field(default_factory=dict)
 
     def add(self, other: Printed) -> None:
         self.train.update(other.train)
+        self.mtp.update(other.mtp)
         self.validation.update(other.validation)
         self.error = self.error or other.error
         self.seconds = max(self.seconds, other.seconds)
@@ -236,6 +252,7 @@ def _one_run(script: object, argv: list[str]) -> Printed:
         error,
         time.monotonic() - began,
         SCHEDULE_LINE.findall(text),
+        {int(i): loss for i, loss in MTP_LOSS.findall(text)},
     )
 
 
@@ -341,6 +358,10 @@ def two_ranks(patched: Path, checkpoints: Checkpoints) -> dict[tuple[str, str], 
                 runs[(combination.name, schedule)] = combination.argv(schedule, start)
     for schedule, layout in LAYOUTS.items():
         runs[("layout", schedule)] = [*_layout(layout), "--load", str(start), *_ours(schedule)]
+    mtp_start = checkpoints.start.parent / "mtp"
+    runs[("mtp start", "1f1b")] = [*MTP, *_save_at(mtp_start, 1)]
+    for schedule in SCHEDULES:
+        runs[("mtp", schedule)] = [*MTP, "--load", str(mtp_start), *_ours(schedule)]
     mla_start = checkpoints.start.parent / "mla"
     runs[("mla start", "1f1b")] = [*MLA, *_save_at(mla_start, 1)]
     for schedule in ("1f1b", "dualpipev"):
@@ -368,6 +389,11 @@ def four_ranks(
     runs[("pp4 start", "1f1b")] = [*PP4, *_save_at(pp4_start, 1)]
     for schedule in ("1f1b", "dualpipev", "dualpipe"):
         runs[("pp4", schedule)] = [*PP4, "--load", str(pp4_start), *_ours(schedule)]
+    deepseek = [*FOUR_RANKS, *MOE, "--expert-model-parallel-size", "2", *MTP, *DEEPSEEK_ROUTER]
+    deepseek_start = tmp_path_factory.mktemp("deepseek") / "start"
+    runs[("deepseek start", "1f1b")] = [*deepseek, *_save_at(deepseek_start, 1)]
+    for schedule in SCHEDULES:
+        runs[("deepseek", schedule)] = [*deepseek, "--load", str(deepseek_start), *_ours(schedule)]
     for schedule in ("dualpipev", "dualpipe"):
         plain = [*FOUR_RANKS, *MOE, *EP_OVERLAP, "--load", str(moe_start), *_ours(schedule)]
         runs[("ep-overlap off", schedule)] = plain
@@ -446,6 +472,35 @@ def test_a_layout_gives_the_digits_of_the_split_it_spells(two_ranks: dict, sched
     which Megatron-LM reads as a virtual pipeline): the layout of the even split gives the
     digits of the run without one."""
     assert two_ranks[("layout", schedule)].losses() == two_ranks[("plain", schedule)].losses()
+
+
+def _assert_mtp_as_1f1b(schedule: str, ours: Printed, megatrons: Printed) -> None:
+    """The lm loss as :func:`_assert_as_1f1b` has it, and the MTP loss the same way."""
+    _assert_as_1f1b(schedule, ours, megatrons)
+    assert sorted(megatrons.mtp) == list(range(2, ITERATIONS + 1))
+    if schedule != "dualpipe":
+        assert ours.mtp == megatrons.mtp
+        return
+    for i, loss in megatrons.mtp.items():
+        assert abs(float(ours.mtp[i]) - float(loss)) <= REL_TOL * float(loss), i
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES[1:])
+def test_mtp_as_1f1b(two_ranks: dict, schedule: str) -> None:
+    """One MTP layer, dense, fp32: its loss as 1F1B's (the MTP block's copy of the word
+    embedding is kept one with the embedding: under 1F1B through Megatron-LM's embedding
+    group, which holds the MTP ranks (the script's lacked them, so its 1F1B trained the
+    copy apart); under our placements by the rank that holds both)."""
+    _assert_mtp_as_1f1b(schedule, two_ranks[("mtp", schedule)], two_ranks[("mtp", "1f1b")])
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES[1:])
+def test_mtp_with_deepseeks_router_as_1f1b(four_ranks: dict, schedule: str) -> None:
+    """MoE at EP=2 with the router of NVIDIA's DeepSeek-V3 script (sigmoid scores, expert
+    bias, a shared expert, sequence aux loss, fp32 router), one MTP layer, per-token loss,
+    selective recomputation: the lm and MTP losses as 1F1B's."""
+    ours, megatrons = four_ranks[("deepseek", schedule)], four_ranks[("deepseek", "1f1b")]
+    _assert_mtp_as_1f1b(schedule, ours, megatrons)
 
 
 def test_mla_on_the_local_spec_as_1f1b(two_ranks: dict) -> None:

@@ -68,7 +68,7 @@ from .planned import PlannedStage
 from .timeline import RankTimeline, clock_for, start_barrier
 from .transport import GroupTransport, Transport
 from .watchdog import DEFAULT_TIMEOUT_S, Watchdog
-from .weight_grad_store import WeightGradStore
+from .weight_grad_store import WeightGradStore, hooks_once
 
 __all__ = ["Activation", "PipelineExecutor", "StageSpec", "StepResult"]
 
@@ -723,7 +723,8 @@ class PipelineExecutor:
             with self.store.capture((stage, mb), owner=unit.token, lane=stage):
                 self._run_unit_backward(action.chunk, unit, roots, grads)
         else:
-            self._run_unit_backward(action.chunk, unit, roots, grads)
+            with hooks_once():  # a layer's dWs of this backward summed before its hooks
+                self._run_unit_backward(action.chunk, unit, roots, grads)
         self._send_input_grads(action, unit, step)
 
     def _backward_roots(

@@ -24,9 +24,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["WeightGradStore", "accumulate_grad", "active_store", "defer_or_run", "defers"]
+__all__ = [
+    "WeightGradStore",
+    "accumulate_grad",
+    "active_store",
+    "defer_or_run",
+    "defers",
+    "fire_after",
+    "hooks_once",
+]
 
 _ACTIVE: ContextVar[WeightGradStore | None] = ContextVar("weight_grad_store", default=None)
+#: Inside :func:`hooks_once`: the hooks asked for so far, one per key.
+_PENDING_HOOKS: ContextVar[dict[Hashable, Callable[[], None]] | None] = ContextVar(
+    "pending_wgrad_hooks", default=None
+)
 
 
 def defers(store: WeightGradStore | None) -> bool:
@@ -50,6 +62,34 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad = grad
     else:
         param.grad += grad
+
+
+def fire_after(key: Hashable, fire: Callable[[], None]) -> None:
+    """Run ``fire`` (a layer's weight-gradient hooks, which move its ``.grad`` on, e.g. into
+    Megatron DDP's ``main_grad``) now, or inside :func:`hooks_once` once when the block
+    ends, however often asked under ``key`` (the layer)."""
+    pending = _PENDING_HOOKS.get()
+    if pending is None:
+        fire()
+    else:
+        pending.setdefault(key, fire)
+
+
+@contextmanager
+def hooks_once() -> Iterator[None]:
+    """Within the block (one W's work, or one full backward), :func:`fire_after` collects
+    each layer's hooks once; they run, in the order first asked, when the block ends
+    without an error. A layer used twice in one micro-batch (the output layer, which the
+    MTP block uses too) so gets both dWs summed in its ``.grad`` before its hooks take it,
+    as autograd sums them before its accumulation hook fires: the same rounding."""
+    pending: dict[Hashable, Callable[[], None]] = {}
+    token = _PENDING_HOOKS.set(pending)
+    try:
+        yield
+    finally:
+        _PENDING_HOOKS.reset(token)
+    for fire in pending.values():
+        fire()
 
 
 def active_store() -> WeightGradStore | None:
@@ -133,8 +173,9 @@ class WeightGradStore:
                 "W actions must follow their B actions in first-in first-out order"
             )
         entry = queue.popleft()
-        for work in entry.work:
-            work()
+        with hooks_once():
+            for work in entry.work:
+                work()
 
     def __len__(self) -> int:
         """Entries waiting for their W."""

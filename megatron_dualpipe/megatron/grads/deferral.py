@@ -122,6 +122,7 @@ from ...runtime.weight_grad_store import (
     active_store,
     defer_or_run,
     defers,
+    fire_after,
 )
 from .te_wgrad import TE_MIN_VERSION, exact_backward_dw, te_layer_classes, te_weights
 
@@ -289,7 +290,7 @@ def _accumulate_weight_grad(
             weight.grad_added_to_main_grad = True
     else:
         accumulate_grad(weight, grad_output.t().matmul(total_input))
-    layer.fire_wgrad_hooks()
+    fire_after(layer, layer.fire_wgrad_hooks)
 
 
 class _DeferrableLinearFunction(torch.autograd.Function):
