@@ -436,17 +436,46 @@ def build_model_chunks(
         for r in config_chunk_roles(config, schedule, pp, pp_rank)
     ]
 
-    def build(chunk_ends: ChunkEnds) -> Any:
+    def build_with(chunk_config: Any, pre_process: bool, post_process: bool, vp_stage: Any) -> Any:
         with mtp_block_on_any_chunk():
             return model_provider(
-                pre_process=chunk_ends.pre_process,
-                post_process=chunk_ends.post_process,
-                vp_stage=chunk_ends.vp_stage,
-                config=config,
+                pre_process=pre_process,
+                post_process=post_process,
+                vp_stage=vp_stage,
+                config=chunk_config,
                 **provider_kwargs,
             )
 
-    return build_chunks(build, ends, schedule)
+    chunks = build_chunks(
+        lambda e: build_with(config, e.pre_process, e.post_process, e.vp_stage), ends, schedule
+    )
+    if schedule == "dualpipev" and getattr(args, "seed", None):
+        _values_as_1f1b(chunks, args, config, lambda c, pre, post: build_with(c, pre, post, None))
+    return chunks
+
+
+def _values_as_1f1b(chunks: list[Any], args: Any, config: Any, build: Callable) -> None:
+    """dualpipev's chunks with the initial values Megatron-LM's 1F1B gives their layers
+    (:mod:`.megatron.model.seeding`), where the split allows; else one log line."""
+    from .megatron.compat.version import cuda_graph_setting
+    from .megatron.model.seeding import megatron_lm_seed, values_as_1f1b
+
+    graphs = cuda_graph_setting(args)[0] != "none"
+    done = values_as_1f1b(
+        chunks,
+        v_layers=_stage_layers(args),
+        pipeline_size=args.pipeline_model_parallel_size,
+        mtp_num_layers=getattr(args, "mtp_num_layers", None),
+        config=config,
+        build=build,
+        seed_as=lambda k: megatron_lm_seed(args, k, graphs),
+    )
+    if not done:
+        logger.warning(
+            "dualpipev: this split puts layers of two 1F1B pipeline ranks in one model chunk "
+            "(or 1F1B's own split is uneven), so a fresh run starts from other initial values "
+            "than Megatron's 1F1B: load a 1F1B checkpoint to compare the two"
+        )
 
 
 def ddp_config(config: Any, args: Any) -> Any:

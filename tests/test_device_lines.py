@@ -7,7 +7,7 @@ taken only where CUDA is there (or only where it is not, with the rest of the fu
 after it); this test holds that set to :data:`ALLOWED`, each entry a raw device call or
 choice with the reason it cannot run here. A new device-only branch fails this test until
 it is listed (or, better, made a parameter the CPU tests take). At bcbafdb, before issue
-35, the same finder counted 53 such lines in 22 functions.
+35, the same finder counted 53 such lines in 22 functions; after it, 20 in 16.
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ ALLOWED: dict[str, tuple[int, str]] = {
     "megatron_dualpipe/megatron/grads/loss_reports.py:_pipeline_mtp_sum": (
         1,
         "the MTP tracker's sum on torch.cuda.current_device()",
+    ),
+    "megatron_dualpipe/megatron/model/seeding.py:_random_state_kept": (
+        1,
+        "torch.cuda.get_rng_state_all(), put back after the 1F1B replay",
     ),
     "megatron_dualpipe/megatron/model/layer_specs.py:te_missing": (
         4,
@@ -97,7 +101,7 @@ def test_the_device_only_lines_are_the_listed_ones() -> None:
     assert not new, f"device-only lines not listed (or grown): {new}"
     assert not gone, f"listed, no longer device-only: {gone}"
     print(f"\n{sum(found.values())} device-only lines in {len(found)} functions")
-    assert sum(found.values()) <= 20
+    assert sum(found.values()) <= 21
 
 
 def test_the_finder_sees_each_kind_of_device_branch() -> None:

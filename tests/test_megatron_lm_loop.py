@@ -358,6 +358,8 @@ def two_ranks(patched: Path, checkpoints: Checkpoints) -> dict[tuple[str, str], 
                 runs[(combination.name, schedule)] = combination.argv(schedule, start)
     for schedule, layout in LAYOUTS.items():
         runs[("layout", schedule)] = [*_layout(layout), "--load", str(start), *_ours(schedule)]
+    for schedule in ("1f1b", "dualpipev"):  # from scratch: no checkpoint
+        runs[("fresh", schedule)] = _ours(schedule)
     mtp_start = checkpoints.start.parent / "mtp"
     runs[("mtp start", "1f1b")] = [*MTP, *_save_at(mtp_start, 1)]
     for schedule in SCHEDULES:
@@ -394,6 +396,8 @@ def four_ranks(
     runs[("deepseek start", "1f1b")] = [*deepseek, *_save_at(deepseek_start, 1)]
     for schedule in SCHEDULES:
         runs[("deepseek", schedule)] = [*deepseek, "--load", str(deepseek_start), *_ours(schedule)]
+    for schedule in ("1f1b", "dualpipev"):  # from scratch: no checkpoint
+        runs[("fresh moe mtp", schedule)] = [*deepseek, *_ours(schedule)]
     for schedule in ("dualpipev", "dualpipe"):
         plain = [*FOUR_RANKS, *MOE, *EP_OVERLAP, "--load", str(moe_start), *_ours(schedule)]
         runs[("ep-overlap off", schedule)] = plain
@@ -501,6 +505,18 @@ def test_mtp_with_deepseeks_router_as_1f1b(four_ranks: dict, schedule: str) -> N
     selective recomputation: the lm and MTP losses as 1F1B's."""
     ours, megatrons = four_ranks[("deepseek", schedule)], four_ranks[("deepseek", "1f1b")]
     _assert_mtp_as_1f1b(schedule, ours, megatrons)
+
+
+def test_from_scratch_dualpipev_prints_1f1bs_digits(two_ranks: dict, four_ranks: dict) -> None:
+    """No checkpoint: Megatron-LM seeds each pipeline rank apart, and dualpipev's chunks
+    get the values 1F1B gives their layers (seeded and built as 1F1B's rank; the dense GPT
+    at 2 ranks, and MoE at EP=2 with the DeepSeek router and MTP at 4): the same digits,
+    iteration 1 included."""
+    for runs, name in ((two_ranks, "fresh"), (four_ranks, "fresh moe mtp")):
+        fresh, megatrons = runs[(name, "dualpipev")], runs[(name, "1f1b")]
+        assert sorted(megatrons.train) == list(range(1, ITERATIONS + 1)), name
+        assert fresh.losses() == megatrons.losses(), name
+        assert fresh.mtp == megatrons.mtp, name
 
 
 def test_mla_on_the_local_spec_as_1f1b(two_ranks: dict) -> None:
