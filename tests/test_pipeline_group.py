@@ -1,12 +1,14 @@
 """The lock-step plan's communicator is the pipeline group itself, on every backend: nothing
 makes a group of its own, so it comes up whatever groups a rank made before.
 
-- Why: torch names a group made with ``use_local_synchronization=True`` after the number
-  of groups its caller already holds (``distributed_c10d._hash_ranks_to_str``), and
-  Megatron's ``initialize_model_parallel`` leaves the pipeline's ranks holding different
-  numbers (the embedding groups hold only some of them). On 4 forked gloo ranks after
+- Why: torch (to 2.14) names a group made with ``use_local_synchronization=True`` after
+  the number of groups its caller already holds (``distributed_c10d._hash_ranks_to_str``),
+  and Megatron's ``initialize_model_parallel`` leaves the pipeline's ranks holding
+  different numbers (the embedding groups hold only some of them); torch 2.15 salts it
+  with a count every rank keeps alike. On 4 forked gloo ranks after
   Megatron's set-up with our dualpipev embedding ranks, the ranks hold different numbers
-  of groups, a group made that way fails on every rank at its timeout, and the executor's
+  of groups, a group made that way fails on every rank at its timeout (torch < 2.15), and
+  the executor's
   transport on Megatron's pipeline group sets up and carries a dualpipev step whose losses
   are the non-pipelined model's.
 - At world 2,048 with PP=16 on torch's fake backend, building a rank's executor and
@@ -111,7 +113,10 @@ def test_the_plan_runs_on_megatrons_pipeline_group_whatever_groups_ranks_hold() 
     results = run_workers(_after_megatron_init, world, timeout_s=120, pg_timeout_s=30)
     held = [r["held"] for r in results]
     assert len(set(held)) > 1, f"every rank holds {held[0]} groups: the case is not met"
-    assert all(r["local_group"] != "made" for r in results)
+    # torch 2.15 salts the name with a count every rank keeps alike (group_count): there it
+    # comes up; before, every rank fails at the store's timeout.
+    fixed = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 15)
+    assert all((r["local_group"] == "made") == fixed for r in results), results
     assert all(r["same_group"] for r in results)
     stages = _stages(2 * world)
     expected = {}
