@@ -785,7 +785,9 @@ class PipelineExecutor:
         roots, grads = self._backward_roots(backward, backward_unit, step)
         token = self._counter.token()
         saved: set[int] = set()
-        with self._around(backward, step), self._recording(token, saved):
+        # hooks_once: a full backward's dWs of one layer summed before its hooks, as in
+        # _run_backward (a B defers them to its W, which sums them there).
+        with self._around(backward, step), self._recording(token, saved), hooks_once():
             out, handle = forward_stage.forward_backward_planned(
                 args, self._planned[backward.chunk], backward_unit.handle, roots, grads
             )
