@@ -241,27 +241,19 @@ def test_plain_simulate_does_not_import_scipy() -> None:
 # -- --check-nccl ----------------------------------------------------------------------
 
 
-def test_check_nccl_passes_the_lock_step_plan_and_names_the_old_designs_cycle(
+def test_check_nccl_passes_the_lock_step_plan_on_shared_and_distinct_streams(
     capsys: pytest.CaptureFixture,
 ) -> None:
-    """The runtime's plan is ok in the worst case (one stream per rank, the default); the
-    per-channel design before it is ok with a stream per communicator and a named
-    deadlock on a shared stream, for every schedule, and the command then fails."""
+    """The runtime's plan is ok for every schedule in the worst case (one stream per rank,
+    the default) and with a stream per communicator."""
     base = ["simulate", "--schedule", "all", "--pp", "4", "--microbatches", "8", "--check-nccl"]
     assert main(base) == 0
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("NCCL check of")]
     assert len(lines) == 5
     assert all("lock-step plan" in x and "on one stream): ok; 1 communicator," in x for x in lines)
-    assert main([*base, "--comm-layout", "per-channel", "--streams", "distinct"]) == 0
+    assert main([*base, "--streams", "distinct"]) == 0
     out = capsys.readouterr().out
-    assert out.count("a stream per communicator): ok;") == 5
-    assert main([*base, "--comm-layout", "per-channel"]) == 2
-    captured = capsys.readouterr()
-    assert captured.out.count("): DEADLOCK: the plan deadlocks under NCCL's rules: ") == 5
-    assert captured.err.strip() == (
-        "megatron-dualpipe: error: 1f1b, interleaved-1f1b, zb1p, dualpipe, dualpipev would "
-        "deadlock on NCCL with the per-channel plan and shared streams: see the cycle above"
-    )
+    assert out.count("a stream per communicator): ok; 1 communicator,") == 5
 
 
 def test_check_nccl_beyond_its_bound_is_refused_before_any_work(capsys) -> None:

@@ -8,14 +8,10 @@
   messages, variable shapes and forward-only steps too.
 - Its exchange points hold the premise of that proof: each message's round lies between
   its producer and its consumer, and every rank meets the rounds in one order.
-- The design before (a two-rank communicator per channel, receives pre-posted) finishes
-  with a stream per communicator and deadlocks, the cycle named, once a rank's
-  communicators share one: for every schedule, for one pair of channels of dualpipev,
-  and for a pipeline channel and the expert-parallel group. The design before that (one
-  communicator per message kind) deadlocks even with a stream each.
 - The model's rules, each on a hand-made plan: rendezvous and eager sends, in-order
   matching (a mismatch is named), lazy set-up in different orders (a cycle), waits for a
-  whole batch, streams shared or not.
+  whole batch, streams shared or not (two-rank channels queued behind each other, a
+  collective behind a pipeline receive: each cycle named).
 - The in-flight bound of sends, on a plan whose answer is known.
 """
 
@@ -38,7 +34,6 @@ from megatron_dualpipe.schedules.comm_plan import (
 )
 from megatron_dualpipe.schedules.exchange import exchange_points
 from megatron_dualpipe.schedules.ir import Kind, Placement, Schedule, ScheduleError
-from megatron_dualpipe.schedules.lowering import lower
 from megatron_dualpipe.schedules.nccl_rules import CommDeadlockError, check_nccl, inflight_bound
 from megatron_dualpipe.schedules.registry import SCHEDULES, generate, spec
 from megatron_dualpipe.schedules.simulate import simulate
@@ -129,90 +124,6 @@ def test_every_rank_meets_the_rounds_in_one_order(name: str) -> None:
             assert sent_at > i and received_at <= j, (name, pp, kind, stage, mb)
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
-def test_the_per_channel_plan_deadlocks_on_a_shared_stream(name: str) -> None:
-    """The design before, pipeline messages only: fine with a stream per communicator
-    (what it assumed), a cycle through a rank's own channels once they share one."""
-    schedule = generate(name, 4, 8)
-    validate(schedule, backend="nccl", layout="per-channel", streams="distinct", collectives=())
-    with pytest.raises(CommDeadlockError) as raised:
-        validate(schedule, backend="nccl", layout="per-channel", collectives=())
-    error = raised.value
-    message = str(error)
-    assert message.startswith("the plan deadlocks under NCCL's rules: ")
-    assert " again (ranks " in message and all(f"rank {r}" in message for r in error.ranks)
-    assert len(error.comms) >= 2 and all(c.channel for c in error.comms)
-    assert ", queued behind rank " in message  # two channels of one rank, one stream
-    assert error.keys
-
-
-def test_one_pair_of_channels_on_one_stream_deadlocks_dualpipev() -> None:
-    """Rank 0's F0->1 and B0->1 of dualpipev at PP=4 on one stream: rank 0's send of a
-    forward queues behind its send of a gradient that rank 1 receives only later."""
-    plan = comm_plan(generate("dualpipev", 4, 8), layout="per-channel")
-    pair = {(0, Comm("F", (0, 1))): "one", (0, Comm("B", (0, 1))): "one"}
-    with pytest.raises(CommDeadlockError) as raised:
-        check_nccl(plan, streams=pair, collectives=())
-    assert {str(c) for c in raised.value.comms} == {"F0->1", "B0->1"}
-    assert "rank 0's send of 1RECV_F6 to rank 1 on communicator F0->1" in str(raised.value)
-
-
-def test_a_collective_behind_a_pre_posted_receive_deadlocks() -> None:
-    """zb1p's per-channel plan, a stream per communicator except that ranks 2 and 3 each
-    share one between the expert-parallel group and the channel they pre-post a receive
-    on: each one's all-to-all queues behind a receive the other sends only after its own
-    all-to-all."""
-    plan = comm_plan(generate("zb1p", 4, 8), layout="per-channel")
-    ep = {r: Comm("EP", (r,), channel=False) for r in (2, 3)}
-    shared = {
-        (2, Comm("B", (3, 2))): "s",
-        (2, ep[2]): "s",
-        (3, Comm("F", (2, 3))): "s",
-        (3, ep[3]): "s",
-    }
-    check_nccl(plan, streams="distinct", collectives=("ep-all-to-all",))
-    with pytest.raises(CommDeadlockError) as raised:
-        check_nccl(plan, streams=shared, collectives=("ep-all-to-all",))
-    message = str(raised.value)
-    assert message.startswith(
-        "the plan deadlocks under NCCL's rules: rank 2's host waits for rank 2's "
-        "expert-parallel all-to-all in 2F1 on communicator expert-parallel, queued behind "
-        "rank 2's receive of 2RECV_B0 from rank 3 on communicator B3->2"
-    )
-    assert "rank 3's expert-parallel all-to-all in 3F0" in message
-
-
-@pytest.mark.parametrize("name", ["dualpipe", "dualpipev"])
-@pytest.mark.parametrize("pp", [2, 4, 8, 16])
-def test_one_communicator_per_message_kind_deadlocks_even_with_a_stream_each(name, pp) -> None:
-    schedule = generate(name, pp, 2 * pp)
-    with pytest.raises(CommDeadlockError) as raised:
-        validate(schedule, backend="nccl", layout="per-kind", streams="distinct")
-    error = raised.value
-    message = str(error)
-    assert message.startswith("the plan deadlocks under NCCL's rules: ")
-    assert len(error.ranks) >= 2 and all(f"rank {r}" in message for r in error.ranks)
-    assert error.comms and all(not c.channel for c in error.comms)
-    lowered = lower(schedule)
-    keys = {
-        ("RECV_F" if a.kind in (Kind.SEND_F, Kind.RECV_F) else "RECV_B")
-        for acts in lowered.ranks
-        for a in acts
-    }
-    assert error.keys and all(k[0].value in keys for k in error.keys)
-    assert message.count(" again (ranks ") == 1  # the cycle closes, once
-
-
-def test_without_preposting_only_large_messages_deadlock_the_per_kind_design() -> None:
-    """NCCL's buffer saves small messages: without pre-posted receives the per-kind design
-    runs dualpipev at PP=4 when messages are small, and deadlocks when they are large."""
-    schedule = generate("dualpipev", 4, 8)
-    options = {"layout": "per-kind", "prepost": False, "streams": "distinct"}
-    validate(schedule, backend="nccl", message_bytes=SMALL, **options)
-    with pytest.raises(CommDeadlockError):
-        validate(schedule, backend="nccl", message_bytes=LARGE, **options)
-
-
 def test_the_deepseek_v3_configuration_passes() -> None:
     """DualPipe over PP=16 with 120 micro-batches, as in DeepSeek-V3's report: one
     communicator, in the worst case."""
@@ -265,7 +176,7 @@ def _plan(ranks: list[list], set_up: bool = True) -> CommPlan:
     schedule = Schedule("hand", PLACEMENT, [[], []])
     if set_up:
         ranks = [[Init(F01), Init(F10), Init(B10), *steps] for steps in ranks]
-    return CommPlan(schedule, ranks, "per-channel", False, False, False)
+    return CommPlan(schedule, ranks, False, False)
 
 
 def _send(key, comm, peer, size=LARGE) -> CommOp:

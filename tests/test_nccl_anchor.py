@@ -158,7 +158,7 @@ def _replay(name: str, world: int, microbatches: int, recorded: list) -> CommPla
             else:
                 plan.append(Wait((value,)))
         ranks.append(plan)
-    return CommPlan(schedule, ranks, "recorded", False, False, False)
+    return CommPlan(schedule, ranks, False, False)
 
 
 def _engine(name: str) -> None:

@@ -4,10 +4,10 @@
   operations in order) and every receive it waits on, recorded on gloo for every
   registered schedule at PP 2 and 4, equal the plan built from the schedule.
 - The NCCL-rules emulation (all of a rank's communicators on one stream, sends that
-  complete only once their receive has started) runs the shipped lock-step plan; the
-  design before it (a two-rank communicator per channel, receives pre-posted) hangs there,
-  and every rank's hang monitor turns that into an error naming the rank within its
-  timeout, while it runs with a stream per communicator.
+  complete only once their receive has started) runs the shipped lock-step plan; two
+  ranks that each send before they receive, in batches of their own, hang there, and each
+  rank's hang monitor turns that into an error naming the rank within its timeout, while
+  the same batches finish with a stream per communicator.
 - The emulation gives the losses and gradients of the pipeline group's own transport
   (what NCCL gets too: one ``batch_isend_irecv`` per batch), bit for bit.
 - The hang monitor: an operation pending past the timeout is named and the transport
@@ -26,9 +26,10 @@ from torch import nn
 
 from megatron_dualpipe.runtime import PipelineExecutor, PipelineWaitError, TensorSpec
 from megatron_dualpipe.runtime.nccl_emulation import NcclRulesTransport
-from megatron_dualpipe.runtime.transport import GroupTransport
+from megatron_dualpipe.runtime.transport import ElementOp, GroupTransport
 from megatron_dualpipe.runtime.watchdog import HangMonitor, Watchdog
-from megatron_dualpipe.schedules.comm_plan import Issue, Wait, comm_plan
+from megatron_dualpipe.schedules.comm_plan import Comm, CommOp, Issue, Wait, comm_plan, key_text
+from megatron_dualpipe.schedules.ir import Kind
 from megatron_dualpipe.schedules.registry import SCHEDULES, generate, spec
 from tests.multiproc import run_workers
 
@@ -58,8 +59,6 @@ def _run(rank: int, name: str, microbatches: int, transport_kind: str, **executo
         transport = _Recording(GroupTransport(dist.group.WORLD, ranks))
     elif transport_kind == "recorded-emulation":
         transport = _Recording(NcclRulesTransport(dist.group.WORLD, ranks))
-    elif transport_kind == "emulation-distinct":  # a stream per communicator
-        transport = NcclRulesTransport(dist.group.WORLD, ranks, streams="distinct")
     executor = PipelineExecutor(
         schedule,
         rank,
@@ -176,33 +175,58 @@ def test_the_emulation_computes_what_the_pipeline_group_does(name):
 HANG_TIMEOUT_S = 1.0
 
 
-def _hang(rank: int, world: int, name: str, kind: str) -> tuple[str, str, float]:
-    start = time.monotonic()
+def _send_then_receive(rank: int, world: int, streams: str) -> tuple[str, str, list[float]]:
+    """Ranks 0 and 1 each issue a send to the other, then the matching receive, each a
+    batch of its own on a two-rank communicator per direction, watched by a hang monitor
+    that aborts the transport past its timeout; the outcome, the monitor's verdict and
+    what was received. Both ranks meet on a group of their own before either returns: a
+    rank that left first would fail its peer's blocked operations before its monitor
+    spoke."""
+    done = dist.new_group(backend="gloo")
+    transport = NcclRulesTransport(dist.group.WORLD, [0, 1], streams=streams)
+    peer = 1 - rank
+    keys = [(Kind.RECV_F, 1, 0), (Kind.RECV_F, 1, 1)]  # rank 0's message, rank 1's
+    mine, theirs = keys[rank], keys[peer]
+    sent, received = torch.full((2,), rank + 1.0), torch.zeros(2)
+    out, into = Comm("F", (rank, peer)), Comm("F", (peer, rank))
+    batches = [
+        (out, ElementOp(CommOp("send", peer, out, mine), 0, sent, 10 * (rank + 1))),
+        (into, ElementOp(CommOp("recv", peer, into, theirs), 0, received, 10 * (peer + 1))),
+    ]
+    monitor = HangMonitor(Watchdog(rank, HANG_TIMEOUT_S), transport.abort, poll_s=0.01)
+    outcome, verdict = "finished", ""
     try:
-        _run(rank, name, 2 * world, kind, comm_layout="per-channel", timeout_s=HANG_TIMEOUT_S)
-    except Exception as error:  # every rank's outcome comes back
-        return type(error).__name__, str(error), time.monotonic() - start
-    return "", "finished", time.monotonic() - start
+        works = [(transport.start(comm, [op])[0], op) for comm, op in batches]
+        for work, op in works:
+            monitor.watch(work, key_text(op.op.key), peer)
+            monitor.waiting(work)
+        for work, _ in works:
+            work.wait()
+    except RuntimeError as error:
+        outcome = str(error)
+        try:
+            monitor.check()
+        except PipelineWaitError as named:
+            verdict = str(named)
+    finally:
+        monitor.close()
+        transport.close()
+    dist.barrier(group=done)
+    return outcome, verdict, received.tolist()
 
 
-@pytest.mark.parametrize(
-    ("name", "world"),
-    [("dualpipev", 2), ("dualpipe", 2), pytest.param("dualpipe", 4, marks=pytest.mark.slow)],
-)
-def test_the_old_design_hangs_on_a_shared_stream_and_every_rank_says_where(name, world) -> None:
-    outcomes = run_workers(_hang, world, args=(name, "emulation"), timeout_s=60)
-    waiting = [o for o in outcomes if o[0]]
-    assert waiting, "the per-channel design finished with a rank's channels on one stream"
-    for rank, (kind, message, seconds) in enumerate(outcomes):
-        if not kind:
-            continue  # a rank may finish its part before the others hang
-        assert kind == PipelineWaitError.__name__, f"rank {rank}: {kind}: {message}"
-        assert message.startswith(f"pipeline rank {rank} gave up on "), message
-        assert "hang monitor" in message, message
-        assert seconds < HANG_TIMEOUT_S + 5, f"rank {rank} took {seconds:.1f} s"
-    # With a stream per channel (what that design assumed) the same plan runs.
-    runs = run_workers(_hang, world, args=(name, "emulation-distinct"), timeout_s=60)
-    assert [outcome[:2] for outcome in runs] == [("", "finished")] * world
+def test_a_cycle_through_one_stream_hangs_the_emulation_until_the_hang_monitor_aborts() -> None:
+    """Each rank's send waits for its receive to start (NCCL's rendezvous), and on one
+    shared stream each rank's receive is queued behind its own send: both hang until
+    each rank's monitor aborts and names the message. With a stream per communicator
+    (what a two-rank-channel design needs) the same batches finish."""
+    outcomes = run_workers(_send_then_receive, 2, args=("shared",), timeout_s=60)
+    for rank, (outcome, verdict, _) in enumerate(outcomes):
+        assert outcome == "the pipeline's communicators were aborted", f"rank {rank}: {outcome}"
+        assert verdict.startswith(f"pipeline rank {rank} gave up on "), verdict
+        assert f"(peer: rank {1 - rank})" in verdict and "hang monitor" in verdict, verdict
+    runs = run_workers(_send_then_receive, 2, args=("distinct",), timeout_s=60)
+    assert runs == [("finished", "", [2.0, 2.0]), ("finished", "", [1.0, 1.0])]
 
 
 class _Pending:

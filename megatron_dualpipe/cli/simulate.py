@@ -14,7 +14,6 @@ from functools import partial
 from pathlib import Path
 
 from ..progress import Progress, StatusLine
-from ..schedules.comm_plan import LAYOUTS
 from ..schedules.cost import CostModel
 from ..schedules.ir import Schedule, ScheduleError
 from ..schedules.limits import (
@@ -112,21 +111,6 @@ def add(sub: argparse._SubParsersAction) -> None:
         default="shared",
         help="with --check-nccl: every communicator of a rank on one stream (the worst case, "
         "as PyTorch's stream pool allows) or a stream each (default: shared)",
-    )
-    p.add_argument(
-        "--comm-layout",
-        choices=LAYOUTS,
-        default="lock-step",
-        help="with --check-nccl: the plan the runtime runs (lock-step: one batch per "
-        "exchange point on one pipeline communicator) or a design before it (per-channel: "
-        "a two-rank communicator per channel; per-kind: one per message kind) "
-        "(default: lock-step)",
-    )
-    p.add_argument(
-        "--no-prepost",
-        action="store_true",
-        help="with --check-nccl and an older layout: receives posted when needed, not one "
-        "run ahead",
     )
     p.add_argument(
         "--message-mib",
@@ -237,8 +221,6 @@ def run(args: argparse.Namespace) -> None:
         size = None if args.message_mib is None else int(args.message_mib * 2**20)
         for line in nccl_lines(
             schedules,
-            layout=args.comm_layout,
-            prepost=not args.no_prepost,
             message_bytes=size,
             streams=args.streams,
         ):

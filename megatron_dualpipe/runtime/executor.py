@@ -251,10 +251,6 @@ class PipelineExecutor:
     is its rank i. ``timeout_s`` bounds every wait (see :mod:`.watchdog`).
     ``variable_shapes`` sends each message's shapes ahead of it, so micro-batches may
     differ in shape (specs then give only the number of dimensions and the dtype).
-    ``comm_layout`` is the plan's layout (:data:`~megatron_dualpipe.schedules.comm_plan.
-    LAYOUTS`): ``lock-step`` (the default), or the designs before it, which deadlock on
-    NCCL and are kept to show it on gloo (with them ``prepost_receives`` posts the next
-    run of receives before computing).
     ``free_outputs`` (Megatron's ``deallocate_pipeline_outputs``)
     frees each sent output's storage once it is sent, and then refuses outputs that are
     views. ``record_spans`` (settable between steps) puts each compute action in a profiler
@@ -270,8 +266,7 @@ class PipelineExecutor:
     NCCL's rules in the worst case (every communicator of a rank on one stream, the step's
     data- and expert-parallel collectives on it too, every send waiting for its receive;
     :func:`~megatron_dualpipe.schedules.nccl_rules.check_nccl`), and a plan that would
-    deadlock is refused before any work (the designs before it run unchecked, to show
-    their deadlock on the emulation).
+    deadlock is refused before any work.
     """
 
     def __init__(
@@ -288,8 +283,6 @@ class PipelineExecutor:
         defer_weight_grads: bool = True,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         variable_shapes: bool = False,
-        prepost_receives: bool = True,
-        comm_layout: str = "lock-step",
         free_outputs: bool = True,
         record_spans: bool = False,
         graph_safe: bool = False,
@@ -329,8 +322,6 @@ class PipelineExecutor:
         self._counter = _Counter()
         self._watchdog = Watchdog(rank, timeout_s)
         self._group = group
-        self._prepost = prepost_receives
-        self._layout = comm_layout
         self._specs = {stage: _stage_specs(stage, spec) for stage, spec in (specs or {}).items()}
         self._variable_shapes = variable_shapes
         resolved = self._resolve_specs(self._specs)
@@ -343,10 +334,9 @@ class PipelineExecutor:
             transport = _default_transport(group, nccl_rules, device)
         self.transport = transport
         self._plans: dict[bool, CommPlan] = {}
-        if comm_layout == "lock-step":  # the worst case: one stream, every send large
-            for forward_only in (False, True):
-                plan = self.plan(forward_only=forward_only)
-                check_nccl(plan, streams="shared", eager_limit=0, bound=False)
+        for forward_only in (False, True):  # the worst case: one stream, every send large
+            plan = self.plan(forward_only=forward_only)
+            check_nccl(plan, streams="shared", eager_limit=0, bound=False)
         self._failed: str | None = None
         self._comm = PipeComm(
             placement,
@@ -397,8 +387,6 @@ class PipelineExecutor:
             sizes = self._message_bytes
             self._plans[forward_only] = comm_plan(
                 self.schedule,
-                layout=self._layout,
-                prepost=self._prepost,
                 variable_shapes=self._variable_shapes,
                 message_bytes=None if self._variable_shapes else (lambda key: sizes.get(key[:2])),
                 forward_only=forward_only,

@@ -209,16 +209,12 @@ def advice_report(advice: Advice, model: str, source: str) -> str:
 def nccl_line(
     name: str, plan: CommPlan, size: int | None, streams: str, outcome: NcclReport | Exception
 ) -> str:
-    """One line on a plan run under NCCL's rules (its layout, message sizes and streams):
-    its communicators and sends in flight, or the deadlock cycle."""
+    """One line on a plan run under NCCL's rules (its message sizes and streams): its
+    communicators and sends in flight, or the deadlock cycle."""
     sizes = "of unknown size (each send waits for its receive)"
     if size is not None:
         sizes = f"of {size / 2**20:g} MiB"
-    if plan.layout == "lock-step":
-        how = "lock-step plan, one batch per exchange point"
-    else:
-        posting = "posted one run ahead" if plan.prepost else "posted when needed"
-        how = f"{plan.layout} communicators, receives {posting}"
+    how = "lock-step plan, one batch per exchange point"
     where = (
         "every communicator of a rank and its data- and expert-parallel collectives on one "
         "stream"

@@ -197,8 +197,6 @@ def write_outputs(
 def nccl_lines(
     schedules: list[Schedule],
     *,
-    layout: str,
-    prepost: bool,
     message_bytes: int | None,
     streams: str,
 ) -> Iterator[str]:
@@ -208,7 +206,7 @@ def nccl_lines(
 
     failed = []
     for schedule in schedules:
-        plan = comm_plan(schedule, layout=layout, prepost=prepost, message_bytes=message_bytes)
+        plan = comm_plan(schedule, message_bytes=message_bytes)
         try:
             outcome = check_nccl(plan, streams=streams)
         except CommDeadlockError as err:
@@ -217,6 +215,6 @@ def nccl_lines(
         yield nccl_line(schedule.name, plan, message_bytes, streams, outcome)
     if failed:
         raise ScheduleError(
-            f"{', '.join(failed)} would deadlock on NCCL with the {layout} plan "
-            f"and {streams} streams: see the cycle above"
+            f"{', '.join(failed)} would deadlock on NCCL with {streams} streams: see the "
+            "cycle above"
         )

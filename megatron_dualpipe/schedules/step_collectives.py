@@ -115,6 +115,4 @@ def with_collectives(plan: CommPlan, kinds: Sequence[str] = COLLECTIVES) -> Comm
         return plan
     training = not plan.forward_only
     ranks = [_rank_steps(r, steps, kinds, training) for r, steps in enumerate(plan.ranks)]
-    return CommPlan(
-        plan.schedule, ranks, plan.layout, plan.prepost, plan.variable_shapes, plan.forward_only
-    )
+    return CommPlan(plan.schedule, ranks, plan.variable_shapes, plan.forward_only)

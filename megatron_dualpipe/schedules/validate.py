@@ -391,7 +391,7 @@ def validate(
 
     ``backend="gloo"`` checks under gloo's rules (a send never blocks its sender);
     ``backend="nccl"`` also runs its communication plan (:func:`~.comm_plan.comm_plan`
-    with ``plan_options``, the runtime's layout by default) under NCCL's
+    with ``plan_options``) under NCCL's
     (:func:`~.nccl_rules.check_nccl`: by default the worst case, every communicator of a
     rank on one stream with the step's data- and expert-parallel ``collectives`` on it;
     sends above ``eager_limit`` bytes rendezvous) and raises
