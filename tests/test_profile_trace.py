@@ -95,6 +95,7 @@ def test_deepseek_phases_give_the_per_layer_figures(tmp_path: Path, name: str) -
     assert (model.f, model.b, model.w, model.overlap) == pytest.approx(
         (0.5, 0.75, 0.25, 1.15 / 1.5)
     )
+    assert (model.a2a_f, model.a2a_b) == pytest.approx((0.2 / 0.5, 0.15 / 0.75))
     phase = costs.phases["mlp(B)"]
     assert (phase.count, phase.ms, phase.streams) == (2, pytest.approx(0.4), {"7": 0.4})
     assert "ProfilerStep#1" not in costs.phases
@@ -119,7 +120,8 @@ def test_simulate_profile_prints_the_figures_and_simulates_on_them(
     assert main([*argv, "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "F&B pair: wall 1.150 ms vs its parts' sum 1.500 ms (overlap 0.767)" in text
-    assert "--cost F=0.5,B=0.75,W=0.25,overlap=0.766667 --cost-per stage" in text
+    cost = "F=0.5,B=0.75,W=0.25,overlap=0.766667,a2a_f=0.4,a2a_b=0.2"
+    assert f"--cost {cost} --cost-per stage" in text
     figures = json.loads(out.read_text())
     assert figures["phases"]["dispatch(F)"] == {
         "ms": pytest.approx(0.12),
@@ -132,6 +134,9 @@ def test_simulate_profile_prints_the_figures_and_simulates_on_them(
         generate("dualpipev", 4, 10), CostModel(f=0.5, b=0.75, w=0.25, overlap=1.15 / 1.5)
     )
     assert figures["makespan"] == pytest.approx(expected.makespan, rel=1e-5)
+    # Its compute bound: two stages a rank, 10 micro-batches of the profile's compute,
+    # F 0.3 + B 0.6 + W 0.25 ms.
+    assert figures["bound"]["compute_bound"] == pytest.approx(2 * 10 * 1.15)
 
 
 def test_profile_refusals_are_one_sentence(

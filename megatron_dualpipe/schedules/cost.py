@@ -33,6 +33,10 @@ class CostModel:
     ``stage_costs`` gives each model stage its own ``(f, b, w)`` instead (stages whose
     parts differ, such as one holding the output layer and the loss); an FB pair then
     takes ``overlap`` times the sum of its halves.
+
+    ``a2a_f`` and ``a2a_b`` are the shares of F's and of B's time that are all-to-all (a
+    lone pass waits for it; an FB pair may hide it): the rest, and all of W, is compute,
+    what the compute bound counts (:mod:`.bound`). 0 (the default): all compute.
     """
 
     f: float = 1.0
@@ -44,8 +48,17 @@ class CostModel:
     stage_scale: tuple[float, ...] | None = None
     rank_scale: tuple[float, ...] | None = None
     stage_costs: tuple[tuple[float, float, float], ...] | None = None
+    a2a_f: float = 0.0
+    a2a_b: float = 0.0
 
     def __post_init__(self) -> None:
+        for name in ("a2a_f", "a2a_b"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and 0 <= value <= 1):
+                raise ScheduleError(
+                    f"cost {name} is a share of the pass's time: a number from 0 to 1, "
+                    f"got {value}"
+                )
         for name in ("f", "b", "w", "fb", "overlap", "latency"):
             value = getattr(self, name)
             if value is not None and not _in_range(value):
@@ -73,15 +86,17 @@ class CostModel:
 
     @staticmethod
     def parse(text: str, latency: float = 0.0) -> CostModel:
-        """Read ``F=1,B=1,W=1,FB=1.6`` (any subset; ``overlap=0.8`` also accepted)."""
+        """Read ``F=1,B=1,W=1,FB=1.6`` (any subset; ``overlap=0.8``, ``a2a_f=0.6`` and
+        ``a2a_b=0.5`` also accepted)."""
         fields: dict[str, float] = {}
         names = {"F": "f", "B": "b", "W": "w", "FB": "fb", "OVERLAP": "overlap"}
+        names |= {"A2A_F": "a2a_f", "A2A_B": "a2a_b"}
         for item in filter(None, (part.strip() for part in text.split(","))):
             key, sep, value = item.partition("=")
             if not sep or key.strip().upper() not in names:
                 raise ScheduleError(
                     f"cannot read cost {item!r}: write KEY=VALUE with KEY one of F, B, W, FB, "
-                    "overlap, e.g. F=1,B=1,W=1,FB=1.6"
+                    "overlap, a2a_f, a2a_b, e.g. F=1,B=1,W=1,FB=1.6"
                 )
             try:
                 fields[names[key.strip().upper()]] = float(value)
@@ -125,6 +140,22 @@ class CostModel:
             return sum(costs[i] for i in _PARTS[action.kind]) * scale
         base = {Kind.F: self.f, Kind.B: self.b, Kind.W: self.w, Kind.BW: self.b + self.w}
         return base[action.kind] * self._scale(stage, rank)
+
+    def compute(self, action: Action, rank: int, model_stage: Callable[[int], int]) -> float:
+        """The compute in a compute action's time: F's and B's without their all-to-all
+        share, W whole, an FB pair its halves' (what no schedule can hide)."""
+        if action.kind is Kind.FB:
+            return sum(self.compute(h, rank, model_stage) for h in action.sub)
+        if action.kind not in _PARTS:
+            return 0.0
+        stage = model_stage(action.stage)
+        if self.stage_costs is not None:
+            parts = self.stage_costs[stage]
+        else:
+            parts = (self.f, self.b, self.w)
+        compute = (1.0 - self.a2a_f, 1.0 - self.a2a_b, 1.0)
+        own = sum(parts[i] * compute[i] for i in _PARTS[action.kind])
+        return own * self._scale(stage, rank)
 
     def check_fits(self, num_model_stages: int, num_ranks: int) -> None:
         """Raise if the per-stage or per-rank scales do not match the schedule."""

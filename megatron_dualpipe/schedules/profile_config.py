@@ -79,5 +79,11 @@ def config_costs(
         for ms, flops in ((model.f, work.f), (model.b, work.b), (model.w, work.w))
     )
     stage_ms = tuple((c.f * rates[0], c.b * rates[1], c.w * rates[2]) for c in costs)
-    cost = CostModel(stage_costs=stage_ms, overlap=model.overlap, latency=latency)
+    cost = CostModel(
+        stage_costs=stage_ms,
+        overlap=model.overlap,
+        latency=latency,
+        a2a_f=model.a2a_f,
+        a2a_b=model.a2a_b,
+    )
     return ConfigCosts(tuple(stages), own, cost, tuple(r * 1e9 for r in rates))

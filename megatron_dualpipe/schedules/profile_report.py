@@ -14,6 +14,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from .bound import step_bound
 from .profile_config import ConfigCosts
 from .report import markdown_table
 from .simulate import SimResult
@@ -27,7 +28,9 @@ PEERS = ("interleaved-1f1b-a2a", "torch-zbv", "torch-dualpipev")
 @dataclass(frozen=True)
 class ProfileRow:
     """One schedule's simulated step (ms) on the profile's costs; ``note`` where it does
-    not apply. ``idle`` is each rank's idle time, ``chunk`` a middle stage's (F, B, W)."""
+    not apply. ``idle`` is each rank's idle time, ``exposed`` the all-to-all it waits for,
+    ``bound`` the step's compute bound (:mod:`.bound`), ``chunk`` a middle stage's
+    (F, B, W)."""
 
     schedule: str
     source: str
@@ -36,6 +39,8 @@ class ProfileRow:
     step: float | None = None
     bubble: float | None = None
     idle: tuple[float, ...] = ()
+    exposed: tuple[float, ...] = ()
+    bound: float | None = None
     chunk: tuple[float, float, float] | None = None
     overlap: float | None = None
     note: str = ""
@@ -44,6 +49,7 @@ class ProfileRow:
     def of(name: str, source: str, result: SimResult, costs: ConfigCosts) -> ProfileRow:
         stage_costs = costs.cost.stage_costs or ()
         middle = stage_costs[len(stage_costs) // 2] if stage_costs else None
+        bound = step_bound(result)
         return ProfileRow(
             name,
             source,
@@ -52,6 +58,8 @@ class ProfileRow:
             step=result.makespan,
             bubble=result.bubble_ratio,
             idle=tuple(r.idle for r in result.ranks),
+            exposed=tuple(r.exposed for r in bound.ranks),
+            bound=bound.bound,
             chunk=middle,
             overlap=costs.cost.overlap,
         )
@@ -65,32 +73,41 @@ class ProfileRow:
             "step_ms": self.step,
             "bubble_ratio": self.bubble,
             "idle_ms": list(self.idle),
+            "exposed_a2a_ms": list(self.exposed),
+            "compute_bound_ms": self.bound,
             "note": self.note,
         }
 
 
 def profile_table(rows: list[ProfileRow]) -> str:
-    """A markdown table: a row per schedule, its step, bubble, idle per rank and its step
-    over each of :data:`PEERS`'."""
+    """A markdown table: a row per schedule, its step, its step over its compute bound,
+    bubble, idle and exposed all-to-all per rank and its step over each of
+    :data:`PEERS`'."""
     steps = {r.schedule: r.step for r in rows if r.step is not None}
-    header = ["schedule", "from", "stages", "split", "step (ms)", "bubble", "idle/rank (ms)"]
+    header = ["schedule", "from", "stages", "split", "step (ms)", "bound (ms)", "vs bound"]
+    header += ["bubble", "idle/rank (ms)", "exposed a2a/rank (ms)"]
     header += [f"vs {p}" for p in PEERS if p in steps]
     body = []
     for r in rows:
         if r.step is None:
             body.append(
-                [r.schedule, r.source, "-", "-", "n/a", "-", "-"] + ["-"] * (len(header) - 7)
+                [r.schedule, r.source, "-", "-", "n/a"] + ["-"] * (len(header) - 5)
             )
             continue
         split = "config's" if r.config_split else "most even"
-        idle = f"{statistics.fmean(r.idle):.0f} ({min(r.idle):.0f}-{max(r.idle):.0f})"
-        line = [r.schedule, r.source, str(r.stages), split, f"{r.step:.1f}"]
-        line += [f"{100 * (r.bubble or 0.0):.1f}%", idle]
+        bound = r.bound or 0.0
+        line = [r.schedule, r.source, str(r.stages), split, f"{r.step:.1f}", f"{bound:.1f}"]
+        line += [f"{r.step / bound:.3f}" if bound else "-"]
+        line += [f"{100 * (r.bubble or 0.0):.1f}%", _spread(r.idle), _spread(r.exposed)]
         line += [f"{r.step / steps[p]:.3f}" for p in PEERS if p in steps]
         body.append(line)
     text = markdown_table(header, body)
     notes = [f"- n/a: {r.schedule}: {r.note}" for r in rows if r.note]
     return text + ("\n\n" + "\n".join(notes) if notes else "")
+
+
+def _spread(values: tuple[float, ...]) -> str:
+    return f"{statistics.fmean(values):.0f} ({min(values):.0f}-{max(values):.0f})"
 
 
 def deepseek_bubble(rows: list[ProfileRow], pp: int) -> dict | None:

@@ -109,19 +109,26 @@ class TraceCosts:
         return self.pair_wall / self.pair_parts
 
     def cost_model(self, latency: float = 0.0) -> CostModel:
-        """The simulator's costs: F and B with their all-to-all, W, and the pair's overlap."""
+        """The simulator's costs: F and B with their all-to-all (and its share of each), W,
+        and the pair's overlap."""
+        f, b = self.f + self.a2a_forward, self.b + self.a2a_backward
         return CostModel(
-            f=self.f + self.a2a_forward,
-            b=self.b + self.a2a_backward,
+            f=f,
+            b=b,
             w=self.w,
             overlap=self.overlap,
             latency=latency,
+            a2a_f=self.a2a_forward / f if f else 0.0,
+            a2a_b=self.a2a_backward / b if b else 0.0,
         )
 
     def cost_text(self) -> str:
         """:meth:`cost_model` as ``--cost`` arguments."""
         c = self.cost_model()
-        return f"F={c.f:.6g},B={c.b:.6g},W={c.w:.6g},overlap={c.overlap:.6g}"
+        return (
+            f"F={c.f:.6g},B={c.b:.6g},W={c.w:.6g},overlap={c.overlap:.6g},"
+            f"a2a_f={c.a2a_f:.6g},a2a_b={c.a2a_b:.6g}"
+        )
 
     def report(self) -> str:
         """The figures as lines for the terminal."""

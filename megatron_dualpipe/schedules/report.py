@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 
 from .advisor import Advice, PipelineSetup
+from .bound import StepBound, step_bound
 from .comm_plan import CommPlan
 from .ir import Schedule
 from .layout import format_layout
@@ -15,6 +17,7 @@ from .simulate import SimResult
 
 __all__ = [
     "advice_report",
+    "bound_line",
     "comparison_table",
     "markdown_table",
     "memory_report",
@@ -61,28 +64,52 @@ def _cells(
     return cells, widths
 
 
+def bound_line(bound: StepBound) -> str:
+    """The step against its compute bound, and the rest of it on the ranks, in one line."""
+    exposed = [r.exposed for r in bound.ranks]
+    idle = [r.idle for r in bound.ranks]
+    imbalance = [r.imbalance for r in bound.ranks]
+    return (
+        f"compute bound {bound.bound:.2f}: the step is {bound.ratio:.3f}x it "
+        f"({100 * bound.efficiency:.1f}% of the bound); per rank, exposed all-to-all "
+        f"{_spread(exposed)}, idle {_spread(idle)}, compute beyond the bound (imbalance) "
+        f"{_spread(imbalance)}"
+    )
+
+
+def _spread(values: Sequence[float]) -> str:
+    return f"{statistics.fmean(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
 def rank_table(result: SimResult) -> str:
-    """Per-rank busy and idle time, bubble ratio and peak live activations."""
-    bound = result.schedule.activation_bound
+    """Per-rank busy time (its compute and exposed all-to-all), idle time, compute beyond
+    the bound (imbalance), bubble ratio and peak live activations, under a line with the
+    step against its compute bound."""
+    bound = step_bound(result)
+    activations = result.schedule.activation_bound
     rows = [
         [
             str(r.rank),
             f"{r.busy:.2f}",
+            f"{share.compute:.2f}",
+            f"{share.exposed:.2f}",
             f"{r.idle:.2f}",
+            f"{round(share.imbalance, 2) + 0.0:+.2f}",
             f"{100 * r.bubble_ratio:.1f}%",
             str(r.peak_activations),
-            str(bound[r.rank]) if bound else "-",
+            str(activations[r.rank]) if activations else "-",
         ]
-        for r in result.ranks
+        for r, share in zip(result.ranks, bound.ranks, strict=True)
     ]
-    header = ["rank", "busy", "idle", "bubble", "peak act.", "bound"]
+    header = ["rank", "busy", "compute", "exposed a2a", "idle", "imbalance", "bubble"]
+    header += ["peak act.", "bound"]
     sched = result.schedule
     summary = (
         f"{sched.name}: PP={sched.num_ranks} micro-batches={sched.num_microbatches} "
         f"stages={sched.placement.num_stages} makespan={result.makespan:.2f} "
         f"bubble={100 * result.bubble_ratio:.1f}% params/rank={result.param_factor:g}x"
     )
-    return summary + "\n" + text_table(header, rows)
+    return "\n".join([summary, bound_line(bound), text_table(header, rows)])
 
 
 def _stage_size(result: SimResult) -> float:
@@ -103,6 +130,7 @@ def comparison_table(results: list[SimResult], skipped: dict[str, str]) -> str:
                 str(r.schedule.placement.num_stages),
                 f"{r.makespan:.2f}",
                 f"{r.makespan / base:.3f}" if base else "-",
+                f"{step_bound(r).ratio:.3f}",
                 f"{100 * r.bubble_ratio:.1f}%",
                 f"{100 * min(idle):.1f}-{100 * max(idle):.1f}%",
                 str(max(x.peak_activations for x in r.ranks)),
@@ -115,6 +143,7 @@ def comparison_table(results: list[SimResult], skipped: dict[str, str]) -> str:
         "stages",
         "makespan",
         f"vs {results[0].schedule.name}" if results else "ratio",
+        "vs bound",
         "bubble",
         "bubble/rank",
         "peak act.",
@@ -123,6 +152,8 @@ def comparison_table(results: list[SimResult], skipped: dict[str, str]) -> str:
     ]
     text = text_table(header, rows)
     text += (
+        "\nvs bound: the step over its compute bound (the compute shared evenly over the "
+        "ranks, every all-to-all hidden, no wait)"
         "\npeak act.: in stages x micro-batches; act. memory: the same in units of one "
         "1F1B stage's activations of one micro-batch (a model cut into more stages has "
         "smaller ones)"

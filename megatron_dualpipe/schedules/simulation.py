@@ -15,6 +15,7 @@ from functools import partial
 from pathlib import Path
 from typing import Protocol
 
+from .bound import step_bound
 from .comm_plan import comm_plan
 from .cost import CostModel
 from .ir import Schedule, ScheduleError
@@ -169,8 +170,8 @@ def write_outputs(
     extra: dict | None = None,
 ) -> Iterator[str]:
     """Write the files asked for, one per schedule where there are several (``extra``:
-    more figures for the JSON), yielding each line to print as it goes: the text grid,
-    or ``wrote PATH``."""
+    more figures for the JSON; each schedule's carries its compute bound), yielding each
+    line to print as it goes: the text grid, or ``wrote PATH``."""
     from .export import to_grid, to_png, write_chrome_trace
 
     many = len(results) > 1
@@ -185,7 +186,7 @@ def write_outputs(
             write_chrome_trace(r, str(suffixed(trace, name, many)))
             yield f"wrote {suffixed(trace, name, many)}"
     if json_path:
-        payload = [r.to_json() for r in results]
+        payload = [{**r.to_json(), "bound": step_bound(r).to_json()} for r in results]
         if extra and many:
             payload = {**extra, "schedules": payload}
         elif extra:

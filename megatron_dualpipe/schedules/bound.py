@@ -1,0 +1,108 @@
+"""A simulated step against its compute bound, and where each rank's rest of the step goes.
+
+The compute bound of a step is its compute shared evenly over the ranks: every F, B and W
+of every stage and micro-batch without their all-to-all (the cost model's ``a2a_f`` and
+``a2a_b`` shares), summed and divided by the ranks, as if every all-to-all were hidden, no
+rank ever waited and the split were perfect. It depends on the model and the costs only:
+no schedule and no split is faster. Per rank the step splits into its compute, the
+all-to-all it waits for (its passes' time beyond their compute: a lone pass's whole
+share, a pair's time beyond its halves' compute) and its idle time; the step beyond the
+bound is, on every rank, ``exposed + idle + imbalance - hidden``, where ``imbalance`` is
+the rank's compute beyond the bound (negative on a rank with less than its share) and
+``hidden`` a pair's time below its compute (only where a cost model's overlap claims more
+than the all-to-all's share: it is 0 for a profile's costs). Pure Python.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from .ir import COMPUTE_KINDS, Action
+from .simulate import SimResult
+
+__all__ = ["RankShare", "StepBound", "step_bound"]
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """One rank's step, split: ``compute``, ``exposed`` all-to-all, ``idle``,
+    ``imbalance`` (its compute minus the bound) and ``hidden`` (see the module)."""
+
+    rank: int
+    compute: float
+    exposed: float
+    idle: float
+    imbalance: float
+    hidden: float
+
+    def to_json(self) -> dict:
+        return {
+            "rank": self.rank,
+            "compute": self.compute,
+            "exposed_a2a": self.exposed,
+            "idle": self.idle,
+            "imbalance": self.imbalance,
+            "hidden": self.hidden,
+        }
+
+
+@dataclass(frozen=True)
+class StepBound:
+    """A step, its compute bound and each rank's :class:`RankShare`."""
+
+    step: float
+    bound: float
+    ranks: tuple[RankShare, ...]
+
+    @property
+    def ratio(self) -> float:
+        """The step over the bound (1.0: as fast as the hardware allows)."""
+        return self.step / self.bound if self.bound else float("inf")
+
+    @property
+    def efficiency(self) -> float:
+        """The bound over the step: the share of the bound reached."""
+        return self.bound / self.step if self.step else 0.0
+
+    def to_json(self) -> dict:
+        return {
+            "step": self.step,
+            "compute_bound": self.bound,
+            "step_over_bound": self.ratio,
+            "ranks": [r.to_json() for r in self.ranks],
+        }
+
+
+def _kind_key(action: Action) -> tuple:
+    """What an action's time and compute depend on besides its rank."""
+    if action.sub:
+        return (action.kind, *((h.kind, h.stage) for h in action.sub))
+    return (action.kind, action.stage)
+
+
+def step_bound(result: SimResult) -> StepBound:
+    """``result``'s step against its compute bound, each rank's share split."""
+    schedule, cost = result.schedule, result.cost
+    model_stage = schedule.placement.model_stage
+    figures = []
+    for stats, actions in zip(result.ranks, schedule.ranks, strict=True):
+        counted: Counter[tuple] = Counter()
+        first: dict[tuple, Action] = {}
+        for a in actions:
+            if a.kind in COMPUTE_KINDS:
+                key = _kind_key(a)
+                counted[key] += 1
+                first.setdefault(key, a)
+        compute = exposed = hidden = 0.0
+        for key, n in counted.items():
+            action = first[key]
+            c = cost.compute(action, stats.rank, model_stage)
+            d = cost.duration(action, stats.rank, model_stage)
+            compute += n * c
+            exposed += n * max(0.0, d - c)
+            hidden += n * max(0.0, c - d)
+        figures.append((stats.rank, compute, exposed, stats.idle, hidden))
+    bound = sum(f[1] for f in figures) / len(figures) if figures else 0.0
+    ranks = tuple(RankShare(r, c, e, i, c - bound, h) for r, c, e, i, h in figures)
+    return StepBound(result.makespan, bound, ranks)

@@ -1,0 +1,109 @@
+"""The step against its compute bound (pure Python).
+
+- The bound is the compute shared evenly over the ranks: by hand on dualpipev, and one
+  figure for every registered schedule of a model (no schedule changes it).
+- Every rank's step beyond the bound splits exactly into exposed all-to-all, idle time,
+  imbalance and hidden time, on uneven stages with all-to-all shares and overlapped pairs.
+- A lone pass exposes its whole all-to-all share; a pair hides what its overlap says, and
+  nothing is hidden below compute unless the overlap claims it.
+- Costs: the shares are read from ``--cost`` text and refused out of range.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_dualpipe.cli import main
+from megatron_dualpipe.schedules.bound import step_bound
+from megatron_dualpipe.schedules.cost import CostModel
+from megatron_dualpipe.schedules.ir import ScheduleError
+from megatron_dualpipe.schedules.registry import SCHEDULES, generate
+from megatron_dualpipe.schedules.simulate import simulate
+
+
+def test_the_bound_of_dualpipev_by_hand() -> None:
+    """8 stages of F=1, B=1, W=0.5 with half of F and B all-to-all: 1.5 of compute per
+    stage and micro-batch, two stages a rank, 8 micro-batches: 24 per rank."""
+    cost = CostModel(f=1.0, b=1.0, w=0.5, a2a_f=0.5, a2a_b=0.5, overlap=0.6)
+    bound = step_bound(simulate(generate("dualpipev", 4, 8), cost))
+    assert bound.bound == 24.0
+    assert [r.compute for r in bound.ranks] == [24.0] * 4
+    assert bound.ratio == bound.step / 24.0 and bound.efficiency == 24.0 / bound.step
+
+
+def test_no_schedule_changes_the_bound() -> None:
+    """One rank's share of the model costs the same under every schedule (each schedule's
+    stages get their part of it): one bound for all."""
+    share = CostModel(f=3.0, b=4.0, w=2.0, a2a_f=0.4, a2a_b=0.25)
+    bounds = {}
+    for name in SCHEDULES:
+        schedule = generate(name, 4, 8)
+        p = schedule.placement
+        cost = share.per_stage(p.num_ranks, p.num_model_stages)
+        bounds[name] = step_bound(simulate(schedule, cost)).bound
+    expected = 8 * (3.0 * 0.6 + 4.0 * 0.75 + 2.0)
+    assert bounds == pytest.approx(dict.fromkeys(SCHEDULES, expected))
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("overlap", [0.53, 0.2, 1.0])
+def test_every_ranks_step_splits_into_its_parts(name: str, overlap: float) -> None:
+    """step - bound = exposed + idle + imbalance - hidden on every rank, on stages of
+    uneven costs (the first and last heavier, as the embedding's and the head's)."""
+    schedule = generate(name, 4, 12)
+    n = schedule.placement.num_model_stages
+    stages = tuple((1.0 + (s in (0, n - 1)), 1.5 + 0.1 * s, 0.7) for s in range(n))
+    cost = CostModel(stage_costs=stages, overlap=overlap, a2a_f=0.63, a2a_b=0.48)
+    bound = step_bound(simulate(schedule, cost))
+    for r in bound.ranks:
+        parts = r.exposed + r.idle + r.imbalance - r.hidden
+        assert parts == pytest.approx(bound.step - bound.bound), (name, r)
+    assert sum(r.imbalance for r in bound.ranks) == pytest.approx(0.0, abs=1e-9)
+    assert any(r.imbalance > 0 for r in bound.ranks)
+
+
+def test_a_lone_pass_exposes_its_all_to_all_and_a_pair_hides_what_its_overlap_says() -> None:
+    """1F1B at PP=2 runs no pair: each rank waits for its passes' whole all-to-all share.
+    dualpipev pairs its passes: with DeepSeek's overlap (the pair longer than its compute)
+    nothing is hidden below compute; with an overlap below the compute share, the pair's
+    time under its compute is counted as hidden."""
+    cost = CostModel(f=2.0, b=4.0, w=1.0, a2a_f=0.5, a2a_b=0.25)
+    lone = step_bound(simulate(generate("1f1b", 2, 4), cost))
+    assert [r.exposed for r in lone.ranks] == [4 * (1.0 + 1.0)] * 2
+    assert all(r.hidden == 0 for r in lone.ranks)
+    # A pair takes 0.75 x (F + B) = 4.5 against 4 of compute, or with its W (a full
+    # backward) 0.75 x 7 = 5.25 against 5.
+    deepseek = CostModel(f=2.0, b=4.0, w=1.0, a2a_f=0.5, a2a_b=0.25, overlap=0.75)
+    paired = step_bound(simulate(generate("dualpipev", 4, 16), deepseek))
+    assert all(r.hidden == 0 for r in paired.ranks)
+    claims = CostModel(f=2.0, b=4.0, w=1.0, a2a_f=0.5, a2a_b=0.25, overlap=0.5)
+    hidden = step_bound(simulate(generate("dualpipev", 4, 16), claims))
+    # A pair of F=2 and B=4 takes 0.5 x 6 = 3, below its compute 1 + 3 = 4.
+    assert all(r.hidden > 0 for r in hidden.ranks)
+    assert all(r.exposed < p.exposed for r, p in zip(hidden.ranks, paired.ranks, strict=True))
+
+
+def test_shares_are_read_from_cost_text_and_refused_out_of_range() -> None:
+    cost = CostModel.parse("F=24.3,B=27.9,W=8.8,overlap=0.53,a2a_f=0.63,A2A_B=0.48")
+    assert (cost.a2a_f, cost.a2a_b) == (0.63, 0.48)
+    with pytest.raises(ScheduleError) as raised:
+        CostModel.parse("F=1,a2a_f=1.5")
+    assert str(raised.value) == (
+        "cost a2a_f is a share of the pass's time: a number from 0 to 1, got 1.5"
+    )
+
+
+def test_simulate_prints_the_bound_and_each_ranks_split(capsys) -> None:
+    """One rank's share F=2, B=2, W=1, half of F and B all-to-all: 3 of compute per
+    micro-batch, 24 over 8; the rank table's figures add up to the step."""
+    argv = ["simulate", "--schedule", "dualpipev", "--pp", "4", "--microbatches", "8"]
+    assert main([*argv, "--cost", "F=2,B=2,W=1,a2a_f=0.5,a2a_b=0.5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("compute bound 24.00: the step is ")
+    header = lines[2].split()
+    assert header[:6] == ["rank", "busy", "compute", "exposed", "a2a", "idle"]
+    step = float(lines[0].split("makespan=")[1].split()[0])
+    for row in lines[4:8]:
+        busy, compute, exposed, idle = map(float, row.split()[1:5])
+        assert compute == 24.0 and busy == pytest.approx(compute + exposed)
+        assert busy + idle == pytest.approx(step)
