@@ -28,10 +28,10 @@ from megatron_dualpipe.bench.suite import DEEPSEEK_TITLE, replace_section  # noq
 
 CONFIG = "configs/deepseek_v3_pp16.yaml"
 MICROBATCHES = (120, 32, 64, 128)
+#: An H800's 80 GB, in GiB: the memory cap of every split.
+MEMORY_CAP_GIB = 74.5
 #: The schedules the compute-bound paragraph names, beside the fastest.
 NAMED = ("dualpipev", "dualpipe", "interleaved-1f1b-a2a")
-#: Layers in one of DeepSeek's profiled chunks, and in a middle stage of the config's split.
-LAYERS_PER_CHUNK = 4
 
 
 def _run(args: list[str], trace: Path) -> tuple[str, dict]:
@@ -86,6 +86,12 @@ def _bound_paragraph(rows: dict[int, list[dict]]) -> str:
                 f"; dualpipev's rank waits on average {exposed:.0f} ms for all-to-all and "
                 f"idles {idle:.0f} ms"
             )
+        megatron = by_name.get("interleaved-1f1b-a2a")
+        if v is not None and megatron is not None:
+            rest += (
+                f"; dualpipev over Megatron's interleaved-1f1b-a2a: "
+                f"{v['step_ms'] / megatron['step_ms']:.3f}"
+            )
         lines.append(
             f"- {m} micro-batches: bound {bound:.0f} ms; fastest {best['schedule']} at "
             f"{best['step_ms'] / bound:.2f}x it ({100 * bound / best['step_ms']:.0f}% of the "
@@ -97,8 +103,9 @@ def _bound_paragraph(rows: dict[int, list[dict]]) -> str:
         "what no schedule and no split can beat; docs/schedules.md says how it is "
         "counted):\n\n" + "\n".join(lines) + "\n\nNo schedule comes near it yet: "
         "a pass outside an F&B pair waits for its own all-to-all (the `exposed a2a` "
-        "column), and the stages are split by FLOPs, which leaves one rank of the V with "
-        "the embedding, the heads and the loss (the idle ranges)."
+        "column: the warm-up, the cool-down and the V's turn run lone passes), and ranks "
+        "idle where the split cannot even out the embedding, the heads, the MTP block "
+        "and the loss at layer granularity within the memory cap (the idle ranges)."
     )
 
 
@@ -139,7 +146,7 @@ def section(trace: Path) -> str:
     rows: dict[int, list[dict]] = {}
     for m in MICROBATCHES:
         args = ["simulate", "--profile", "$TRACE", "--config", CONFIG, "--schedule", "all"]
-        args += ["--microbatches", str(m)]
+        args += ["--microbatches", str(m), "--memory-cap", str(MEMORY_CAP_GIB)]
         text, figures = _run(args, trace)
         table = text[text.index(f"{CONFIG}:") :].split("\n", 1)[1]
         table, formula = table.rsplit("\n", 1)
@@ -152,19 +159,20 @@ def section(trace: Path) -> str:
     idle = {m: x["simulated_idle_ms"] for m, x in formulas}
     parts.append(
         "How to read it. Stages are timed by their FLOPs at the profiled layer's ms per FLOP "
-        "(a middle stage of four MoE layers is four profiled layers; the embedding, the "
-        "output layer, the MTP block and the loss at the same rate), with the profile's F&B "
-        "overlap. Under dualpipe the config's split (4 + 14 x 4 + 1 layers) applies; the "
-        "32-stage schedules (interleaved, V) have no such split in the config, so they run "
-        "the most even one, which leaves the embedding, the output layer and both heads "
-        "(MTP) on one rank: that rank is the long one and the others idle (the idle ranges "
-        "above), which the balance advisor (`simulate --config`) would move layers to fix. "
-        "Megatron's interleaved 1F1B needs the micro-batches to be a multiple of PP, so at "
-        "120 it is n/a and its comparisons are at 32."
+        "(a stage of four MoE layers is four profiled layers; the embedding, the output "
+        "layer, the MTP block and the loss at the same rate), with the profile's F&B "
+        "overlap. Each schedule runs the split the balance advisor finds for it on those "
+        "times (`split`: advised), within 74.5 GiB (80 GB) per rank by the memory model, "
+        "Megatron's and torch's at the split found for them, each under its own order; the "
+        "config's split (4 + 14 x 4 + 1 layers) where none is faster (`config's`). Megatron's "
+        "interleaved 1F1B needs the micro-batches to be a multiple of PP, so at 120 it is "
+        "n/a."
     )
     parts.append(_bound_paragraph(rows))
-    # The per-layer run is dualpipe on equal one-layer stages: x 4 for equal 4-layer chunks.
-    equal = [LAYERS_PER_CHUNK * (layer["makespan"] - r["busy"]) for r in layer["ranks"]]
+    # The per-layer run is dualpipe on equal one-layer stages: x k for equal chunks of the
+    # middle chunk's k layers.
+    k = round(chunk["F"] / (per["F"] + per["a2a_forward"]))
+    equal = [k * (layer["makespan"] - r["busy"]) for r in layer["ranks"]]
     spread = "; ".join(
         f"{x['mean']:.0f} ms on average ({x['min']:.0f} to {x['max']:.0f}) at {m} micro-batches"
         for m, x in idle.items()
@@ -175,8 +183,9 @@ def section(trace: Path) -> str:
         f"backward, on a middle chunk (F={chunk['F']:.1f}, B={chunk['B_full']:.1f}, "
         f"W={chunk['W']:.1f}, F&B={chunk['F&B']:.1f} ms) gives {f['formula_ms']:.0f} ms of "
         f"idle per rank. The simulation, on equal chunks of those costs (the per-layer run "
-        f"above, x {LAYERS_PER_CHUNK}), idles {sum(equal) / len(equal):.0f} ms on average "
-        f"({min(equal):.0f} to {max(equal):.0f}); on the config's split, {spread}. Why they "
+        f"above, x {k}: the middle chunk's layers), idles {sum(equal) / len(equal):.0f} ms "
+        f"on average ({min(equal):.0f} to {max(equal):.0f}); on the split it runs, {spread}. "
+        "Why they "
         "differ: (1) the formula is exact where the pair is at least as long as a lone "
         "forward and a lone input gradient (docs/schedules.md, tested at F = dX = dW: every "
         "rank when F&B = F+B+W, the most idle rank down to F&B = F+dX); here the pair "
@@ -184,10 +193,10 @@ def section(trace: Path) -> str:
         f"far shorter than F+dX ({lone:.1f} ms), because the pair hides both all-to-alls "
         "and a lone pass waits for its own. The warm-up and cool-down run lone passes, so "
         "ranks differ: the ends idle less than the formula says, the middle ranks more. "
-        "(2) The config's stages are not equal: the first holds the embedding, the last one "
-        "layer with the output layer, the MTP block and the loss, so the ranks holding them "
-        "idle less and the others more, the more so the more micro-batches, and the step "
-        "is longer than on equal chunks. The "
+        "(2) The stages are not equal: the first holds the embedding, the last the output "
+        "layer, the MTP block and the loss, so the ranks holding them idle less and the "
+        "others more, the more so the more micro-batches, and the step is longer than on "
+        "equal chunks. The "
         "formula is a closed form for equal chunks with little overlap; the simulation "
         "times this split with this overlap."
     )

@@ -13,8 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from megatron_dualpipe.bench.catalog import SCHEDULES as CATALOG
+from megatron_dualpipe.bench.profiled import twin_schedule
 from megatron_dualpipe.cli import main
+from megatron_dualpipe.cli.simulate import _train_defaults
 from megatron_dualpipe.schedules import CostModel, ScheduleError, generate, simulate
+from megatron_dualpipe.schedules.config_advice import ConfigModel
+from megatron_dualpipe.schedules.layout import parse_layout
+from megatron_dualpipe.schedules.memory import MemoryModel
+from megatron_dualpipe.schedules.profile_config import config_costs
 from megatron_dualpipe.schedules.profile_report import ProfileRow, deepseek_bubble
 from megatron_dualpipe.schedules.profile_trace import read_profile
 
@@ -172,24 +179,67 @@ def test_deepseeks_dualpipe_formula_is_the_simulated_bubble_where_it_holds() -> 
     assert formula["simulated_idle_ms"]["max"] == pytest.approx(formula["formula_ms"])
 
 
-def test_profile_beside_a_config_times_its_split(
+@pytest.mark.parametrize(
+    ("peer", "twin"),
+    [
+        ("interleaved-1f1b-a2a", "interleaved-1f1b"),
+        ("torch-1f1b", "1f1b"),
+        ("torch-zbv", "dualpipev"),
+        ("torch-dualpipev", "dualpipev"),
+    ],
+)
+def test_megatrons_and_torchs_schedules_are_advised_under_ours_of_their_placement(
+    peer: str, twin: str
+) -> None:
+    """The advisor times Megatron's and torch's schedules themselves, over the splits of
+    our schedule that places stages as they do."""
+    (entry,) = [e for e in CATALOG if e.name == peer]
+    assert twin_schedule(entry.build(4, 8).placement) == twin
+
+
+def _peak(memory: MemoryModel, stages) -> float:
+    return max(r.total for r in memory.ranks(tuple(stages)))
+
+
+def test_profile_beside_a_config_times_each_schedule_at_its_advised_split(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Each schedule at the advisor's split for it on the profile's time within the
+    memory cap (every rank within it), no slower than the config's split (dualpipe) or the
+    most even one (dualpipev: 4 + 14 x 4 + 1 has no 32-stage form) where those fit."""
     trace = _write(tmp_path / "t.json", _trace())
-    out = tmp_path / "table.json"
     config = ROOT / "configs" / "deepseek_v3_pp16.yaml"
-    argv = ["simulate", "--profile", str(trace), "--config", str(config), "--schedule", "all"]
-    assert main([*argv, "--microbatches", "32", "--json", str(out)]) == 0
-    text = capsys.readouterr().out
-    assert "PP=16, 32 micro-batches" in text and "dualpipe bubble: DeepSeek's" in text
-    figures = json.loads(out.read_text())
-    rows = {r["schedule"]: r for r in figures["schedules"]}
-    assert rows["dualpipe"]["config_split"] is True and rows["dualpipe"]["model_stages"] == 16
-    assert rows["dualpipev"]["config_split"] is False  # 4 + 14 x 4 + 1 has no 32-stage form
-    assert rows["interleaved-1f1b-a2a"]["step_ms"] is not None
-    # A middle stage holds four MoE layers: four profiled layers.
-    chunk = figures["deepseek_formula"]["chunk_ms"]
-    assert (chunk["F"], chunk["dX"], chunk["W"]) == pytest.approx((2.0, 3.0, 1.0))
+    rows, figures = {}, {}
+    for name in ("dualpipe", "dualpipev"):
+        out = tmp_path / f"{name}.json"
+        argv = ["simulate", "--profile", str(trace), "--config", str(config), "--schedule", name]
+        argv += ["--microbatches", "32", "--memory-cap", "74.5", "--json", str(out)]
+        assert main(argv) == 0
+        text = capsys.readouterr().out
+        assert "PP=16, 32 micro-batches" in text
+        figures[name] = json.loads(out.read_text())
+        (rows[name],) = figures[name]["schedules"]
+    assert "deepseek_formula" in figures["dualpipe"]
+    model = ConfigModel.read(config, [], _train_defaults())
+    profile = read_profile(trace)
+    for name, plain in (("dualpipe", "config's"), ("dualpipev", "most even")):
+        row = rows[name]
+        assert row["split"] in (plain, "advised") and not row["note"], row
+        built = generate(name, 16, 32)
+        memory = MemoryModel.for_setup(model.shape, model.setup, built, model.memory_settings())
+        assert _peak(memory, parse_layout(row["layout"])) <= 74.5 * 2**30
+        before = config_costs(profile, model.shape, model.setup, built.placement)
+        assert before.split == plain
+        if _peak(memory, before.stages) <= 74.5 * 2**30:  # else the advisor had to leave it
+            assert row["step_ms"] <= simulate(built, before.cost).makespan * (1 + 1e-9)
+    assert rows["dualpipev"]["split"] == "advised"  # the most even leaves rank 0 long
+    # A middle stage of k MoE layers costs k profiled layers (F 0.5, dX 0.75, W 0.25 ms).
+    stages = parse_layout(rows["dualpipe"]["layout"])
+    middle = stages[len(stages) // 2]
+    assert set(middle) == {"t"}
+    chunk = figures["dualpipe"]["deepseek_formula"]["chunk_ms"]
+    k = len(middle)
+    assert (chunk["F"], chunk["dX"], chunk["W"]) == pytest.approx((0.5 * k, 0.75 * k, 0.25 * k))
     with pytest.raises(ScheduleError, match="no phases this reader knows"):
         read_profile(_write(tmp_path / "empty.json", {"traceEvents": []}))
 

@@ -1,17 +1,26 @@
-"""``simulate --profile --config``'s work: a profile's costs over a config's split, for
-the config's schedule or every schedule of :mod:`.catalog` (ours, Megatron's, torch's),
-in ms. Imports the schedule layer only (torch's schedules where torch is installed)."""
+"""``simulate --profile --config``'s work: a profile's costs over a split, for the
+config's schedule or every schedule of :mod:`.catalog` (ours, Megatron's, torch's), in ms:
+the split the balance advisor finds for each on the profile's time within the memory cap
+(the config's where none is faster; the config's, or the most even, where none fits).
+Imports the schedule layer only (torch's schedules where torch is installed)."""
 
 from __future__ import annotations
 
-from ..schedules import ScheduleError, simulate, validate
+from dataclasses import replace
+
+from ..schedules import Placement, Schedule, ScheduleError, generate, simulate, validate
+from ..schedules.advisor import StageTiming, advise
 from ..schedules.config_advice import ConfigModel
-from ..schedules.profile_config import config_costs
+from ..schedules.profile_config import ConfigCosts, config_costs, profile_timing, timed_costs
 from ..schedules.profile_report import ProfileRow, deepseek_bubble, profile_table
 from ..schedules.profile_trace import TraceCosts
+from ..schedules.registry import SCHEDULES as REGISTERED
+from ..schedules.registry import spec
 from .catalog import SCHEDULES as ENTRIES
 
-__all__ = ["profile_comparison"]
+GIB = 2**30
+
+__all__ = ["profile_comparison", "twin_schedule"]
 
 
 def profile_comparison(
@@ -21,13 +30,18 @@ def profile_comparison(
     schedule: str | None,
     microbatches: int | None,
     latency: float,
+    memory_cap_gib: float | None = None,
 ) -> tuple[list[str], dict]:
     """The lines to print (the heading, the table, DeepSeek's formula where it applies) and
-    the figures as JSON, for ``schedule`` (None: the config's; ``"all"``: every one)."""
+    the figures as JSON, for ``schedule`` (None: the config's; ``"all"``: every one); the
+    advisor's splits within ``memory_cap_gib`` per rank (default: the config's split's
+    peak, or the most even's)."""
     setup = model.setup
     pp = setup.pipeline_model_parallel_size
     mbs = microbatches or setup.num_microbatches
     wanted = [schedule or setup.pipeline_schedule] if schedule != "all" else None
+    timing = profile_timing(profile, model.shape, setup)
+    cap = None if memory_cap_gib is None else memory_cap_gib * GIB
     rows = []
     for entry in ENTRIES:
         if wanted is not None and entry.name not in wanted:
@@ -42,8 +56,11 @@ def profile_comparison(
             rows.append(ProfileRow(entry.name, entry.source, note=f"needs {err.name}"))
             continue
         costs = config_costs(profile, model.shape, setup, built.placement, latency)
+        advised, note = _advised(model, built, mbs, timing, cap, latency)
+        if advised is not None and advised.stages != costs.stages:
+            costs = advised
         result = simulate(built, costs.cost)
-        rows.append(ProfileRow.of(entry.name, entry.source, result, costs))
+        rows.append(replace(ProfileRow.of(entry.name, entry.source, result, costs), note=note))
     if not rows:
         raise ScheduleError(f"{wanted[0]} is not a schedule here: see --schedule's choices")
     lines = [f"{model.source}: PP={pp}, {mbs} micro-batches, the profile's costs in ms"]
@@ -60,3 +77,48 @@ def profile_comparison(
     if formula:
         payload["deepseek_formula"] = {k: v for k, v in formula.items() if k != "line"}
     return lines, payload
+
+
+def twin_schedule(placement: Placement) -> str | None:
+    """The registered schedule that places stages as ``placement`` does."""
+    pp, mbs = placement.num_ranks, placement.num_microbatches
+    for name in REGISTERED:
+        chunks = placement.num_stages // pp if spec(name).chunks is None else None
+        options = {"chunks": chunks} if chunks else {}
+        try:
+            if generate(name, pp, mbs, **options).placement == placement:
+                return name
+        except ScheduleError:
+            continue
+    return None
+
+
+def _advised(
+    model: ConfigModel,
+    built: Schedule,
+    microbatches: int,
+    timing: StageTiming,
+    cap: float | None,
+    latency: float,
+) -> tuple[ConfigCosts | None, str]:
+    """``built`` timed at the advisor's split for it on ``timing`` within ``cap`` (the
+    config's where no split is faster); None where its placement has no registered twin,
+    or no split fits (then with why)."""
+    twin = twin_schedule(built.placement)
+    if twin is None:
+        return None, ""
+    try:
+        advice = advise(
+            model.shape,
+            model.setup,
+            schedule=twin,
+            microbatches=microbatches,
+            memory_cap=cap,
+            settings=model.memory_settings(),
+            timing=timing,
+            built=built,
+        )
+    except ScheduleError as err:
+        return None, f"the advisor found no split for it: {err}"
+    stages = advice.after.stages
+    return timed_costs(timing, model.shape, model.setup, stages, "advised", latency), ""

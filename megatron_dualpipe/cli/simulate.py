@@ -333,17 +333,17 @@ def _read_profile(args: argparse.Namespace) -> TraceCosts:
 
 
 def _run_profile_config(args: argparse.Namespace, profile: TraceCosts) -> None:
-    """``simulate --profile --config``: the profile's costs over the config's split
-    (:func:`megatron_dualpipe.bench.profiled.profile_comparison`)."""
+    """``simulate --profile --config``: the profile's costs over the config's split and
+    the advisor's (:func:`megatron_dualpipe.bench.profiled.profile_comparison`)."""
     import json
 
     from ..bench.profiled import profile_comparison
     from ..schedules.config_advice import ConfigModel
 
-    if args.optimize or args.memory_cap is not None:
+    if args.optimize:
         raise ScheduleError(
-            "--optimize and --memory-cap do not apply with --profile and --config: drop them "
-            "(or --config, to optimise on the profile's costs)"
+            "--optimize does not apply with --profile and --config: drop it (or --config, "
+            "to optimise on the profile's costs)"
         )
     model = ConfigModel.read(args.config, args.overrides, _train_defaults())
     lines, payload = profile_comparison(
@@ -352,6 +352,7 @@ def _run_profile_config(args: argparse.Namespace, profile: TraceCosts) -> None:
         schedule=args.schedule,
         microbatches=args.microbatches,
         latency=args.latency,
+        memory_cap_gib=args.memory_cap,
     )
     print("\n".join(lines))
     if args.json:

@@ -21,12 +21,12 @@ import yaml
 
 from .config_values import check_positive, read_fields
 from .cost import CostModel
-from .ir import Schedule, ScheduleError
+from .ir import Kind, Schedule, ScheduleError
 from .layer_split import LayerSplit, stage_layer_counts, stage_layouts, stages_from_counts
 from .layout import DECODER, EMBEDDING, LOSS, MTP, format_layout
 from .memory import MemoryModel, MemorySettings, RankMemory
 from .model_cost import ModelShape, StageCost, Work, stage_costs
-from .registry import ScheduleSpec, spec
+from .registry import spec
 from .retime import Retimer
 from .simulate import SimResult, simulate
 
@@ -35,6 +35,7 @@ __all__ = [
     "Advice",
     "Candidate",
     "PipelineSetup",
+    "StageTiming",
     "advise",
     "split_changes",
     "stages_for",
@@ -132,18 +133,42 @@ class PipelineSetup:
         return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
 
 
+@dataclass(frozen=True)
+class StageTiming:
+    """FLOPs made milliseconds: each pass's ms per FLOP (F, B, W, as a profile measured
+    them), the FB pair's overlap and the all-to-all's share of F and of B (a profile's):
+    the advisor then searches on time, not FLOPs."""
+
+    rates: tuple[float, float, float]
+    overlap: float = 1.0
+    a2a_f: float = 0.0
+    a2a_b: float = 0.0
+
+    def timed(self, cost: StageCost) -> StageCost:
+        """``cost`` with its work in milliseconds."""
+        rf, rb, rw = self.rates
+        return replace(cost, work=Work(cost.f * rf, cost.b * rb, cost.w * rw))
+
+    def cost_model(self, stage_ms: tuple[tuple[float, float, float], ...]) -> CostModel:
+        """The simulator's costs of stages timed so."""
+        return CostModel(
+            stage_costs=stage_ms, overlap=self.overlap, a2a_f=self.a2a_f, a2a_b=self.a2a_b
+        )
+
+
 @dataclass
 class Candidate:
     """One split: its stages (layout strings in pipeline order) with their costs, the
     simulated step and each rank's busy time (in FLOPs of one rank), and each rank's memory
     (parameters with their gradients and optimizer state, plus the peak of saved
-    activations, in bytes)."""
+    activations, in bytes); in milliseconds where the search was ``timing``'s."""
 
     stages: tuple[str, ...]
     costs: list[StageCost]
     makespan: float
     busy: list[float]
     memory: list[float]
+    timing: StageTiming | None = None
 
     @property
     def bubble(self) -> float:
@@ -161,7 +186,10 @@ class Candidate:
     @property
     def cost_model(self) -> CostModel:
         """The simulator's cost model of this split."""
-        return CostModel(stage_costs=tuple((c.f, c.b, c.w) for c in self.costs))
+        stage_costs = tuple((c.f, c.b, c.w) for c in self.costs)
+        if self.timing is not None:
+            return self.timing.cost_model(stage_costs)
+        return CostModel(stage_costs=stage_costs)
 
 
 @dataclass
@@ -256,15 +284,20 @@ def advise(
     memory_cap: float | None = None,
     settings: MemorySettings | None = None,
     progress: Callable[[str], None] | None = None,
+    timing: StageTiming | None = None,
+    built: Schedule | None = None,
 ) -> Advice:
     """Search the split of ``shape`` under ``schedule`` (default: the config's) for the
     shortest simulated step within ``memory_cap`` bytes per rank (default: the peak of the
     config's split, or of the most even split where the config's does not load); memory
-    per rank as :mod:`.memory` counts it with ``settings`` (FP8, recomputation)."""
+    per rank as :mod:`.memory` counts it with ``settings`` (FP8, recomputation). Stages
+    are timed by their FLOPs, or in milliseconds by ``timing``; ``built`` is another
+    schedule of ``schedule``'s placement to time (Megatron's or torch's), in its stead."""
     started = time.perf_counter()
     say = progress or (lambda _line: None)
     found = spec(schedule or setup.pipeline_schedule)
-    if found.chunks is None:
+    virtual = found.chunks is None  # Megatron's first/last counts do not apply
+    if virtual and built is None:
         raise ScheduleError(
             f"the advisor handles schedules with a fixed number of stages per rank; "
             f"{found.name} reads first/last counts per rank over virtual stages: choose "
@@ -284,7 +317,8 @@ def advise(
             f"(micro_batch_size x data-parallel size)), or give --microbatches"
         )
     settings = settings or MemorySettings()
-    search = _Search(shape, setup, found, found.generate(pp, m), settings)
+    timed = built if built is not None else found.generate(pp, m)
+    search = _Search(shape, setup, timed, settings, timing)
     notes: list[str] = [] if settings.recompute_granularity is None else [_recompute_note(search)]
     try:
         before_stages = search.config_stages()
@@ -297,7 +331,7 @@ def advise(
     before = search.evaluate(before_stages)
     cap = memory_cap if memory_cap is not None else before.peak_memory
     say(f"before: step {before.makespan:.4g}, searching Megatron's first/last settings")
-    first_last, first_last_lines = search.best_first_last(cap, say)
+    first_last, first_last_lines = (None, {}) if virtual else search.best_first_last(cap, say)
     starts = [c for c in (first_last, before) if c is not None and c.peak_memory <= cap]
     starts.append(search.evaluate(search.stages_from_counts(search.balanced_counts())))
     after = search.local_search(starts, cap, say)
@@ -361,12 +395,15 @@ class _Search:
         self,
         shape: ModelShape,
         setup: PipelineSetup,
-        found: ScheduleSpec,
         schedule: Schedule,
         settings: MemorySettings,
+        timing: StageTiming | None,
     ):
-        self.shape, self.setup, self.spec, self.schedule = shape, setup, found, schedule
-        self.settings = settings
+        self.shape, self.setup, self.schedule = shape, setup, schedule
+        self.settings, self.timing = settings, timing
+        self.splits_backward = any(a.kind is Kind.W for acts in schedule.ranks for a in acts)
+        #: No action takes less than this share of its parts (an FB pair's overlap).
+        self.least_share = min(1.0, timing.overlap) if timing is not None else 1.0
         p = schedule.placement
         self.placement = p
         self.stages = p.num_model_stages
@@ -385,7 +422,7 @@ class _Search:
             (q, None if q is None else p.model_stage(q))
             for q in map(p.prev_stage, range(p.num_stages))
         ]
-        self.retimer = Retimer(schedule)
+        self.retimer = Retimer(schedule, timing.overlap if timing is not None else 1.0)
 
     # -- splits ---------------------------------------------------------------------------
     def config_stages(self) -> tuple[str, ...]:
@@ -465,7 +502,8 @@ class _Search:
         self, starts: list[Candidate], cap: float, say: Callable[[str], None]
     ) -> Candidate | None:
         """From each start, move one layer at a time between stages while the simulated
-        step shrinks (moves tried in order of their lower bound, which prunes the rest)."""
+        step shrinks (moves tried in order of their lower bound, which prunes the rest); a
+        start over ``cap`` first moves layers while that lowers its peak memory."""
         best: Candidate | None = None
         for start in starts:
             current = start
@@ -498,12 +536,17 @@ class _Search:
                 stages = self.stages_from_counts(new)
                 moves.append((self.lower_bound(stages), stages))
         moves.sort()
+        over = current.peak_memory > cap  # first toward the cap: any move that lowers the peak
         for bound, stages in moves:
             self.considered += 1
-            if bound >= current.makespan * (1 - 1e-12):
+            if not over and bound >= current.makespan * (1 - 1e-12):
                 return None
-            memory = self.memory(stages)
-            if max(memory) > cap:
+            peak = max(self.memory(stages))
+            if over:
+                if peak < current.peak_memory:
+                    return self.evaluate(stages)
+                continue
+            if peak > cap:
                 continue
             cand = self.evaluate(stages)
             if cand.makespan < current.makespan * (1 - 1e-12):
@@ -554,14 +597,16 @@ class _Search:
             sequence_parallel=s.sequence_parallel,
             expert_parallel=s.expert_model_parallel_size,
             activation_bytes=2 if s.bf16 else 4,
-            recompute=self.settings.recompute,
+            # A profile's B already holds whatever the profiled run recomputed.
+            recompute=self.settings.recompute if self.timing is None else None,
         )
-        return costs[-1]
+        return costs[-1] if self.timing is None else self.timing.timed(costs[-1])
 
     def lower_bound(self, stages: tuple[str, ...]) -> float:
         """No step is shorter: for each rank, its compute time, after the forwards that
         must run before its first (the stages upstream of one it holds), and, where its
-        last work is a full backward, before the backwards that must follow it."""
+        last work is a full backward, before the backwards that must follow it (an FB
+        pair's overlap shortens the compute at most by its factor)."""
         costs = self.costs(stages)
         p = self.placement
         head = [0.0] * p.num_stages  # forward time upstream of each stage
@@ -570,11 +615,12 @@ class _Search:
             if prev is not None:
                 head[stage] = head[prev] + costs[model].f
                 tail[stage] = tail[prev] + costs[model].b + costs[model].w
-        if self.spec.splits_backward:
+        if self.splits_backward:
             tail = [0.0] * p.num_stages
+        share = self.least_share * self.passes
         return max(
             min(head[s] for s in held)
-            + self.passes * sum(costs[p.model_stage(s)].work.total for s in held)
+            + share * sum(costs[p.model_stage(s)].work.total for s in held)
             + min(tail[s] for s in held)
             for held in self.held
         )
@@ -595,7 +641,7 @@ class _Search:
             busy = [
                 self.passes * sum(costs[s].work.total for s in held) for held in self.rank_stages
             ]
-            cand = Candidate(stages, costs, makespan, busy, self.memory(stages))
+            cand = Candidate(stages, costs, makespan, busy, self.memory(stages), self.timing)
             self.seen[stages] = cand
         return cand
 

@@ -13,33 +13,84 @@ made for PP stages, asked of 2 PP), the split is the most even one, as the advis
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
-from .advisor import PipelineSetup, stages_for
+from .advisor import PipelineSetup, StageTiming, stages_for
 from .cost import CostModel
 from .ir import Placement, ScheduleError
 from .layer_split import stages_from_counts
 from .model_cost import ModelShape, stage_costs
 from .profile_trace import TraceCosts
 
-__all__ = ["ConfigCosts", "config_costs"]
+__all__ = ["ConfigCosts", "config_costs", "profile_timing", "timed_costs"]
 
 
 @dataclass(frozen=True)
 class ConfigCosts:
-    """A schedule's per-stage costs in ms: the split used (layout strings) and whether it
-    is the config's own, the cost model, and the rates (ms per GFLOP of F, B, W)."""
+    """A schedule's per-stage costs in ms: the split used (layout strings) and which it
+    is (``split``: "config's", "most even" or "advised"), the cost model, and the rates
+    (ms per GFLOP of F, B, W)."""
 
     stages: tuple[str, ...]
-    config_split: bool
+    split: str
     cost: CostModel
     rates: tuple[float, float, float]
+
+    @property
+    def config_split(self) -> bool:
+        return self.split == "config's"
 
 
 def _even(num_layers: int, stages: int, mtp_layers: int) -> list[str]:
     base, extra = divmod(num_layers, stages)
     counts = [base + (1 if i < extra else 0) for i in range(stages)]
     return stages_from_counts(counts, mtp_layers)
+
+
+def _options(setup: PipelineSetup, shape: ModelShape) -> dict:
+    return {
+        "tokens": setup.micro_batch_size * shape.seq_length,
+        "tensor_parallel": setup.tensor_model_parallel_size,
+        "sequence_parallel": setup.sequence_parallel,
+        "expert_parallel": setup.expert_model_parallel_size,
+    }
+
+
+def profile_timing(profile: TraceCosts, shape: ModelShape, setup: PipelineSetup) -> StageTiming:
+    """The profile's ms per FLOP of each pass, found on one of the model's layers (the
+    first MoE layer, else the first), with its pair overlap and all-to-all shares;
+    :class:`ScheduleError` where the profile is not per layer."""
+    if profile.unit != "layer":
+        raise ScheduleError(
+            f"--profile with --config needs per-layer phases (attn(F), mlp(B), ...); "
+            f"{profile.path} has one span per pipeline action: simulate it without --config"
+        )
+    options = _options(setup, shape)
+    layer = next((i for i in range(shape.num_layers) if shape.is_moe(i)), 0)
+    work = shape.decoder_layer(layer)[0] * (options["tokens"] / options["tensor_parallel"])
+    model = profile.cost_model()
+    rates = tuple(
+        ms / flops if flops else 0.0
+        for ms, flops in ((model.f, work.f), (model.b, work.b), (model.w, work.w))
+    )
+    return StageTiming(rates, model.overlap, model.a2a_f, model.a2a_b)
+
+
+def timed_costs(
+    timing: StageTiming,
+    shape: ModelShape,
+    setup: PipelineSetup,
+    stages: Sequence[str],
+    split: str,
+    latency: float = 0.0,
+) -> ConfigCosts:
+    """``stages`` (layout strings in pipeline order) timed by ``timing``."""
+    costs = stage_costs(shape, list(stages), **_options(setup, shape))
+    rf, rb, rw = timing.rates
+    stage_ms = tuple((c.f * rf, c.b * rb, c.w * rw) for c in costs)
+    cost = replace(timing.cost_model(stage_ms), latency=latency)
+    return ConfigCosts(tuple(stages), split, cost, (rf * 1e9, rb * 1e9, rw * 1e9))
 
 
 def config_costs(
@@ -49,41 +100,13 @@ def config_costs(
     placement: Placement,
     latency: float = 0.0,
 ) -> ConfigCosts:
-    """The cost model of ``placement``'s model stages under the config's split, timed by
-    ``profile`` (per-layer figures); :class:`ScheduleError` where the profile is not per
-    layer."""
-    if profile.unit != "layer":
-        raise ScheduleError(
-            f"--profile with --config needs per-layer phases (attn(F), mlp(B), ...); "
-            f"{profile.path} has one span per pipeline action: simulate it without --config"
-        )
+    """The cost model of ``placement``'s model stages under the config's split (the most
+    even where it has no form over them), timed by ``profile`` (per-layer figures);
+    :class:`ScheduleError` where the profile is not per layer."""
+    timing = profile_timing(profile, shape, setup)
     n = placement.num_model_stages
     try:
-        stages, own = stages_for(shape, setup, n), True
+        stages, split = stages_for(shape, setup, n), "config's"
     except ScheduleError:
-        stages, own = _even(shape.num_layers, n, shape.mtp_layers), False
-    tokens = setup.micro_batch_size * shape.seq_length
-    tp = setup.tensor_model_parallel_size
-    options = {
-        "tokens": tokens,
-        "tensor_parallel": tp,
-        "sequence_parallel": setup.sequence_parallel,
-        "expert_parallel": setup.expert_model_parallel_size,
-    }
-    costs = stage_costs(shape, stages, **options)
-    layer = next((i for i in range(shape.num_layers) if shape.is_moe(i)), 0)
-    work = shape.decoder_layer(layer)[0] * (tokens / tp)
-    model = profile.cost_model()
-    rates = tuple(
-        ms / flops if flops else 0.0
-        for ms, flops in ((model.f, work.f), (model.b, work.b), (model.w, work.w))
-    )
-    stage_ms = tuple((c.f * rates[0], c.b * rates[1], c.w * rates[2]) for c in costs)
-    cost = CostModel(
-        stage_costs=stage_ms,
-        overlap=model.overlap,
-        latency=latency,
-        a2a_f=model.a2a_f,
-        a2a_b=model.a2a_b,
-    )
-    return ConfigCosts(tuple(stages), own, cost, tuple(r * 1e9 for r in rates))
+        stages, split = _even(shape.num_layers, n, shape.mtp_layers), "most even"
+    return timed_costs(timing, shape, setup, stages, split, latency)

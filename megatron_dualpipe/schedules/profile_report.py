@@ -15,6 +15,7 @@ import statistics
 from dataclasses import dataclass
 
 from .bound import step_bound
+from .layout import format_layout
 from .profile_config import ConfigCosts
 from .report import markdown_table
 from .simulate import SimResult
@@ -35,7 +36,8 @@ class ProfileRow:
     schedule: str
     source: str
     stages: int | None = None
-    config_split: bool | None = None
+    split: str | None = None
+    layout: str | None = None
     step: float | None = None
     bubble: float | None = None
     idle: tuple[float, ...] = ()
@@ -54,7 +56,8 @@ class ProfileRow:
             name,
             source,
             stages=result.schedule.placement.num_model_stages,
-            config_split=costs.config_split,
+            split=costs.split,
+            layout=format_layout(list(costs.stages)),
             step=result.makespan,
             bubble=result.bubble_ratio,
             idle=tuple(r.idle for r in result.ranks),
@@ -69,7 +72,9 @@ class ProfileRow:
             "schedule": self.schedule,
             "source": self.source,
             "model_stages": self.stages,
-            "config_split": self.config_split,
+            "config_split": self.split == "config's" if self.split else None,
+            "split": self.split,
+            "layout": self.layout,
             "step_ms": self.step,
             "bubble_ratio": self.bubble,
             "idle_ms": list(self.idle),
@@ -94,7 +99,7 @@ def profile_table(rows: list[ProfileRow]) -> str:
                 [r.schedule, r.source, "-", "-", "n/a"] + ["-"] * (len(header) - 5)
             )
             continue
-        split = "config's" if r.config_split else "most even"
+        split = r.split or "-"
         bound = r.bound or 0.0
         line = [r.schedule, r.source, str(r.stages), split, f"{r.step:.1f}", f"{bound:.1f}"]
         line += [f"{r.step / bound:.3f}" if bound else "-"]
@@ -102,7 +107,9 @@ def profile_table(rows: list[ProfileRow]) -> str:
         line += [f"{r.step / steps[p]:.3f}" for p in PEERS if p in steps]
         body.append(line)
     text = markdown_table(header, body)
-    notes = [f"- n/a: {r.schedule}: {r.note}" for r in rows if r.note]
+    notes = [
+        f"- {'n/a: ' if r.step is None else ''}{r.schedule}: {r.note}" for r in rows if r.note
+    ]
     return text + ("\n\n" + "\n".join(notes) if notes else "")
 
 
