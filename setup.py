@@ -16,12 +16,12 @@ setup(
     install_requires=[
         "matplotlib>=3.7",
         "PyYAML>=6.0",
-        # HiGHS (scipy.optimize.milp / linprog) for the schedule optimiser, imported lazily.
-        "scipy>=1.11",
     ],
     extras_require={
         # Users bring their own (CUDA) torch; megatron-core needs torch >= 2.6.
         "torch": ["torch>=2.6"],
+        # The planner's schedule optimiser: HiGHS (scipy.optimize.milp / linprog), lazily.
+        "planner": ["scipy>=1.11"],
         # megatron-core: the releases megatron_dualpipe/megatron/compat/version.py supports (an
         # installed one in the range is kept); psutil: megatron-core's dist_checkpointing
         # writer needs it (checkpoints hang without).
@@ -36,6 +36,7 @@ setup(
         "tensorboard": ["tensorboard>=2.14"],
         "test": [
             "torch>=2.6",
+            "scipy>=1.11",
             "megatron-core>=0.16.1,<0.20",
             "psutil>=5.9",
             "transformers>=4.40",

@@ -29,7 +29,7 @@ from megatron_dualpipe.bench.measured import (  # noqa: E402
     measure,
 )
 from megatron_dualpipe.bench.measured_report import measured_table  # noqa: E402
-from megatron_dualpipe.schedules.report import markdown_table  # noqa: E402
+from megatron_dualpipe.planner.report import markdown_table  # noqa: E402
 
 
 def _verdict(run: MeasuredRun, name: str) -> str:

@@ -28,7 +28,7 @@ the FP8 checks need compute capability 9.0 (Hopper) or newer.
 - ``layer-costs-dense``, ``layer-costs-moe``: one transformer layer at hidden 4096 and
   sequence 4096 (GQA 32/8 heads, SwiGLU 14336; MoE: 8 experts top-2, grouped GEMM, EP=1),
   bf16, deferral on: median F, B (dX) and W (dW) times of --repeats, and the bytes the layer
-  saves from F to B and holds from B to W beside what ``schedules/memory.py`` predicts;
+  saves from F to B and holds from B to W beside what ``planner/memory.py`` predicts;
   printed as ``simulate --cost F=..,B=..,W=..`` (ms per layer). It fails when W takes no
   time (dW not deferred).
 
@@ -334,9 +334,9 @@ def _layer_costs(moe: bool) -> Callable[[argparse.Namespace], tuple[bool, str]]:
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         from megatron_dualpipe.megatron.model.chunks import ChunkEnds, build_chunks, model_config
+        from megatron_dualpipe.planner.memory import MemoryModel
+        from megatron_dualpipe.planner.model_cost import ModelShape
         from megatron_dualpipe.runtime import WeightGradStore
-        from megatron_dualpipe.schedules.memory import MemoryModel
-        from megatron_dualpipe.schedules.model_cost import ModelShape
         from megatron_dualpipe.schedules.registry import generate
 
         h, s, ffn = args.hidden, args.seq, 14336

@@ -5,7 +5,7 @@ megatron-dualpipe's memory model, term by term.
 Runs ``megatron/training/theoretical_memory_usage.py`` (Megatron-LM's formula, shipped in
 the megatron-core 0.19 wheel with ``megatron/training``) on the config's model and
 parallel sizes with ``pipeline_schedule`` set to 1f1b, and walks from each of its two
-figures to ours (``megatron_dualpipe.schedules.memory_bridge``). It needs a Python whose
+figures to ours (``megatron_dualpipe.planner.memory_bridge``). It needs a Python whose
 megatron-core has ``megatron.training``:
 
     .ci/venv312/bin/python scripts/megatron_memory_formula.py configs/deepseek_v3_pp16.yaml
@@ -24,10 +24,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_dualpipe.megatron.training.config import ConfigError, load_config  # noqa: E402
-from megatron_dualpipe.schedules.advisor import PipelineSetup, stages_for  # noqa: E402
-from megatron_dualpipe.schedules.memory import MemorySettings  # noqa: E402
-from megatron_dualpipe.schedules.memory_bridge import TOLERANCE, bridges  # noqa: E402
-from megatron_dualpipe.schedules.model_cost import ModelShape  # noqa: E402
+from megatron_dualpipe.planner.advisor import PipelineSetup, stages_for  # noqa: E402
+from megatron_dualpipe.planner.memory import MemorySettings  # noqa: E402
+from megatron_dualpipe.planner.memory_bridge import TOLERANCE, bridges  # noqa: E402
+from megatron_dualpipe.planner.model_cost import ModelShape  # noqa: E402
 from megatron_dualpipe.schedules.registry import spec  # noqa: E402
 
 MIB = 2**20

@@ -44,7 +44,7 @@ pipeline runs the check on Megatron's pipeline group.
   less PyTorch's own) before and after the pipeline communicator's creation and first
   step (Megatron's pipeline group, whose communicator NCCL makes at its first use), then
   after the mirror exchange's, beside the estimate of
-  ``schedules/nccl_memory.py`` for each; PASS reports both (a measurement, no bound).
+  ``planner/nccl_memory.py`` for each; PASS reports both (a measurement, no bound).
 """
 
 from __future__ import annotations
@@ -441,8 +441,8 @@ def _rank_killed(args: argparse.Namespace, _: Any) -> tuple[bool, str]:
 def _nccl_memory(args: argparse.Namespace, _: Any) -> tuple[bool, str]:
     import torch
 
+    from megatron_dualpipe.planner.nccl_memory import NcclBuffers, nccl_memory
     from megatron_dualpipe.runtime import sync_mirror_grads
-    from megatron_dualpipe.schedules.nccl_memory import NcclBuffers, nccl_memory
     from megatron_dualpipe.schedules.registry import generate
 
     def taken() -> int:

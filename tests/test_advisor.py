@@ -1,5 +1,5 @@
 """The balance advisor's parts: the layout string read and written as Megatron reads it, the
-retimer equal to the simulator, and the search (memory per rank from schedules/memory.py,
+retimer equal to the simulator, and the search (memory per rank from planner/memory.py,
 whose peaks tests/test_memory.py holds to the simulator's):
 never worse than the config's split, within the memory cap, and what it proposes loads back."""
 
@@ -12,18 +12,18 @@ import pytest
 
 from megatron_dualpipe.bench.catalog import SCHEDULES as CATALOG
 from megatron_dualpipe.cli.simulate import _train_defaults
-from megatron_dualpipe.schedules.advisor import (
+from megatron_dualpipe.planner.advisor import (
     PipelineSetup,
     advise,
     stages_for,
 )
-from megatron_dualpipe.schedules.config_advice import ConfigModel
+from megatron_dualpipe.planner.config_advice import ConfigModel
+from megatron_dualpipe.planner.model_cost import ModelShape
+from megatron_dualpipe.planner.retime import Retimer
 from megatron_dualpipe.schedules.cost import CostModel
 from megatron_dualpipe.schedules.ir import ScheduleError
 from megatron_dualpipe.schedules.layout import check_layout, format_layout, parse_layout
-from megatron_dualpipe.schedules.model_cost import ModelShape
 from megatron_dualpipe.schedules.registry import generate
-from megatron_dualpipe.schedules.retime import Retimer
 from megatron_dualpipe.schedules.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ from megatron_dualpipe.bench.launch import BenchError, run_ranks
 from megatron_dualpipe.bench.simulated import LOWER_BOUND, simulate_cell, simulated_table
 from megatron_dualpipe.bench.sleep_model import SleepClock, SleepCosts, SleepLinear, SleepStage
 from megatron_dualpipe.cli import main
-from megatron_dualpipe.schedules.optimize import Effort
+from megatron_dualpipe.planner.optimize import Effort
 
 # -- simulated ---------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_dualpipe.cli import main
-from megatron_dualpipe.schedules.bound import step_bound
+from megatron_dualpipe.planner.bound import step_bound
 from megatron_dualpipe.schedules.cost import CostModel
 from megatron_dualpipe.schedules.ir import ScheduleError
 from megatron_dualpipe.schedules.registry import SCHEDULES, generate

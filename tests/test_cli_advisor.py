@@ -18,10 +18,10 @@ import pytest
 import yaml
 
 from megatron_dualpipe.cli import main
-from megatron_dualpipe.schedules.advisor import PipelineSetup, stages_for
+from megatron_dualpipe.planner.advisor import PipelineSetup, stages_for
+from megatron_dualpipe.planner.model_cost import ModelShape
 from megatron_dualpipe.schedules.config_values import read_values
 from megatron_dualpipe.schedules.layout import format_layout
-from megatron_dualpipe.schedules.model_cost import ModelShape
 
 DATA = Path(__file__).parent / "data"
 DEEPSEEK, TINY = DATA / "deepseek_v3_pp16.yaml", DATA / "tiny_deepseek_cpu.yaml"

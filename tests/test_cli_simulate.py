@@ -227,7 +227,7 @@ def test_plain_simulate_does_not_import_scipy() -> None:
 
     code = (
         "import sys\n"
-        "import megatron_dualpipe.schedules, megatron_dualpipe.schedules.optimize\n"
+        "import megatron_dualpipe.schedules, megatron_dualpipe.planner.optimize\n"
         "from megatron_dualpipe.cli import main\n"
         "assert main(['simulate', '--schedule', 'dualpipev', '--pp', '4']) == 0\n"
         "print('scipy' in sys.modules, 'numpy' in sys.modules)\n"

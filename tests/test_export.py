@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_dualpipe.planner.export import to_chrome_trace, to_grid, to_png, write_chrome_trace
 from megatron_dualpipe.schedules.cost import CostModel
-from megatron_dualpipe.schedules.export import to_chrome_trace, to_grid, to_png, write_chrome_trace
 from megatron_dualpipe.schedules.ir import Kind
 from megatron_dualpipe.schedules.registry import generate
 from megatron_dualpipe.schedules.simulate import SimResult, simulate
@@ -197,7 +197,7 @@ def test_png_numbers_every_box_but_a_few_too_short_for_their_number() -> None:
     shrink every number below the smallest font, which left a measured panel unnumbered."""
     from matplotlib.figure import Figure
 
-    from megatron_dualpipe.schedules.export.png import _Box, _numbers
+    from megatron_dualpipe.planner.export.png import _Box, _numbers
 
     white = (1.0, 1.0, 1.0)
     boxes = [_Box(10.0 * i, 0.1, 10.0 * i + 9, 0.9, white, i) for i in range(12)]
@@ -217,7 +217,7 @@ def test_png_leaves_matplotlib_state_alone(tmp_path) -> None:
 
 
 def test_export_imports_matplotlib_lazily() -> None:
-    code = "import sys, megatron_dualpipe.schedules.export; print('matplotlib' in sys.modules)"
+    code = "import sys, megatron_dualpipe.planner.export; print('matplotlib' in sys.modules)"
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root

@@ -1,7 +1,9 @@
 """The layers hold: what each package may import (read from the source), and what really
 loads when torch and megatron cannot be imported at all.
 
-1. ``schedules/`` is pure Python: no torch, no megatron, nothing of the layers above it.
+1. ``schedules/`` and ``planner/`` are pure Python: no torch, no megatron, nothing of the
+   layers above them; nothing of the core (schedules, runtime, the adapter but our own
+   trainer, the Megatron-LM hooks) imports the planner.
 2. ``runtime/`` imports torch but never megatron, and nothing of ``megatron_dualpipe.megatron``.
 3. Only ``megatron_dualpipe/megatron/`` imports ``megatron`` (entry points reach Megatron
    through it), and no production module imports the test fixtures ``tiny_models``.
@@ -64,9 +66,18 @@ def _violations(paths: list[Path], forbidden: tuple[str, ...]) -> list[str]:
     ]
 
 
-def test_schedules_are_pure_python() -> None:
+def test_schedules_and_the_planner_are_pure_python() -> None:
     forbidden = ("torch", "megatron", "megatron_dualpipe.runtime", "megatron_dualpipe.megatron")
-    assert _violations(_modules("schedules"), forbidden) == []
+    assert _violations(_modules("schedules") + _modules("planner"), forbidden) == []
+
+
+def test_nothing_of_the_core_imports_the_planner() -> None:
+    """The planner is a wing: the schedules, the runtime, the Megatron adapter and the
+    Megatron-LM hooks run without it (our own trainer, ``megatron/training/``, is to go)."""
+    training = PACKAGE / "megatron" / "training"
+    core = _modules("schedules") + _modules("runtime") + [PACKAGE / "megatron_lm.py"]
+    core += [p for p in _modules("megatron") if training not in p.parents]
+    assert _violations(core, ("megatron_dualpipe.planner",)) == []
 
 
 def test_runtime_never_imports_megatron() -> None:
@@ -208,6 +219,24 @@ class Block(importlib.abc.MetaPathFinder):
         return None
 sys.meta_path.insert(0, Block())
 """
+
+
+def test_the_optimiser_without_scipy_is_one_sentence() -> None:
+    """SciPy is the planner's extra: without it the optimiser says what to install."""
+    block = _BLOCK.replace('("torch", "megatron", "transformer_engine")', '("scipy",)')
+    code = (
+        "from megatron_dualpipe.cli import main\n"
+        "raise SystemExit(main(['simulate', '--schedule', 'dualpipev', '--pp', '2', "
+        "'--microbatches', '4', '--optimize']))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", block + code], capture_output=True, text=True, cwd=ROOT
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip() == (
+        "megatron-dualpipe: error: the schedule optimiser needs SciPy (its HiGHS solver), "
+        "which is not installed: pip install 'megatron-dualpipe[planner]' (or pip install scipy)"
+    )
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import megatron.core
 import pytest
 
-from megatron_dualpipe.schedules.megatron_flops import megatron_lm_flops
-from megatron_dualpipe.schedules.model_cost import ModelShape, parse_moe_layer_freq
+from megatron_dualpipe.planner.megatron_flops import megatron_lm_flops
+from megatron_dualpipe.planner.model_cost import ModelShape, parse_moe_layer_freq
 from tests.multiproc import run_workers
 
 pytestmark = pytest.mark.megatron

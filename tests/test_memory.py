@@ -1,4 +1,4 @@
-"""The per-rank memory model (``schedules/memory.py``): its saved activations are the cost
+"""The per-rank memory model (``planner/memory.py``): its saved activations are the cost
 model's, its activation peaks count as the simulator counts, its bytes per parameter are
 Megatron's distributed-optimizer accounting, recomputation and FP8 change what they
 should, the parameters per rank are those Megatron-Core builds under our placements
@@ -18,15 +18,15 @@ from typing import Any
 import pytest
 
 from megatron_dualpipe.megatron.training.config.advice import train_defaults
-from megatron_dualpipe.schedules.advisor import PipelineSetup, stages_for
-from megatron_dualpipe.schedules.config_values import ConfigValueError, read_values
-from megatron_dualpipe.schedules.memory import (
+from megatron_dualpipe.planner.advisor import PipelineSetup, stages_for
+from megatron_dualpipe.planner.memory import (
     GIB,
     MemoryModel,
     MemorySettings,
     PhasePeaks,
 )
-from megatron_dualpipe.schedules.model_cost import ModelShape, stage_costs
+from megatron_dualpipe.planner.model_cost import ModelShape, stage_costs
+from megatron_dualpipe.schedules.config_values import ConfigValueError, read_values
 from megatron_dualpipe.schedules.registry import generate, spec
 from megatron_dualpipe.schedules.simulate import simulate
 from tests.multiproc import one_fast

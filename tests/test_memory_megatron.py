@@ -1,6 +1,6 @@
 """Our per-rank memory beside Megatron-LM's own ``theoretical_memory_usage`` formula, for the
 same config under 1F1B: Megatron-LM's figure plus the named steps of
-``schedules/memory_bridge.py`` equals ours within ``TOLERANCE`` (relative), for the
+``planner/memory_bridge.py`` equals ours within ``TOLERANCE`` (relative), for the
 weights with their gradients and optimizer states and for the activations.
 
 The formula runs from a megatron-core wheel that ships ``megatron/training`` (0.19, on
@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dualpipe.schedules.advisor import PipelineSetup
+from megatron_dualpipe.planner.advisor import PipelineSetup
+from megatron_dualpipe.planner.memory import MemorySettings
+from megatron_dualpipe.planner.memory_bridge import TOLERANCE, bridges
+from megatron_dualpipe.planner.model_cost import ModelShape
 from megatron_dualpipe.schedules.ir import ScheduleError
-from megatron_dualpipe.schedules.memory import MemorySettings
-from megatron_dualpipe.schedules.memory_bridge import TOLERANCE, bridges
-from megatron_dualpipe.schedules.model_cost import ModelShape
 from megatron_dualpipe.schedules.registry import generate
 
 ROOT = Path(__file__).resolve().parents[1]

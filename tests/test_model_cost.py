@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_dualpipe.planner.model_cost import ModelShape, Work, stage_costs
 from megatron_dualpipe.schedules.config_values import ConfigValueError
 from megatron_dualpipe.schedules.ir import ScheduleError
-from megatron_dualpipe.schedules.model_cost import ModelShape, Work, stage_costs
 
 # h=8, 2 heads of 4, sequence 4, ffn 16, vocabulary 10; LayerNorm and biases (defaults).
 SMALL = dict(num_layers=2, hidden_size=8, num_attention_heads=2, seq_length=4, vocab_size=10)

@@ -8,8 +8,8 @@ import re
 import pytest
 
 from megatron_dualpipe.cli import main
+from megatron_dualpipe.planner.nccl_memory import NcclBuffers, nccl_memory
 from megatron_dualpipe.schedules.ir import ScheduleError
-from megatron_dualpipe.schedules.nccl_memory import NcclBuffers, nccl_memory
 from megatron_dualpipe.schedules.registry import generate
 
 MIB = 2**20

@@ -14,15 +14,15 @@ import time
 import pytest
 
 from megatron_dualpipe.cli import main
+from megatron_dualpipe.planner.optimize import optimize
+from megatron_dualpipe.planner.optimize.bound import tails
+from megatron_dualpipe.planner.optimize.deadline import Deadline, OutOfTime
+from megatron_dualpipe.planner.optimize.instance import Instance
+from megatron_dualpipe.planner.optimize.listsched import build
+from megatron_dualpipe.planner.optimize.local_search import improve
+from megatron_dualpipe.planner.optimize.optimizer import PORTFOLIO
+from megatron_dualpipe.planner.optimize.timing import from_actions, time_orders
 from megatron_dualpipe.schedules import CostModel, generate
-from megatron_dualpipe.schedules.optimize import optimize
-from megatron_dualpipe.schedules.optimize.bound import tails
-from megatron_dualpipe.schedules.optimize.deadline import Deadline, OutOfTime
-from megatron_dualpipe.schedules.optimize.instance import Instance
-from megatron_dualpipe.schedules.optimize.listsched import build
-from megatron_dualpipe.schedules.optimize.local_search import improve
-from megatron_dualpipe.schedules.optimize.optimizer import PORTFOLIO
-from megatron_dualpipe.schedules.optimize.timing import from_actions, time_orders
 
 #: A size whose list-scheduler build takes about half a second here, a timing a quarter of it.
 PP, MICROBATCHES = 16, 160

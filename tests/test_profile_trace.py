@@ -17,13 +17,13 @@ from megatron_dualpipe.bench.catalog import SCHEDULES as CATALOG
 from megatron_dualpipe.bench.profiled import twin_schedule
 from megatron_dualpipe.cli import main
 from megatron_dualpipe.cli.simulate import _train_defaults
+from megatron_dualpipe.planner.config_advice import ConfigModel
+from megatron_dualpipe.planner.memory import MemoryModel
+from megatron_dualpipe.planner.profile_config import config_costs
+from megatron_dualpipe.planner.profile_report import ProfileRow, deepseek_bubble
+from megatron_dualpipe.planner.profile_trace import read_profile
 from megatron_dualpipe.schedules import CostModel, ScheduleError, generate, simulate
-from megatron_dualpipe.schedules.config_advice import ConfigModel
 from megatron_dualpipe.schedules.layout import parse_layout
-from megatron_dualpipe.schedules.memory import MemoryModel
-from megatron_dualpipe.schedules.profile_config import config_costs
-from megatron_dualpipe.schedules.profile_report import ProfileRow, deepseek_bubble
-from megatron_dualpipe.schedules.profile_trace import read_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPUTE, COMM = 7, 27

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from megatron_dualpipe.planner.export import to_png, write_chrome_trace
 from megatron_dualpipe.runtime import (
     PipelineExecutor,
     TensorSpec,
@@ -457,12 +458,11 @@ def record_timeline(
     result = executor.run(inputs, record_timeline=True)
     if rank == 0:
         result.timeline.wall_origin += wall_skew_s
-    return gather_timeline(
-        result.timeline,
-        executor.schedule,
-        trace_path=f"{trace_dir}/measured.json",
-        png_path=f"{trace_dir}/measured.png",
-    )
+    measured = gather_timeline(result.timeline, executor.schedule)
+    if measured is not None:  # the planner's exports write it as they write a simulated step
+        write_chrome_trace(measured, f"{trace_dir}/measured.json")
+        to_png(measured, f"{trace_dir}/measured.png", title="measured", unit="ms")
+    return measured
 
 
 def test_ranks_on_one_host_align_on_the_monotonic_clock_not_the_wall_clock(tmp_path) -> None:

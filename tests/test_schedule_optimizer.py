@@ -9,6 +9,13 @@ from dataclasses import replace
 import pytest
 
 from megatron_dualpipe.bench.torch_schedules import import_torch_schedule
+from megatron_dualpipe.planner.optimize import lower_bound, optimize
+from megatron_dualpipe.planner.optimize.bound import tails
+from megatron_dualpipe.planner.optimize.instance import Instance
+from megatron_dualpipe.planner.optimize.listsched import Policy, build
+from megatron_dualpipe.planner.optimize.local_search import improve
+from megatron_dualpipe.planner.optimize.timing import from_actions, time_orders, to_actions
+from megatron_dualpipe.planner.optimize.window_milp import reorder_window
 from megatron_dualpipe.schedules import (
     CostModel,
     Placement,
@@ -17,13 +24,6 @@ from megatron_dualpipe.schedules import (
     simulate,
     spec,
 )
-from megatron_dualpipe.schedules.optimize import lower_bound, optimize
-from megatron_dualpipe.schedules.optimize.bound import tails
-from megatron_dualpipe.schedules.optimize.instance import Instance
-from megatron_dualpipe.schedules.optimize.listsched import Policy, build
-from megatron_dualpipe.schedules.optimize.local_search import improve
-from megatron_dualpipe.schedules.optimize.timing import from_actions, time_orders, to_actions
-from megatron_dualpipe.schedules.optimize.window_milp import reorder_window
 from megatron_dualpipe.schedules.validate import check_weight_grads_in_b_order, validate
 
 EQUAL = CostModel(1, 1, 1)

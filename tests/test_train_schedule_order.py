@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 
 from megatron_dualpipe.megatron.training import ConfigError, load_config
+from megatron_dualpipe.planner.optimize import Effort, measured_costs, optimize
 from megatron_dualpipe.runtime import WeightGradStore
 from megatron_dualpipe.schedules.cost import CostModel
 from megatron_dualpipe.schedules.ir import Kind, Schedule
-from megatron_dualpipe.schedules.optimize import Effort, measured_costs, optimize
 from megatron_dualpipe.schedules.registry import generate
 from megatron_dualpipe.schedules.simulate import simulate
 from tests.digits import beyond

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from megatron_dualpipe.megatron.training import load_config, train
-from megatron_dualpipe.schedules.megatron_flops import megatron_lm_flops
-from megatron_dualpipe.schedules.model_cost import ModelShape
+from megatron_dualpipe.planner.megatron_flops import megatron_lm_flops
+from megatron_dualpipe.planner.model_cost import ModelShape
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multiproc]
 

@@ -268,7 +268,7 @@ def optimised_schedule(
     for the config's costs (calibrated where given): on each of the peers' placements,
     starting from the peers' orders, within the first peer's peak of live activations
     (our hand-made schedule's); the faster placement's result, lowered."""
-    from ..schedules.optimize import Effort, optimize_on_placements  # imports SciPy
+    from ..planner.optimize import Effort, optimize_on_placements  # imports SciPy
 
     peers = [compute_order(n, config.pp, config.microbatches) for n in OPTIMISED_PEERS[name]]
     level = _peak_in_1f1b_stages(peers[0], config.cost_for(peers[0].placement, calibration))

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import statistics
 
+from ..planner.report import markdown_table
 from ..schedules import SimResult, simulate
 from ..schedules.registry import OUR_SCHEDULES
-from ..schedules.report import markdown_table
 from .measured import BASELINE, OPTIMISED_PEERS, MeasuredRun
 
 __all__ = [

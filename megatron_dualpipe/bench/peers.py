@@ -20,8 +20,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from ..planner.report import markdown_table
 from ..schedules import CostModel, Placement, simulate
-from ..schedules.report import markdown_table
 from .launch import run_ranks
 from .torch_schedules import TORCH_SCHEDULES, as_torch_runs, import_torch_schedule
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ..planner.advisor import StageTiming, advise
+from ..planner.config_advice import ConfigModel
+from ..planner.profile_config import ConfigCosts, config_costs, profile_timing, timed_costs
+from ..planner.profile_report import ProfileRow, deepseek_bubble, profile_table
+from ..planner.profile_trace import TraceCosts
 from ..schedules import Placement, Schedule, ScheduleError, generate, simulate, validate
-from ..schedules.advisor import StageTiming, advise
-from ..schedules.config_advice import ConfigModel
-from ..schedules.profile_config import ConfigCosts, config_costs, profile_timing, timed_costs
-from ..schedules.profile_report import ProfileRow, deepseek_bubble, profile_table
-from ..schedules.profile_trace import TraceCosts
 from ..schedules.registry import SCHEDULES as REGISTERED
 from ..schedules.registry import spec
 from .catalog import SCHEDULES as ENTRIES

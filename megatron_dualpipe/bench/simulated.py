@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
+from ..planner.optimize import Effort  # the optimiser imports SciPy only when it runs
+from ..planner.report import markdown_table
 from ..schedules import Schedule, ScheduleError, SimResult, simulate, validate
-from ..schedules.optimize import Effort  # the optimiser imports SciPy only when it runs
-from ..schedules.report import markdown_table
 from .catalog import PROFILES, SCHEDULES, Profile, ScheduleEntry
 
 __all__ = [
@@ -195,7 +195,7 @@ def _optimised_rows(
     more than any of them), then, only where a schedule of that kind holding more is
     still faster, under that schedule's peak (a row named after the schedule whose memory
     it is given)."""
-    from ..schedules.optimize import optimize_on_placements  # imports SciPy
+    from ..planner.optimize import optimize_on_placements  # imports SciPy
 
     rows = []
     for name, hand in OPTIMISED:

@@ -232,7 +232,7 @@ took {elapsed:.0f} s."""
 
 def _figure_pair(ctx: BenchContext, run: Any) -> str:
     """Write ours-measured and ours-simulated timelines as PNGs; their markdown."""
-    from ..schedules.export import to_png
+    from ..planner.export import to_png
     from .measured_report import replayed_ms
 
     if ctx.out_dir is None or run.timeline is None:

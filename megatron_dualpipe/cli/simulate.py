@@ -1,7 +1,7 @@
 """``megatron-dualpipe simulate``: generate, validate and simulate a schedule (or load
 one); with ``--config`` the balance advisor, with ``--optimize`` the optimiser, with
 ``--profile`` a profiler trace's costs. Here the flags are parsed and checked; the work is
-the schedule layer's (:mod:`megatron_dualpipe.schedules.simulation`, ``.config_advice``,
+the schedule layer's (:mod:`megatron_dualpipe.planner.simulation`, ``.config_advice``,
 ``.optimize``, ``.profile_trace``) and the benchmark's (:mod:`megatron_dualpipe.bench.profiled`).
 Pure Python, as the schedule layer."""
 
@@ -13,20 +13,8 @@ import os
 from functools import partial
 from pathlib import Path
 
-from ..progress import Progress, StatusLine
-from ..schedules.cost import CostModel
-from ..schedules.ir import Schedule, ScheduleError
-from ..schedules.limits import (
-    MAX_TIMELINE_SIZE,
-    nccl_check_size_problem,
-    optimize_size_problem,
-    schedule_size,
-    size_problem,
-)
-from ..schedules.nccl_rules import EAGER_LIMIT, STREAMS
-from ..schedules.profile_trace import TraceCosts
-from ..schedules.registry import SCHEDULES, spec
-from ..schedules.simulation import (
+from ..planner.profile_trace import TraceCosts
+from ..planner.simulation import (
     check_and_simulate,
     checks_fully,
     cost_for,
@@ -38,6 +26,18 @@ from ..schedules.simulation import (
     results_table,
     write_outputs,
 )
+from ..progress import Progress, StatusLine
+from ..schedules.cost import CostModel
+from ..schedules.ir import Schedule, ScheduleError
+from ..schedules.limits import (
+    MAX_TIMELINE_SIZE,
+    nccl_check_size_problem,
+    optimize_size_problem,
+    schedule_size,
+    size_problem,
+)
+from ..schedules.nccl_rules import EAGER_LIMIT, STREAMS
+from ..schedules.registry import SCHEDULES, spec
 from ..schedules.validate import validate
 from .common import add_overrides, check_outputs
 
@@ -320,7 +320,7 @@ def _save(schedule: Schedule, args: argparse.Namespace) -> None:
 def _read_profile(args: argparse.Namespace) -> TraceCosts:
     """``--profile``: read the trace, print its figures, and make its cost model the
     ``--cost`` of what follows."""
-    from ..schedules.profile_trace import read_profile
+    from ..planner.profile_trace import read_profile
 
     if args.cost != _DEFAULT_COST:
         raise ScheduleError("--cost and --profile both give the costs: drop one")
@@ -338,7 +338,7 @@ def _run_profile_config(args: argparse.Namespace, profile: TraceCosts) -> None:
     import json
 
     from ..bench.profiled import profile_comparison
-    from ..schedules.config_advice import ConfigModel
+    from ..planner.config_advice import ConfigModel
 
     if args.optimize:
         raise ScheduleError(
@@ -363,7 +363,7 @@ def _run_profile_config(args: argparse.Namespace, profile: TraceCosts) -> None:
 def _run_advisor(args: argparse.Namespace) -> None:
     """``simulate --config``: the balance advisor (pure Python, as the rest of simulate)."""
     from ..megatron.training.config.advice import train_refuses
-    from ..schedules.config_advice import ConfigModel, advice_text, advise_config, write_advice
+    from ..planner.config_advice import ConfigModel, advice_text, advise_config, write_advice
 
     if args.pp is not None:
         raise ScheduleError(
@@ -412,7 +412,7 @@ def _train_defaults() -> dict:
 
 def _run_optimize(args: argparse.Namespace, extra: dict | None = None) -> None:
     """``simulate --optimize``: optimise one schedule's placement and report it."""
-    from ..schedules.optimize.report import against_1f1b, heading  # imports SciPy
+    from ..planner.optimize.report import against_1f1b, heading  # imports SciPy
 
     cap = args.memory_cap
     if cap is not None and (cap != int(cap) or cap < 1):

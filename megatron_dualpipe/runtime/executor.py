@@ -58,9 +58,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..schedules.comm_plan import CommPlan, Compute, Init, Issue, Wait, comm_plan
-from ..schedules.ir import Action, Kind, Placement, Schedule
+from ..schedules.ir import Action, Kind, Placement, Schedule, action_span_name
 from ..schedules.nccl_rules import check_nccl
-from ..schedules.profile_trace import action_span_name
 from ..schedules.validate import check_weight_grads_in_b_order, validate
 from .nccl_emulation import NcclRulesTransport
 from .p2p import MessageKey, Payload, PipeComm, TensorSpec

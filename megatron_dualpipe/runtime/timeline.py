@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 
 from ..schedules.cost import CostModel
-from ..schedules.export import to_png, write_chrome_trace
 from ..schedules.ir import Action, Kind, Schedule
 from ..schedules.simulate import Message, RankStats, SimResult, TimedAction
 
@@ -205,15 +204,13 @@ def gather_timeline(
     schedule: Schedule,
     *,
     group: dist.ProcessGroup | None = None,
-    trace_path: str | None = None,
-    png_path: str | None = None,
 ) -> SimResult | None:
     """Collect every rank's timeline on rank 0 of ``group`` (a collective call).
 
     Returns, on rank 0 only, the measured step as a SimResult of ``schedule`` (the
     schedule the ranks executed; each rank's actions as it ran them, so an FB run as its
-    two halves one after the other holds those halves), and writes it as a Chrome trace
-    and/or PNG when paths are given; other ranks get None.
+    two halves one after the other holds those halves: the planner's exports write it as
+    a Chrome trace or a picture); other ranks get None.
     """
     timeline.resolve()
     is_root = dist.get_rank(group) == 0
@@ -240,9 +237,4 @@ def gather_timeline(
         )
         for t in ranks
     ]
-    result = SimResult(schedule, _fitted_cost(ranks), makespan, stats, messages)
-    if trace_path is not None:
-        write_chrome_trace(result, trace_path)
-    if png_path is not None:
-        to_png(result, png_path, title=f"{schedule.name}, measured", unit="ms")
-    return result
+    return SimResult(schedule, _fitted_cost(ranks), makespan, stats, messages)

@@ -24,6 +24,7 @@ __all__ = [
     "Placement",
     "Schedule",
     "ScheduleError",
+    "action_span_name",
     "action_text",
     "parse_action",
 ]
@@ -367,3 +368,13 @@ class Schedule:
             [[Action.from_json(a) for a in acts] for acts in data["ranks"]],
             data.get("activation_bound"),
         )
+
+
+def action_span_name(
+    kind: str, stage: int, microbatch: int, other: tuple[int, int] | None = None
+) -> str:
+    """The span name the executor gives an action: ``F stage=2 mb=5``; an FB pair names its
+    backward half too (``FB stage=0 mb=4 + stage=7 mb=1``); a half run on its own is
+    ``FB/F ...`` or ``FB/BW ...``."""
+    name = f"{kind} stage={stage} mb={microbatch}"
+    return name if other is None else f"{name} + stage={other[0]} mb={other[1]}"

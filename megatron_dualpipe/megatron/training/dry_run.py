@@ -54,11 +54,11 @@ from megatron.core.utils import unwrap_model
 from torch.distributed import distributed_c10d
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from ...schedules.advisor import PipelineSetup, stages_for
+from ...planner.advisor import PipelineSetup, stages_for
+from ...planner.memory import GIB, MemoryModel, MemorySettings, RankMemory
+from ...planner.model_cost import ModelShape
 from ...schedules.comm_plan import Issue, comm_plan
 from ...schedules.ir import Kind, ScheduleError
-from ...schedules.memory import GIB, MemoryModel, MemorySettings, RankMemory
-from ...schedules.model_cost import ModelShape
 from ..compat.cpu_compat import apply_cpu_compat
 from ..model.layer_specs import te_available
 from ..model.names import global_named_parameters

@@ -36,9 +36,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+from ...planner.megatron_flops import megatron_lm_flops
+from ...planner.model_cost import ModelShape
 from ...schedules.limits import TRAIN_BUILD_NOTICE_S, train_build_estimate
-from ...schedules.megatron_flops import megatron_lm_flops
-from ...schedules.model_cost import ModelShape
 from ...schedules.registry import SCHEDULES
 from ..grads.loss_reports import mtp_losses
 from ..model.placement import embedding_ranks

@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 from megatron.core import parallel_state
 
+from ...planner.export import figure_width, to_png
 from ...runtime import RankTimeline, gather_timeline
 from ...runtime.timeline import clock_for, start_barrier
-from ...schedules.export import figure_width, to_png
 from ...schedules.ir import Action, Kind, Schedule
 from ...schedules.registry import generate
 from ...schedules.simulate import SimResult, simulate

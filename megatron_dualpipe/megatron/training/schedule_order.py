@@ -69,7 +69,7 @@ def optimise_from_measured(
 
 def _optimise(measured, latency_ms: float, iteration: int) -> tuple[str | None, str]:
     """On global rank 0: the optimised schedule's text and the log line, or (None, why)."""
-    from ...schedules.optimize import Effort, measured_costs, optimize  # imports SciPy
+    from ...planner.optimize import Effort, measured_costs, optimize  # imports SciPy
 
     try:
         cost = measured_costs(measured, latency=latency_ms)

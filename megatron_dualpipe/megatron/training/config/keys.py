@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from ....errors import DualPipeError
+from ....planner.model_cost import parse_moe_layer_freq
 from ....schedules.cuda_graphs import CUDA_GRAPH_IMPLS
-from ....schedules.model_cost import parse_moe_layer_freq
 from ....schedules.registry import SCHEDULES
 from ...schedule.checks import schedule_spec, stage_layers
 

@@ -8,6 +8,7 @@ import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from ....planner.model_cost import Recompute
 from ....schedules.config_values import override_origins
 from ....schedules.cuda_graphs import cuda_graph_problem, ep_overlap_graph_problem
 from ....schedules.ir import Schedule, ScheduleError
@@ -17,7 +18,6 @@ from ....schedules.limits import (
     schedule_size,
     train_size_problem,
 )
-from ....schedules.model_cost import Recompute
 from ....schedules.registry import OUR_SCHEDULES, SCHEDULES
 from ....schedules.validate import check_weight_grads_in_b_order, validate
 from ...schedule.checks import DualPipeConfigError, overlap_problem, schedule_spec

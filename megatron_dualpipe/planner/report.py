@@ -5,15 +5,15 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
+from ..schedules.comm_plan import CommPlan
+from ..schedules.ir import Schedule
+from ..schedules.layout import format_layout
+from ..schedules.nccl_rules import NcclReport
+from ..schedules.simulate import SimResult
 from .advisor import Advice, PipelineSetup
 from .bound import StepBound, step_bound
-from .comm_plan import CommPlan
-from .ir import Schedule
-from .layout import format_layout
 from .memory import MemorySettings, RankMemory
 from .nccl_memory import NcclBuffers, nccl_memory
-from .nccl_rules import NcclReport
-from .simulate import SimResult
 
 __all__ = [
     "advice_report",

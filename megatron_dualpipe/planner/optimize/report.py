@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..cost import CostModel
-from ..ir import Schedule
-from ..registry import generate
+from ...schedules.cost import CostModel
+from ...schedules.ir import Schedule
+from ...schedules.registry import generate
+from ...schedules.simulate import SimResult, simulate
 from ..report import rank_table, text_table
-from ..simulate import SimResult, simulate
 from .optimizer import OptimizeResult, optimize
 
 __all__ = ["against_1f1b", "bubble_removed", "heading", "summary", "summary_json"]

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..schedules.config_values import override_origins, read_values
 from .advisor import GIB, Advice, PipelineSetup, advise
-from .config_values import override_origins, read_values
 from .memory import MemorySettings
 from .model_cost import ModelShape
 from .nccl_memory import NcclBuffers

@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from .ir import COMPUTE_KINDS, Action
-from .simulate import SimResult
+from ..schedules.ir import COMPUTE_KINDS, Action
+from ..schedules.simulate import SimResult
 
 __all__ = ["RankShare", "StepBound", "step_bound"]
 

@@ -15,15 +15,15 @@ from functools import partial
 from pathlib import Path
 from typing import Protocol
 
+from ..schedules.comm_plan import comm_plan
+from ..schedules.cost import CostModel
+from ..schedules.ir import Schedule, ScheduleError
+from ..schedules.limits import MAX_TIMELINE_SIZE
+from ..schedules.nccl_rules import CommDeadlockError, check_nccl
+from ..schedules.registry import generate, spec
+from ..schedules.simulate import SimResult, simulate
+from ..schedules.validate import check
 from .bound import step_bound
-from .comm_plan import comm_plan
-from .cost import CostModel
-from .ir import Schedule, ScheduleError
-from .limits import MAX_TIMELINE_SIZE
-from .nccl_rules import CommDeadlockError, check_nccl
-from .registry import generate, spec
-from .simulate import SimResult, simulate
-from .validate import check
 
 __all__ = [
     "check_and_simulate",

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 from functools import partial
 
-from ..ir import Action, Kind
+from ...schedules.ir import Action, Kind
 from .deadline import Deadline
 from .instance import Instance
 

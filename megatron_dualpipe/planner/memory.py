@@ -37,9 +37,9 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .config_values import read_fields
-from .ir import Kind, Schedule, ScheduleError
-from .layout import DECODER, EMBEDDING, LOSS, MTP
+from ..schedules.config_values import read_fields
+from ..schedules.ir import Kind, Schedule, ScheduleError
+from ..schedules.layout import DECODER, EMBEDDING, LOSS, MTP
 from .model_cost import ModelShape, Recompute
 
 __all__ = [

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from ..ir import Action, Kind
-from ..simulate import SimResult
+from ...schedules.ir import Action, Kind
+from ...schedules.simulate import SimResult
 
 __all__ = ["to_grid"]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..cost import CostModel
-from ..ir import Action, Kind, Placement, ScheduleError
+from ...schedules.cost import CostModel
+from ...schedules.ir import Action, Kind, Placement, ScheduleError
 
 __all__ = ["Instance"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .ir import Action, Kind, Schedule, ScheduleError
+from ..schedules.ir import Action, Kind, Schedule, ScheduleError
 
 __all__ = ["Retimer"]
 

@@ -16,12 +16,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
-from ..cost import CostModel
-from ..ir import Placement, Schedule, ScheduleError
-from ..limits import optimize_size_problem
-from ..registry import SCHEDULES
-from ..simulate import SimResult, simulate
-from ..validate import validate
+from ...schedules.cost import CostModel
+from ...schedules.ir import Placement, Schedule, ScheduleError
+from ...schedules.limits import optimize_size_problem
+from ...schedules.registry import SCHEDULES
+from ...schedules.simulate import SimResult, simulate
+from ...schedules.validate import validate
 from .bound import Bound, lower_bound, tails
 from .deadline import Deadline, OutOfTime
 from .instance import Instance
@@ -230,7 +230,13 @@ def optimize(
     ``fell_back`` set, if nothing better is found). Raises :class:`ScheduleError` with one
     sentence for an unsupported placement, a cap too small to run it, or warm starts of
     another placement."""
-    import scipy.optimize  # noqa: F401  (imported before the clock starts: a one-off cost)
+    try:
+        import scipy.optimize  # noqa: F401  (imported before the clock starts: a one-off cost)
+    except ModuleNotFoundError:
+        raise ScheduleError(
+            "the schedule optimiser needs SciPy (its HiGHS solver), which is not installed: "
+            "pip install 'megatron-dualpipe[planner]' (or pip install scipy)"
+        ) from None
 
     _check_placement(placement)
     too_large = optimize_size_problem(

@@ -7,9 +7,9 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
-from ..cost import CostModel
-from ..ir import Kind, ScheduleError
-from ..simulate import SimResult
+from ...schedules.cost import CostModel
+from ...schedules.ir import Kind, ScheduleError
+from ...schedules.simulate import SimResult
 
 __all__ = ["measured_costs"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..ir import Action, Kind
-from ..simulate import Message, SimResult, TimedAction
+from ...schedules.ir import Action, Kind
+from ...schedules.simulate import Message, SimResult, TimedAction
 
 __all__ = ["to_chrome_trace", "write_chrome_trace"]
 

@@ -19,16 +19,21 @@ from dataclasses import dataclass, field, replace
 
 import yaml
 
-from .config_values import check_positive, read_fields
-from .cost import CostModel
-from .ir import Kind, Schedule, ScheduleError
-from .layer_split import LayerSplit, stage_layer_counts, stage_layouts, stages_from_counts
-from .layout import DECODER, EMBEDDING, LOSS, MTP, format_layout
+from ..schedules.config_values import check_positive, read_fields
+from ..schedules.cost import CostModel
+from ..schedules.ir import Kind, Schedule, ScheduleError
+from ..schedules.layer_split import (
+    LayerSplit,
+    stage_layer_counts,
+    stage_layouts,
+    stages_from_counts,
+)
+from ..schedules.layout import DECODER, EMBEDDING, LOSS, MTP, format_layout
+from ..schedules.registry import spec
+from ..schedules.simulate import SimResult, simulate
 from .memory import MemoryModel, MemorySettings, RankMemory
 from .model_cost import ModelShape, StageCost, Work, stage_costs
-from .registry import spec
 from .retime import Retimer
-from .simulate import SimResult, simulate
 
 __all__ = [
     "SPLIT_KEYS",

@@ -42,10 +42,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cost import CostModel
-from .ir import ScheduleError
+from ..schedules.cost import CostModel
+from ..schedules.ir import ScheduleError
 
-__all__ = ["Phase", "TraceCosts", "action_span_name", "read_profile"]
+__all__ = ["Phase", "TraceCosts", "read_profile"]
 
 #: Event categories of host calls that start GPU work, and of that work.
 _LAUNCH_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver", "runtime", "driver"})
@@ -53,16 +53,6 @@ _GPU_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 _DEEPSEEK = re.compile(r"^(?P<module>[A-Za-z_][\w.]*)\((?P<part>[FBW])\)$")
 _ACTION = re.compile(r"^(?P<kind>FB/BW|FB/F|FB|BW|F|B|W) stage=\d+ mb=\d+")
 _COMM = ("dispatch", "combine", "a2a", "all_to_all", "alltoall")
-
-
-def action_span_name(
-    kind: str, stage: int, microbatch: int, other: tuple[int, int] | None = None
-) -> str:
-    """The span name the executor gives an action: ``F stage=2 mb=5``; an FB pair names its
-    backward half too (``FB stage=0 mb=4 + stage=7 mb=1``); a half run on its own is
-    ``FB/F ...`` or ``FB/BW ...``."""
-    name = f"{kind} stage={stage} mb={microbatch}"
-    return name if other is None else f"{name} + stage={other[0]} mb={other[1]}"
 
 
 @dataclass(frozen=True)

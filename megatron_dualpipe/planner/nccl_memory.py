@@ -31,8 +31,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .ir import COMM_KINDS, Schedule, ScheduleError
-from .lowering import lower, peer_of
+from ..schedules.ir import COMM_KINDS, Schedule, ScheduleError
+from ..schedules.lowering import lower, peer_of
 
 __all__ = [
     "CommMemory",

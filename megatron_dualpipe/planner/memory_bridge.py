@@ -23,8 +23,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .ir import Schedule, ScheduleError
-from .layout import DECODER, LOSS, MTP
+from ..schedules.ir import Schedule, ScheduleError
+from ..schedules.layout import DECODER, LOSS, MTP
 from .memory import MemoryModel, MemorySettings
 from .model_cost import ModelShape
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from ..schedules.layout import format_layout
+from ..schedules.simulate import SimResult
 from .bound import step_bound
-from .layout import format_layout
 from .profile_config import ConfigCosts
 from .report import markdown_table
-from .simulate import SimResult
 
 __all__ = ["PEERS", "ProfileRow", "deepseek_bubble", "profile_table"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from ..ir import Action, Kind
-from ..simulate import SimResult
+from ...schedules.ir import Action, Kind
+from ...schedules.simulate import SimResult
 
 __all__ = ["figure_width", "to_png"]
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from ..schedules.cost import CostModel
+from ..schedules.ir import Placement, ScheduleError
+from ..schedules.layer_split import stages_from_counts
 from .advisor import PipelineSetup, StageTiming, stages_for
-from .cost import CostModel
-from .ir import Placement, ScheduleError
-from .layer_split import stages_from_counts
 from .model_cost import ModelShape, stage_costs
 from .profile_trace import TraceCosts
 

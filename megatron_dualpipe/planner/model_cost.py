@@ -27,9 +27,9 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .config_values import check_positive, read_fields
-from .ir import ScheduleError
-from .layout import DECODER, EMBEDDING, LOSS, MTP
+from ..schedules.config_values import check_positive, read_fields
+from ..schedules.ir import ScheduleError
+from ..schedules.layout import DECODER, EMBEDDING, LOSS, MTP
 
 __all__ = [
     "RECOMPUTE_MODULES",
