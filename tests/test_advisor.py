@@ -5,6 +5,7 @@ never worse than the config's split, within the memory cap, and what it proposes
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 
@@ -18,10 +19,12 @@ from megatron_dualpipe.planner.advisor import (
     stages_for,
 )
 from megatron_dualpipe.planner.config_advice import ConfigModel
+from megatron_dualpipe.planner.memory import MemoryModel, MemorySettings
 from megatron_dualpipe.planner.model_cost import ModelShape
 from megatron_dualpipe.planner.retime import Retimer
 from megatron_dualpipe.schedules.cost import CostModel
 from megatron_dualpipe.schedules.ir import ScheduleError
+from megatron_dualpipe.schedules.layer_split import stages_from_counts
 from megatron_dualpipe.schedules.layout import check_layout, format_layout, parse_layout
 from megatron_dualpipe.schedules.registry import generate
 from megatron_dualpipe.schedules.simulate import simulate
@@ -249,3 +252,33 @@ def test_a_start_over_the_cap_moves_layers_until_it_fits() -> None:
     )
     assert advice.before.peak_memory > cap >= advice.after.peak_memory
     assert advice.after.makespan < advice.before.makespan
+
+
+@pytest.mark.parametrize(
+    ("name", "pp", "seed"),
+    [("dualpipev", 2, 7), ("dualpipe", 4, 7), ("dualpipev", 2, 12), ("dualpipe", 4, 38)],
+)
+def test_the_leanest_split_is_found_when_the_cap_allows_only_it(
+    name: str, pp: int, seed: int
+) -> None:
+    """With the cap at the least peak any split has (every split counted), the search
+    finds a split within it: moves that lower the memory over the cap, and a few moves
+    further where no single one does (these shapes: a descent on the peak, or on the
+    memory over the cap alone, stopped short and refused)."""
+    shape = _shape(random.Random(seed))
+    setup = PipelineSetup(
+        micro_batch_size=1,
+        global_batch_size=4 * pp,
+        pipeline_schedule=name,
+        pipeline_model_parallel_size=pp,
+    )
+    schedule = generate(name, pp, 4 * pp)
+    memory = MemoryModel.for_setup(shape, setup, schedule, MemorySettings())
+    n, stages = shape.num_layers, schedule.placement.num_model_stages
+    splits = [c for c in itertools.product(range(n + 1), repeat=stages) if sum(c) == n]
+    least = min(
+        max(r.total for r in memory.ranks(tuple(stages_from_counts(list(c), shape.mtp_layers))))
+        for c in splits
+    )
+    advice = advise(shape, setup, memory_cap=least)
+    assert advice.after.peak_memory <= least

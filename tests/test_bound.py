@@ -31,6 +31,31 @@ def test_the_bound_of_dualpipev_by_hand() -> None:
     assert bound.ratio == bound.step / 24.0 and bound.efficiency == 24.0 / bound.step
 
 
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_each_ranks_compute_by_hand_on_uneven_stages_and_ranks(name: str) -> None:
+    """A rank's compute is, over the stages it holds and the micro-batches passing each,
+    F and B without their all-to-all share and W whole, times the rank's scale: however
+    the schedule pairs them (FB with a full backward, BW, split B and W)."""
+    schedule = generate(name, 4, 12)
+    p = schedule.placement
+    n = p.num_model_stages
+    stages = tuple((1.0 + 0.5 * s, 2.0 + 0.25 * s, 0.5 + 0.1 * s) for s in range(n))
+    rank_scale = (1.0, 1.5, 0.75, 2.0)
+    cost = CostModel(
+        stage_costs=stages, rank_scale=rank_scale, overlap=0.6, a2a_f=0.6, a2a_b=0.3
+    )
+    bound = step_bound(simulate(schedule, cost))
+    for rank in range(p.num_ranks):
+        expected = 0.0
+        for chunk in range(p.num_chunks):
+            stage = p.stage_of(rank, chunk)
+            passing = sum(stage in p.path(m) for m in range(p.num_microbatches))
+            f, b, w = stages[p.model_stage(stage)]
+            expected += passing * (f * 0.4 + b * 0.7 + w) * rank_scale[rank]
+        assert bound.ranks[rank].compute == pytest.approx(expected), (name, rank)
+    assert bound.bound == pytest.approx(sum(r.compute for r in bound.ranks) / p.num_ranks)
+
+
 def test_no_schedule_changes_the_bound() -> None:
     """One rank's share of the model costs the same under every schedule (each schedule's
     stages get their part of it): one bound for all."""

@@ -73,7 +73,9 @@ def test_schedules_and_the_planner_are_pure_python() -> None:
 
 def test_nothing_of_the_core_imports_the_planner() -> None:
     """The planner is a wing: the schedules, the runtime, the Megatron adapter and the
-    Megatron-LM hooks run without it (our own trainer, ``megatron/training/``, is to go)."""
+    Megatron-LM hooks import nothing of it (our own trainer, ``megatron/training/``, is to
+    go; until then ``megatron_lm.py`` reaches the planner through the trainer's checkpoint
+    code, which imports its config keys: direct imports only are held here)."""
     training = PACKAGE / "megatron" / "training"
     core = _modules("schedules") + _modules("runtime") + [PACKAGE / "megatron_lm.py"]
     core += [p for p in _modules("megatron") if training not in p.parents]

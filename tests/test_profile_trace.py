@@ -180,21 +180,22 @@ def test_deepseeks_dualpipe_formula_is_the_simulated_bubble_where_it_holds() -> 
 
 
 @pytest.mark.parametrize(
-    ("peer", "twin"),
+    ("peer", "microbatches", "twin"),
     [
-        ("interleaved-1f1b-a2a", "interleaved-1f1b"),
-        ("torch-1f1b", "1f1b"),
-        ("torch-zbv", "dualpipev"),
-        ("torch-dualpipev", "dualpipev"),
+        ("interleaved-1f1b-a2a", 8, "interleaved-1f1b"),
+        ("torch-1f1b", 8, "1f1b"),
+        ("torch-zbv", 6, "dualpipev"),  # fewer than dualpipev takes: its placement all the same
+        ("torch-interleaved-zb", 4, "interleaved-1f1b"),
+        ("torch-dualpipev", 8, "dualpipev"),
     ],
 )
 def test_megatrons_and_torchs_schedules_are_advised_under_ours_of_their_placement(
-    peer: str, twin: str
+    peer: str, microbatches: int, twin: str
 ) -> None:
     """The advisor times Megatron's and torch's schedules themselves, over the splits of
-    our schedule that places stages as they do."""
+    our schedule that places stages as they do, at any micro-batch count they take."""
     (entry,) = [e for e in CATALOG if e.name == peer]
-    assert twin_schedule(entry.build(4, 8).placement) == twin
+    assert twin_schedule(entry.build(4, microbatches).placement) == twin
 
 
 def _peak(memory: MemoryModel, stages) -> float:

@@ -13,7 +13,7 @@ from ..planner.config_advice import ConfigModel
 from ..planner.profile_config import ConfigCosts, config_costs, profile_timing, timed_costs
 from ..planner.profile_report import ProfileRow, deepseek_bubble, profile_table
 from ..planner.profile_trace import TraceCosts
-from ..schedules import Placement, Schedule, ScheduleError, generate, simulate, validate
+from ..schedules import Placement, Schedule, ScheduleError, simulate, validate
 from ..schedules.registry import SCHEDULES as REGISTERED
 from ..schedules.registry import spec
 from .catalog import SCHEDULES as ENTRIES
@@ -80,16 +80,14 @@ def profile_comparison(
 
 
 def twin_schedule(placement: Placement) -> str | None:
-    """The registered schedule that places stages as ``placement`` does."""
-    pp, mbs = placement.num_ranks, placement.num_microbatches
+    """The registered schedule that places stages as ``placement`` does (its kind, and its
+    stages per rank), whatever micro-batch counts that one accepts."""
+    chunks = placement.num_stages // placement.num_ranks
     for name in REGISTERED:
-        chunks = placement.num_stages // pp if spec(name).chunks is None else None
-        options = {"chunks": chunks} if chunks else {}
-        try:
-            if generate(name, pp, mbs, **options).placement == placement:
-                return name
-        except ScheduleError:
-            continue
+        found = spec(name)
+        fixed = found.chunks == chunks if found.chunks is not None else chunks > 1
+        if found.placement == placement.kind and fixed:
+            return name
     return None
 
 
@@ -102,11 +100,11 @@ def _advised(
     latency: float,
 ) -> tuple[ConfigCosts | None, str]:
     """``built`` timed at the advisor's split for it on ``timing`` within ``cap`` (the
-    config's where no split is faster); None where its placement has no registered twin,
-    or no split fits (then with why)."""
+    config's where no split is faster); None, with why, where its placement has no
+    registered twin or no split fits."""
     twin = twin_schedule(built.placement)
     if twin is None:
-        return None, ""
+        return None, "no schedule of ours places stages as it does: not advised"
     try:
         advice = advise(
             model.shape,

@@ -11,6 +11,7 @@ docs/advisor.md.
 
 from __future__ import annotations
 
+import heapq
 import json
 import re
 import time
@@ -42,6 +43,7 @@ __all__ = [
     "PipelineSetup",
     "StageTiming",
     "advise",
+    "even_counts",
     "split_changes",
     "stages_for",
     "yaml_lines",
@@ -59,6 +61,8 @@ GIB = 2**30
 #: A full layout is proposed over Megatron's first/last counts only if its simulated step
 #: is shorter by more than this share (the FLOP model is not finer than that).
 SIMPLER_BY = 0.005
+#: How many splits the search toward the memory cap expands where no single move helps.
+FIT_EXPANSIONS = 64
 
 
 @dataclass(frozen=True)
@@ -312,7 +316,8 @@ def advise(
     setup = replace(setup, pipeline_schedule=found.name)
     pp = setup.pipeline_model_parallel_size
     m = microbatches if microbatches is not None else setup.num_microbatches
-    problem = found.problem(pp, m)
+    # A schedule built elsewhere (Megatron's, torch's) has its own micro-batch rules.
+    problem = found.problem(pp, m) if built is None else None
     if problem is not None and microbatches is not None:
         raise ScheduleError(f"{problem}: change --microbatches")
     if problem is not None:
@@ -330,7 +335,7 @@ def advise(
         label = "config's split" if _has_split(setup) else "even split"
         loads = True
     except ScheduleError as err:
-        before_stages = search.stages_from_counts(_even_counts(shape.num_layers, search.stages))
+        before_stages = search.stages_from_counts(even_counts(shape.num_layers, search.stages))
         label, loads = "most even split", False
         notes.append(f"the config's split does not load ({err}); compared with the most even")
     before = search.evaluate(before_stages)
@@ -508,13 +513,16 @@ class _Search:
     ) -> Candidate | None:
         """From each start, move one layer at a time between stages while the simulated
         step shrinks (moves tried in order of their lower bound, which prunes the rest); a
-        start over ``cap`` first moves layers while that lowers its peak memory."""
+        start over ``cap`` first moves layers while that lowers its peak memory, and where no
+        single move does, searches a few moves further (:meth:`_fit`)."""
         best: Candidate | None = None
         for start in starts:
             current = start
             while True:
                 self.considered += 1
                 moved = self._improve(current, cap)
+                if moved is None and current.peak_memory > cap:
+                    moved = self._fit(current, cap)
                 if moved is None:
                     break
                 current = moved
@@ -526,22 +534,44 @@ class _Search:
                 best = current
         return best
 
-    def _improve(self, current: Candidate, cap: float) -> Candidate | None:
-        counts = current.counts
-        moves = []
+    def _moves(self, counts: list[int]) -> Iterator[tuple[str, ...]]:
+        """The splits one layer away from ``counts``."""
         for i in range(self.stages):
             if not counts[i]:
                 continue
             for j in range(self.stages):
-                if i == j:
+                if i != j:
+                    new = list(counts)
+                    new[i] -= 1
+                    new[j] += 1
+                    yield self.stages_from_counts(new)
+
+    def _fit(self, current: Candidate, cap: float) -> Candidate | None:
+        """A split within ``cap`` a few moves from ``current``, which no single move brings
+        closer to it: a best-first search on the memory over the cap (:meth:`_over`),
+        through splits not seen before, of at most :data:`FIT_EXPANSIONS` splits."""
+        start = current.stages
+        queue = [(self._over(current.memory, cap), start)]
+        visited = {start}
+        for _ in range(FIT_EXPANSIONS):
+            if not queue:
+                return None
+            _, stages = heapq.heappop(queue)
+            for nxt in self._moves([stage.count(DECODER) for stage in stages]):
+                if nxt in visited:
                     continue
-                new = list(counts)
-                new[i] -= 1
-                new[j] += 1
-                stages = self.stages_from_counts(new)
-                moves.append((self.lower_bound(stages), stages))
+                visited.add(nxt)
+                memory = self.memory(nxt)
+                if max(memory) <= cap:
+                    return self.evaluate(nxt)
+                heapq.heappush(queue, (self._over(memory, cap), nxt))
+        return None
+
+    def _improve(self, current: Candidate, cap: float) -> Candidate | None:
+        moves = [(self.lower_bound(stages), stages) for stages in self._moves(current.counts)]
         moves.sort()
-        over = current.peak_memory > cap  # first toward the cap: any move that lowers the peak
+        # Over the cap, first toward it: the fastest-looking move that lowers the peak.
+        over = current.peak_memory > cap
         for bound, stages in moves:
             self.considered += 1
             if not over and bound >= current.makespan * (1 - 1e-12):
@@ -557,6 +587,12 @@ class _Search:
             if cand.makespan < current.makespan * (1 - 1e-12):
                 return cand
         return None
+
+    @staticmethod
+    def _over(memory: list[float], cap: float) -> tuple[float, float, float]:
+        """How far ``memory`` is over ``cap``: the excess summed over ranks, then the peak,
+        then the sum (a layer moved to where it weighs less, though no rank fits yet)."""
+        return sum(max(0.0, m - cap) for m in memory), max(memory), sum(memory)
 
     def parts(self) -> dict[str, Work]:
         """The work of each kind of part for one micro-batch on one rank, for the report."""
@@ -651,7 +687,7 @@ class _Search:
         return cand
 
 
-def _even_counts(num_layers: int, stages: int) -> list[int]:
+def even_counts(num_layers: int, stages: int) -> list[int]:
     """As even as counts go: the extra layers on the stages nearest the middle."""
     base, extra = divmod(num_layers, stages)
     middle = sorted(range(stages), key=lambda s: (abs(2 * s - (stages - 1)), s))[:extra]

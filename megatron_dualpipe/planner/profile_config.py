@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from ..schedules.cost import CostModel
 from ..schedules.ir import Placement, ScheduleError
 from ..schedules.layer_split import stages_from_counts
-from .advisor import PipelineSetup, StageTiming, stages_for
+from .advisor import PipelineSetup, StageTiming, even_counts, stages_for
 from .model_cost import ModelShape, stage_costs
 from .profile_trace import TraceCosts
 
@@ -40,12 +40,6 @@ class ConfigCosts:
     @property
     def config_split(self) -> bool:
         return self.split == "config's"
-
-
-def _even(num_layers: int, stages: int, mtp_layers: int) -> list[str]:
-    base, extra = divmod(num_layers, stages)
-    counts = [base + (1 if i < extra else 0) for i in range(stages)]
-    return stages_from_counts(counts, mtp_layers)
 
 
 def _options(setup: PipelineSetup, shape: ModelShape) -> dict:
@@ -108,5 +102,6 @@ def config_costs(
     try:
         stages, split = stages_for(shape, setup, n), "config's"
     except ScheduleError:
-        stages, split = _even(shape.num_layers, n, shape.mtp_layers), "most even"
+        counts = even_counts(shape.num_layers, n)
+        stages, split = stages_from_counts(counts, shape.mtp_layers), "most even"
     return timed_costs(timing, shape, setup, stages, split, latency)

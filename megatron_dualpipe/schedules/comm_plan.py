@@ -55,7 +55,7 @@ SHAPE_BYTES = 128
 PlanKey = tuple
 
 
-#: How communicators that are not channels are named, by kind (else ``F-all``, ``B-all``).
+#: How communicators that are not channels are named, by kind (others: ``KIND-all``).
 _GROUP_NAMES = {"P": "pipeline", "DP": "data-parallel", "EP": "expert-parallel"}
 
 

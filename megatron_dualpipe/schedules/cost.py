@@ -36,7 +36,8 @@ class CostModel:
 
     ``a2a_f`` and ``a2a_b`` are the shares of F's and of B's time that are all-to-all (a
     lone pass waits for it; an FB pair may hide it): the rest, and all of W, is compute,
-    what the compute bound counts (:mod:`.bound`). 0 (the default): all compute.
+    what the compute bound counts (:mod:`megatron_dualpipe.planner.bound`). 0 (the
+    default): all compute.
     """
 
     f: float = 1.0

@@ -14,7 +14,7 @@ It reports per rank (:class:`RankReport`):
 - the chunks: their stage, model stage and layers by type (dense or MoE decoder layers
   with their global numbers, MTP layers, embedding, output layer);
 - the parameters of the built modules, counted and in bytes by dtype, and the memory
-  model's (:class:`~...schedules.memory.MemoryModel`) beside them: the counts must agree
+  model's (:class:`~...planner.memory.MemoryModel`) beside them: the counts must agree
   exactly (:attr:`RankReport.agrees`), and its other figures (FP8 weight copies,
   gradients, optimizer states, activations) are what the dry run does not build;
 - the process groups the rank is a member of and the group creations it takes part in:

@@ -446,7 +446,7 @@ def _profile_problem(cfg: TrainConfig) -> Problem:
 
 def _check_recompute(cfg: TrainConfig) -> Problem:
     """Megatron-Core's rules for the recomputation keys, named by key
-    (:meth:`~...schedules.model_cost.Recompute.problem`), and what this model needs for them."""
+    (:meth:`~...planner.model_cost.Recompute.problem`), and what this model needs for them."""
     recompute = Recompute(
         cfg.recompute_granularity,
         cfg.recompute_method,
