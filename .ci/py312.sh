@@ -2,8 +2,9 @@
 # CI's second leg: Python 3.12 (megatron-core 0.17 and newer publish 3.12 wheels only).
 #   - a venv (.ci/venv312) with torch==2.13.0 (PyPI's CUDA build, about 4.5 GB; it runs on
 #     CPU) and megatron-core==0.19.2, then scripts/install.sh, which keeps both;
-#   - every test marked megatron on 0.19.2 (tests/test_megatron_lm_loop.py runs the wheel's
-#     megatron/training there);
+#   - on 0.19.2, every test marked megatron but slow, and the slow ones that only a wheel
+#     shipping megatron/training runs (Megatron-LM's own loop; leg 1 runs every slow one on
+#     0.16.1: both legs share two cores, and the slow ones twice kept CI over 30 minutes);
 #   - smoke runs of 0.17.1 and 0.18.2: each wheel installed without dependencies into its
 #     own folder (.ci/megatron-core-X) put first on PYTHONPATH, no second torch: the
 #     version tests, the tiny GPT under every schedule against 1F1B, one save and resume,
@@ -50,7 +51,11 @@ part() {  # part NAME COMMAND...
     results+=("py312.sh: $name: failed (exit $rc)"); failed=1; fi
   echo "${results[-1]}"
 }
-part "megatron-core 0.19.2, every test marked megatron" python -m pytest -m megatron
+part "megatron-core 0.19.2, every test marked megatron but slow" \
+  python -m pytest -m "megatron and not slow"
+part "megatron-core 0.19.2, the slow tests of Megatron-LM's own loop" \
+  python -m pytest -m "megatron and slow" -p no:cacheprovider \
+  tests/test_megatron_lm_loop.py tests/test_megatron_lm_patch.py tests/test_full_iteration.py
 
 for release in 0.17.1 0.18.2; do
   target=.ci/megatron-core-$release
