@@ -344,19 +344,10 @@ def test_kill_9_of_the_whole_run_at_once_leaves_nothing(
         assert len(guards) == 1 and len(ranks) == 2, [_safely(p.name) for p in known]
         # All stopped first, then killed: none sees another die and removes the directory
         # (the guard on the launcher's exit, the launcher on a rank's), as with pkill at once.
-        # A rank saves every other iteration: a writer it forked after the list was taken is
-        # one pkill would match too, so the list is taken again, once everything on it is
-        # stopped, until it holds them all (a stopped rank forks nothing more).
-        fresh = known
-        while fresh:
-            for victim in fresh:
+        for action in (psutil.Process.suspend, psutil.Process.kill):
+            for victim in known:
                 with contextlib.suppress(psutil.NoSuchProcess):  # a writer that just finished
-                    victim.suspend()
-            fresh = [p for p in _tagged(tag) if _safely(p.cmdline) == line and p not in known]
-            known += fresh
-        for victim in known:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                victim.kill()
+                    action(victim)
         assert _survivors(tag) == []
     directory = _run_directory(proc.pid, temp)  # nobody was left to remove it ...
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
