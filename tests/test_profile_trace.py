@@ -19,7 +19,7 @@ from megatron_dualpipe.cli import main
 from megatron_dualpipe.cli.simulate import _train_defaults
 from megatron_dualpipe.planner.config_advice import ConfigModel
 from megatron_dualpipe.planner.memory import MemoryModel
-from megatron_dualpipe.planner.profile_config import config_costs
+from megatron_dualpipe.planner.profile_config import config_costs, profile_timing
 from megatron_dualpipe.planner.profile_report import ProfileRow, deepseek_bubble
 from megatron_dualpipe.planner.profile_trace import read_profile
 from megatron_dualpipe.schedules import CostModel, ScheduleError, generate, simulate
@@ -229,7 +229,8 @@ def test_profile_beside_a_config_times_each_schedule_at_its_advised_split(
         built = generate(name, 16, 32)
         memory = MemoryModel.for_setup(model.shape, model.setup, built, model.memory_settings())
         assert _peak(memory, parse_layout(row["layout"])) <= 74.5 * 2**30
-        before = config_costs(profile, model.shape, model.setup, built.placement)
+        timing = profile_timing(profile, model.shape, model.setup)
+        before = config_costs(timing, model.shape, model.setup, built.placement)
         assert before.split == plain
         if _peak(memory, before.stages) <= 74.5 * 2**30:  # else the advisor had to leave it
             assert row["step_ms"] <= simulate(built, before.cost).makespan * (1 + 1e-9)

@@ -55,7 +55,7 @@ def profile_comparison(
         except ModuleNotFoundError as err:  # torch's schedules, where torch is not installed
             rows.append(ProfileRow(entry.name, entry.source, note=f"needs {err.name}"))
             continue
-        costs = config_costs(profile, model.shape, setup, built.placement, latency)
+        costs = config_costs(timing, model.shape, setup, built.placement, latency)
         advised, note = _advised(model, built, mbs, timing, cap, latency)
         if advised is not None and advised.stages != costs.stages:
             costs = advised

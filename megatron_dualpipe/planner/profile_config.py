@@ -88,16 +88,14 @@ def timed_costs(
 
 
 def config_costs(
-    profile: TraceCosts,
+    timing: StageTiming,
     shape: ModelShape,
     setup: PipelineSetup,
     placement: Placement,
     latency: float = 0.0,
 ) -> ConfigCosts:
     """The cost model of ``placement``'s model stages under the config's split (the most
-    even where it has no form over them), timed by ``profile`` (per-layer figures);
-    :class:`ScheduleError` where the profile is not per layer."""
-    timing = profile_timing(profile, shape, setup)
+    even where it has no form over them), timed by ``timing`` (:func:`profile_timing`)."""
     n = placement.num_model_stages
     try:
         stages, split = stages_for(shape, setup, n), "config's"

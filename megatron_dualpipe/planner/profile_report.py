@@ -18,7 +18,7 @@ from ..schedules.layout import format_layout
 from ..schedules.simulate import SimResult
 from .bound import step_bound
 from .profile_config import ConfigCosts
-from .report import markdown_table
+from .report import markdown_table, spread
 
 __all__ = ["PEERS", "ProfileRow", "deepseek_bubble", "profile_table"]
 
@@ -103,7 +103,7 @@ def profile_table(rows: list[ProfileRow]) -> str:
         bound = r.bound or 0.0
         line = [r.schedule, r.source, str(r.stages), split, f"{r.step:.1f}", f"{bound:.1f}"]
         line += [f"{r.step / bound:.3f}" if bound else "-"]
-        line += [f"{100 * (r.bubble or 0.0):.1f}%", _spread(r.idle), _spread(r.exposed)]
+        line += [f"{100 * (r.bubble or 0.0):.1f}%", spread(r.idle, 0), spread(r.exposed, 0)]
         line += [f"{r.step / steps[p]:.3f}" for p in PEERS if p in steps]
         body.append(line)
     text = markdown_table(header, body)
@@ -111,10 +111,6 @@ def profile_table(rows: list[ProfileRow]) -> str:
         f"- {'n/a: ' if r.step is None else ''}{r.schedule}: {r.note}" for r in rows if r.note
     ]
     return text + ("\n\n" + "\n".join(notes) if notes else "")
-
-
-def _spread(values: tuple[float, ...]) -> str:
-    return f"{statistics.fmean(values):.0f} ({min(values):.0f}-{max(values):.0f})"
 
 
 def deepseek_bubble(rows: list[ProfileRow], pp: int) -> dict | None:

@@ -25,6 +25,7 @@ __all__ = [
     "nccl_memory_report",
     "nccl_line",
     "rank_table",
+    "spread",
     "text_table",
 ]
 
@@ -72,13 +73,15 @@ def bound_line(bound: StepBound) -> str:
     return (
         f"compute bound {bound.bound:.2f}: the step is {bound.ratio:.3f}x it "
         f"({100 * bound.efficiency:.1f}% of the bound); per rank, exposed all-to-all "
-        f"{_spread(exposed)}, idle {_spread(idle)}, compute beyond the bound (imbalance) "
-        f"{_spread(imbalance)}"
+        f"{spread(exposed)}, idle {spread(idle)}, compute beyond the bound (imbalance) "
+        f"{spread(imbalance)}"
     )
 
 
-def _spread(values: Sequence[float]) -> str:
-    return f"{statistics.fmean(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+def spread(values: Sequence[float], digits: int = 2) -> str:
+    """The mean of ``values`` and their range: ``1.50 (1.00-2.00)``."""
+    mean, low, high = statistics.fmean(values), min(values), max(values)
+    return f"{mean:.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
 
 
 def rank_table(result: SimResult) -> str:
