@@ -6,6 +6,13 @@ calling process when its parent goes, for whatever reason (``kill -9`` included)
 checks that the parent is still the one it was started by (a parent that died before the
 request took effect would never send the signal). Elsewhere only that check runs.
 
+:func:`forks_die_with_forker` does the same for the children a process forks without us
+(dist_checkpointing's checkpoint writers, a forked DataLoader's workers): from the call on,
+every child its main thread forks runs :func:`die_with_parent` first thing (Python's
+``os.register_at_fork``; a child inherits the registration, so its own forks die with it).
+A fork from another thread is left alone: the kernel's parent-death signal follows the
+thread that forked, and a thread that ends would take its child with it.
+
 Standard library only, so a spawned interpreter that runs it imports nothing heavy.
 """
 
@@ -16,8 +23,9 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 
-__all__ = ["die_with_parent"]
+__all__ = ["die_with_parent", "forks_die_with_forker"]
 
 #: ``PR_SET_PDEATHSIG`` from ``<linux/prctl.h>``.
 _PR_SET_PDEATHSIG = 1
@@ -31,3 +39,21 @@ def die_with_parent(parent_pid: int) -> None:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before the request took effect
         os._exit(1)
+
+
+def forks_die_with_forker() -> None:
+    """From now on, every child that this process's main thread forks (and, in turn, every
+    child such a child's main thread forks) dies with the process that forked it; call it
+    once per process."""
+    forker = threading.local()  # per thread, so another thread's fork cannot change it
+
+    def before() -> None:
+        main = threading.current_thread() is threading.main_thread()
+        forker.pid = os.getpid() if main else None
+
+    def in_child() -> None:  # the forking thread's locals survive into the child
+        pid = getattr(forker, "pid", None)
+        if pid is not None:
+            die_with_parent(pid)
+
+    os.register_at_fork(before=before, after_in_child=in_child)

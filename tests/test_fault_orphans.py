@@ -163,6 +163,49 @@ def test_nothing_of_run_ranks_survives_its_launcher(tmp_path: Path, how: str) ->
         assert _survivors(tag) == []
 
 
+#: A launcher whose two ranks each fork a child as dist_checkpointing forks a writer (no
+#: call of ours in the child), then wait until they are killed.
+_RANKS_WITH_FORKS = textwrap.dedent(
+    """
+    import os, sys, time
+    from megatron_dualpipe.runtime.launch import run_ranks
+
+    def rank_main(rank, world_size, ready):
+        if os.fork() == 0:
+            time.sleep(600)
+            os._exit(0)
+        open(f"{ready}.{rank}", "w").close()
+        time.sleep(600)
+
+    run_ranks(rank_main, 2, args=(sys.argv[1],), timeout_s=600, pg_timeout_s=600)
+    """
+)
+
+
+def test_a_rank_s_forked_child_dies_with_it_when_everything_else_is_killed(
+    tmp_path: Path,
+) -> None:
+    """``pkill -9 -f`` as it hit CI once: the launcher, its guard and the ranks killed
+    together while a rank's forked child (a checkpoint writer) runs. Nobody is left to kill
+    the child's process group; it must die with its rank (it ran on under PID 1)."""
+    tag, ready = uuid.uuid4().hex, tmp_path / "ready"
+    with _started(["-c", _RANKS_WITH_FORKS, str(ready)], tag, tmp_path) as proc:
+        wait_for(
+            "both ranks' forked children",
+            lambda: all(Path(f"{ready}.{r}").exists() for r in range(2)),
+            proc,
+        )
+        tagged = _tagged(tag)
+        launched = {p.pid for p in tagged if _safely(p.ppid) == proc.pid}  # guard, ranks
+        children = [p for p in tagged if _safely(p.ppid) in launched]
+        assert len(launched) == 3 and len(children) == 2, [_safely(p.name) for p in tagged]
+        victims = [p for p in tagged if p not in children]  # launcher, guard, two ranks
+        for action in (psutil.Process.suspend, psutil.Process.kill):
+            for victim in victims:
+                action(victim)
+        assert _survivors(tag) == []
+
+
 def _train(
     tmp_path: Path, tag: str, *sets: str, nohup: bool = False, temp: Path | None = None
 ) -> contextlib.AbstractContextManager:

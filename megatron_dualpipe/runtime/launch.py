@@ -21,7 +21,9 @@ resource tracker multiprocessing spawns) live in one process group of their own,
 small guard process forked first. The guard only waits for the parent to exit; then it
 removes the run's temporary directory (where multiprocessing puts its ``pymp-*``
 directories, which SIGKILLed processes cannot remove) and kills the group, itself included.
-The ranks also die with the parent through the parent-death signal. Rank 0's rendezvous
+The ranks also die with the parent through the parent-death signal, and what a rank forks
+with the rank (a writer forked while everything is killed at once would otherwise run on
+under PID 1 until its write ends). Rank 0's rendezvous
 store listens on the loopback address alone. The guard's own death (killed alone, by a
 ``kill -9`` or the out-of-memory killer) fails the launch at once, naming the guard: the
 parent watches it as it watches the ranks, and kills the ranks, since nothing would clean
@@ -63,7 +65,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DualPipeError
-from ..lifetime import die_with_parent
+from ..lifetime import die_with_parent, forks_die_with_forker
 from .openmp import release_thread_pool
 
 __all__ = ["GUARD_NAME", "LaunchFailure", "TempDirTooLong", "pick_port", "run_ranks"]
@@ -558,6 +560,7 @@ def _rank_main(
     try:
         group.join(0)
         die_with_parent(parent_pid)
+        forks_die_with_forker()  # a save's writers die with the rank, whoever kills it
         # What multiprocessing leaves in the temporary directory goes with the run's.
         tempfile.tempdir = group.tmpdir
         try:
