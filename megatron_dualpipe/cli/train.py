@@ -1,6 +1,8 @@
 """``megatron-dualpipe train`` (and ``train --dry-run``): a GPT pretrained on megatron-core
 with a pipeline schedule; the work is :mod:`megatron_dualpipe.megatron.training`
-(:func:`~megatron_dualpipe.megatron.training.train`, and its ``dry_run`` module)."""
+(:func:`~megatron_dualpipe.megatron.training.train`, and its ``dry_run`` module), or with
+``--loop megatron-lm`` Megatron-LM's own ``pretrain()``
+(:func:`~megatron_dualpipe.megatron.lm_launch.train_with_megatron_lm`)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,10 @@ from pathlib import Path
 from ..errors import DualPipeError
 from .common import add_overrides, unwind_on_stop_signals
 
-__all__ = ["add", "run"]
+__all__ = ["LOOPS", "add", "run"]
+
+#: The training loops ``--loop`` chooses from, the default first.
+LOOPS = ("megatron-dualpipe", "megatron-lm")
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -40,6 +45,15 @@ def add(sub: argparse._SubParsersAction) -> None:
         "for simulate --profile",
     )
     p.add_argument(
+        "--loop",
+        choices=LOOPS,
+        default=LOOPS[0],
+        help="the training loop: megatron-dualpipe's own (default), or megatron-lm: "
+        "Megatron-LM's pretrain() from megatron-core 0.19's wheel, patched for the run, the "
+        "config's keys as its flags (a key is a flag in snake case, as Megatron-LM's args "
+        "name it)",
+    )
+    p.add_argument(
         "--dry-run",
         action="store_true",
         help="build the pipeline ranks' model chunks at full size on the meta device in a "
@@ -54,6 +68,9 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.loop == "megatron-lm":
+        _megatron_lm(args)
+        return
     if args.dry_run:
         _dry_run(args)
         return
@@ -66,6 +83,20 @@ def run(args: argparse.Namespace) -> None:
     overrides = [*profiling, *args.overrides]
     with unwind_on_stop_signals():
         train(load_config(args.config, overrides), source=config_source(args.config, overrides))
+
+
+def _megatron_lm(args: argparse.Namespace) -> None:
+    from ..megatron.lm_args import MegatronLMConfigError
+    from ..megatron.lm_launch import train_with_megatron_lm  # imports torch when run
+
+    ours = {"--dry-run": args.dry_run, "--profile": args.profile, "--ranks": args.ranks}
+    for flag, given in ours.items():
+        if given:
+            raise MegatronLMConfigError(
+                f"{flag} is megatron-dualpipe's own loop's: leave out --loop megatron-lm, or {flag}"
+            )
+    with unwind_on_stop_signals():
+        train_with_megatron_lm(args.config, args.overrides)
 
 
 def _dry_run(args: argparse.Namespace) -> None:

@@ -12,8 +12,10 @@ locally instead (no communication), and that group is left with one rank
 (:func:`~.placement.embedding_ranks`), so Megatron's all-reduce does nothing.
 
 Which parameters are copies of one another: those with the same global name
-(:mod:`.names`) in different chunks of the rank. The chunk listed first holds the original;
-the copies are marked ``shared`` (counted once in the gradient norm, as Megatron marks its
+(:mod:`.names`) in different chunks of the rank. The chunk that holds the first model stage
+(the embedding proper) holds the original, else the chunk listed first: under dualpipe the
+last rank's chunk 0 is the last stage, whose output layer Megatron builds zeroed. The
+copies are marked ``shared`` (counted once in the gradient norm, as Megatron marks its
 copies) and every member ``shared_embedding`` (Megatron's DDP then gives each its own bucket,
 so the distributed optimizer shards the copies alike).
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from megatron.core.utils import unwrap_model
 from torch import nn
 
 from .names import global_named_parameters
@@ -53,9 +56,10 @@ def release_unused_output_weight(chunk: nn.Module) -> None:
 
 def tied_groups(model: Sequence[nn.Module]) -> list[list[nn.Parameter]]:
     """Groups of this rank's parameters that are one parameter: the same global name in more
-    than one chunk; the first chunk's holds the original. Empty for one chunk."""
+    than one chunk; the original first (the first model stage's chunk's, else the first
+    chunk's). Empty for one chunk."""
     holders: dict[str, list[nn.Parameter]] = {}
-    for chunk in model:
+    for chunk in sorted(model, key=lambda c: not getattr(unwrap_model(c), "pre_process", False)):
         for name, param in global_named_parameters(chunk).items():
             holders.setdefault(name, []).append(param)
     return [params for params in holders.values() if len(params) > 1]

@@ -1,0 +1,193 @@
+"""``megatron-dualpipe train --loop megatron-lm``: a YAML config's keys as Megatron-LM's
+flags, and the config trained by Megatron-LM's own ``pretrain()``.
+
+The key-to-flag rules run against a parser with the kinds of argument Megatron-LM's
+``arguments.py`` declares (megatron-core 0.19): ``--no-persist-layer-norm`` is a
+``store_true`` whose argument is ``no_persist_layer_norm``, ``--no-bias-gelu-fusion`` a
+``store_false`` of ``bias_gelu_fusion``, ``--data-path`` takes ``nargs='*'``,
+``--distributed-timeout-minutes`` an int, a few are ``BooleanOptionalAction``. The runs
+(slow, megatron-core 0.19's wheel) fork two CPU ranks through the command itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_dualpipe.megatron.lm_args import MegatronLMConfigError, megatron_lm_argv
+from megatron_dualpipe.megatron.lm_launch import CPU_FLAGS, megatron_lm_run_argv
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny_gpt_cpu.yaml"
+
+
+def _parser() -> argparse.ArgumentParser:
+    """Megatron-LM's kinds of argument, one or two of each (and what CPU_FLAGS name)."""
+    p = argparse.ArgumentParser(prog="pretrain", allow_abbrev=False, exit_on_error=False)
+    for flag in ("--num-layers", "--seq-length", "--max-position-embeddings"):
+        p.add_argument(flag, type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    p.add_argument("--transformer-impl", default="transformer_engine")
+    p.add_argument("--distributed-backend", default="nccl")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--mock-data", action="store_true")
+    p.add_argument("--data-path", nargs="*")
+    p.add_argument("--no-persist-layer-norm", action="store_true")
+    p.add_argument("--no-gradient-accumulation-fusion", action="store_false",
+                   dest="gradient_accumulation_fusion")  # fmt: skip
+    for fused in ("bias-gelu", "bias-dropout", "masked-softmax", "rope"):
+        p.add_argument(f"--no-{fused}-fusion", action="store_false",
+                       dest=f"{fused.replace('-', '_')}_fusion")  # fmt: skip
+    p.add_argument("--inference-wandb-logging", action=argparse.BooleanOptionalAction)
+    p.add_argument("--pipeline-schedule", choices=("1f1b", "dualpipev"))
+    return p
+
+
+def test_each_key_becomes_its_flag() -> None:
+    settings = {"num_layers": 8, "lr": 3.0e-3, "data_path": [1, "corpus"], "world_size": 2}
+    assert megatron_lm_argv(settings, _parser(), "c.yaml") == [
+        *("--num-layers", "8", "--lr", "0.003", "--data-path", "1", "corpus"),
+    ]  # world_size is the launcher's
+
+
+def test_true_and_false_pick_the_flag_that_stores_them() -> None:
+    p = _parser()
+    assert megatron_lm_argv({"bf16": True, "bias_gelu_fusion": False}, p, "c") == [
+        "--bf16",
+        "--no-bias-gelu-fusion",
+    ]
+    assert megatron_lm_argv({"no_persist_layer_norm": True}, p, "c") == ["--no-persist-layer-norm"]
+    assert megatron_lm_argv({"inference_wandb_logging": False}, p, "c") == [
+        "--no-inference-wandb-logging"
+    ]
+    # Megatron-LM's default already, with no flag to write it: nothing.
+    assert megatron_lm_argv({"bf16": False, "bias_gelu_fusion": True, "lr": None}, p, "c") == []
+
+
+def test_a_key_megatron_lm_lacks_is_named_with_the_nearest() -> None:
+    with pytest.raises(MegatronLMConfigError) as info:
+        megatron_lm_argv({"num_layer": 8}, _parser(), "c.yaml")
+    assert str(info.value) == (
+        "c.yaml: num_layer is not an argument of Megatron-LM's pretrain (did you mean "
+        "'num_layers'?): write a Megatron-LM flag in snake case, or remove it"
+    )
+
+
+def test_a_switch_given_a_number_is_refused() -> None:
+    with pytest.raises(MegatronLMConfigError, match=r"^c: bf16 is a switch of Megatron-LM "):
+        megatron_lm_argv({"bf16": 1}, _parser(), "c")
+
+
+def test_the_run_s_line_cpu_flags_first_mock_data_and_positions() -> None:
+    argv = megatron_lm_run_argv({"seq_length": 16}, _parser(), "c", on_cpu=True)
+    assert argv == [
+        *CPU_FLAGS,
+        *("--mock-data", "--max-position-embeddings", "16", "--seq-length", "16"),
+    ]
+    # The config's own values come after, and win; with a data path no mock data.
+    settings = {"transformer_impl": "transformer_engine", "data_path": ["corpus"]}
+    argv = megatron_lm_run_argv(settings, _parser(), "c", on_cpu=False)
+    assert argv == ["--transformer-impl", "transformer_engine", "--data-path", "corpus"]
+
+
+def test_a_value_megatron_lm_s_parser_rejects_is_one_sentence() -> None:
+    with pytest.raises(MegatronLMConfigError) as info:
+        megatron_lm_run_argv({"distributed_timeout_minutes": 0.5}, _parser(), "c", on_cpu=True)
+    assert str(info.value) == (
+        "c: argument --distributed-timeout-minutes: invalid int value: '0.5': give it a value "
+        "Megatron-LM's parser takes"
+    )
+
+
+# Runs of the command: Megatron-LM's pretrain() on two forked CPU ranks.
+
+LOSS = re.compile(r"iteration +(\d+)/ +\d+ \|.*\| lm loss: (\d\.\d{6}E[-+]\d\d) \|.* grad norm: ")
+VALIDATION = re.compile(r"validation loss at iteration (\d+) on validation set \| lm loss value: "
+                        r"(\d\.\d{6}E[-+]\d\d)")  # fmt: skip
+#: Three steps, a validation after the last; no dropout (Megatron-LM seeds it per rank);
+#: the config's clipping on (it clips at every step here).
+SETS = (
+    "train_iters=3", "eval_interval=3", "eval_iters=1", "hidden_dropout=0",
+    "attention_dropout=0", "distributed_timeout_minutes=1",
+)  # fmt: skip
+
+
+def _train(*sets: str) -> subprocess.CompletedProcess:
+    items = [arg for item in (*SETS, *sets) for arg in ("--set", item)]
+    command = [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(TINY)]
+    return subprocess.run(
+        [*command, "--loop", "megatron-lm", *items],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+def _megatron_core_0_19() -> bool:
+    from megatron_dualpipe.megatron.compat.version import megatron_lm_tag
+
+    return megatron_lm_tag() == "core_v0.19.0"
+
+
+@pytest.mark.megatron
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_the_tiny_config_trains_as_1f1b_under_every_schedule() -> None:
+    """From scratch, tied embeddings (Megatron-LM's default): zb1p and dualpipev print
+    1F1B's digits, dualpipe within a millionth. dualpipe's last rank used to copy its
+    zeroed output layer over its embedding (loss 4.863 against 4.876 at step 1, then
+    barely learning)."""
+    if not _megatron_core_0_19():
+        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
+    printed = {}
+    for schedule in ("1f1b", "zb1p", "dualpipev", "dualpipe"):
+        done = _train(f"pipeline_schedule={schedule}")
+        assert done.returncode == 0, done.stderr[-3000:]
+        said = "Megatron's own" if schedule == "1f1b" else f"{schedule} (megatron-dualpipe's)"
+        assert f"pipeline schedule: {said}" in done.stdout + done.stderr
+        losses = dict(LOSS.findall(done.stdout))
+        validation = dict(VALIDATION.findall(done.stdout))
+        assert sorted(losses) == ["1", "2", "3"] and sorted(validation) == ["3"], done.stdout
+        printed[schedule] = (losses, validation)
+    assert printed["zb1p"] == printed["1f1b"]
+    assert printed["dualpipev"] == printed["1f1b"]
+    for got, want in zip(printed["dualpipe"], printed["1f1b"], strict=True):
+        for step, loss in want.items():
+            assert float(got[step]) == pytest.approx(float(loss), rel=1e-6), (step, got, want)
+
+
+@pytest.mark.megatron
+@pytest.mark.slow
+def test_a_key_of_megatron_dualpipe_s_own_loop_is_refused_before_any_rank() -> None:
+    if not _megatron_core_0_19():
+        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
+    done = _train("output_dir=runs")
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1] == (
+        f"megatron-dualpipe: error: {TINY} with --set train_iters=3 --set eval_interval=3 "
+        "--set eval_iters=1 --set hidden_dropout=0 --set attention_dropout=0 --set "
+        "distributed_timeout_minutes=1 --set output_dir=runs: output_dir is not an argument "
+        "of Megatron-LM's pretrain: write a Megatron-LM flag in snake case, or remove it"
+    )
+    assert "iteration" not in done.stdout
+
+
+@pytest.mark.megatron
+def test_another_megatron_core_is_refused_in_one_sentence(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from megatron_dualpipe.cli.command import main
+    from megatron_dualpipe.megatron.compat.version import installed_megatron_core
+
+    if _megatron_core_0_19():
+        pytest.skip("megatron-core 0.19 is installed: its loop runs")
+    assert main(["train", "--config", str(TINY), "--loop", "megatron-lm"]) == 2
+    assert capsys.readouterr().err == (
+        "megatron-dualpipe: error: Megatron-LM's loop runs the megatron/training of "
+        f"megatron-core 0.19, but megatron-core {installed_megatron_core()} is installed: pip "
+        "install 'megatron-core==0.19.2' (Python 3.12), or train without --loop megatron-lm\n"
+    )
