@@ -66,6 +66,55 @@ def test_an_illegal_cell_is_a_note_not_a_failure() -> None:
     assert "n/a" in simulated_table(rows, PROFILES[0])
 
 
+def _column(table: str, name: str) -> dict[str, list[str]]:
+    """Per schedule of a simulated markdown table, its cells under every header ``name``
+    (one per micro-batch count)."""
+    header, _, *body = [line for line in table.splitlines() if line.startswith("|")]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in [header, *body]]
+    at = [i for i, c in enumerate(cells[0]) if c == name]
+    return {row[0]: [row[i] for i in at] for row in cells[1:]}
+
+
+def test_every_schedule_row_is_set_against_its_compute_bound_by_hand() -> None:
+    """F=B=W=1 per rank share: 3 of compute per micro-batch on every rank under every
+    schedule, 24 at m=8 and 48 at m=16; each row's "vs compute bound" is its T over that,
+    and the lower-bound row (the least busiest rank) has none."""
+    rows = [r for m in (8, 16) for r in simulate_cell(PROFILES[0], 4, m)]
+    for r in rows:
+        if r.schedule == LOWER_BOUND:
+            assert (r.compute_bound, r.vs_bound) == (None, None)
+        else:
+            assert r.compute_bound == 3.0 * r.microbatches
+            assert r.vs_bound == r.makespan / r.compute_bound
+    table = simulated_table(rows, PROFILES[0])
+    cells = _column(table, "vs compute bound")
+    makespans = {(r.schedule, r.microbatches): r.makespan for r in rows}
+    for name in (e.name for e in SCHEDULES):
+        expected = [f"{makespans[(name, m)] / (3.0 * m):.2f}x" for m in (8, 16)]
+        assert cells[name] == expected, name
+    assert makespans[("1f1b", 8)] == 33.0 and cells["1f1b"] == ["1.38x", "1.19x"]
+    assert cells[LOWER_BOUND] == ["-", "-"]
+    bound_line = "- compute bound (T; mean over the schedules, range): "
+    assert bound_line + "24.00 (24.00-24.00) at m=8, 48.00 (48.00-48.00) at m=16" in table
+
+
+def test_the_compute_bound_follows_each_schedules_own_stages() -> None:
+    """Ends 1.5x: 1F1B's 4 model stages cost (1.5 + 1 + 1 + 1.5) x 3 = 15 per micro-batch,
+    8 micro-batches over 4 ranks: 30; DualPipeV's 8 half-size stages (0.75 x 2 + 0.5 x 6)
+    x 3 = 13.5: 27. Overlapped pairs leave the bound alone (their parts' compute) and can
+    take less than it: DualPipeV under F&B=0.7 is below 1x."""
+    uneven, overlap = simulated.profile_by_key("uneven"), simulated.profile_by_key("moe-overlap")
+    rows = {r.schedule: r for r in simulate_cell(uneven, 4, 8)}
+    assert (rows["1f1b"].compute_bound, rows["dualpipev"].compute_bound) == (30.0, 27.0)
+    assert rows["dualpipev"].vs_bound == pytest.approx(rows["dualpipev"].makespan / 27.0)
+    table = simulated_table(list(rows.values()), uneven)
+    assert f"{rows['1f1b'].makespan / 30.0:.2f}x" == _column(table, "vs compute bound")["1f1b"][0]
+    assert "(27.00-30.00) at m=8" in table
+    paired = {r.schedule: r for r in simulate_cell(overlap, 4, 8)}
+    assert paired["dualpipev"].compute_bound == 24.0
+    assert paired["dualpipev"].vs_bound == paired["dualpipev"].makespan / 24.0 < 1.0
+
+
 @pytest.mark.slow
 def test_quick_bench_writes_tables_figures_and_json(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
@@ -89,6 +138,10 @@ def test_quick_bench_writes_tables_figures_and_json(
     assert names == {name for name, _ in simulated.OPTIMISED}
     assert all(0 <= r["gap"] < 1 and r["proven_bound"] <= r["makespan"] + 1e-9 for r in optimised)
     assert all(0 < r["vs_1f1b"] <= 1.5 for r in rows)
+    scheduled = [r for r in rows if r["source"] != "bound"]
+    assert all(r["vs_bound"] == r["makespan"] / r["compute_bound"] for r in scheduled)
+    equal = [r for r in scheduled if r["profile"] == "equal"]
+    assert all(r["compute_bound"] == 3.0 * r["microbatches"] for r in equal)
     assert "bubble removed vs 1F1B" in printed and "proven gap" in printed
     for profile in PROFILES:
         assert (out / f"bench_sim_bubble_{profile.key}.png").stat().st_size > 0

@@ -3,8 +3,10 @@ simulator, on a grid of pipeline sizes, micro-batch counts and cost profiles.
 
 Costs are per rank share (see :mod:`.catalog`), so all schedules run the same model. For
 each (profile, PP, micro-batches) cell the rows are one per schedule, then, if asked, the
-optimiser's rows (:data:`OPTIMISED`), then a lower bound. Imports only the schedule layer
-(the optimiser, with SciPy, only when asked for) and ``bench.torch_schedules``.
+optimiser's rows (:data:`OPTIMISED`), then a lower bound. Each schedule's step is also set
+against its compute bound (:func:`..planner.bound.step_bound`). Imports only the schedule
+layer, the planner's pure-Python bound and tables (the optimiser, with SciPy, only when
+asked for) and ``bench.torch_schedules``.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
+from ..planner.bound import step_bound
 from ..planner.optimize import Effort  # the optimiser imports SciPy only when it runs
-from ..planner.report import markdown_table
+from ..planner.report import markdown_table, spread
 from ..schedules import Schedule, ScheduleError, SimResult, simulate, validate
 from .catalog import PROFILES, SCHEDULES, Profile, ScheduleEntry
 
@@ -27,6 +30,7 @@ __all__ = [
     "OPTIMISER_SECONDS",
     "OPTIMISED_UP_TO",
     "SimRow",
+    "compute_bound_line",
     "optimiser_table",
     "peer_statements",
     "profile_by_key",
@@ -66,6 +70,9 @@ class SimRow:
 
     - ``makespan``: the simulated step; ``bubble_ratio``: idle over all ranks' time;
     - ``vs_1f1b``: makespan over our 1F1B's in the same cell;
+    - ``compute_bound``: the step's compute bound (:func:`..planner.bound.step_bound` of
+      the same simulation: every pass's compute without its all-to-all, shared evenly over
+      the ranks); ``vs_bound``: makespan over it;
     - ``peak_activations``: the most live activations on any rank, in units of one 1F1B
       stage's activations of one micro-batch (stage count x ranks / model stages);
     - ``param_factor``: parameters per rank over an even 1/PP share;
@@ -77,7 +84,8 @@ class SimRow:
     rank, in the placement's stages), the proven ``proven_bound`` on any schedule of
     their placement, ``gap`` = (makespan - bound) / makespan and ``solve_seconds``. The
     lower-bound row (``source`` "bound") has the least ``busiest`` of the cell's
-    schedules as its makespan and no stages, activations or parameters. A schedule not
+    schedules as its makespan and no stages, activations, parameters or compute bound
+    (it is not a schedule's step). A schedule not
     legal in a cell has ``note`` set and no figures."""
 
     profile: str
@@ -89,6 +97,8 @@ class SimRow:
     makespan: float | None = None
     bubble_ratio: float | None = None
     vs_1f1b: float | None = None
+    compute_bound: float | None = None
+    vs_bound: float | None = None
     peak_activations: float | None = None
     param_factor: float | None = None
     busiest: float | None = None
@@ -101,12 +111,16 @@ class SimRow:
 
 
 def _figures(result: SimResult) -> dict:
+    """A simulated schedule's :class:`SimRow` figures that need no other row."""
     p = result.schedule.placement
     stage_size = p.num_ranks / p.num_model_stages
+    bound = step_bound(result)
     return {
         "stages": p.num_stages,
         "makespan": result.makespan,
         "bubble_ratio": result.bubble_ratio,
+        "compute_bound": bound.bound,
+        "vs_bound": bound.ratio,
         "peak_activations": max(r.peak_activations for r in result.ranks) * stage_size,
         "param_factor": result.param_factor,
         "busiest": max(r.busy for r in result.ranks),
@@ -284,8 +298,11 @@ def _num(value: float | None, fmt: str, suffix: str = "") -> str:
 
 def simulated_table(rows: Sequence[SimRow], profile: Profile | None = None) -> str:
     """One markdown table for rows of one (profile, PP): a row per schedule; per
-    micro-batch count its makespan, bubble ratio, ratio to 1F1B and share of 1F1B's bubble
-    removed; peak activations are the largest over the micro-batch counts."""
+    micro-batch count its makespan, bubble ratio, ratio to 1F1B, step over its compute
+    bound (``1.38x``; "-" on the lower-bound row) and share of 1F1B's bubble removed; peak
+    activations are the largest over the micro-batch counts. Under it: the n/a notes, the
+    compute bound per micro-batch count (:func:`compute_bound_line`) and the peer
+    statements."""
     if not rows:
         return ""
     label = profile.label if profile else rows[0].profile
@@ -294,7 +311,8 @@ def simulated_table(rows: Sequence[SimRow], profile: Profile | None = None) -> s
     by_key = {(r.schedule, r.microbatches): r for r in rows}
     header = ["schedule", "from", "stages", "params", "peak act."]
     for m in counts:
-        header += [f"T m={m}", "bubble", "vs 1F1B", "bubble removed vs 1F1B"]
+        header += [f"T m={m}", "bubble", "vs 1F1B", "vs compute bound"]
+        header += ["bubble removed vs 1F1B"]
     body = []
     for name in names:
         cells = [by_key[(name, m)] for m in counts if (name, m) in by_key]
@@ -310,13 +328,14 @@ def simulated_table(rows: Sequence[SimRow], profile: Profile | None = None) -> s
         for m in counts:
             c = by_key.get((name, m))
             if c is None or c.makespan is None:
-                line += ["n/a", "-", "-", "-"]
+                line += ["n/a", "-", "-", "-", "-"]
             else:
                 removed = None if c.bubble_removed is None else 100 * c.bubble_removed
                 line += [
                     _num(c.makespan, ".2f"),
                     _num(100 * c.bubble_ratio, ".1f", "%"),
                     _num(c.vs_1f1b, ".3f"),
+                    _num(c.vs_bound, ".2f", "x"),
                     _num(removed, ".0f", "%"),
                 ]
         body.append(line)
@@ -325,10 +344,26 @@ def simulated_table(rows: Sequence[SimRow], profile: Profile | None = None) -> s
     text = title + "\n\n" + markdown_table(header, body)
     if notes:
         text += "\n\n" + "\n".join(f"- n/a: {n}" for n in notes)
-    statements = peer_statements(rows)
+    bound = compute_bound_line(rows)
+    statements = ([bound] if bound else []) + peer_statements(rows)
     if statements:
         text += "\n\n" + "\n".join(f"- {s}" for s in statements)
     return text
+
+
+def compute_bound_line(rows: Sequence[SimRow]) -> str:
+    """Per micro-batch count, the compute bound of the rows that have one (T): its mean
+    over them and its range (:func:`..planner.report.spread`). Where the ends cost more,
+    the schedules' bounds differ: one that cuts the model into more stages makes its
+    heavier ends a smaller part of it. Empty where no row has a bound."""
+    bounds: dict[int, list[float]] = {}
+    for r in rows:
+        if r.compute_bound is not None:
+            bounds.setdefault(r.microbatches, []).append(r.compute_bound)
+    if not bounds:
+        return ""
+    figures = ", ".join(f"{spread(b)} at m={m}" for m, b in sorted(bounds.items()))
+    return f"compute bound (T; mean over the schedules, range): {figures}"
 
 
 def peer_statements(rows: Sequence[SimRow]) -> list[str]:

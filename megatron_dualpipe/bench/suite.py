@@ -70,9 +70,12 @@ bubble removed vs 1F1B = (1F1B's T - T) / 1F1B's bubble (its T minus its busiest
 compute; above 100%: less compute too, from F&B overlap); peak act. = the most live
 activations on a rank, in units of one 1F1B stage's activations of one micro-batch
 (largest over the micro-batch counts); params = parameters per rank over an even 1/PP
-share. The lower bound row is the least busiest-rank compute time among the schedules
-(that work with no idle). `torch-*` rows are torch.distributed.pipelining's generators
-imported into our IR and validated.
+share; vs compute bound = T over the schedule's compute bound (as `simulate`'s vs bound:
+all its F, B and W compute shared evenly over the ranks, as if no rank ever waited; the
+line under each table gives the bound), below 1x only where F&B pairs take less than their
+parts' compute (F&B=0.7). The lower bound row is not the compute bound: it is the least
+busiest-rank compute time among the schedules (that work with no idle). `torch-*` rows
+are torch.distributed.pipelining's generators imported into our IR and validated.
 
 `*-opt` rows are the optimiser (docs/optimizer.md), warm-started only from our hand-made
 schedules of that placement (never from torch's), each search with a fixed effort ({builds}
