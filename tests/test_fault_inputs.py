@@ -1,5 +1,5 @@
-"""Bad launcher variables and bad ``--yaml-cfg`` files of the pretrain script are one
-sentence each, before any work."""
+"""Bad ``--yaml-cfg`` files of the pretrain script are one sentence each, before any work
+(bad launcher variables: tests/test_rank_env.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dualpipe.megatron.training import ConfigError, launch
+from megatron_dualpipe.megatron.training import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location(
@@ -16,37 +16,6 @@ _spec = importlib.util.spec_from_file_location(
 )
 script = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(script)
-
-
-@pytest.mark.parametrize(
-    ("env", "message"),
-    [
-        (
-            dict(RANK="zero", WORLD_SIZE="2"),
-            "torchrun environment with RANK='zero': expected a whole number (unset RANK and "
-            "WORLD_SIZE, or SLURM_PROCID and SLURM_NTASKS, to let train fork the ranks itself)",
-        ),
-        (
-            dict(SLURM_PROCID="4", SLURM_NTASKS="4"),
-            "srun environment with SLURM_PROCID=4 and SLURM_NTASKS=4: the rank must be between "
-            "0 and SLURM_NTASKS - 1",
-        ),
-        (
-            dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="n1", MASTER_PORT="http"),
-            "torchrun environment with MASTER_PORT='http': expected a whole number (unset RANK "
-            "and WORLD_SIZE, or SLURM_PROCID and SLURM_NTASKS, to let train fork the ranks itself)",
-        ),
-    ],
-)
-def test_a_malformed_launcher_variable_is_one_sentence(monkeypatch, env, message) -> None:
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS",
-                "SLURM_LOCALID", "MASTER_ADDR", "MASTER_PORT"):  # fmt: skip
-        monkeypatch.delenv(key, raising=False)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    with pytest.raises(launch.LaunchError) as info:
-        launch.launcher_env()
-    assert str(info.value) == message
 
 
 def _yaml(tmp_path: Path, text: str) -> Path:

@@ -12,6 +12,7 @@ The key-to-flag rules run against a parser with the kinds of argument Megatron-L
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -191,3 +192,39 @@ def test_another_megatron_core_is_refused_in_one_sentence(
         f"megatron-core 0.19, but megatron-core {installed_megatron_core()} is installed: pip "
         "install 'megatron-core==0.19.2' (Python 3.12), or train without --loop megatron-lm\n"
     )
+
+
+@pytest.mark.megatron
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_under_srun_each_process_is_a_rank_and_trains_as_forked(tmp_path: Path) -> None:
+    """Two processes with srun's variables (as ``srun --ntasks 2`` starts them) train the
+    digits that the two ranks the command forks itself train."""
+    from megatron_dualpipe.runtime.launch import pick_port
+
+    if not _megatron_core_0_19():
+        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
+    forked = _train("pipeline_schedule=dualpipev")
+    assert forked.returncode == 0, forked.stderr[-3000:]
+    items = [arg for item in (*SETS, "pipeline_schedule=dualpipev") for arg in ("--set", item)]
+    command = [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(TINY),
+               "--loop", "megatron-lm", *items]  # fmt: skip
+    port, ranks = str(pick_port()), []
+    try:
+        for rank in range(2):
+            env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+            env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port)  # fmt: skip
+            with (tmp_path / f"{rank}.out").open("w") as out, (
+                tmp_path / f"{rank}.err"
+            ).open("w") as err:  # the child keeps its own copies of the two files
+                ranks.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=err))
+        codes = [rank.wait(timeout=600) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    errors = [(tmp_path / f"{r}.err").read_text()[-2000:] for r in range(2)]
+    assert codes == [0, 0], errors
+    printed = "".join((tmp_path / f"{r}.out").read_text() for r in range(2))
+    assert LOSS.findall(printed) == LOSS.findall(forked.stdout) != []
+    assert VALIDATION.findall(printed) == VALIDATION.findall(forked.stdout) != []

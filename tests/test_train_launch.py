@@ -1,5 +1,6 @@
-"""The launcher of ``train``: which environment makes this process a rank, and the embedded
-CPU launcher's handling of a failing rank (its error comes back, the others are killed)."""
+"""The launcher of ``train``: the embedded CPU launcher's handling of a failing rank (its
+error comes back, the others are killed). Which environment makes this process a rank:
+tests/test_rank_env.py."""
 
 from __future__ import annotations
 
@@ -22,29 +23,6 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     for key in (*_LAUNCH_KEYS, "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     return monkeypatch
-
-
-def test_no_launcher(clean_env: pytest.MonkeyPatch) -> None:
-    assert launch.launcher_env() is None
-
-
-def test_torchrun_environment(clean_env: pytest.MonkeyPatch) -> None:
-    for key, value in dict(
-        RANK="3", WORLD_SIZE="8", LOCAL_RANK="1", MASTER_ADDR="node0", MASTER_PORT="6000"
-    ).items():
-        clean_env.setenv(key, value)
-    assert launch.launcher_env() == launch.RankEnv(3, 8, 1, "node0", 6000, "torchrun")
-
-
-def test_srun_environment(clean_env: pytest.MonkeyPatch) -> None:
-    for key, value in dict(
-        SLURM_PROCID="5", SLURM_NTASKS="16", SLURM_LOCALID="5", MASTER_ADDR="n1", MASTER_PORT="7"
-    ).items():
-        clean_env.setenv(key, value)
-    assert launch.launcher_env() == launch.RankEnv(5, 16, 5, "n1", 7, "srun")
-    clean_env.delenv("MASTER_ADDR")
-    with pytest.raises(launch.LaunchError, match="srun environment without MASTER_ADDR"):
-        launch.launcher_env()
 
 
 def _fail_on_rank_1(cfg: object) -> None:

@@ -5,9 +5,10 @@ The config's keys become Megatron-LM's flags (:mod:`.lm_args`); the run is
 :func:`~megatron_dualpipe.megatron.pretrain_gpt.main` (this project's ``pretrain_gpt.py``)
 with the installed wheel's ``megatron/training`` patched for ``--pipeline-schedule`` (a copy
 made for the run in a temporary folder: :func:`~.compat.lm_patch.make_patched_training`).
-Under torchrun (``RANK`` and ``WORLD_SIZE`` set) this process is one rank; otherwise it
-forks the config's ``world_size`` ranks on CPU over gloo (:func:`~..runtime.launch.run_ranks`:
-no process outlives the command). On a machine without CUDA the flags of
+Under torchrun or srun (:func:`~..runtime.rank_env.launcher_env`; srun's variables are
+handed to Megatron-LM as torchrun's) this process is one rank; otherwise it forks the
+config's ``world_size`` ranks on CPU over gloo (:func:`~..runtime.launch.run_ranks`: no
+process outlives the command). On a machine without CUDA the flags of
 :data:`CPU_FLAGS` come first (the config's own win); without a data path the run takes
 Megatron's mock data, and ``max_position_embeddings`` defaults to ``seq_length``.
 
@@ -66,12 +67,13 @@ def megatron_lm_run_argv(
 
 def train_with_megatron_lm(path: Path, overrides: Iterable[str]) -> None:
     """Train the config at ``path`` (with ``--set`` ``overrides``) with Megatron-LM's
-    ``pretrain()``: here under torchrun, else on the config's ``world_size`` forked CPU
-    ranks. Raises :class:`~.lm_args.MegatronLMConfigError` (or, for the file itself,
+    ``pretrain()``: here under torchrun or srun, else on the config's ``world_size`` forked
+    CPU ranks. Raises :class:`~.lm_args.MegatronLMConfigError` (or, for the file itself,
     :class:`~..schedules.config_values.ConfigValueError`) before any rank starts."""
     import torch
 
     from ..runtime.launch import run_ranks
+    from ..runtime.rank_env import launcher_env
     from .compat.lm_patch import make_patched_training, unpatched_training_problem
     from .compat.version import installed_megatron_core, megatron_lm_tag
 
@@ -84,6 +86,7 @@ def train_with_megatron_lm(path: Path, overrides: Iterable[str]) -> None:
             "'megatron-core==0.19.2' (Python 3.12), or train without --loop megatron-lm"
         )
     settings = read_values(path, overrides)
+    env = launcher_env()
     on_cpu = not torch.cuda.is_available()
     with tempfile.TemporaryDirectory(prefix="megatron-lm-") as folder:
         make_patched_training(Path(folder))
@@ -93,7 +96,8 @@ def train_with_megatron_lm(path: Path, overrides: Iterable[str]) -> None:
             if problem is not None:
                 raise MegatronLMConfigError(problem)
             argv = megatron_lm_run_argv(settings, megatron_lm_parser(), source, on_cpu=on_cpu)
-            if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun's rank
+            if env is not None:  # torchrun's or srun's rank: Megatron-LM reads torchrun's
+                os.environ.update(env.torchrun_variables())
                 _pretrain(argv)
                 return
             world_size = int(settings.get("world_size") or _model_parallel_size(settings))

@@ -33,7 +33,6 @@ import re
 import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -41,6 +40,7 @@ import torch.distributed as dist
 
 from ...errors import DualPipeError
 from ...runtime.launch import LaunchFailure, pick_port, run_ranks
+from ...runtime.rank_env import RankEnv, launcher_env
 from ...runtime.watchdog import PipelineCommError, peer_lost
 from ..compat.cpu_compat import apply_cpu_compat
 from ..model.layer_specs import te_missing
@@ -55,7 +55,7 @@ from .loop import TrainResult, run_rank
 from .model import transformer_config, transformer_impl
 from .tensorboard import check_tensorboard
 
-__all__ = ["LaunchError", "RankEnv", "launcher_env", "train"]
+__all__ = ["LaunchError", "train"]
 
 _HOST = "127.0.0.1"
 logger = logging.getLogger(__name__)
@@ -63,58 +63,6 @@ logger = logging.getLogger(__name__)
 
 class LaunchError(TrainError):
     """Ranks could not be started or one failed; the message names the rank and its error."""
-
-
-@dataclass(frozen=True)
-class RankEnv:
-    """This process's place in the job."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str
-    master_port: int
-    launcher: str
-
-
-def _required(name: str, launcher: str) -> str:
-    value = os.environ.get(name)
-    if not value:
-        raise LaunchError(
-            f"{launcher} environment without {name}: export MASTER_ADDR and MASTER_PORT "
-            "(the rank-0 host and a free port) before starting the ranks"
-        )
-    return value
-
-
-def launcher_env() -> RankEnv | None:
-    """The rank set by torchrun or srun, or None when neither started this process."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        keys, launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK"), "torchrun"
-    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        keys, launcher = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"), "srun"
-    else:
-        return None
-    rank, world, local = (_whole_number(k, env.get(k, "0"), launcher) for k in keys)
-    if not 0 <= rank < world:
-        raise LaunchError(
-            f"{launcher} environment with {keys[0]}={rank} and {keys[1]}={world}: the rank must "
-            f"be between 0 and {keys[1]} - 1"
-        )
-    addr = _required("MASTER_ADDR", launcher)
-    port = _whole_number("MASTER_PORT", _required("MASTER_PORT", launcher), launcher)
-    return RankEnv(rank, world, local, addr, port, launcher)
-
-
-def _whole_number(name: str, value: str, launcher: str) -> int:
-    if not value.strip().isdigit():
-        raise LaunchError(
-            f"{launcher} environment with {name}={value!r}: expected a whole number (unset "
-            "RANK and WORLD_SIZE, or SLURM_PROCID and SLURM_NTASKS, to let train fork the ranks "
-            "itself)"
-        )
-    return int(value)
 
 
 #: Bytes one token of a micro-batch takes while a step holds it: tokens, labels and position
