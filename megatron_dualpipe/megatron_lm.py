@@ -5,7 +5,8 @@ wires these hooks into Megatron-LM's ``pretrain_gpt.py`` and ``megatron/training
 
 - :func:`add_arguments`: the ``extra_args_provider`` part that adds ``--pipeline-schedule``;
 - :func:`apply`: right after Megatron validated its arguments, before any process-group
-  work: checks the combination (one sentence saying what to change);
+  work: checks the combination (one sentence saying what to change) and reads the
+  checkpoint to load without running code from it (:func:`check_load`);
 - :func:`forward_backward_func`: where Megatron-LM's ``train`` and ``evaluate`` ask for
   their forward-backward function, ours for our schedules (one object per run, kept with
   the run's ``args``; nothing is patched);
@@ -58,6 +59,7 @@ __all__ = [
     "apply",
     "build_model_chunks",
     "builds_model_chunks",
+    "check_load",
     "cuda_graph_helper",
     "ddp_config",
     "embedding_ranks",
@@ -290,10 +292,56 @@ def _one_bucket_per_chunk(args: Any, schedule: str) -> None:
     args.ddp_num_buckets = 1
 
 
+def check_load(args: Any) -> None:
+    """Read the ``torch_dist`` checkpoint that Megatron-LM's ``load_checkpoint`` will read
+    (``--load``'s tracked iteration, ``release``, or ``--ckpt-step``) without running code
+    from it (:func:`~.megatron.training.checkpoint.files.damage`), where Megatron-LM's own
+    reader unpickles its index with plain ``pickle`` (torch's
+    ``FileSystemReader.read_metadata``) and its objects with ``weights_only=False``. A
+    crafted pickle, a missing or truncated file is one sentence naming it and the complete
+    iterations, before any work. No ``--load``, no tracker (Megatron-LM starts from
+    scratch) or another ``--ckpt-format``: nothing is read."""
+    root = getattr(args, "load", None)
+    if not root or getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
+        return
+    from pathlib import Path
+
+    from .megatron.training.checkpoint.files import (
+        TRACKER,
+        complete_iterations,
+        damage,
+        iteration_dir,
+    )
+
+    step, tracker = getattr(args, "ckpt_step", None), Path(root, TRACKER)
+    tracked = tracker.read_text(errors="replace").strip() if tracker.is_file() else ""
+    if step:
+        directory = iteration_dir(root, step)
+    elif tracked == "release":
+        directory = Path(root, "release")
+    elif tracked.isdigit():
+        directory = iteration_dir(root, int(tracked))
+    else:  # nothing tracked (or a tracker Megatron-LM refuses itself)
+        return
+    problem = damage(directory)
+    if problem is None:
+        return
+    complete = complete_iterations(root)
+    instead = (
+        f"pass --ckpt-step with a complete one (iterations {', '.join(map(str, complete))})"
+        if complete
+        else "there is no complete checkpoint in it: drop --load to train from scratch"
+    )
+    raise DualPipeConfigError(
+        f"--load {root}: {directory.name} cannot be loaded, {problem}: {instead}"
+    )
+
+
 def apply(args: Any, *, exit_on_error: bool = False) -> None:
-    """Check ``args.pipeline_schedule`` against the rest of Megatron's (validated) arguments.
-    No-op without the argument. Under dualpipe with ``--overlap-grad-reduce`` it also sets
-    ``args.ddp_num_buckets = 1`` (one DDP bucket per model chunk, see prepare_mirrors).
+    """Check ``args.pipeline_schedule`` against the rest of Megatron's (validated) arguments,
+    and the checkpoint to load (:func:`check_load`). No-op without the argument. Under
+    dualpipe with ``--overlap-grad-reduce`` it also sets ``args.ddp_num_buckets = 1`` (one
+    DDP bucket per model chunk, see prepare_mirrors).
 
     Raises :class:`~megatron_dualpipe.megatron.schedule.checks.DualPipeConfigError`, one sentence
     saying what to change; with ``exit_on_error``, prints ``error: <sentence>`` and exits 2
@@ -304,6 +352,7 @@ def apply(args: Any, *, exit_on_error: bool = False) -> None:
         return
     try:
         _check(args)
+        check_load(args)
     except DualPipeConfigError as err:
         if not exit_on_error:
             raise

@@ -228,3 +228,29 @@ def test_under_srun_each_process_is_a_rank_and_trains_as_forked(tmp_path: Path) 
     printed = "".join((tmp_path / f"{r}.out").read_text() for r in range(2))
     assert LOSS.findall(printed) == LOSS.findall(forked.stdout) != []
     assert VALIDATION.findall(printed) == VALIDATION.findall(forked.stdout) != []
+
+
+@pytest.mark.megatron
+@pytest.mark.slow
+def test_a_crafted_checkpoint_to_load_is_refused_before_any_rank(tmp_path: Path) -> None:
+    """Megatron-LM's reader would unpickle the index with plain ``pickle``: the command reads
+    it the safe way first, and the marker the pickle would make is never made."""
+    import pickle
+
+    from tests.test_checkpoint_trust import OPEN, _checkpoint, _Creates
+
+    if not _megatron_core_0_19():
+        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
+    root, marker = tmp_path / "ck", tmp_path / "ran"
+    directory = _checkpoint(root / "iter_0000002")
+    (root / "latest_checkpointed_iteration.txt").write_text("2\n")
+    (directory / ".metadata").write_bytes(pickle.dumps(_Creates(marker)))
+    done = _train(f"load={root}")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.splitlines()[-1] == (
+        f"megatron-dualpipe: error: --load {root}: iter_0000002 cannot be loaded, .metadata "
+        f"refers to {OPEN}, which is not one of torch.distributed.checkpoint's metadata "
+        "classes (nothing of it was run): there is no complete checkpoint in it: drop --load "
+        "to train from scratch"
+    )
+    assert not marker.exists() and "iteration" not in done.stdout

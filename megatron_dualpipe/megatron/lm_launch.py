@@ -14,7 +14,9 @@ Megatron's mock data, and ``max_position_embeddings`` defaults to ``seq_length``
 
 Everything that can be refused is refused before the first rank starts, in one sentence: a
 key Megatron-LM has no argument for, a value its parser rejects, another megatron-core than
-0.19.
+0.19, a checkpoint to load that is damaged or would run code
+(:func:`~..megatron_lm.check_load`). What only validated arguments show (Megatron-LM's own
+checks, our schedule's) each rank prints, and the command ends with one line per rank.
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..errors import DualPipeError
 from ..schedules.config_values import override_origins, read_values
 from .lm_args import MegatronLMConfigError, megatron_lm_argv, megatron_lm_parser
 
-__all__ = ["CPU_FLAGS", "megatron_lm_run_argv", "train_with_megatron_lm"]
+__all__ = ["CPU_FLAGS", "PretrainExit", "megatron_lm_run_argv", "train_with_megatron_lm"]
 
 #: What Megatron-LM needs on CPU: its defaults are Transformer Engine, fused CUDA kernels
 #: and NCCL.
@@ -41,6 +44,10 @@ CPU_FLAGS = (
 )  # fmt: skip
 #: Keys that name training data; without any of them the run takes Megatron's mock data.
 DATA_KEYS = ("data_path", "train_data_path", "per_split_data_args_path", "mock_data")
+
+
+class PretrainExit(DualPipeError, RuntimeError):
+    """Megatron-LM's ``pretrain`` (or our check inside it) exited with an error it printed."""
 
 
 def megatron_lm_run_argv(
@@ -72,6 +79,7 @@ def train_with_megatron_lm(path: Path, overrides: Iterable[str]) -> None:
     :class:`~..schedules.config_values.ConfigValueError`) before any rank starts."""
     import torch
 
+    from ..megatron_lm import check_load
     from ..runtime.launch import run_ranks
     from ..runtime.rank_env import launcher_env
     from .compat.lm_patch import make_patched_training, unpatched_training_problem
@@ -95,14 +103,23 @@ def train_with_megatron_lm(path: Path, overrides: Iterable[str]) -> None:
             problem = unpatched_training_problem()  # the first import of megatron.training
             if problem is not None:
                 raise MegatronLMConfigError(problem)
-            argv = megatron_lm_run_argv(settings, megatron_lm_parser(), source, on_cpu=on_cpu)
+            parser = megatron_lm_parser()
+            argv = megatron_lm_run_argv(settings, parser, source, on_cpu=on_cpu)
+            check_load(parser.parse_args(argv))  # each rank checks again in apply()
             if env is not None:  # torchrun's or srun's rank: Megatron-LM reads torchrun's
                 os.environ.update(env.torchrun_variables())
                 _pretrain(argv)
                 return
             world_size = int(settings.get("world_size") or _model_parallel_size(settings))
             minutes = float(settings.get("distributed_timeout_minutes") or 10)
-            run_ranks(_rank, world_size, args=(argv,), timeout_s=None, pg_timeout_s=60 * minutes)
+            run_ranks(
+                _rank,
+                world_size,
+                args=(argv,),
+                timeout_s=None,
+                pg_timeout_s=60 * minutes,
+                plain_errors=(PretrainExit,),
+            )
         finally:
             sys.path.remove(folder)
 
@@ -124,11 +141,13 @@ def _rank(rank: int, world_size: int, argv: list[str]) -> None:
 
 def _pretrain(argv: list[str]) -> None:
     """``pretrain_gpt.main(argv)``; Megatron-LM's ``--exit-interval`` exit (code 0) ends it
-    as a finished run."""
+    as a finished run, another exit is :class:`PretrainExit` (its error printed already)."""
     from .pretrain_gpt import main
 
     try:
         main(argv)
     except SystemExit as stop:
         if stop.code not in (0, None):
-            raise
+            raise PretrainExit(
+                f"Megatron-LM's pretrain exited with code {stop.code} (its error is above)"
+            ) from None
