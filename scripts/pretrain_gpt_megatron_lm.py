@@ -14,7 +14,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from megatron_dualpipe.lifetime import forks_die_with_forker  # noqa: E402
 from megatron_dualpipe.megatron.pretrain_gpt import main  # noqa: E402
 
 if __name__ == "__main__":
+    forks_die_with_forker()  # a save's checkpoint writers die with this rank
     main()

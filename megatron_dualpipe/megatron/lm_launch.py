@@ -79,6 +79,7 @@ def train_with_megatron_lm(path: Path, overrides: Iterable[str]) -> None:
     :class:`~..schedules.config_values.ConfigValueError`) before any rank starts."""
     import torch
 
+    from ..lifetime import forks_die_with_forker
     from ..megatron_lm import check_load
     from ..runtime.launch import run_ranks
     from ..runtime.rank_env import launcher_env
@@ -108,6 +109,7 @@ def train_with_megatron_lm(path: Path, overrides: Iterable[str]) -> None:
             check_load(parser.parse_args(argv))  # each rank checks again in apply()
             if env is not None:  # torchrun's or srun's rank: Megatron-LM reads torchrun's
                 os.environ.update(env.torchrun_variables())
+                forks_die_with_forker()  # a save's writers die with the rank (forked: done)
                 _pretrain(argv)
                 return
             world_size = int(settings.get("world_size") or _model_parallel_size(settings))
