@@ -72,6 +72,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+# The checkout's root: the package, and the tests' tiny models (tests/tiny_models.py).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TE_MIN = "2.7.0"
@@ -137,7 +138,7 @@ def _init_distributed() -> None:
 def _tiny_te_config(moe: bool, fp8: bool, **overrides: Any) -> Any:
     import torch
 
-    from megatron_dualpipe.megatron.model import tiny_models as tm
+    from tests import tiny_models as tm
 
     experts = dict(num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=True) if moe else {}
     precision = dict(fp8="hybrid", fp8_recipe="tensorwise") if fp8 else {}
@@ -158,15 +159,15 @@ def _tiny_te_config(moe: bool, fp8: bool, **overrides: Any) -> Any:
 def _te_gpt(config: Any, *, pre: bool = True, post: bool = True) -> Any:
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_dualpipe.megatron.model import tiny_models as tm
     from megatron_dualpipe.megatron.model.layer_specs import gpt_chunk_specs
+    from tests import tiny_models as tm
 
     block, _ = gpt_chunk_specs(config, transformer_impl="transformer_engine")
     return GPTModel(config, block, tm.VOCAB_SIZE, tm.SEQ_LENGTH, pre_process=pre, post_process=post)
 
 
 def _loss(model: Any, batch: dict) -> Any:
-    from megatron_dualpipe.megatron.model import tiny_models as tm
+    from tests import tiny_models as tm
 
     return tm._masked_mean(batch["loss_mask"], tm._forward(model, batch)) / 3
 
@@ -181,7 +182,6 @@ def _deferral_case(moe: bool, fp8: bool, overlap: bool) -> tuple[float, list[str
     """One comparison (module docstring); the max relative error and the problems."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from megatron_dualpipe.megatron.model import tiny_models as tm
     from megatron_dualpipe.megatron.model.chunks import (
         ChunkEnds,
         build_chunks,
@@ -189,6 +189,7 @@ def _deferral_case(moe: bool, fp8: bool, overlap: bool) -> tuple[float, list[str
         model_config,
     )
     from megatron_dualpipe.runtime import WeightGradStore
+    from tests import tiny_models as tm
 
     config = _tiny_te_config(moe, fp8)
     deferred_config = model_config(config, "dualpipev", "transformer_engine")
@@ -276,8 +277,8 @@ def _overlap_contexts(args: argparse.Namespace) -> tuple[bool, str]:
     from megatron.core.pipeline_parallel.utils import set_streams
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_dualpipe.megatron.model import tiny_models as tm
     from megatron_dualpipe.megatron.schedule.schedule_plan import run_plans, start_forward
+    from tests import tiny_models as tm
 
     def fresh() -> tuple[Any, Any]:
         config = _tiny_te_config(True, False, fp8="hybrid", fp8_recipe="delayed")

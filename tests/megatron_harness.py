@@ -34,7 +34,6 @@ from megatron_dualpipe.megatron.grads.deferral import (
     enable_weight_grad_deferral,
 )
 from megatron_dualpipe.megatron.grads.mirror import prepare_mirrors
-from megatron_dualpipe.megatron.model import tiny_models as tm
 from megatron_dualpipe.megatron.model.names import global_named_parameters
 from megatron_dualpipe.megatron.model.placement import StagePlacementLayout, embedding_ranks
 from megatron_dualpipe.megatron.model.position_copies import (
@@ -47,6 +46,7 @@ from megatron_dualpipe.megatron.schedule.registry import get_forward_backward_fu
 from megatron_dualpipe.runtime import WeightGradStore
 from megatron_dualpipe.schedules.ir import Kind
 from megatron_dualpipe.schedules.registry import generate
+from tests import tiny_models as tm
 from tests.digits import beyond
 from tests.multiproc import run_workers
 

@@ -21,14 +21,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_dualpipe.runtime import (
-    PipelineExecutor,
-    TensorSpec,
-    make_deferrable,
-    nccl_emulation,
-)
+from megatron_dualpipe.runtime import PipelineExecutor, TensorSpec, make_deferrable
 from megatron_dualpipe.runtime.mirror import sync_mirror_grads
 from megatron_dualpipe.schedules.registry import SCHEDULES, generate, spec
+from tests import nccl_emulation
 from tests.multiproc import run_workers
 
 pytestmark = pytest.mark.multiproc
@@ -105,7 +101,7 @@ def _step(rank: int, world: int, name: str, graph_safe: bool, nccl_rules: bool) 
         specs=dict.fromkeys(range(placement.num_stages), TensorSpec((BATCH, HIDDEN))),
         loss_fn=lambda out, mb: (out**2).mean(),
         timeout_s=20.0,
-        nccl_rules=nccl_rules,
+        transport=nccl_emulation.on_the_world() if nccl_rules else None,
         graph_safe=graph_safe,
     )
     executor.run(inputs)  # sets up the communicator: before a capture, as Megatron's warm-up

@@ -6,7 +6,9 @@ loads when torch and megatron cannot be imported at all.
    trainer, the Megatron-LM hooks) imports the planner.
 2. ``runtime/`` imports torch but never megatron, and nothing of ``megatron_dualpipe.megatron``.
 3. Only ``megatron_dualpipe/megatron/`` imports ``megatron`` (entry points reach Megatron
-   through it), and no production module imports the test fixtures ``tiny_models``.
+   through it), and no module of the installed package imports ``tests`` (the test
+   scaffolding, such as ``tests/tiny_models.py`` and ``tests/nccl_emulation.py``, is not
+   installed).
 4. With torch and megatron blocked, the CLI's ``simulate`` works and the config layer loads.
 5. ``runtime/`` never prints (nor writes to ``sys.stdout``/``sys.stderr``): it logs.
 6. Each command's module of ``cli/`` imports no other command's (nor ``cli.command``).
@@ -91,9 +93,8 @@ def test_only_the_adapter_package_imports_megatron() -> None:
     assert _violations(outside, ("megatron",)) == []
 
 
-def test_production_code_never_imports_the_test_fixtures() -> None:
-    others = [p for p in _modules("") if p.name != "tiny_models.py"]
-    assert _violations(others, ("megatron_dualpipe.megatron.model.tiny_models",)) == []
+def test_the_installed_package_never_imports_the_tests() -> None:
+    assert _violations(_modules(""), ("tests",)) == []
 
 
 # Which sibling rooms of ``megatron_dualpipe/megatron/`` each room may import.

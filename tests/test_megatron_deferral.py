@@ -32,8 +32,8 @@ from megatron_dualpipe.megatron.grads.deferral import (
     enable_weight_grad_deferral,
     with_delay_wgrad_compute,
 )
-from megatron_dualpipe.megatron.model import tiny_models as tm
 from megatron_dualpipe.runtime import DeferrableLayer, WeightGradStore
+from tests import tiny_models as tm
 from tests.megatron_harness import CPU_ONLY
 from tests.multiproc import run_workers
 

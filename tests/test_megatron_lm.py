@@ -451,7 +451,7 @@ def _route_chunks(rank: int, world_size: int, schedule: str) -> dict[str, Any]:
         DeferrableColumnParallelLinear,
         DeferrableRowParallelLinear,
     )
-    from megatron_dualpipe.megatron.model import tiny_models as tm
+    from tests import tiny_models as tm
 
     apply_cpu_compat()
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world_size)
@@ -651,7 +651,7 @@ def test_the_megatron_lm_script_refuses_a_release_without_its_training(
 
 
 def test_float16_chunks_convert_where_our_placement_puts_the_loss() -> None:
-    from megatron_dualpipe.megatron.model.tiny_models import tiny_gpt_config
+    from tests.tiny_models import tiny_gpt_config
 
     config = tiny_gpt_config(num_layers=8, bf16=True)
     args = _args(pipeline_model_parallel_size=2, num_layers=8, global_batch_size=8)

@@ -34,11 +34,11 @@ from megatron_dualpipe.megatron.grads.deferral import (
     enable_weight_grad_deferral,
 )
 from megatron_dualpipe.megatron.grads.mirror import prepare_mirrors
-from megatron_dualpipe.megatron.model import tiny_models as tm
 from megatron_dualpipe.megatron.model.placement import StagePlacementLayout, chunk_roles
 from megatron_dualpipe.megatron.model.precision import StageFloat16Module
 from megatron_dualpipe.megatron.schedule.registry import get_forward_backward_func
 from megatron_dualpipe.megatron.schedule.stage import MegatronStage
+from tests import tiny_models as tm
 from tests.megatron_harness import PG_TIMEOUT_S, _init_parallel
 from tests.multiproc import run_workers, slow_unless
 

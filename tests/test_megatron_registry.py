@@ -13,10 +13,10 @@ from megatron_dualpipe.megatron.model.placement import (
     chunk_roles,
     config_chunk_roles,
 )
-from megatron_dualpipe.megatron.model.tiny_models import tiny_gpt_config
 from megatron_dualpipe.megatron.schedule import registry
 from megatron_dualpipe.megatron.schedule.checks import DualPipeConfigError, check_run
 from megatron_dualpipe.megatron.schedule.forward_backward import DualPipeForwardBackward
+from tests.tiny_models import tiny_gpt_config
 
 pytestmark = pytest.mark.megatron
 

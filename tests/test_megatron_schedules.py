@@ -13,9 +13,9 @@ import pytest
 import torch
 from megatron.core import parallel_state
 
-from megatron_dualpipe.megatron.model import tiny_models as tm
 from megatron_dualpipe.megatron.schedule.checks import DualPipeConfigError
 from megatron_dualpipe.megatron.schedule.registry import get_forward_backward_func
+from tests import tiny_models as tm
 from tests.megatron_harness import (
     CPU_ONLY,
     MICRO_BATCH_SIZE,

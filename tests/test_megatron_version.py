@@ -33,7 +33,7 @@ from megatron_dualpipe.megatron.grads.deferral import (
     WeightGradDeferralError,
     deferrable_layer_spec,
 )
-from megatron_dualpipe.megatron.model import tiny_models as tm
+from tests import tiny_models as tm
 from tests.multiproc import run_workers
 
 pytestmark = pytest.mark.megatron

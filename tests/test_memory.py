@@ -249,9 +249,9 @@ def _built_parameters(rank: int, world_size: int, tied: bool) -> int:
     from megatron.core import parallel_state
 
     from megatron_dualpipe.megatron.compat.cpu_compat import apply_cpu_compat
-    from megatron_dualpipe.megatron.model import tiny_models as tm
     from megatron_dualpipe.megatron.model.placement import StagePlacementLayout
     from megatron_dualpipe.megatron.model.tied import mark_tied_copies
+    from tests import tiny_models as tm
     from tests.megatron_harness import _init_parallel
 
     apply_cpu_compat()

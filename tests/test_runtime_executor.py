@@ -46,6 +46,7 @@ from megatron_dualpipe.schedules.nccl_rules import inflight_bound
 from megatron_dualpipe.schedules.registry import generate, spec
 from megatron_dualpipe.schedules.simulate import SimResult, simulate
 from tests.multiproc import one_fast, run_workers, slow_unless
+from tests.nccl_emulation import on_the_world
 
 pytestmark = pytest.mark.multiproc
 
@@ -310,7 +311,7 @@ def run_case(rank: int, case: Case) -> Outcome:
         defer_weight_grads=case.defer,
         timeout_s=TIMEOUT_S,
         variable_shapes=case.variable,
-        nccl_rules=case.nccl_rules,
+        transport=on_the_world() if case.nccl_rules else None,
     )
     PlannedSequential.order = []
     result = executor.run(inputs)

@@ -25,13 +25,13 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_dualpipe.runtime import PipelineExecutor, PipelineWaitError, TensorSpec
-from megatron_dualpipe.runtime.nccl_emulation import NcclRulesTransport
 from megatron_dualpipe.runtime.transport import ElementOp, GroupTransport
 from megatron_dualpipe.runtime.watchdog import HangMonitor, Watchdog
 from megatron_dualpipe.schedules.comm_plan import Comm, CommOp, Issue, Wait, comm_plan, key_text
 from megatron_dualpipe.schedules.ir import Kind
 from megatron_dualpipe.schedules.registry import SCHEDULES, generate, spec
 from tests.multiproc import run_workers
+from tests.nccl_emulation import NcclRulesTransport
 
 pytestmark = pytest.mark.multiproc
 
@@ -59,6 +59,8 @@ def _run(rank: int, name: str, microbatches: int, transport_kind: str, **executo
         transport = _Recording(GroupTransport(dist.group.WORLD, ranks))
     elif transport_kind == "recorded-emulation":
         transport = _Recording(NcclRulesTransport(dist.group.WORLD, ranks))
+    elif transport_kind == "emulation":
+        transport = NcclRulesTransport(dist.group.WORLD, ranks)
     executor = PipelineExecutor(
         schedule,
         rank,
@@ -66,7 +68,6 @@ def _run(rank: int, name: str, microbatches: int, transport_kind: str, **executo
         specs={s: TensorSpec((BATCH, HIDDEN)) for s in range(p.num_stages)},
         loss_fn=lambda out, mb: out.square().mean(),
         transport=transport,
-        nccl_rules=transport_kind == "emulation",
         timeout_s=executor_options.pop("timeout_s", TIMEOUT_S),
         **executor_options,
     )

@@ -18,11 +18,11 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from megatron_dualpipe.megatron.grads.deferral import DeferrableColumnParallelLinear
 from megatron_dualpipe.megatron.model import layer_specs
-from megatron_dualpipe.megatron.model import tiny_models as tm
 from megatron_dualpipe.megatron.model.layer_specs import gpt_chunk_specs
 from megatron_dualpipe.megatron.training import ConfigError, train
 from megatron_dualpipe.megatron.training.config import load_config
 from megatron_dualpipe.megatron.training.model import transformer_config, transformer_impl
+from tests import tiny_models as tm
 
 pytestmark = [
     pytest.mark.megatron,

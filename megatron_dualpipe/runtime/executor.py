@@ -61,7 +61,6 @@ from ..schedules.comm_plan import CommPlan, Compute, Init, Issue, Wait, comm_pla
 from ..schedules.ir import Action, Kind, Placement, Schedule, action_span_name
 from ..schedules.nccl_rules import check_nccl
 from ..schedules.validate import check_weight_grads_in_b_order, validate
-from .nccl_emulation import NcclRulesTransport
 from .p2p import MessageKey, Payload, PipeComm, TensorSpec
 from .planned import PlannedStage
 from .timeline import RankTimeline, clock_for, start_barrier
@@ -259,13 +258,12 @@ class PipelineExecutor:
 
     Communication follows the schedule's :func:`~megatron_dualpipe.schedules.comm_plan.
     comm_plan` and nothing else, through ``transport``: by default the pipeline ``group``
-    itself on every backend (:class:`~.transport.GroupTransport`: no group is made);
-    with ``nccl_rules`` (gloo only, for tests) the NCCL-rules emulation, all of a rank's
-    communicators on one stream. On every backend the lock-step plan is checked here under
-    NCCL's rules in the worst case (every communicator of a rank on one stream, the step's
-    data- and expert-parallel collectives on it too, every send waiting for its receive;
-    :func:`~megatron_dualpipe.schedules.nccl_rules.check_nccl`), and a plan that would
-    deadlock is refused before any work.
+    itself on every backend (:class:`~.transport.GroupTransport`: no group is made), or
+    the :class:`~.transport.Transport` passed. On every backend the lock-step plan is
+    checked here under NCCL's rules in the worst case (every communicator of a rank on one
+    stream, the step's data- and expert-parallel collectives on it too, every send waiting
+    for its receive; :func:`~megatron_dualpipe.schedules.nccl_rules.check_nccl`), and a
+    plan that would deadlock is refused before any work.
     """
 
     def __init__(
@@ -278,7 +276,6 @@ class PipelineExecutor:
         loss_fn: LossFn | None = None,
         group: dist.ProcessGroup | None = None,
         transport: Transport | None = None,
-        nccl_rules: bool = False,
         defer_weight_grads: bool = True,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         variable_shapes: bool = False,
@@ -330,7 +327,7 @@ class PipelineExecutor:
         }
         device = _module_device(self.modules[0]) or torch.device("cpu")
         if transport is None:
-            transport = _default_transport(group, nccl_rules, device)
+            transport = _default_transport(group, device)
         self.transport = transport
         self._plans: dict[bool, CommPlan] = {}
         for forward_only in (False, True):  # the worst case: one stream, every send large
@@ -802,16 +799,10 @@ def _sender(placement: Placement, key: MessageKey) -> int:
     return placement.rank_of(source)
 
 
-def _default_transport(
-    group: dist.ProcessGroup | None, nccl_rules: bool, device: torch.device
-) -> Transport:
-    """The pipeline group itself (default: the world) on every backend, or (tests) the
-    NCCL-rules emulation over it."""
+def _default_transport(group: dist.ProcessGroup | None, device: torch.device) -> Transport:
+    """The pipeline group itself (default: the world), on every backend."""
     group = group or dist.group.WORLD
-    ranks = dist.get_process_group_ranks(group)
-    if nccl_rules:
-        return NcclRulesTransport(group, ranks)
-    return GroupTransport(group, ranks, device=device)
+    return GroupTransport(group, dist.get_process_group_ranks(group), device=device)
 
 
 def _unpack(packed: tuple[torch.Tensor, _Token]) -> torch.Tensor:

@@ -7,10 +7,10 @@ in order), and returns one handle per operation. Handles have ``wait()`` and
 
 - ``"timed"`` (tensors on the CPU, gloo): the host is the only stream there is, so a
   wait blocks it, with the watchdog's deadline;
-- ``"stream"`` (tensors on a device, NCCL; and the NCCL-rules emulation): ``wait()``
-  without a timeout (on NCCL it only makes the compute stream wait, so the host runs
-  ahead of the GPU), and a side thread watches ``is_completed()`` for hangs
-  (:class:`~.watchdog.HangMonitor`).
+- ``"stream"`` (tensors on a device, NCCL; or a transport whose own threads run the
+  operations, as the tests' NCCL-rules emulation does): ``wait()`` without a timeout (on
+  NCCL it only makes the compute stream wait, so the host runs ahead of the GPU), and a
+  side thread watches ``is_completed()`` for hangs (:class:`~.watchdog.HangMonitor`).
 
 That wait is the only thing :class:`GroupTransport` does differently by device: on every
 backend it runs the lock-step plan's one communicator on the pipeline group it is given

@@ -1,8 +1,9 @@
-"""A small Megatron GPT, deterministic data for it, and name-keyed weight exchange.
+"""Test scaffolding: a small Megatron GPT, deterministic data for it, and name-keyed
+weight exchange.
 
-Tests and the demo build the same model at every parallel layout and check that a
-pipelined run gives the losses and gradients of a single-process run. What makes
-that checkable is a layout-independent name for every parameter, its *global name*:
+Tests and ``scripts/gpu_check.py`` build the same model at every parallel layout and
+check that a pipelined run gives the losses and gradients of a single-process run. What
+makes that checkable is a layout-independent name for every parameter, its *global name*:
 the name the parameter has in an unpipelined model with one expert-parallel rank.
 A pipeline stage's ``decoder.layers.K`` becomes ``decoder.layers.G`` with ``G`` the
 layer's global index (Megatron's layer offset, as stored in ``layer_number``, so it
@@ -26,10 +27,10 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from ..compat.version import mtp_block_on_any_chunk
-from .layer_specs import local_gpt_specs
-from .names import global_named_parameters
-from .tied import release_unused_output_weight
+from megatron_dualpipe.megatron.compat.version import mtp_block_on_any_chunk
+from megatron_dualpipe.megatron.model.layer_specs import local_gpt_specs
+from megatron_dualpipe.megatron.model.names import global_named_parameters
+from megatron_dualpipe.megatron.model.tied import release_unused_output_weight
 
 __all__ = [
     "SEQ_LENGTH",

@@ -1,4 +1,5 @@
-"""A gloo transport that obeys NCCL's ordering rules, so CPU tests see what NCCL would do.
+"""Test scaffolding: a gloo transport that obeys NCCL's ordering rules, so CPU tests see
+what NCCL would do.
 
 Gloo buffers sends and matches by tag, so a plan that would deadlock on NCCL runs on it.
 :class:`NcclRulesTransport` takes that away (the rules are those modelled in
@@ -18,8 +19,10 @@ Gloo buffers sends and matches by tag, so a plan that would deadlock on NCCL run
   fails every pending operation.
 
 The data itself still travels over one gloo group with the executor's tags (the ready
-signal uses the odd tag above its message's). For tests and experiments on CPU; on GPUs
-use :class:`~.transport.GroupTransport` over NCCL.
+signal uses the odd tag above its message's). Tests pass it to
+:class:`~megatron_dualpipe.runtime.PipelineExecutor` as its ``transport``
+(:func:`on_the_world`); on GPUs the executor's default,
+:class:`~megatron_dualpipe.runtime.transport.GroupTransport` over NCCL, runs.
 """
 
 from __future__ import annotations
@@ -32,26 +35,28 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..schedules.comm_plan import Comm
-from .transport import ElementOp, Handle
-from .watchdog import Watchdog
+from megatron_dualpipe.runtime.transport import ElementOp, Handle
+from megatron_dualpipe.runtime.watchdog import Watchdog
+from megatron_dualpipe.schedules.comm_plan import Comm
 
-__all__ = ["NcclRulesTransport"]
+__all__ = ["NcclRulesTransport", "on_the_world"]
 
 
 class _Work:
     """An emulated operation: complete once its batch has completed."""
 
-    def __init__(self, aborted: threading.Event):
+    def __init__(self, aborted: threading.Event) -> None:
         self._aborted = aborted
         self._done = threading.Event()
         self._error: str | None = None
 
     def finish(self, error: str | None = None) -> None:
+        """Its batch has completed, or failed with ``error``."""
         self._error = error
         self._done.set()
 
     def is_completed(self) -> bool:
+        """Whether its batch has completed (or failed), without blocking."""
         return self._done.is_set()
 
     def wait(self, timeout: timedelta | None = None) -> bool:
@@ -67,7 +72,7 @@ class _Work:
 class _Stream(threading.Thread):
     """One stream of this rank: its batches, one after the other."""
 
-    def __init__(self, transport: NcclRulesTransport, label: str):
+    def __init__(self, transport: NcclRulesTransport, label: str) -> None:
         super().__init__(name=f"nccl-rules-{label}", daemon=True)
         self._transport = transport
         self.batches: queue.SimpleQueue = queue.SimpleQueue()
@@ -116,7 +121,9 @@ class NcclRulesTransport:
 
     host_waits = "stream"
 
-    def __init__(self, group: dist.ProcessGroup, ranks: Sequence[int], *, streams: str = "shared"):
+    def __init__(
+        self, group: dist.ProcessGroup, ranks: Sequence[int], *, streams: str = "shared"
+    ) -> None:
         if dist.get_backend(group) != "gloo":
             raise ValueError("the NCCL-rules emulation runs over a gloo group")
         if streams not in STREAMS:
@@ -129,12 +136,15 @@ class NcclRulesTransport:
         self.error: str | None = None
 
     def group_rank(self, pipeline_rank: int) -> int:
+        """The rank in :attr:`group` of pipeline rank ``pipeline_rank``."""
         return dist.get_group_rank(self.group, self._ranks[pipeline_rank])
 
     def setup(self, comm: Comm, rank: int, peers: Sequence[int], watchdog: Watchdog) -> None:
         """Nothing to set up: NCCL's set-up rule is checked by the plan's model."""
 
     def start(self, comm: Comm, ops: Sequence[ElementOp]) -> list[Handle]:
+        """Queue one batch on ``comm``'s stream; one handle per operation, complete once the
+        whole batch has completed. Refused once aborted."""
         if self._aborted.is_set():
             raise RuntimeError("the pipeline's communicators were aborted")
         works = [_Work(self._aborted) for _ in ops]
@@ -151,9 +161,18 @@ class NcclRulesTransport:
             self.error = error
 
     def abort(self) -> None:
+        """Fail every pending and later operation (the hang monitor's timeout)."""
         self._aborted.set()
 
     def close(self) -> None:
+        """Stop the streams once their queued batches have run."""
         for stream in self._streams.values():
             stream.batches.put(None)
         self._streams.clear()
+
+
+def on_the_world() -> NcclRulesTransport:
+    """The emulation over the default (gloo) group, its ranks the pipeline's in order, all
+    of a rank's communicators on one stream: call it on each rank after the group is made."""
+    world = dist.group.WORLD
+    return NcclRulesTransport(world, dist.get_process_group_ranks(world))
