@@ -12,6 +12,7 @@ The key-to-flag rules run against a parser with the kinds of argument Megatron-L
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -254,3 +255,30 @@ def test_a_crafted_checkpoint_to_load_is_refused_before_any_rank(tmp_path: Path)
         "to train from scratch"
     )
     assert not marker.exists() and "iteration" not in done.stdout
+
+
+#: Keys of megatron-dualpipe's own loop that Megatron-LM 0.19's parser names otherwise (its
+#: arguments ``num_virtual_stages_per_pipeline_rank`` and a ``cuda_graph_scope`` list):
+#: such a YAML needs them renamed for ``--loop megatron-lm``.
+NAMED_OTHERWISE = {"virtual_pipeline_model_parallel_size", "cuda_graph_scope"}
+
+
+@pytest.mark.megatron
+def test_every_key_of_our_loop_is_an_argument_of_megatron_lm_s_parser() -> None:
+    """The config keys that say they are Megatron-LM's are its parser's arguments (the
+    parser read in a process of its own: this one must not import megatron.training)."""
+    from megatron_dualpipe.megatron.training.config import config_keys
+
+    if not _megatron_core_0_19():
+        pytest.skip("megatron-core 0.19's wheel ships the parser")
+    code = (
+        "import json, warnings; warnings.simplefilter('ignore'); "
+        "from megatron_dualpipe.megatron.lm_args import megatron_lm_parser; "
+        "print(json.dumps(sorted({a.dest for a in megatron_lm_parser()._actions})))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    arguments = set(json.loads(done.stdout.splitlines()[-1]))
+    ours = {key.name for key in config_keys() if key.megatron_lm}
+    assert ours - arguments == NAMED_OTHERWISE
+    assert "pipeline_schedule" in arguments  # the patch's, ours

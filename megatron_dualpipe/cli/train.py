@@ -24,15 +24,15 @@ def add(sub: argparse._SubParsersAction) -> None:
     except DualPipeError as err:  # an unsupported megatron-core: train says so when run
         keys = f"(not listed here: {err})"
     else:
-        keys = ", ".join(key.name for key in config_keys())
+        ours = ", ".join(key.name for key in config_keys() if not key.megatron_lm)
+        theirs = ", ".join(key.name for key in config_keys() if key.megatron_lm)
+        keys = f"megatron-dualpipe's own {ours}; Megatron-LM's arguments of those names {theirs}"
     p = sub.add_parser(
         "train",
         help="pretrain a GPT on megatron-core with a pipeline schedule",
         description="Train the model of a YAML config (keys mirror Megatron-LM's flags). "
         "Without torchrun or srun and without a GPU, forks world_size CPU ranks itself.",
-        epilog=f"config keys (YAML or --set; each key's meaning and default: python "
-        f"scripts/pretrain_gpt_dualpipe.py --help, which takes them as Megatron-LM's flags): "
-        f"{keys}",
+        epilog=f"config keys (YAML or --set): {keys}",
     )
     p.add_argument("--config", type=Path, required=True, help="e.g. configs/tiny_gpt_cpu.yaml")
     add_overrides(p, "override a config key (repeatable), e.g. --set pipeline_schedule=1f1b")

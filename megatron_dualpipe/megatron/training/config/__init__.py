@@ -1,7 +1,7 @@
 """The training configuration (no torch or megatron import): :mod:`.keys` the key table
 (:class:`TrainConfig`), :mod:`.reading` the YAML file and ``--set`` overrides, :mod:`.rules`
-and :mod:`.data_rules` the checks a config meets before any rank starts, :mod:`.flags` and
-:mod:`.megatron_lm_flags` Megatron-LM's command line, :mod:`.run_name` a run's folder name,
+and :mod:`.data_rules` the checks a config meets before any rank starts, :mod:`.run_name` a
+run's folder name,
 :mod:`.advice` the trainer's defaults and refusals for the balance advisor. It imports the
 pure-Python schedules and the adapter's schedule checks, nothing of the run."""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .data_rules import DATA_PATH_KEYS
 from .keys import OPTIMIZE_AFTER, ConfigError, ConfigKey, TrainConfig, config_keys
-from .reading import config_from_values, load_config, parse_overrides, read_yaml_values
+from .reading import load_config, parse_overrides
 from .rules import ConfigSource, blame, config_source
 
 __all__ = [
@@ -20,10 +20,8 @@ __all__ = [
     "ConfigSource",
     "TrainConfig",
     "blame",
-    "config_from_values",
     "config_keys",
     "config_source",
     "load_config",
     "parse_overrides",
-    "read_yaml_values",
 ]

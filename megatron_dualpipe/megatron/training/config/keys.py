@@ -53,13 +53,11 @@ def _key(
     default: Any = dataclasses.MISSING,
     *,
     doc: str,
-    flags: tuple[str, ...] = (),
     megatron_lm: bool = True,
 ) -> Any:
-    """A config field with its one-line documentation and its command-line spellings:
-    ``flags`` where Megatron-LM spells the key otherwise (the first is shown; default
-    ``--`` + the key with dashes); ``megatron_lm=False`` for megatron-dualpipe's own keys."""
-    metadata = {"doc": doc, "flags": flags, "megatron_lm": megatron_lm}
+    """A config field with its one-line documentation; the key is the Megatron-LM argument
+    of its name (``megatron_lm=False``: megatron-dualpipe's own key)."""
+    metadata = {"doc": doc, "megatron_lm": megatron_lm}
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -93,9 +91,7 @@ class TrainConfig:
     pipeline_model_parallel_size: int = _key(1, doc="pipeline-parallel ranks (PP)")
     virtual_pipeline_model_parallel_size: int | None = _key(
         None,
-        doc="model chunks per pipeline rank for interleaved-1f1b (the second flag is the "
-        "setting's name in Megatron-LM)",
-        flags=("--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-model-parallel-size"),
+        doc="model chunks per pipeline rank for interleaved-1f1b",
     )
     tensor_model_parallel_size: int = _key(1, doc="tensor-parallel ranks (TP)")
     expert_model_parallel_size: int = _key(1, doc="expert-parallel ranks (EP) of MoE layers")
@@ -158,9 +154,7 @@ class TrainConfig:
     position_embedding_type: str = _key("learned_absolute", doc="how positions are encoded")
     normalization: str = _key("LayerNorm", doc="the normalization layer")
     swiglu: bool = _key(False, doc="SwiGLU activation in the MLP")
-    add_bias_linear: bool = _key(
-        True, doc="bias terms in the linear layers", flags=("--disable-bias-linear",)
-    )
+    add_bias_linear: bool = _key(True, doc="bias terms in the linear layers")
     hidden_dropout: float = _key(0.0, doc="dropout after attention and MLP")
     attention_dropout: float = _key(0.0, doc="dropout on the attention probabilities")
     init_method_std: float = _key(0.02, doc="standard deviation of the weight initialisation")
@@ -255,13 +249,11 @@ class TrainConfig:
         None,
         doc="selective recomputation: the submodules recomputed, e.g. core_attn mlp (default "
         "core_attn)",
-        flags=("--recompute-modules",),
     )
     fp8: str | None = _key(
         None,
         doc="FP8 training through Transformer Engine: e4m3, or hybrid (e5m2 gradients); "
         "unset: none",
-        flags=("--fp8-format",),
     )
     fp8_recipe: str = _key("delayed", doc="FP8 scaling: delayed, tensorwise, blockwise or mxfp8")
     seed: int = _key(1234, doc="random seed of the weights and the data")
@@ -363,18 +355,15 @@ class TrainConfig:
     check_for_nan_in_loss_and_grad: bool = _key(
         True,
         doc="stop at the first NaN or Inf in the loss or gradients",
-        flags=("--no-check-for-nan-in-loss-and-grad",),
     )
     ckpt_step: int | None = _key(None, doc="iteration to load (default: the latest)")
     override_opt_param_scheduler: bool = _key(
         False,
         doc="on resume, take the learning-rate schedule from the config",
-        flags=("--override-opt_param-scheduler", "--override-opt-param-scheduler"),
     )
     use_checkpoint_opt_param_scheduler: bool = _key(
         False,
         doc="on resume, take the learning-rate schedule from the checkpoint",
-        flags=("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"),
     )
 
     @property
@@ -536,12 +525,11 @@ TYPES = typing.get_type_hints(TrainConfig)
 
 @dataclass(frozen=True)
 class ConfigKey:
-    """One key of :class:`TrainConfig` as a command line offers it."""
+    """One key of :class:`TrainConfig`: its name, documentation, type and default."""
 
     name: str
     doc: str
-    #: Its flags, the first shown in help: Megatron-LM's spellings where ``megatron_lm``.
-    flags: tuple[str, ...]
+    #: The Megatron-LM argument of its name (False: megatron-dualpipe's own key).
     megatron_lm: bool
     #: ``int``, ``float``, ``bool`` or ``str`` (None allowed where the default is None).
     type: type
@@ -551,13 +539,12 @@ class ConfigKey:
 
 
 def config_keys() -> tuple[ConfigKey, ...]:
-    """Every key of :class:`TrainConfig` in definition order, with its documentation and
-    flags (from the field definitions, so that command lines cannot drift from them)."""
+    """Every key of :class:`TrainConfig` in definition order, with its documentation (from
+    the field definitions)."""
     return tuple(
         ConfigKey(
             name=f.name,
             doc=f.metadata["doc"],
-            flags=f.metadata["flags"] or ("--" + f.name.replace("_", "-"),),
             megatron_lm=f.metadata["megatron_lm"],
             type=base_type(TYPES[f.name])[0],
             required=is_required(f),

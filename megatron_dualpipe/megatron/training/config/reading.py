@@ -25,12 +25,7 @@ from .keys import (
 from .rules import validated
 from .run_name import run_name
 
-__all__ = [
-    "config_from_values",
-    "load_config",
-    "parse_overrides",
-    "read_yaml_values",
-]
+__all__ = ["load_config", "parse_overrides"]
 
 
 def load_config(path: str | Path, overrides: Iterable[str] = ()) -> TrainConfig:
@@ -40,15 +35,15 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> TrainConfig:
     converted to the key's type. ``run_name`` defaults to the file's stem, the schedule and
     the overrides (:func:`~.run_name.run_name`).
     """
-    values = read_yaml_values(path)
+    values = _read_yaml_values(path)
     overrides = list(overrides)
     overridden = parse_overrides(overrides)
     values.update(overridden)
     source, origins = override_origins(path, overrides)
-    return config_from_values(values, source, Path(path).stem, origins)
+    return _config_from_values(values, source, Path(path).stem, origins)
 
 
-def read_yaml_values(path: str | Path) -> dict[str, Any]:
+def _read_yaml_values(path: str | Path) -> dict[str, Any]:
     """A YAML config's keys and values, each checked against its key's type; raises
     :class:`ConfigError` naming the file (unreadable, not YAML, unknown key, wrong type)."""
     source = str(path)
@@ -67,7 +62,7 @@ def read_yaml_values(path: str | Path) -> dict[str, Any]:
     return {str(k): _coerce(source, str(k), v) for k, v in raw.items()}
 
 
-def config_from_values(
+def _config_from_values(
     values: dict[str, Any],
     source: str,
     stem: str,

@@ -1,7 +1,6 @@
 """The name of a training run's own folder under ``output_dir``, so that runs which differ
 keep their outputs apart: the config's name, the schedule, then each setting given on the
-command line (``--set key=value``, or a flag of scripts/pretrain_gpt_dualpipe.py) that
-changes what is trained, in key order:
+command line (``--set key=value``) that changes what is trained, in key order:
 
     tiny_moe_cpu-dualpipev
     tiny_moe_cpu-dualpipev-bf16=true-overlap_moe_expert_parallel_comm=true
