@@ -20,10 +20,23 @@ from typing import Any
 
 from ..errors import DualPipeError
 
-__all__ = ["LAUNCHER_KEYS", "MegatronLMConfigError", "megatron_lm_argv", "megatron_lm_parser"]
+__all__ = [
+    "LAUNCHER_KEYS",
+    "NAMED_OTHERWISE",
+    "MegatronLMConfigError",
+    "megatron_lm_argv",
+    "megatron_lm_parser",
+]
 
 #: Keys the launcher takes for itself: how many CPU ranks to fork without torchrun or srun.
 LAUNCHER_KEYS = ("world_size",)
+#: Keys of megatron-dualpipe's own loop that Megatron-LM's parser (0.19) takes under another
+#: name: the value ``args`` ends up holding (``validate_args`` derives it) and a deprecated
+#: flag. A refusal names the argument to write instead.
+NAMED_OTHERWISE = {
+    "virtual_pipeline_model_parallel_size": "num_virtual_stages_per_pipeline_rank",
+    "cuda_graph_scope": "cuda_graph_modules",
+}
 
 
 class MegatronLMConfigError(DualPipeError, ValueError):
@@ -58,6 +71,8 @@ def megatron_lm_argv(
             continue
         if key not in actions:
             close = difflib.get_close_matches(key, actions, n=1, cutoff=0.75)
+            if key in NAMED_OTHERWISE and NAMED_OTHERWISE[key] in actions:
+                close = [NAMED_OTHERWISE[key]]
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise MegatronLMConfigError(
                 f"{source}: {key} is not an argument of Megatron-LM's pretrain{hint}: write a "
