@@ -396,3 +396,31 @@ def test_kill_9_of_the_whole_run_at_once_leaves_nothing(
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
     run_ranks(_manager_directory, 1, timeout_s=120)
     assert not directory.exists()  # ... so the next launch did
+
+
+def _rank_number(rank: int, world_size: int) -> int:
+    return rank
+
+
+def test_a_process_tmpdir_left_by_a_killed_process_goes_with_the_next_launch(
+    own_temp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``train --loop megatron-lm`` keeps its patched megatron/training in such a folder: a
+    ``kill -9`` of the command leaves it, and the next launch removes it (the process that
+    made it is gone); a live process's stays."""
+    from megatron_dualpipe.runtime.launch import process_tmpdir, run_ranks
+
+    monkeypatch.setattr(tempfile, "tempdir", str(own_temp))
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # made, then the process ends without removing it
+        os.write(write, str(process_tmpdir()).encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    left = Path(os.read(read, 4096).decode())
+    os.close(read)
+    os.close(write)
+    mine = process_tmpdir()
+    assert left.is_dir() and left.parent == own_temp == mine.parent
+    assert run_ranks(_rank_number, 1, timeout_s=120) == [0]
+    assert not left.exists() and mine.is_dir()

@@ -4,7 +4,9 @@
 The config's keys become Megatron-LM's flags (:mod:`.lm_args`); the run is
 :func:`~megatron_dualpipe.megatron.pretrain_gpt.main` (this project's ``pretrain_gpt.py``)
 with the installed wheel's ``megatron/training`` patched for ``--pipeline-schedule`` (a copy
-made for the run in a temporary folder: :func:`~.compat.lm_patch.make_patched_training`).
+made for the run in a temporary folder of this process, which the next launch removes
+where a ``kill -9`` left it: :func:`~.compat.lm_patch.make_patched_training`,
+:func:`~..runtime.launch.process_tmpdir`).
 Under torchrun or srun (:func:`~..runtime.rank_env.launcher_env`; srun's variables are
 handed to Megatron-LM as torchrun's) this process is one rank; otherwise it forks the
 config's ``world_size`` ranks on CPU over gloo (:func:`~..runtime.launch.run_ranks`: no
@@ -23,13 +25,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ..errors import DualPipeError
+from ..runtime.rank_env import RankEnv
 from ..schedules.config_values import override_origins, read_values
 from .lm_args import MegatronLMConfigError, megatron_lm_argv, megatron_lm_parser
 
@@ -79,11 +82,9 @@ def train_with_megatron_lm(path: Path, overrides: Iterable[str]) -> None:
     :class:`~..schedules.config_values.ConfigValueError`) before any rank starts."""
     import torch
 
-    from ..lifetime import forks_die_with_forker
-    from ..megatron_lm import check_load
-    from ..runtime.launch import run_ranks
+    from ..runtime.launch import process_tmpdir
     from ..runtime.rank_env import launcher_env
-    from .compat.lm_patch import make_patched_training, unpatched_training_problem
+    from .compat.lm_patch import make_patched_training
     from .compat.version import installed_megatron_core, megatron_lm_tag
 
     overrides = list(overrides)
@@ -97,33 +98,46 @@ def train_with_megatron_lm(path: Path, overrides: Iterable[str]) -> None:
     settings = read_values(path, overrides)
     env = launcher_env()
     on_cpu = not torch.cuda.is_available()
-    with tempfile.TemporaryDirectory(prefix="megatron-lm-") as folder:
+    folder = str(process_tmpdir())  # a kill -9 leaves it to the next launch to remove
+    try:
         make_patched_training(Path(folder))
         sys.path.insert(0, folder)  # megatron.training is the copy from here on, ranks too
         try:
-            problem = unpatched_training_problem()  # the first import of megatron.training
-            if problem is not None:
-                raise MegatronLMConfigError(problem)
-            parser = megatron_lm_parser()
-            argv = megatron_lm_run_argv(settings, parser, source, on_cpu=on_cpu)
-            check_load(parser.parse_args(argv))  # each rank checks again in apply()
-            if env is not None:  # torchrun's or srun's rank: Megatron-LM reads torchrun's
-                os.environ.update(env.torchrun_variables())
-                forks_die_with_forker()  # a save's writers die with the rank (forked: done)
-                _pretrain(argv)
-                return
-            world_size = int(settings.get("world_size") or _model_parallel_size(settings))
-            minutes = float(settings.get("distributed_timeout_minutes") or 10)
-            run_ranks(
-                _rank,
-                world_size,
-                args=(argv,),
-                timeout_s=None,
-                pg_timeout_s=60 * minutes,
-                plain_errors=(PretrainExit,),
-            )
+            _run(settings, source, env, on_cpu)
         finally:
             sys.path.remove(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run(settings: Mapping[str, Any], source: str, env: RankEnv | None, on_cpu: bool) -> None:
+    """The run of :func:`train_with_megatron_lm`, the patched copy first on the path."""
+    from ..lifetime import forks_die_with_forker
+    from ..megatron_lm import check_load
+    from ..runtime.launch import run_ranks
+    from .compat.lm_patch import unpatched_training_problem
+
+    problem = unpatched_training_problem()  # the first import of megatron.training
+    if problem is not None:
+        raise MegatronLMConfigError(problem)
+    parser = megatron_lm_parser()
+    argv = megatron_lm_run_argv(settings, parser, source, on_cpu=on_cpu)
+    check_load(parser.parse_args(argv))  # each rank checks again in apply()
+    if env is not None:  # torchrun's or srun's rank: Megatron-LM reads torchrun's variables
+        os.environ.update(env.torchrun_variables())
+        forks_die_with_forker()  # a save's writers die with the rank (forked ranks: done)
+        _pretrain(argv)
+        return
+    world_size = int(settings.get("world_size") or _model_parallel_size(settings))
+    minutes = float(settings.get("distributed_timeout_minutes") or 10)
+    run_ranks(
+        _rank,
+        world_size,
+        args=(argv,),
+        timeout_s=None,
+        pg_timeout_s=60 * minutes,
+        plain_errors=(PretrainExit,),
+    )
 
 
 def _model_parallel_size(settings: Mapping[str, Any]) -> int:

@@ -68,7 +68,14 @@ from ..errors import DualPipeError
 from ..lifetime import die_with_parent, forks_die_with_forker
 from .openmp import release_thread_pool
 
-__all__ = ["GUARD_NAME", "LaunchFailure", "TempDirTooLong", "pick_port", "run_ranks"]
+__all__ = [
+    "GUARD_NAME",
+    "LaunchFailure",
+    "TempDirTooLong",
+    "pick_port",
+    "process_tmpdir",
+    "run_ranks",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -363,6 +370,13 @@ class _RunGroup:
             os.close(self.pidfd)
             self.pidfd = None
         shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def process_tmpdir() -> Path:
+    """A new temporary directory of this process, named as a run's is (its pid in the
+    name): the caller removes it, and where this process dies first (``kill -9``), the next
+    launch by the same user does (:func:`_remove_orphaned_tmpdirs`)."""
+    return Path(tempfile.mkdtemp(prefix=f"{_TMPDIR_PREFIX}{os.getpid()}-"))
 
 
 def _remove_orphaned_tmpdirs() -> None:
