@@ -39,6 +39,7 @@ import logging
 import sys
 import weakref
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from .megatron.schedule.checks import (
@@ -294,47 +295,70 @@ def _one_bucket_per_chunk(args: Any, schedule: str) -> None:
 
 def check_load(args: Any) -> None:
     """Read the ``torch_dist`` checkpoint that Megatron-LM's ``load_checkpoint`` will read
-    (``--load``'s tracked iteration, ``release``, or ``--ckpt-step``) without running code
-    from it (:func:`~.megatron.training.checkpoint.files.damage`), where Megatron-LM's own
-    reader unpickles its index with plain ``pickle`` (torch's
-    ``FileSystemReader.read_metadata``) and its objects with ``weights_only=False``. A
-    crafted pickle, a missing or truncated file is one sentence naming it and the complete
-    iterations, before any work. No ``--load``, no tracker (Megatron-LM starts from
-    scratch) or another ``--ckpt-format``: nothing is read."""
-    root = getattr(args, "load", None)
-    if not root or getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
+    (:func:`_load_directory`) without running code from it
+    (:func:`~.megatron.training.checkpoint.files.damage`), where Megatron-LM's own reader
+    unpickles its index with plain ``pickle`` (torch's ``FileSystemReader.read_metadata``)
+    and its objects with ``weights_only=False``. A crafted pickle, a missing or truncated
+    file is one sentence naming it and the complete iterations, before any work. Nothing
+    is read where Megatron-LM loads nothing, a non-persistent checkpoint may win, or the
+    folder is another format (no ``metadata.json``: Megatron-LM's ``torch`` and
+    ``torch_dcp``, not checked)."""
+    found = _load_directory(args)
+    if found is None or not (found[1] / "metadata.json").is_file():
         return
-    from pathlib import Path
+    flag, directory = found
+    from .megatron.training.checkpoint.files import complete_iterations, damage
 
-    from .megatron.training.checkpoint.files import (
-        TRACKER,
-        complete_iterations,
-        damage,
-        iteration_dir,
-    )
-
-    step, tracker = getattr(args, "ckpt_step", None), Path(root, TRACKER)
-    tracked = tracker.read_text(errors="replace").strip() if tracker.is_file() else ""
-    if step:
-        directory = iteration_dir(root, step)
-    elif tracked == "release":
-        directory = Path(root, "release")
-    elif tracked.isdigit():
-        directory = iteration_dir(root, int(tracked))
-    else:  # nothing tracked (or a tracker Megatron-LM refuses itself)
-        return
     problem = damage(directory)
     if problem is None:
         return
+    root = directory.parent
     complete = complete_iterations(root)
     instead = (
         f"pass --ckpt-step with a complete one (iterations {', '.join(map(str, complete))})"
         if complete
-        else "there is no complete checkpoint in it: drop --load to train from scratch"
+        else f"there is no complete checkpoint in it: drop {flag} to train from scratch"
     )
     raise DualPipeConfigError(
-        f"--load {root}: {directory.name} cannot be loaded, {problem}: {instead}"
+        f"{flag} {root}: {directory.name} cannot be loaded, {problem}: {instead}"
     )
+
+
+def _load_directory(args: Any) -> tuple[str, Path] | None:
+    """The flag and the folder Megatron-LM 0.19's ``load_checkpoint`` reads a global
+    checkpoint from
+    (``checkpointing.py``: the ``--pretrained-checkpoint`` fallback where ``--load`` tracks
+    nothing, ``_load_base_checkpoint``'s tracker read as ``read_metadata`` reads it,
+    ``--ckpt-step``, ``release``), or None where it reads none here: no folder, a tracker
+    it refuses itself, non-persistent checkpoints on (one may win), or a format it loads
+    without dist_checkpointing (``--ckpt-format torch`` without auto-detection)."""
+    from .megatron.training.checkpoint.files import TRACKER, iteration_dir
+
+    flag, load = "--load", getattr(args, "load", None)
+    pretrained = getattr(args, "pretrained_checkpoint", None)
+    if pretrained and not (load and Path(load, TRACKER).is_file()):
+        flag, load = "--pretrained-checkpoint", pretrained
+    formats = ("torch_dist", "fsdp_dtensor")
+    dist = getattr(args, "ckpt_format", "torch_dist") in formats or getattr(
+        args, "auto_detect_ckpt_format", False
+    )
+    if not load or not dist or getattr(args, "non_persistent_ckpt_type", None):
+        return None
+    tracker, iteration, release = Path(load, TRACKER), -1, False
+    if tracker.is_file():
+        text = tracker.read_text(errors="replace").strip()
+        try:
+            iteration = int(text)
+        except ValueError:
+            if text != "release":
+                return None  # Megatron-LM refuses the tracker itself
+            iteration, release = 0, True
+    step = getattr(args, "ckpt_step", None)
+    if step:
+        iteration = step
+    if release:
+        return flag, Path(load, "release")
+    return (flag, iteration_dir(load, iteration)) if iteration >= 0 else None
 
 
 def apply(args: Any, *, exit_on_error: bool = False) -> None:

@@ -402,25 +402,52 @@ def _rank_number(rank: int, world_size: int) -> int:
     return rank
 
 
-def test_a_process_tmpdir_left_by_a_killed_process_goes_with_the_next_launch(
+def _made_by_a_process_that_ends(keep_alive: bool) -> tuple[Path, int | None]:
+    """A :func:`process_tmpdir` folder made by a forked process that ends without leaving
+    its block (as under ``kill -9``); with ``keep_alive``, a child it forked first keeps
+    running (holding the folder, as a rank does). Returns the folder and that child's pid."""
+    from megatron_dualpipe.runtime.launch import process_tmpdir
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        with process_tmpdir() as path:
+            child = os.fork() if keep_alive else -1
+            if child == 0:
+                time.sleep(600)
+                os._exit(0)
+            os.write(write, f"{path}\n{child}".encode())
+            os._exit(0)  # never leaves the block
+    os.waitpid(pid, 0)
+    text = os.read(read, 4096).decode()
+    os.close(read)
+    os.close(write)
+    path, child = text.split("\n")
+    return Path(path), int(child) if keep_alive else None
+
+
+def test_a_process_tmpdir_goes_with_the_next_launch_once_nothing_holds_it(
     own_temp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``train --loop megatron-lm`` keeps its patched megatron/training in such a folder: a
-    ``kill -9`` of the command leaves it, and the next launch removes it (the process that
-    made it is gone); a live process's stays."""
+    ``kill -9`` of the command leaves it, and the next launch removes it; not while the
+    process that made it, or a child of it (a rank importing from it) lives, whatever its
+    pid says (another PID namespace)."""
     from megatron_dualpipe.runtime.launch import process_tmpdir, run_ranks
 
     monkeypatch.setattr(tempfile, "tempdir", str(own_temp))
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # made, then the process ends without removing it
-        os.write(write, str(process_tmpdir()).encode())
-        os._exit(0)
-    os.waitpid(pid, 0)
-    left = Path(os.read(read, 4096).decode())
-    os.close(read)
-    os.close(write)
-    mine = process_tmpdir()
-    assert left.is_dir() and left.parent == own_temp == mine.parent
-    assert run_ranks(_rank_number, 1, timeout_s=120) == [0]
-    assert not left.exists() and mine.is_dir()
+    left, _ = _made_by_a_process_that_ends(keep_alive=False)
+    held, child = _made_by_a_process_that_ends(keep_alive=True)
+    try:
+        with process_tmpdir() as mine:
+            assert left.parent == held.parent == mine.parent == own_temp
+            assert run_ranks(_rank_number, 1, timeout_s=120) == [0]
+            assert not left.exists() and held.is_dir() and mine.is_dir()
+    finally:
+        os.kill(child, signal.SIGKILL)  # not this process's child: its end is not ours to wait
+    assert not mine.exists()
+    deadline = time.monotonic() + 60
+    while held.exists() and time.monotonic() < deadline:  # the lock goes with the exit
+        with process_tmpdir():  # a launch: removes it once nothing holds it
+            pass
+    assert not held.exists()

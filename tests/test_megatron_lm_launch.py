@@ -26,14 +26,14 @@ from megatron_dualpipe.megatron.lm_args import (
     MegatronLMConfigError,
     megatron_lm_argv,
 )
-from megatron_dualpipe.megatron.lm_launch import CPU_FLAGS, megatron_lm_run_argv
+from megatron_dualpipe.megatron.lm_launch import megatron_lm_run_argv
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_gpt_cpu.yaml"
 
 
 def _parser() -> argparse.ArgumentParser:
-    """Megatron-LM's kinds of argument, one or two of each (and what CPU_FLAGS name)."""
+    """Megatron-LM's kinds of argument, one or two of each (and what CPU_SETTINGS name)."""
     p = argparse.ArgumentParser(prog="pretrain", allow_abbrev=False, exit_on_error=False)
     for flag in ("--num-layers", "--seq-length", "--max-position-embeddings"):
         p.add_argument(flag, type=int)
@@ -47,9 +47,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-persist-layer-norm", action="store_true")
     p.add_argument("--no-gradient-accumulation-fusion", action="store_false",
                    dest="gradient_accumulation_fusion")  # fmt: skip
-    for fused in ("bias-gelu", "bias-dropout", "masked-softmax", "rope"):
+    for fused in ("bias-gelu", "bias-dropout", "masked-softmax"):
         p.add_argument(f"--no-{fused}-fusion", action="store_false",
                        dest=f"{fused.replace('-', '_')}_fusion")  # fmt: skip
+    p.add_argument("--no-rope-fusion", action="store_false", dest="apply_rope_fusion")
+    p.add_argument("--data-args-path")
+    p.add_argument("--moe-layer-freq", default=1)
     p.add_argument("--inference-wandb-logging", action=argparse.BooleanOptionalAction)
     p.add_argument("--pipeline-schedule", choices=("1f1b", "dualpipev"))
     return p
@@ -102,16 +105,44 @@ def test_a_switch_given_a_number_is_refused() -> None:
         megatron_lm_argv({"bf16": 1}, _parser(), "c")
 
 
-def test_the_run_s_line_cpu_flags_first_mock_data_and_positions() -> None:
+#: What the CPU settings write, in order.
+CPU_LINE = [
+    "--transformer-impl", "local", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
+    "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion",
+    "--no-rope-fusion", "--distributed-backend", "gloo",
+]  # fmt: skip
+
+
+def test_the_run_s_line_cpu_settings_mock_data_and_positions() -> None:
     argv = megatron_lm_run_argv({"seq_length": 16}, _parser(), "c", on_cpu=True)
-    assert argv == [
-        *CPU_FLAGS,
-        *("--mock-data", "--max-position-embeddings", "16", "--seq-length", "16"),
-    ]
-    # The config's own values come after, and win; with a data path no mock data.
-    settings = {"transformer_impl": "transformer_engine", "data_path": ["corpus"]}
-    argv = megatron_lm_run_argv(settings, _parser(), "c", on_cpu=False)
-    assert argv == ["--transformer-impl", "transformer_engine", "--data-path", "corpus"]
+    positions = ["--mock-data", "--max-position-embeddings", "16"]
+    assert argv == [*CPU_LINE, "--seq-length", "16", *positions]
+    # A key the config sets wins over the CPU settings, a switch's true included.
+    settings = {"transformer_impl": "transformer_engine", "masked_softmax_fusion": True}
+    argv = megatron_lm_run_argv(settings, _parser(), "c", on_cpu=True)
+    assert "local" not in argv and "--no-masked-softmax-fusion" not in argv
+    assert argv[:2] == ["--transformer-impl", "transformer_engine"]
+
+
+@pytest.mark.parametrize(
+    "data", [{"data_path": ["corpus"]}, {"data_args_path": "blend.txt"}, {"mock_data": False}]
+)
+def test_a_data_key_given_takes_no_mock_data(data: dict) -> None:
+    """A blend file (``data_args_path``) used to get mock data on top, which
+    ``MockGPTDataset`` then trained on; ``mock_data: false`` could not turn it off."""
+    assert "--mock-data" not in megatron_lm_run_argv(data, _parser(), "c", on_cpu=False)
+
+
+def test_a_list_for_a_flag_of_one_value_is_one_sentence() -> None:
+    with pytest.raises(MegatronLMConfigError) as info:
+        megatron_lm_run_argv({"moe_layer_freq": [1, 0, 1]}, _parser(), "c", on_cpu=False)
+    assert str(info.value) == (
+        "c: moe_layer_freq takes one value (--moe-layer-freq), not a list: write the list as "
+        'one string, as on Megatron-LM\'s command line (e.g. "[1,0,1]")'
+    )
+    assert megatron_lm_run_argv({"moe_layer_freq": "[1,0,1]"}, _parser(), "c", on_cpu=False) == [
+        "--moe-layer-freq", "[1,0,1]", "--mock-data"
+    ]  # fmt: skip
 
 
 def test_a_value_megatron_lm_s_parser_rejects_is_one_sentence() -> None:

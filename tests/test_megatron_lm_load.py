@@ -19,10 +19,17 @@ from tests.test_checkpoint_trust import OPEN, _checkpoint, _Creates
 pytestmark = pytest.mark.megatron
 
 
-def _args(root: Path, **given: object) -> argparse.Namespace:
-    return argparse.Namespace(
-        **{"load": str(root), "ckpt_format": "torch_dist", "ckpt_step": None, **given}
-    )
+def _args(root: Path | None, **given: object) -> argparse.Namespace:
+    """Megatron-LM 0.19's load arguments, its defaults but ``load``."""
+    defaults = {
+        "load": None if root is None else str(root),
+        "ckpt_format": "torch_dist",
+        "ckpt_step": None,
+        "pretrained_checkpoint": None,
+        "auto_detect_ckpt_format": False,
+        "non_persistent_ckpt_type": None,
+    }
+    return argparse.Namespace(**{**defaults, **given})
 
 
 def _saved(root: Path, *iterations: int, tracked: str | None = None) -> Path:
@@ -53,37 +60,63 @@ def test_the_tracked_crafted_checkpoint_is_refused_naming_the_complete_ones(tmp_
 
 
 def test_ckpt_step_and_release_are_the_directories_read(tmp_path: Path) -> None:
+    """As Megatron-LM's ``_load_base_checkpoint``: ``--ckpt-step`` over the tracker, but a
+    ``release`` tracker keeps the release folder; the tracker read with ``int()``."""
     root, marker = _saved(tmp_path / "ck", 2, 4), tmp_path / "ran"
     _crafted(root / "iter_0000002", marker)
     check_load(_args(root))  # the tracked iteration 4 is fine
     with pytest.raises(DualPipeConfigError, match=r"iter_0000002 cannot be loaded, \.metadata"):
         check_load(_args(root, ckpt_step=2))
+    (root / "latest_checkpointed_iteration.txt").write_text("+2\n")  # int() reads it
+    with pytest.raises(DualPipeConfigError, match=r"iter_0000002 cannot be loaded"):
+        check_load(_args(root))
     release = _checkpoint(root / "release")
     (root / "latest_checkpointed_iteration.txt").write_text("release\n")
-    check_load(_args(root))
+    check_load(_args(root, ckpt_step=2))  # Megatron-LM loads release/, which is fine
     _crafted(release, marker)
     with pytest.raises(DualPipeConfigError, match=r": release cannot be loaded, \.metadata"):
         check_load(_args(root))
     assert not marker.exists()
 
 
-def test_nothing_is_read_without_a_tracked_torch_dist_checkpoint(tmp_path: Path) -> None:
+def test_the_pretrained_checkpoint_is_read_where_load_tracks_none(tmp_path: Path) -> None:
+    pretrained, marker = _saved(tmp_path / "pre", 7), tmp_path / "ran"
+    _crafted(pretrained / "iter_0000007", marker)
+    with pytest.raises(DualPipeConfigError) as info:
+        check_load(_args(tmp_path / "fresh", pretrained_checkpoint=str(pretrained)))
+    assert str(info.value).startswith(
+        f"--pretrained-checkpoint {pretrained}: iter_0000007 cannot be loaded, .metadata "
+    )
+    check_load(_args(_saved(tmp_path / "ck", 2), pretrained_checkpoint=str(pretrained)))
+    assert not marker.exists()
+
+
+def test_nothing_is_read_where_megatron_lm_loads_no_torch_dist_checkpoint(
+    tmp_path: Path,
+) -> None:
     root, marker = _saved(tmp_path / "ck", 2), tmp_path / "ran"
     _crafted(root / "iter_0000002", marker)
-    check_load(_args(root, ckpt_format="torch"))  # Megatron-LM's other format: not ours to read
-    check_load(_args(root, load=None))
+    check_load(_args(root, ckpt_format="torch"))  # Megatron-LM's other format: not read
+    with pytest.raises(DualPipeConfigError):  # ... unless it detects the format on disk
+        check_load(_args(root, ckpt_format="torch", auto_detect_ckpt_format=True))
+    check_load(_args(root, non_persistent_ckpt_type="global"))  # one may win: not read
+    check_load(_args(None))
+    (root / "latest_checkpointed_iteration.txt").write_text("junk\n")
+    check_load(_args(root))  # Megatron-LM refuses the tracker itself
     (root / "latest_checkpointed_iteration.txt").unlink()
     check_load(_args(root))  # no tracker: Megatron-LM starts from scratch
     check_load(_args(tmp_path / "nowhere"))
+    (root / "iter_0000002" / "metadata.json").unlink()  # not dist_checkpointing's format
+    check_load(_args(root, ckpt_step=2))
     assert not marker.exists()
 
 
 def test_a_damaged_one_without_a_complete_one_says_to_start_over(tmp_path: Path) -> None:
     root = _saved(tmp_path / "ck", 3)
-    (root / "iter_0000003" / "metadata.json").unlink()
+    (root / "iter_0000003" / ".metadata").unlink()
     with pytest.raises(DualPipeConfigError) as info:
         check_load(_args(root))
     assert str(info.value) == (
-        f"--load {root}: iter_0000003 cannot be loaded, metadata.json is missing: there is no "
+        f"--load {root}: iter_0000003 cannot be loaded, .metadata is missing: there is no "
         "complete checkpoint in it: drop --load to train from scratch"
     )

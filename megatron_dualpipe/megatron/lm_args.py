@@ -4,9 +4,10 @@ A config's key is a Megatron-LM argument's name as ``args`` holds it (the flag i
 case: ``num_layers`` for ``--num-layers``); :func:`megatron_lm_argv` turns the keys into the
 flags of Megatron-LM's own parser (``megatron.training.arguments.add_megatron_arguments``,
 with our ``--pipeline-schedule``), so every key, type and default is Megatron-LM's: ``true``
-and ``false`` pick the flag that stores that value (``persist_layer_norm: false`` is
-``--no-persist-layer-norm``), a list gives the flag its values, ``null`` leaves Megatron-LM's
-default. :data:`LAUNCHER_KEYS` are the launcher's, not Megatron-LM's.
+and ``false`` pick the flag that stores that value (``bias_gelu_fusion: false`` is
+``--no-bias-gelu-fusion``, ``no_persist_layer_norm: true`` is ``--no-persist-layer-norm``), a
+list gives a flag of several values its values, ``null`` leaves Megatron-LM's default.
+:data:`LAUNCHER_KEYS` are the launcher's, not Megatron-LM's.
 
 Importing this module imports neither torch nor megatron: :func:`megatron_lm_parser` does.
 """
@@ -103,8 +104,13 @@ def _flags(key: str, value: Any, actions: list[argparse.Action], source: str) ->
             f"{source}: {key} is a switch of Megatron-LM ({_long_flag(actions[0])}): write "
             "true or false"
         )
-    values = value if isinstance(value, list | tuple) else [value]
-    return [_long_flag(stores[0]), *(str(v) for v in values)]
+    many = isinstance(value, list | tuple)
+    if many and stores[0].nargs in (None, "?"):
+        raise MegatronLMConfigError(
+            f"{source}: {key} takes one value ({_long_flag(stores[0])}), not a list: write "
+            'the list as one string, as on Megatron-LM\'s command line (e.g. "[1,0,1]")'
+        )
+    return [_long_flag(stores[0]), *(str(v) for v in (value if many else [value]))]
 
 
 def _long_flag(action: argparse.Action) -> str:

@@ -10,9 +10,9 @@ where a ``kill -9`` left it: :func:`~.compat.lm_patch.make_patched_training`,
 Under torchrun or srun (:func:`~..runtime.rank_env.launcher_env`; srun's variables are
 handed to Megatron-LM as torchrun's) this process is one rank; otherwise it forks the
 config's ``world_size`` ranks on CPU over gloo (:func:`~..runtime.launch.run_ranks`: no
-process outlives the command). On a machine without CUDA the flags of
-:data:`CPU_FLAGS` come first (the config's own win); without a data path the run takes
-Megatron's mock data, and ``max_position_embeddings`` defaults to ``seq_length``.
+process outlives the command). On a machine without CUDA the keys of
+:data:`CPU_SETTINGS` are added (a key the config sets wins); without a data key the run
+takes Megatron's mock data, and ``max_position_embeddings`` defaults to ``seq_length``.
 
 Everything that can be refused is refused before the first rank starts, in one sentence: a
 key Megatron-LM has no argument for, a value its parser rejects, another megatron-core than
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -36,17 +35,34 @@ from ..runtime.rank_env import RankEnv
 from ..schedules.config_values import override_origins, read_values
 from .lm_args import MegatronLMConfigError, megatron_lm_argv, megatron_lm_parser
 
-__all__ = ["CPU_FLAGS", "PretrainExit", "megatron_lm_run_argv", "train_with_megatron_lm"]
+__all__ = [
+    "CPU_SETTINGS",
+    "DATA_KEYS",
+    "PretrainExit",
+    "megatron_lm_run_argv",
+    "train_with_megatron_lm",
+]
 
-#: What Megatron-LM needs on CPU: its defaults are Transformer Engine, fused CUDA kernels
-#: and NCCL.
-CPU_FLAGS = (
-    "--transformer-impl", "local", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
-    "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion",
-    "--no-rope-fusion", "--distributed-backend", "gloo",
+#: What Megatron-LM needs on CPU, as config keys (its defaults are Transformer Engine,
+#: fused CUDA kernels and NCCL): ``--transformer-impl local``, ``--no-persist-layer-norm``,
+#: ``--no-gradient-accumulation-fusion``, ``--no-{bias-gelu,bias-dropout,masked-softmax,
+#: rope}-fusion``, ``--distributed-backend gloo``. A key the config sets wins.
+CPU_SETTINGS: dict[str, Any] = {
+    "transformer_impl": "local",
+    "no_persist_layer_norm": True,
+    "gradient_accumulation_fusion": False,
+    "bias_gelu_fusion": False,
+    "bias_dropout_fusion": False,
+    "masked_softmax_fusion": False,
+    "apply_rope_fusion": False,
+    "distributed_backend": "gloo",
+}
+#: Keys that name training data (Megatron-LM 0.19's data arguments); without any of them,
+#: and without ``mock_data`` given, the run takes Megatron's mock data.
+DATA_KEYS = (
+    "data_path", "train_data_path", "valid_data_path", "test_data_path",
+    "per_split_data_args_path", "data_args_path", "mock_data",
 )  # fmt: skip
-#: Keys that name training data; without any of them the run takes Megatron's mock data.
-DATA_KEYS = ("data_path", "train_data_path", "per_split_data_args_path", "mock_data")
 
 
 class PretrainExit(DualPipeError, RuntimeError):
@@ -56,17 +72,17 @@ class PretrainExit(DualPipeError, RuntimeError):
 def megatron_lm_run_argv(
     settings: Mapping[str, Any], parser: argparse.ArgumentParser, source: str, *, on_cpu: bool
 ) -> list[str]:
-    """Megatron-LM's command line for ``settings``: :data:`CPU_FLAGS` first ``on_cpu``, mock
-    data without a data key, ``max_position_embeddings`` as ``seq_length`` where unset, then
-    the config's flags; checked by Megatron-LM's parser (raises
+    """Megatron-LM's command line for ``settings`` over :data:`CPU_SETTINGS` (``on_cpu``),
+    with mock data where no :data:`DATA_KEYS` key is given and ``max_position_embeddings``
+    as ``seq_length`` where unset; checked by Megatron-LM's parser (raises
     :class:`~.lm_args.MegatronLMConfigError` naming ``source``)."""
-    defaults: list[str] = list(CPU_FLAGS) if on_cpu else []
-    if not any(settings.get(key) for key in DATA_KEYS):
-        defaults.append("--mock-data")
+    given = {**(CPU_SETTINGS if on_cpu else {}), **settings}
+    if not any(key in settings for key in DATA_KEYS):
+        given["mock_data"] = True
     if settings.get("max_position_embeddings") is None and settings.get("seq_length"):
-        defaults += ["--max-position-embeddings", str(settings["seq_length"])]
-    argv = [*defaults, *megatron_lm_argv(settings, parser, source)]
-    try:
+        given["max_position_embeddings"] = settings["seq_length"]
+    argv = megatron_lm_argv(given, parser, source)
+    try:  # every flag is one of the parser's with its values (lists only where it takes them)
         parser.parse_args(argv)
     except argparse.ArgumentError as err:
         raise MegatronLMConfigError(
@@ -98,16 +114,14 @@ def train_with_megatron_lm(path: Path, overrides: Iterable[str]) -> None:
     settings = read_values(path, overrides)
     env = launcher_env()
     on_cpu = not torch.cuda.is_available()
-    folder = str(process_tmpdir())  # a kill -9 leaves it to the next launch to remove
-    try:
-        make_patched_training(Path(folder))
+    with process_tmpdir() as path:  # a kill -9 leaves it to the next launch to remove
+        folder = str(path)
+        make_patched_training(path)
         sys.path.insert(0, folder)  # megatron.training is the copy from here on, ranks too
         try:
             _run(settings, source, env, on_cpu)
         finally:
             sys.path.remove(folder)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _run(settings: Mapping[str, Any], source: str, env: RankEnv | None, on_cpu: bool) -> None:
@@ -125,7 +139,8 @@ def _run(settings: Mapping[str, Any], source: str, env: RankEnv | None, on_cpu: 
     check_load(parser.parse_args(argv))  # each rank checks again in apply()
     if env is not None:  # torchrun's or srun's rank: Megatron-LM reads torchrun's variables
         os.environ.update(env.torchrun_variables())
-        forks_die_with_forker()  # a save's writers die with the rank (forked ranks: done)
+        forks_die_with_forker()  # a save's forked writers die with the rank (not
+        # --use-persistent-ckpt-worker's: Megatron-LM spawns it; forked ranks: done already)
         _pretrain(argv)
         return
     world_size = int(settings.get("world_size") or _model_parallel_size(settings))

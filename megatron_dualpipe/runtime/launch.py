@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -92,6 +93,8 @@ _LAUNCH_ATTEMPTS = 3
 GUARD_NAME = "dualpipe-guard"
 #: The run's temporary directory: this, the parent's pid, a dash, a random tail.
 _TMPDIR_PREFIX = "megatron-dualpipe-run-"
+#: The lock file of a :func:`process_tmpdir` directory.
+_HELD = ".held"
 #: The longest AF_UNIX socket path: ``sun_path`` less its closing NUL (108 bytes on Linux).
 _SOCKET_PATH_MAX = (108 if sys.platform.startswith("linux") else 104) - 1
 #: What goes under the temporary folder before a rank's socket name ends: the run's folder
@@ -372,24 +375,50 @@ class _RunGroup:
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
-def process_tmpdir() -> Path:
-    """A new temporary directory of this process, named as a run's is (its pid in the
-    name): the caller removes it, and where this process dies first (``kill -9``), the next
-    launch by the same user does (:func:`_remove_orphaned_tmpdirs`)."""
-    return Path(tempfile.mkdtemp(prefix=f"{_TMPDIR_PREFIX}{os.getpid()}-"))
+@contextlib.contextmanager
+def process_tmpdir() -> Iterator[Path]:
+    """A temporary directory of this process for the block, removed after it. It is named
+    as a run's is (this pid in the name) and held (a lock on a file in it) as long as this
+    process or a child it forks lives, so a launch removes it only where all of them are
+    gone (a ``kill -9``): :func:`_remove_orphaned_tmpdirs`, which this runs first too."""
+    _remove_orphaned_tmpdirs()
+    path = Path(tempfile.mkdtemp(prefix=f"{_TMPDIR_PREFIX}{os.getpid()}-"))
+    held = os.open(path / _HELD, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        yield path
+    finally:
+        os.close(held)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _held(path: Path) -> bool:
+    """Whether a live process holds ``path``'s lock file (:func:`process_tmpdir`)."""
+    try:
+        held = os.open(path / _HELD, os.O_RDWR)
+    except OSError:  # no lock file: a run's directory, judged by its pid alone
+        return False
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(held)
+    return False
 
 
 def _remove_orphaned_tmpdirs() -> None:
     """Remove this user's run directories (in the temporary folder) whose parent process,
-    named by the pid in the directory's name, no longer exists: left by a run killed all at
-    once (see the module docstring)."""
+    named by the pid in the directory's name, no longer exists and whose lock file (where
+    there is one) nobody holds: left by a run killed all at once (see the module
+    docstring)."""
     root = Path(tempfile.gettempdir())
     with contextlib.suppress(OSError):
         for path in root.glob(f"{_TMPDIR_PREFIX}*-*"):
             pid = path.name[len(_TMPDIR_PREFIX) :].split("-", 1)[0]
             with contextlib.suppress(OSError):
                 mine = pid.isdigit() and path.stat().st_uid == os.getuid()
-                if mine and not process_exists(int(pid)):
+                if mine and not process_exists(int(pid)) and not _held(path):
                     shutil.rmtree(path, ignore_errors=True)
 
 
