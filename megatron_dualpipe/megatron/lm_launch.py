@@ -114,9 +114,9 @@ def train_with_megatron_lm(path: Path, overrides: Iterable[str]) -> None:
     settings = read_values(path, overrides)
     env = launcher_env()
     on_cpu = not torch.cuda.is_available()
-    with process_tmpdir() as path:  # a kill -9 leaves it to the next launch to remove
-        folder = str(path)
-        make_patched_training(path)
+    with process_tmpdir() as patched:  # a kill -9 leaves it to the next launch to remove
+        folder = str(patched)
+        make_patched_training(patched)
         sys.path.insert(0, folder)  # megatron.training is the copy from here on, ranks too
         try:
             _run(settings, source, env, on_cpu)
