@@ -114,12 +114,13 @@ CPU_LINE = [
 
 
 def test_the_run_s_line_cpu_settings_mock_data_and_positions() -> None:
-    argv = megatron_lm_run_argv({"seq_length": 16}, _parser(), "c", on_cpu=True)
+    argv, parsed = megatron_lm_run_argv({"seq_length": 16}, _parser(), "c", on_cpu=True)
+    assert (parsed.max_position_embeddings, parsed.mock_data) == (16, True)
     positions = ["--mock-data", "--max-position-embeddings", "16"]
     assert argv == [*CPU_LINE, "--seq-length", "16", *positions]
     # A key the config sets wins over the CPU settings, a switch's true included.
     settings = {"transformer_impl": "transformer_engine", "masked_softmax_fusion": True}
-    argv = megatron_lm_run_argv(settings, _parser(), "c", on_cpu=True)
+    argv, _ = megatron_lm_run_argv(settings, _parser(), "c", on_cpu=True)
     assert "local" not in argv and "--no-masked-softmax-fusion" not in argv
     assert argv[:2] == ["--transformer-impl", "transformer_engine"]
 
@@ -130,7 +131,8 @@ def test_the_run_s_line_cpu_settings_mock_data_and_positions() -> None:
 def test_a_data_key_given_takes_no_mock_data(data: dict) -> None:
     """A blend file (``data_args_path``) used to get mock data on top, which
     ``MockGPTDataset`` then trained on; ``mock_data: false`` could not turn it off."""
-    assert "--mock-data" not in megatron_lm_run_argv(data, _parser(), "c", on_cpu=False)
+    argv, _ = megatron_lm_run_argv(data, _parser(), "c", on_cpu=False)
+    assert "--mock-data" not in argv
 
 
 def test_a_list_for_a_flag_of_one_value_is_one_sentence() -> None:
@@ -140,9 +142,8 @@ def test_a_list_for_a_flag_of_one_value_is_one_sentence() -> None:
         "c: moe_layer_freq takes one value (--moe-layer-freq), not a list: write the list as "
         'one string, as on Megatron-LM\'s command line (e.g. "[1,0,1]")'
     )
-    assert megatron_lm_run_argv({"moe_layer_freq": "[1,0,1]"}, _parser(), "c", on_cpu=False) == [
-        "--moe-layer-freq", "[1,0,1]", "--mock-data"
-    ]  # fmt: skip
+    argv, _ = megatron_lm_run_argv({"moe_layer_freq": "[1,0,1]"}, _parser(), "c", on_cpu=False)
+    assert argv == ["--moe-layer-freq", "[1,0,1]", "--mock-data"]
 
 
 def test_a_value_megatron_lm_s_parser_rejects_is_one_sentence() -> None:
@@ -167,13 +168,15 @@ SETS = (
 )  # fmt: skip
 
 
-def _train(*sets: str) -> subprocess.CompletedProcess:
+def _command(*sets: str) -> list[str]:
+    """``train --loop megatron-lm`` of the tiny config with :data:`SETS` and ``sets``."""
     items = [arg for item in (*SETS, *sets) for arg in ("--set", item)]
     command = [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(TINY)]
-    return subprocess.run(
-        [*command, "--loop", "megatron-lm", *items],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    return [*command, "--loop", "megatron-lm", *items]
+
+
+def _train(*sets: str) -> subprocess.CompletedProcess:
+    return subprocess.run(_command(*sets), cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
 def _megatron_core_0_19() -> bool:
@@ -254,18 +257,17 @@ def test_under_srun_each_process_is_a_rank_and_trains_as_forked(tmp_path: Path) 
         pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
     forked = _train("pipeline_schedule=dualpipev")
     assert forked.returncode == 0, forked.stderr[-3000:]
-    items = [arg for item in (*SETS, "pipeline_schedule=dualpipev") for arg in ("--set", item)]
-    command = [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(TINY),
-               "--loop", "megatron-lm", *items]  # fmt: skip
+    command = _command("pipeline_schedule=dualpipev")
     port, ranks = str(pick_port()), []
     try:
         for rank in range(2):
             env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
             env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)  # fmt: skip
-            with (tmp_path / f"{rank}.out").open("w") as out, (
-                tmp_path / f"{rank}.err"
-            ).open("w") as err:  # the child keeps its own copies of the two files
+            with (
+                (tmp_path / f"{rank}.out").open("w") as out,
+                (tmp_path / f"{rank}.err").open("w") as err,
+            ):  # the child keeps its own copies of the two files
                 ranks.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=err))
         codes = [rank.wait(timeout=600) for rank in ranks]
     finally:

@@ -71,11 +71,11 @@ class PretrainExit(DualPipeError, RuntimeError):
 
 def megatron_lm_run_argv(
     settings: Mapping[str, Any], parser: argparse.ArgumentParser, source: str, *, on_cpu: bool
-) -> list[str]:
+) -> tuple[list[str], argparse.Namespace]:
     """Megatron-LM's command line for ``settings`` over :data:`CPU_SETTINGS` (``on_cpu``),
     with mock data where no :data:`DATA_KEYS` key is given and ``max_position_embeddings``
-    as ``seq_length`` where unset; checked by Megatron-LM's parser (raises
-    :class:`~.lm_args.MegatronLMConfigError` naming ``source``)."""
+    as ``seq_length`` where unset, and what Megatron-LM's parser makes of it (raises
+    :class:`~.lm_args.MegatronLMConfigError` naming ``source`` where it refuses it)."""
     given = {**(CPU_SETTINGS if on_cpu else {}), **settings}
     if not any(key in settings for key in DATA_KEYS):
         given["mock_data"] = True
@@ -83,12 +83,12 @@ def megatron_lm_run_argv(
         given["max_position_embeddings"] = settings["seq_length"]
     argv = megatron_lm_argv(given, parser, source)
     try:  # every flag is one of the parser's with its values (lists only where it takes them)
-        parser.parse_args(argv)
+        parsed = parser.parse_args(argv)
     except argparse.ArgumentError as err:
         raise MegatronLMConfigError(
             f"{source}: {err}: give it a value Megatron-LM's parser takes"
         ) from None
-    return argv
+    return argv, parsed
 
 
 def train_with_megatron_lm(path: Path, overrides: Iterable[str]) -> None:
@@ -135,8 +135,8 @@ def _run(settings: Mapping[str, Any], source: str, env: RankEnv | None, on_cpu: 
     if problem is not None:
         raise MegatronLMConfigError(problem)
     parser = megatron_lm_parser()
-    argv = megatron_lm_run_argv(settings, parser, source, on_cpu=on_cpu)
-    check_load(parser.parse_args(argv))  # each rank checks again in apply()
+    argv, parsed = megatron_lm_run_argv(settings, parser, source, on_cpu=on_cpu)
+    check_load(parsed)  # each rank checks again in apply()
     if env is not None:  # torchrun's or srun's rank: Megatron-LM reads torchrun's variables
         os.environ.update(env.torchrun_variables())
         forks_die_with_forker()  # a save's forked writers die with the rank (not
