@@ -387,6 +387,10 @@ def test_kill_9_of_the_whole_run_at_once_leaves_nothing(
         assert len(guards) == 1 and len(ranks) == 2, [_safely(p.name) for p in known]
         # All stopped first, then killed: none sees another die and removes the directory
         # (the guard on the launcher's exit, the launcher on a rank's), as with pkill at once.
+        # The launcher dies last: its death orphans the guard's process group, and the kernel
+        # wakes an orphaned group's stopped members (SIGHUP, then SIGCONT); the guard, which
+        # ignores SIGHUP, would then see its parent gone and remove the directory itself.
+        known.sort(key=lambda p: p.pid == proc.pid)
         for action in (psutil.Process.suspend, psutil.Process.kill):
             for victim in known:
                 with contextlib.suppress(psutil.NoSuchProcess):  # a writer that just finished
