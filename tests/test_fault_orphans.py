@@ -199,7 +199,9 @@ def test_a_rank_s_forked_child_dies_with_it_when_everything_else_is_killed(
         launched = {p.pid for p in tagged if _safely(p.ppid) == proc.pid}  # guard, ranks
         children = [p for p in tagged if _safely(p.ppid) in launched]
         assert len(launched) == 3 and len(children) == 2, [_safely(p.name) for p in tagged]
-        victims = [p for p in tagged if p not in children]  # launcher, guard, two ranks
+        # Launcher last: killed first, it would orphan the guard's process group, and the
+        # kernel would wake the stopped guard to kill the group (children too) on its own.
+        victims = sorted((p for p in tagged if p not in children), key=lambda p: p.pid == proc.pid)
         for action in (psutil.Process.suspend, psutil.Process.kill):
             for victim in victims:
                 action(victim)
