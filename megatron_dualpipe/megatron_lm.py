@@ -296,7 +296,7 @@ def _one_bucket_per_chunk(args: Any, schedule: str) -> None:
 def check_load(args: Any) -> None:
     """Read the ``torch_dist`` checkpoint that Megatron-LM's ``load_checkpoint`` will read
     (:func:`_load_directory`) without running code from it
-    (:func:`~.megatron.training.checkpoint.files.damage`), where Megatron-LM's own reader
+    (:func:`~.megatron.checkpoint.files.damage`), where Megatron-LM's own reader
     unpickles its index with plain ``pickle`` (torch's ``FileSystemReader.read_metadata``)
     and its objects with ``weights_only=False``. A crafted pickle, a missing or truncated
     file is one sentence naming it and the complete iterations, before any work. Nothing
@@ -307,7 +307,7 @@ def check_load(args: Any) -> None:
     if found is None or not (found[1] / "metadata.json").is_file():
         return
     flag, directory = found
-    from .megatron.training.checkpoint.files import complete_iterations, damage
+    from .megatron.checkpoint.files import complete_iterations, damage
 
     problem = damage(directory)
     if problem is None:
@@ -332,7 +332,7 @@ def _load_directory(args: Any) -> tuple[str, Path] | None:
     ``--ckpt-step``, ``release``), or None where it reads none here: no folder, a tracker
     it refuses itself, non-persistent checkpoints on (one may win), or a format it loads
     without dist_checkpointing (``--ckpt-format torch`` without auto-detection)."""
-    from .megatron.training.checkpoint.files import TRACKER, iteration_dir
+    from .megatron.checkpoint.files import TRACKER, iteration_dir
 
     flag, load = "--load", getattr(args, "load", None)
     pretrained = getattr(args, "pretrained_checkpoint", None)
@@ -593,8 +593,8 @@ def prepare_model(model: Sequence[Any], args: Any) -> None:
     from .megatron.model.tied import copy_tied_params
 
     if schedule_spec(_schedule(args)).placement == "mirror":
+        from .megatron.checkpoint.replicas import save_as_mirror_replicas
         from .megatron.grads.mirror import prepare_mirrors
-        from .megatron.training.checkpoint.save_load import save_as_mirror_replicas
 
         prepare_mirrors(model)
         save_as_mirror_replicas(model[1])

@@ -23,8 +23,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import filesystem, metadata, planner
 
-from megatron_dualpipe.megatron.training.checkpoint.files import contents, damage
-from megatron_dualpipe.megatron.training.checkpoint.trust import (
+from megatron_dualpipe.megatron.checkpoint.files import contents, damage
+from megatron_dualpipe.megatron.checkpoint.trust import (
     ALLOWED,
     UntrustedPickle,
     read_metadata,

@@ -189,7 +189,7 @@ def _object_ranges(directory: Path) -> dict[str, list[tuple[int, int]]]:
     """Per shard file, the (offset, end) of each object that is not a tensor."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from megatron_dualpipe.megatron.training.checkpoint.trust import read_metadata
+    from megatron_dualpipe.megatron.checkpoint.trust import read_metadata
 
     found = read_metadata(directory / ".metadata")
     ranges: dict[str, list[tuple[int, int]]] = {}
@@ -403,7 +403,7 @@ def _worker_failure() -> RuntimeError:
 def test_a_short_write_on_a_full_disk_says_the_disk_is_full(tmp_path: Path) -> None:
     """It was reported as ``Worker failure [enforce fail at inline_container.cc:672]`` with
     the advice to choose a directory every rank can write to."""
-    from megatron_dualpipe.megatron.training.checkpoint.files import failure_cause
+    from megatron_dualpipe.megatron.checkpoint.files import failure_cause
     from megatron_dualpipe.megatron.training.checkpoint.save_load import _save_failure
 
     err = _worker_failure()

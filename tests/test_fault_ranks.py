@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_dualpipe.megatron.training.checkpoint.files import damage, iteration_dir, read_tracker
+from megatron_dualpipe.megatron.checkpoint.files import damage, iteration_dir, read_tracker
 from megatron_dualpipe.runtime.launch import GUARD_NAME, LaunchFailure, run_ranks
 from tests.processes import as_from_a_terminal, wait_for
 

@@ -76,12 +76,39 @@ def test_schedules_and_the_planner_are_pure_python() -> None:
 def test_nothing_of_the_core_imports_the_planner() -> None:
     """The planner is a wing: the schedules, the runtime, the Megatron adapter and the
     Megatron-LM hooks import nothing of it (our own trainer, ``megatron/training/``, is to
-    go; until then ``megatron_lm.py`` reaches the planner through the trainer's checkpoint
-    code, which imports its config keys: direct imports only are held here)."""
+    go; what the route loads is held below)."""
     training = PACKAGE / "megatron" / "training"
     core = _modules("schedules") + _modules("runtime") + [PACKAGE / "megatron_lm.py"]
     core += [p for p in _modules("megatron") if training not in p.parents]
     assert _violations(core, ("megatron_dualpipe.planner",)) == []
+
+
+#: Megatron-LM's loop (the route): its hooks, its launcher, its pretrain_gpt.
+_ROUTE = (
+    "megatron_lm.py", "megatron/lm_args.py", "megatron/lm_launch.py", "megatron/pretrain_gpt.py"
+)  # fmt: skip
+
+
+def test_the_megatron_lm_route_imports_nothing_of_our_trainer() -> None:
+    """The route and the rooms it uses never import our trainer (``megatron/training/``,
+    which is to go); read from the source, lazy imports included."""
+    route = [PACKAGE / name for name in _ROUTE] + _modules("megatron/checkpoint")
+    assert _violations(route, ("megatron_dualpipe.megatron.training",)) == []
+
+
+def test_what_the_route_loads_holds_neither_our_trainer_nor_the_planner() -> None:
+    """What really loads with the route's modules (its checkpoint reading among them):
+    neither our trainer nor the planner."""
+    modules = [f"megatron_dualpipe.{n[:-3].replace('/', '.')}" for n in _ROUTE]
+    modules += [f"megatron_dualpipe.megatron.checkpoint.{n}" for n in ("files", "lock")]
+    code = (
+        f"import importlib, sys\nfor name in {modules!r}:\n    importlib.import_module(name)\n"
+        "prefixes = ('megatron_dualpipe.megatron.training', 'megatron_dualpipe.planner')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(prefixes)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
 
 
 def test_runtime_never_imports_megatron() -> None:
@@ -98,13 +125,14 @@ def test_the_installed_package_never_imports_the_tests() -> None:
 
 
 # Which sibling rooms of ``megatron_dualpipe/megatron/`` each room may import.
-_ROOMS = ("schedule", "model", "grads", "compat", "training")
+_ROOMS = ("schedule", "model", "grads", "compat", "checkpoint", "training")
 _ROOM_MAY_IMPORT = {
     "compat": (),
+    "checkpoint": ("compat",),
     "model": ("compat", "grads", "schedule"),
     "grads": ("compat", "model", "schedule"),
     "schedule": ("compat", "model", "grads"),
-    "training": ("compat", "model", "grads", "schedule"),
+    "training": ("compat", "model", "grads", "schedule", "checkpoint"),
 }
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dualpipe.megatron.training.checkpoint.lock import (
+from megatron_dualpipe.megatron.checkpoint.lock import (
     LOCK_NAME,
     SaveDirectoryInUse,
     save_lock,
@@ -74,7 +74,7 @@ def test_a_holder_killed_with_sigkill_releases_the_lock(tmp_path: Path) -> None:
 
 _HOLD = """
 import sys, time
-from megatron_dualpipe.megatron.training.checkpoint.lock import save_lock
+from megatron_dualpipe.megatron.checkpoint.lock import save_lock
 with save_lock(sys.argv[1]):
     print("locked", flush=True)
     time.sleep(600)

@@ -46,7 +46,7 @@ hands ``_get_sample_arguments(order, chunk_id_list)`` the very list it passes TE
 ``_order`` in 0.16.1 and 0.19.2 alike (``megatron.schedule.te_graphs`` overrides that one method and
 passes the constructor's arguments through); ``set_streams`` lost ``comp_stream`` (0.17);
 the checkpoint writer raises a failing worker as its exception class and logs the error (0.17;
-``checkpoint_files.writer_errors`` reads the log). The CPU compatibility layer's sites per
+``checkpoint.files.writer_errors`` reads the log). The CPU compatibility layer's sites per
 release: docs/megatron-on-cpu.md.
 """
 

@@ -42,11 +42,12 @@ from ...errors import DualPipeError
 from ...runtime.launch import LaunchFailure, pick_port, run_ranks
 from ...runtime.rank_env import RankEnv, launcher_env
 from ...runtime.watchdog import PipelineCommError, peer_lost
+from ..checkpoint.files import check_fresh_save
+from ..checkpoint.lock import SaveDirectoryInUse, save_lock
 from ..compat.cpu_compat import apply_cpu_compat
 from ..model.layer_specs import te_missing
 from ..schedule.checks import cuda_device_max_connections
-from .checkpoint.lock import SaveDirectoryInUse, save_lock
-from .checkpoint.save_load import CheckpointError, check_fresh_save, check_loadable
+from .checkpoint.save_load import CheckpointError, check_loadable
 from .config import ConfigError, TrainConfig, blame
 from .data.datasets import check_data_files
 from .data.tokenizer import build_tokenizer, model_vocab_size
@@ -275,14 +276,14 @@ def _one_line_failures(prefix: str, hint: str) -> Iterator[None]:
 def _save_locked(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> Iterator[None]:
     """Hold ``save``'s lock (:mod:`.save_lock`) on global rank 0 for the block, and refuse
     (holding it) a ``save`` with another run's complete checkpoints that this run does not
-    load (:func:`~.checkpoint.check_fresh_save`); with more than one rank in this process
+    load (:func:`~..checkpoint.files.check_fresh_save`); with more than one rank in this process
     group, collective: every rank raises rank 0's refusal."""
     with contextlib.ExitStack() as held:
-        refusal: list[TrainError | None] = [None]
+        refusal: list[DualPipeError | None] = [None]
         if cfg.save is not None and rank == 0:
             try:
                 held.enter_context(save_lock(cfg.save))
-                check_fresh_save(cfg)
+                check_fresh_save(cfg.save, cfg.load)
             except (SaveDirectoryInUse, CheckpointError) as err:
                 refusal = [type(err)(str(err), every_rank=True)]
         if world_size > 1:
@@ -397,7 +398,7 @@ def _run_forked(cfg: TrainConfig) -> TrainResult:
         timeout_s=None,
         pg_timeout_s=60.0 * cfg.distributed_timeout_minutes,
         threads_per_rank=max(1, (os.cpu_count() or 1) // world),
-        plain_errors=(ConfigError, TrainError),
+        plain_errors=(ConfigError, TrainError, CheckpointError, SaveDirectoryInUse),
         failure_as=lambda failure: LaunchError(_failure_text(failure)),
     )
     merged = results[0]

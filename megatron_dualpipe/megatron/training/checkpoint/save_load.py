@@ -1,7 +1,7 @@
 """Layout-agnostic checkpoints with ``megatron.core.dist_checkpointing``.
 
 A checkpoint is Megatron-LM's directory layout: ``<root>/iter_0000005/`` plus
-``<root>/latest_checkpointed_iteration.txt`` (see :mod:`.checkpoint_files`, which also
+``<root>/latest_checkpointed_iteration.txt`` (see :mod:`...checkpoint.files`, which also
 finds damaged checkpoints before any work). It holds
 
 - the model: each chunk's ``sharded_state_dict()``. Our chunks keep global layer numbers,
@@ -41,7 +41,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
-from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import unwrap_model
@@ -49,16 +48,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ....runtime.openmp import release_thread_pool
-from ...compat.cpu_compat import apply_cpu_compat
-from ...model.position_copies import POSITION_TABLE, mark_position_copy_replica
-from ...schedule.checks import schedule_spec
-from ..config import TrainConfig
-from ..config.scheduler import scheduler_settings
-from .files import (
+from ...checkpoint.files import (
     TRACKER,
     CheckpointError,
     Damaged,
-    complete_iterations,
     contents,
     earlier_advice,
     failure_cause,
@@ -68,16 +61,19 @@ from .files import (
     write_tracker,
     writer_errors,
 )
+from ...checkpoint.replicas import as_mirror_replicas
+from ...compat.cpu_compat import apply_cpu_compat
+from ...model.position_copies import POSITION_TABLE, mark_position_copy_replica
+from ...schedule.checks import schedule_spec
+from ..config import TrainConfig
+from ..config.scheduler import scheduler_settings
 from .writer_watch import WriterDied, writer_queue_dies_with_rank, writers_watched
 
 __all__ = [
     "CheckpointError",
     "TrainState",
-    "as_mirror_replicas",
-    "check_fresh_save",
     "check_loadable",
     "load_checkpoint",
-    "save_as_mirror_replicas",
     "save_checkpoint",
 ]
 
@@ -136,31 +132,6 @@ class TrainState:
 
     iteration: int = 0
     consumed_train_samples: int = 0
-
-
-def _as_replica(replica_id: int | tuple[int, ...]) -> tuple[int, ...]:
-    rest = (replica_id,) if isinstance(replica_id, int) else tuple(replica_id)
-    return (1, *rest)
-
-
-def as_mirror_replicas(chunk_state: dict[str, Any]) -> dict[str, Any]:
-    """``chunk_state`` (a sharded state dict of dualpipe's mirrored copy, chunk 1) with
-    every item marked a replica, so each stage is saved once and loaded into both copies;
-    changed in place and returned."""
-    for item in nested_values(chunk_state):
-        if hasattr(item, "replica_id"):
-            item.replica_id = _as_replica(item.replica_id)
-    return chunk_state
-
-
-def save_as_mirror_replicas(chunk: Any) -> None:
-    """Make dualpipe's mirrored copy ``chunk`` (wrappers allowed) give its sharded state
-    dict as replicas (:func:`as_mirror_replicas`) to whoever asks it, wrapped or bare
-    (Megatron-LM's checkpointing asks both): its ``sharded_state_dict`` is replaced on the
-    bare chunk."""
-    bare = unwrap_model(chunk)
-    own = bare.sharded_state_dict
-    bare.sharded_state_dict = lambda *args, **kwargs: as_mirror_replicas(own(*args, **kwargs))
 
 
 def _model_state(cfg: TrainConfig, model: list[Any]) -> dict[str, Any]:
@@ -419,30 +390,6 @@ def data_change_note(cfg: TrainConfig, saved: dict[str, Any] | None, directory: 
     return (
         f" note: {directory} was saved by a run reading other data or another tokenizer "
         f"({words}): this run goes on from its weights on what the config names now"
-    )
-
-
-def check_fresh_save(cfg: TrainConfig) -> None:
-    """Raise :class:`CheckpointError` when ``cfg.save`` already holds complete checkpoints
-    and this run does not load from it (``load`` unset or elsewhere): its saves would
-    overwrite another run's checkpoints and leave the folder mixed. Incomplete iteration
-    directories (what a killed save leaves) are overwritten, as Megatron-LM overwrites them
-    (dist_checkpointing's save warns "Overwriting old incomplete / corrupted checkpoint").
-    Reads only files."""
-    if cfg.save is None:
-        return
-    root = Path(cfg.save)
-    if cfg.load is not None and Path(cfg.load).resolve() == root.resolve():
-        return
-    complete = complete_iterations(root)
-    if not complete:
-        return
-    listed = f"iteration{'s' if len(complete) > 1 else ''} {', '.join(map(str, complete))}"
-    loads = f"loads from {cfg.load}" if cfg.load is not None else "does not load from it"
-    raise CheckpointError(
-        f"save: {root} holds complete checkpoints of another run ({listed}) and this run "
-        f"{loads}, so its saves would overwrite them: resume that run with load: {root} "
-        "(load and save one folder), or choose another save"
     )
 
 

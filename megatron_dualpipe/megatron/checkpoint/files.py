@@ -7,8 +7,8 @@ every rank saved, atomically). An iteration directory of dist_checkpointing's
 state and ``.metadata`` can be read, every shard file ``.metadata`` indexes is there at its
 full length, and the shards' objects other than tensors load. The common state is
 ``common.pt`` where megatron-core writes one (before 0.19; 0.19 reads it still) and a
-ShardedObject inside the shards otherwise (:func:`~..version.common_state_in_dcp`).
-Nothing is read in a way that could run code from the files (:mod:`.checkpoint_trust`):
+ShardedObject inside the shards otherwise (:func:`~..compat.version.common_state_in_dcp`).
+Nothing is read in a way that could run code from the files (:mod:`.trust`):
 the shards' objects and the index are checked before megatron-core's reader reads a common
 state kept among them, and a storage file the index names outside the directory (absolute,
 with ``..``, or a symlink out) is refused before anything is read from it. Shards with the
@@ -38,8 +38,8 @@ from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from ...compat.version import common_state_in_dcp
-from ..errors import TrainError
+from ...errors import DualPipeError
+from ..compat.version import common_state_in_dcp
 from .trust import UntrustedPickle, load_weights_only, read_metadata
 
 __all__ = [
@@ -48,6 +48,7 @@ __all__ = [
     "CheckpointError",
     "Contents",
     "Damaged",
+    "check_fresh_save",
     "complete_iterations",
     "contents",
     "damage",
@@ -65,7 +66,7 @@ COMMON_PT = "common.pt"
 _ITERATION = re.compile(r"^iter_(\d{7,})$")
 
 
-class CheckpointError(TrainError):
+class CheckpointError(DualPipeError, RuntimeError):
     """A checkpoint that cannot be saved or loaded into this run; the message says why."""
 
 
@@ -108,13 +109,13 @@ def iterations(root: str | Path) -> list[int]:
 @dataclass(frozen=True)
 class Contents:
     """What a complete-looking checkpoint directory holds, read without running code from it
-    (:mod:`.checkpoint_trust`): its common state and torch.distributed.checkpoint's index."""
+    (:mod:`.trust`): its common state and torch.distributed.checkpoint's index."""
 
     common: dict[str, Any]
     metadata: Metadata
 
 
-class Damaged(TrainError):
+class Damaged(DualPipeError, RuntimeError):
     """What keeps a checkpoint directory from loading, as a clause: "<file> is missing",
     "<file> is truncated ...", "<file> cannot be read (...)", "<file> refers to ..."."""
 
@@ -228,6 +229,30 @@ def damage(directory: Path) -> str | None:
 def complete_iterations(root: str | Path) -> list[int]:
     """The iterations under ``root`` whose directories look complete, oldest first."""
     return [i for i in iterations(root) if damage(iteration_dir(root, i)) is None]
+
+
+def check_fresh_save(save: str | Path | None, load: str | Path | None) -> None:
+    """Raise :class:`CheckpointError` when ``save`` already holds complete checkpoints and
+    the run does not load from it (``load`` None or elsewhere): its saves would overwrite
+    another run's checkpoints and leave the folder mixed. Incomplete iteration directories
+    (what a killed save leaves) are overwritten, as Megatron-LM overwrites them
+    (dist_checkpointing's save warns "Overwriting old incomplete / corrupted checkpoint").
+    Reads only files."""
+    if save is None:
+        return
+    root = Path(save)
+    if load is not None and Path(load).resolve() == root.resolve():
+        return
+    complete = complete_iterations(root)
+    if not complete:
+        return
+    listed = f"iteration{'s' if len(complete) > 1 else ''} {', '.join(map(str, complete))}"
+    loads = f"loads from {load}" if load is not None else "does not load from it"
+    raise CheckpointError(
+        f"save: {root} holds complete checkpoints of another run ({listed}) and this run "
+        f"{loads}, so its saves would overwrite them: resume that run with load: {root} "
+        "(load and save one folder), or choose another save"
+    )
 
 
 def earlier_advice(root: str | Path, *, before: int | None = None) -> str:

@@ -25,8 +25,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ....runtime.launch import process_exists
-from ..errors import TrainError
+from ...errors import DualPipeError
+from ...runtime.launch import process_exists
 
 __all__ = ["LOCK_NAME", "SaveDirectoryInUse", "save_lock"]
 
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
-class SaveDirectoryInUse(TrainError):
+class SaveDirectoryInUse(DualPipeError, RuntimeError):
     """Another run holds the save directory's lock; the message names it."""
 
 
