@@ -162,6 +162,48 @@ VALIDATION = re.compile(r"validation loss at iteration (\d+) on validation set \
                         r"(\d\.\d{6}E[-+]\d\d)")  # fmt: skip
 #: Three steps, a validation after the last; no dropout (Megatron-LM seeds it per rank);
 #: the config's clipping on (it clips at every step here).
+def test_the_save_folder_is_held_for_the_run_by_its_holder_only(tmp_path: Path) -> None:
+    """One run per save folder: within the run the holder (the forking command, or global
+    rank 0) holds ``--save``'s lock, which another run cannot take; another rank holds
+    nothing; after the run the lock is free again."""
+    from megatron_dualpipe.megatron.checkpoint.lock import SaveDirectoryInUse, save_lock
+    from megatron_dualpipe.megatron.lm_launch import _one_run_per_save
+
+    save = tmp_path / "ck"
+    parsed = argparse.Namespace(save=str(save), load=None)
+    in_use = pytest.raises(SaveDirectoryInUse, match=f"^save: {save} is in use by another run")
+    with _one_run_per_save(parsed, holder=True), in_use, save_lock(save):
+        pass
+    with _one_run_per_save(parsed, holder=False), save_lock(save):
+        pass  # the lock was given back, and a rank that does not hold takes none
+
+
+def test_another_run_s_complete_checkpoints_in_save_are_refused(tmp_path: Path) -> None:
+    """A save folder holding another run's complete checkpoints that this run does not
+    load: one sentence, and the lock is given back; loading that folder is resuming it."""
+    from megatron_dualpipe.megatron.checkpoint.files import CheckpointError
+    from megatron_dualpipe.megatron.checkpoint.lock import save_lock
+    from megatron_dualpipe.megatron.lm_launch import _one_run_per_save
+    from tests.test_checkpoint_trust import _checkpoint
+
+    save = tmp_path / "ck"
+    _checkpoint(save / "iter_0000002")
+    (save / "iter_0000004").mkdir()  # what a killed save leaves: not complete
+    (save / "latest_checkpointed_iteration.txt").write_text("2\n")
+    fresh = argparse.Namespace(save=str(save), load=None)
+    with pytest.raises(CheckpointError) as refused, _one_run_per_save(fresh, holder=True):
+        pytest.fail("the run went on")
+    assert str(refused.value) == (
+        f"save: {save} holds complete checkpoints of another run (iteration 2) and this run "
+        f"does not load from it, so its saves would overwrite them: resume that run with "
+        f"load: {save} (load and save one folder), or choose another save"
+    )
+    with save_lock(save):
+        pass
+    with _one_run_per_save(argparse.Namespace(save=str(save), load=str(save)), holder=True):
+        pass
+
+
 SETS = (
     "train_iters=3", "eval_interval=3", "eval_iters=1", "hidden_dropout=0",
     "attention_dropout=0", "distributed_timeout_minutes=1",
@@ -304,6 +346,30 @@ def test_a_crafted_checkpoint_to_load_is_refused_before_any_rank(tmp_path: Path)
         "to train from scratch"
     )
     assert not marker.exists() and "iteration" not in done.stdout
+
+
+@pytest.mark.megatron
+@pytest.mark.slow
+def test_a_save_folder_another_run_holds_is_refused_before_any_rank(tmp_path: Path) -> None:
+    """Two runs saving into one folder would overwrite each other's iterations: while this
+    test holds the folder, the command refuses it in one sentence, and no rank trains."""
+    import socket
+
+    from megatron_dualpipe.megatron.checkpoint.lock import LOCK_NAME, save_lock
+
+    if not _megatron_core_0_19():
+        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
+    save = tmp_path / "ck"
+    with save_lock(save):
+        started = (save / LOCK_NAME).read_text().split(maxsplit=2)[2].strip()
+        done = _train(f"save={save}")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.splitlines()[-1] == (
+        f"megatron-dualpipe: error: save: {save} is in use by another run (pid {os.getpid()} "
+        f"on {socket.gethostname()}, started {started}): wait for it to finish, or set save to "
+        "another directory"
+    )
+    assert "iteration" not in done.stdout
 
 
 @pytest.mark.megatron

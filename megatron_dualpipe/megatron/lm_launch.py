@@ -17,16 +17,19 @@ takes Megatron's mock data, and ``max_position_embeddings`` defaults to ``seq_le
 Everything that can be refused is refused before the first rank starts, in one sentence: a
 key Megatron-LM has no argument for, a value its parser rejects, another megatron-core than
 0.19, a checkpoint to load that is damaged or would run code
-(:func:`~..megatron_lm.check_load`). What only validated arguments show (Megatron-LM's own
+(:func:`~..megatron_lm.check_load`), a save folder another run holds or whose complete
+checkpoints this run does not load (one run per save folder: the lock is held while the
+run lives). What only validated arguments show (Megatron-LM's own
 checks, our schedule's) each rank prints, and the command ends with one line per rank.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -137,22 +140,43 @@ def _run(settings: Mapping[str, Any], source: str, env: RankEnv | None, on_cpu: 
     parser = megatron_lm_parser()
     argv, parsed = megatron_lm_run_argv(settings, parser, source, on_cpu=on_cpu)
     check_load(parsed)  # each rank checks again in apply()
-    if env is not None:  # torchrun's or srun's rank: Megatron-LM reads torchrun's variables
-        os.environ.update(env.torchrun_variables())
-        forks_die_with_forker()  # a save's forked writers die with the rank (not
-        # --use-persistent-ckpt-worker's: Megatron-LM spawns it; forked ranks: done already)
-        _pretrain(argv)
+    with _one_run_per_save(parsed, holder=env is None or env.rank == 0):
+        if env is not None:  # torchrun's or srun's rank: Megatron-LM reads torchrun's variables
+            os.environ.update(env.torchrun_variables())
+            forks_die_with_forker()  # a save's forked writers die with the rank (not
+            # --use-persistent-ckpt-worker's: Megatron-LM spawns it; forked ranks: done)
+            _pretrain(argv)
+            return
+        world_size = int(settings.get("world_size") or _model_parallel_size(settings))
+        minutes = float(settings.get("distributed_timeout_minutes") or 10)
+        run_ranks(
+            _rank,
+            world_size,
+            args=(argv,),
+            timeout_s=None,
+            pg_timeout_s=60 * minutes,
+            plain_errors=(PretrainExit,),
+        )
+
+
+@contextlib.contextmanager
+def _one_run_per_save(parsed: argparse.Namespace, *, holder: bool) -> Iterator[None]:
+    """Megatron-LM's ``--save`` held for the block by the ``holder`` (this command where it
+    forks the ranks, which inherit the lock; global rank 0 under torchrun or srun):
+    :func:`~.checkpoint.lock.save_lock`, and a folder of another run's complete checkpoints
+    that this run does not ``--load`` refused (:func:`~.checkpoint.files.check_fresh_save`),
+    one sentence before any rank starts. The other ranks hold nothing: where rank 0
+    refuses, their launcher stops them (torchrun, ``srun --kill-on-bad-exit``)."""
+    from .checkpoint.files import check_fresh_save
+    from .checkpoint.lock import save_lock
+
+    save = getattr(parsed, "save", None)
+    if save is None or not holder:
+        yield
         return
-    world_size = int(settings.get("world_size") or _model_parallel_size(settings))
-    minutes = float(settings.get("distributed_timeout_minutes") or 10)
-    run_ranks(
-        _rank,
-        world_size,
-        args=(argv,),
-        timeout_s=None,
-        pg_timeout_s=60 * minutes,
-        plain_errors=(PretrainExit,),
-    )
+    with save_lock(save):
+        check_fresh_save(save, getattr(parsed, "load", None))
+        yield
 
 
 def _model_parallel_size(settings: Mapping[str, Any]) -> int:
