@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_dualpipe.megatron.checkpoint.files import CheckpointError
 from megatron_dualpipe.megatron.compat.version import common_state_in_dcp
 from megatron_dualpipe.megatron.training import ConfigError, TrainError, load_config, train
 from tests.processes import wait_for
@@ -55,7 +56,7 @@ def copy(saved: Path, tmp_path: Path) -> Path:
 
 
 def _refused(message: str, *overrides: str) -> None:
-    with pytest.raises(TrainError) as info:
+    with pytest.raises(CheckpointError) as info:
         _run(f"train_iters={SAVED}", *overrides)
     assert str(info.value) == message
 
@@ -162,7 +163,7 @@ def test_an_incomplete_directory_named_by_the_tracker(copy: Path) -> None:
 def test_every_file_replaced_by_random_bytes(copy: Path) -> None:
     for item in (copy / "iter_0000003").iterdir():
         item.write_bytes(b"\xff" + os.urandom(item.stat().st_size))
-    with pytest.raises(TrainError) as info:
+    with pytest.raises(CheckpointError) as info:
         _run(f"train_iters={SAVED}", f"load={copy}")
     assert str(info.value).startswith(
         f"checkpoint {copy / 'iter_0000003'}: metadata.json cannot be read (UnicodeDecodeError:"
@@ -174,7 +175,7 @@ def test_shards_of_the_right_length_with_random_contents(copy: Path) -> None:
     """The shards' objects other than tensors are read before any rank starts."""
     for shard in (copy / "iter_0000003").glob("*.distcp"):
         shard.write_bytes(b"\xff" + os.urandom(shard.stat().st_size - 1))
-    with pytest.raises(TrainError) as info:
+    with pytest.raises(CheckpointError) as info:
         _run(f"train_iters={SAVED}", f"load={copy}")
     message = str(info.value)
     assert re.match(

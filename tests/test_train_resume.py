@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dualpipe.megatron.training import TrainError, load_config, train
+from megatron_dualpipe.megatron.checkpoint.files import CheckpointError
+from megatron_dualpipe.megatron.training import load_config, train
 from tests.digits import beyond, printed_differently
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multiproc, pytest.mark.slow]
@@ -96,7 +97,7 @@ def test_resume_under_the_same_schedule_prints_the_same_digits(
 
 
 def test_a_checkpoint_only_loads_into_the_same_model(saved: dict[str, Path]) -> None:
-    with pytest.raises(TrainError) as info:
+    with pytest.raises(CheckpointError) as info:
         _run("dualpipev", f"load={saved['dualpipev']}", "hidden_size=32")
     directory = saved["dualpipev"] / f"iter_{SAVED_AT:07d}"
     assert str(info.value) == (
