@@ -75,7 +75,7 @@ def _refused(root: Path, documents: int, *more: str) -> str:
 def test_megatrons_split_arithmetic_is_reproduced() -> None:
     """The documented default on 120 documents: 116 train, 4 valid, none for the test split
     (Megatron-Core's builder rounds 0.999 x 120 = 119.88 to 120)."""
-    from megatron_dualpipe.megatron.training.data.indexed_files import split_ranges
+    from megatron_dualpipe.megatron.data.indexed_files import split_ranges
 
     assert split_ranges("969,30,1", 120) == [
         ("train", 0.969, range(0, 116)),
@@ -298,7 +298,7 @@ def test_the_genuine_pair_passes(corpora: Path, tmp_path: Path) -> None:
 def test_token_ids_beyond_the_tokenizers_vocabulary_are_refused(corpora: Path) -> None:
     """The corpus's tokenizer has 320 ids; a NullTokenizer of 100 (101 with its
     end-of-document id) failed in the embedding after the ranks started."""
-    from megatron_dualpipe.megatron.training.data.indexed_files import largest_token, read_index
+    from megatron_dualpipe.megatron.data.indexed_files import largest_token, read_index
 
     prefix = _prefix(corpora, 120)
     largest, whole = largest_token(prefix, read_index(prefix).dtype)
@@ -317,7 +317,7 @@ def test_token_ids_beyond_the_tokenizers_vocabulary_are_refused(corpora: Path) -
 
 
 def test_the_largest_token_of_a_large_bin_is_read_from_a_bounded_sample(tmp_path: Path) -> None:
-    from megatron_dualpipe.megatron.training.data.indexed_files import largest_token
+    from megatron_dualpipe.megatron.data.indexed_files import largest_token
 
     tokens = np.zeros(1 << 24, dtype=np.uint16)  # 32 MiB: two 16 MiB windows
     tokens[5] = 7

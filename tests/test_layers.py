@@ -92,7 +92,8 @@ _ROUTE = (
 def test_the_megatron_lm_route_imports_nothing_of_our_trainer() -> None:
     """The route and the rooms it uses never import our trainer (``megatron/training/``,
     which is to go); read from the source, lazy imports included."""
-    route = [PACKAGE / name for name in _ROUTE] + _modules("megatron/checkpoint")
+    route = [PACKAGE / name for name in _ROUTE]
+    route += _modules("megatron/checkpoint") + _modules("megatron/data")
     assert _violations(route, ("megatron_dualpipe.megatron.training",)) == []
 
 
@@ -101,6 +102,7 @@ def test_what_the_route_loads_holds_neither_our_trainer_nor_the_planner() -> Non
     neither our trainer nor the planner."""
     modules = [f"megatron_dualpipe.{n[:-3].replace('/', '.')}" for n in _ROUTE]
     modules += [f"megatron_dualpipe.megatron.checkpoint.{n}" for n in ("files", "lock")]
+    modules += ["megatron_dualpipe.megatron.data.file_checks"]
     code = (
         f"import importlib, sys\nfor name in {modules!r}:\n    importlib.import_module(name)\n"
         "prefixes = ('megatron_dualpipe.megatron.training', 'megatron_dualpipe.planner')\n"
@@ -125,14 +127,15 @@ def test_the_installed_package_never_imports_the_tests() -> None:
 
 
 # Which sibling rooms of ``megatron_dualpipe/megatron/`` each room may import.
-_ROOMS = ("schedule", "model", "grads", "compat", "checkpoint", "training")
+_ROOMS = ("schedule", "model", "grads", "compat", "checkpoint", "data", "training")
 _ROOM_MAY_IMPORT = {
     "compat": (),
     "checkpoint": ("compat",),
+    "data": (),
     "model": ("compat", "grads", "schedule"),
     "grads": ("compat", "model", "schedule"),
     "schedule": ("compat", "model", "grads"),
-    "training": ("compat", "model", "grads", "schedule", "checkpoint"),
+    "training": ("compat", "model", "grads", "schedule", "checkpoint", "data"),
 }
 
 

@@ -19,7 +19,8 @@ key Megatron-LM has no argument for, a value its parser rejects, another megatro
 0.19, a checkpoint to load that is damaged or would run code
 (:func:`~..megatron_lm.check_load`), a save folder another run holds or whose complete
 checkpoints this run does not load (one run per save folder: the lock is held while the
-run lives). What only validated arguments show (Megatron-LM's own
+run lives), data files that are missing, do not belong together or leave a split without a
+token (:func:`_check_data_files`). What only validated arguments show (Megatron-LM's own
 checks, our schedule's) each rank prints, and the command ends with one line per rank.
 """
 
@@ -140,6 +141,7 @@ def _run(settings: Mapping[str, Any], source: str, env: RankEnv | None, on_cpu: 
     parser = megatron_lm_parser()
     argv, parsed = megatron_lm_run_argv(settings, parser, source, on_cpu=on_cpu)
     check_load(parsed)  # each rank checks again in apply()
+    _check_data_files(parsed, source)
     with _one_run_per_save(parsed, holder=env is None or env.rank == 0):
         if env is not None:  # torchrun's or srun's rank: Megatron-LM reads torchrun's variables
             os.environ.update(env.torchrun_variables())
@@ -157,6 +159,64 @@ def _run(settings: Mapping[str, Any], source: str, env: RankEnv | None, on_cpu: 
             pg_timeout_s=60 * minutes,
             plain_errors=(PretrainExit,),
         )
+
+
+#: Megatron-LM 0.19's split where ``--data-path`` is given without one (``validate_args``).
+_LEGACY_SPLIT = "969, 30, 1"
+
+
+def _check_data_files(parsed: argparse.Namespace, source: str) -> None:
+    """The datasets Megatron-LM will read, as its ``get_blend_and_blend_per_split`` finds
+    them (``--data-path`` or the ``--data-args-path`` file, split by ``--split``; the
+    per-split paths or their JSON file, whole), checked against each other
+    (:func:`~.data.file_checks.data_file_problem`); nothing with ``--mock-data``. Token ids
+    are not checked against the tokenizer here (the ranks build it). What Megatron-LM
+    refuses itself (both a path and its file) is left to it."""
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    from .data.file_checks import data_file_problem
+
+    if getattr(parsed, "mock_data", False):
+        return
+    try:
+        blend, per_split = get_blend_and_blend_per_split(parsed)
+    except AssertionError:
+        return  # Megatron-LM's validate_args says what it refuses
+    except OSError as err:
+        raise MegatronLMConfigError(
+            f"{source}: {err.filename} cannot be read ({err.strerror}): name the file of data "
+            "paths that Megatron-LM is to read"
+        ) from None
+    except (ValueError, KeyError) as err:  # not JSON, a split missing from it, no paths
+        given = (
+            f"per_split_data_args_path: {parsed.per_split_data_args_path} is"
+            if parsed.per_split_data_args_path
+            else "the data paths are"
+        )
+        raise MegatronLMConfigError(
+            f"{source}: {given} not what Megatron-LM reads ({type(err).__name__}: {err}): "
+            "give data paths, or weights and paths by turns (per_split_data_args_path: a "
+            'JSON object with "train", "valid" and "test", each a list of them)'
+        ) from None
+    blend_key = "data_args_path" if parsed.data_args_path else "data_path"
+    split_keys = ("train_data_path", "valid_data_path", "test_data_path")
+    if parsed.per_split_data_args_path:
+        split_keys = ("per_split_data_args_path",) * 3
+    whole = [
+        (key, prefix)
+        for key, found in zip(split_keys, per_split or (None,) * 3, strict=True)
+        if found is not None
+        for prefix in found[0]
+    ]
+    split = parsed.split or (_LEGACY_SPLIT if parsed.data_path is not None else None)
+    problem = data_file_problem(
+        [(blend_key, prefix) for prefix in blend[0]] if blend is not None else [],
+        whole,
+        split=split,
+        validation_off="set eval_iters: 0" if parsed.eval_iters else None,
+    )
+    if problem is not None:
+        raise MegatronLMConfigError(f"{source}: {problem[1]}")
 
 
 @contextlib.contextmanager

@@ -14,36 +14,24 @@ fewer samples is repeated in further shuffled epochs, as Megatron-Core does.
 
 Collective: every rank calls :func:`build_datasets` (Megatron-Core's builder synchronises
 the ranks while global rank 0 writes the index caches); only ranks with ``builds`` hold a
-dataset. :func:`check_data_files` refuses, before any work, a missing ``.bin`` or ``.idx``,
-a pair that is not one indexed dataset (:func:`~.indexed_files.read_index`), and a split
-with a weight above 0 that Megatron-Core's rounding leaves without a token (its
-``GPTDataset`` would loop for ever building it, on every rank that builds), and a token id
-the tokenizer does not have (the embedding would fail on it after the ranks start).
+dataset. :func:`check_data_files` refuses, before any work, what
+:func:`~...data.file_checks.data_file_problem` finds in the config's datasets (a missing
+``.bin`` or ``.idx``, a pair that is not one indexed dataset, a split that gets no token, a
+token id the tokenizer does not have) and a ``data_cache_path`` this process cannot write.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import re
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
 
+from ...data.file_checks import data_file_problem
 from ..config import DATA_PATH_KEYS, ConfigError, TrainConfig, blame
 from ..writable import unwritable
-from .indexed_files import (
-    SCAN_BYTES,
-    IndexedFiles,
-    NotAnIndexedDataset,
-    largest_token,
-    read_index,
-    split_ranges,
-)
 
 __all__ = ["build_datasets", "check_data_files", "dataset_prefixes"]
 
@@ -67,7 +55,7 @@ def check_data_files(cfg: TrainConfig, source: str, vocabulary: int | None = Non
     ``.bin`` or ``.idx``, whose ``.idx`` does not index its ``.bin``, of which a split
     with a weight above 0 gets no token (see the module docstring), or holding a token id
     not below ``vocabulary`` (the tokenizer's ``vocab_size``; the ``.bin`` read whole up
-    to :data:`~.indexed_files.SCAN_BYTES`, else a sample of that size, and not at all
+    to :data:`~...data.indexed_files.SCAN_BYTES`, else a sample of that size, and not at all
     where its dtype cannot hold such an id); and a ``data_cache_path`` this process cannot
     write Megatron-Core's index caches to."""
     uses_cache = cfg.uses_data_files or cfg.mock_data
@@ -79,83 +67,18 @@ def check_data_files(cfg: TrainConfig, source: str, vocabulary: int | None = Non
             "Megatron-Core writes its dataset index caches there: set data_cache_path to a "
             "folder this user can write to"
         )
-    for key, prefix in dataset_prefixes(cfg):
-        for suffix in (".idx", ".bin"):
-            if not Path(prefix + suffix).is_file():
-                raise ConfigError(
-                    f"{blame(source, key)}: {key}: "
-                    f"{prefix}{suffix} does not exist: name each dataset by "
-                    "the prefix its .bin and .idx share (megatron-dualpipe preprocess "
-                    "--output-prefix P writes P_text_document.bin and .idx)"
-                )
-        try:
-            index = read_index(prefix)
-        except (NotAnIndexedDataset, OSError) as err:
-            raise ConfigError(
-                f"{blame(source, key)}: {key}: "
-                f"{prefix}.idx and {prefix}.bin are not one indexed dataset "
-                f"({err}): write both again from the corpus with megatron-dualpipe preprocess "
-                "(or Megatron-LM's tools/preprocess_data.py), and name the prefix they share"
-            ) from None
-        problem = _empty_split(cfg, key, prefix, index) or _beyond_vocabulary(
-            cfg, key, prefix, index, vocabulary
-        )
-        if problem is not None:
-            raise ConfigError(f"{blame(source, key)}: {problem}")
-
-
-def _beyond_vocabulary(
-    cfg: TrainConfig, key: str, prefix: str, index: IndexedFiles, vocabulary: int | None
-) -> str | None:
-    """``key: ...`` with what to change where ``prefix.bin`` holds a token id the
-    tokenizer (``vocabulary`` ids) does not have; None where it holds none."""
-    if vocabulary is None or np.iinfo(index.dtype).max < vocabulary:
-        return None
-    largest, whole = largest_token(prefix, index.dtype)
-    if largest < vocabulary:
-        return None
-    read = "" if whole else f" (in a sample of {SCAN_BYTES >> 20:,} MiB)"
-    return (
-        f"{key}: {prefix}.bin holds token id {largest:,}{read}, beyond the {vocabulary:,} ids "
-        f"of the tokenizer ({cfg.tokenizer_type}): train with the tokenizer that wrote it, "
-        "or preprocess the corpus again with this one"
+    prefixes = dataset_prefixes(cfg)
+    problem = data_file_problem(
+        [(key, prefix) for key, prefix in prefixes if key == "data_path"],
+        [(key, prefix) for key, prefix in prefixes if key != "data_path"],
+        split=cfg.split,
+        vocabulary=vocabulary,
+        tokenizer=cfg.tokenizer_type,
+        validation_off="unset eval_interval" if cfg.eval_interval else None,
     )
-
-
-def _empty_split(cfg: TrainConfig, key: str, prefix: str, index: IndexedFiles) -> str | None:
-    """The split of ``prefix`` (all of it, under a per-split key) with a weight above 0 and
-    no token, as ``key: ...`` with what to change; None where every split has tokens."""
-    documents = len(index.sequence_lengths)
-    if key != "data_path":
-        if index.tokens(0, documents):
-            return None
-        return (
-            f"{key}: {prefix} holds no tokens ({documents} documents), and Megatron-Core's "
-            "GPTDataset loops for ever on a dataset without tokens: preprocess a corpus with "
-            f"text into it, or leave it out of {key}"
-        )
-    ranges = split_ranges(cfg.split, documents)
-    for position, found in enumerate(ranges):
-        if found is None or index.tokens(found[2].start, found[2].stop):
-            continue
-        name, weight, taken = found
-        words = [w for w in re.split(r"[,/ ]+", cfg.split.strip()) if w]
-        words += ["0"] * (3 - len(words))
-        smallest = min(r[1] for r in ranges if r is not None)
-        enough = math.floor(1 / smallest) + 1  # every positive share then exceeds a document
-        advice = f"a corpus of at least {enough:,} documents"
-        if name != "train":
-            words[position] = "0"
-            unset = " and unset eval_interval" if name == "valid" and cfg.eval_interval else ""
-            advice = f"set its weight to 0 (split: {','.join(words)}){unset}, or {advice}"
-        return (
-            f"split: {cfg.split} gives the {name} split {len(taken)} of the {documents:,} "
-            f"documents of {prefix} ({weight:.2%} of them, rounded by Megatron-Core to "
-            f"documents {taken.start} to {taken.stop}; {index.tokens(taken.start, taken.stop)} "
-            "tokens), and Megatron-Core's GPTDataset loops for ever on a split without tokens: "
-            f"{advice}"
-        )
-    return None
+    if problem is not None:
+        key, sentence = problem
+        raise ConfigError(f"{blame(source, key)}: {sentence}")
 
 
 def gpt_dataset_config(cfg: TrainConfig, tokenizer: Any) -> GPTDatasetConfig:
