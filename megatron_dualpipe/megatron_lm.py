@@ -3,10 +3,12 @@
 ``patches/megatron-lm-<tag>.patch`` (one per Megatron-LM tag, core_v0.16.1 to core_v0.19.0)
 wires these hooks into Megatron-LM's ``pretrain_gpt.py`` and ``megatron/training``:
 
-- :func:`add_arguments`: the ``extra_args_provider`` part that adds ``--pipeline-schedule``;
+- :func:`add_arguments`: the ``extra_args_provider`` part that adds ``--pipeline-schedule``
+  and ``--pipeline-schedule-file`` (an order saved by ``simulate --optimize --save``);
 - :func:`apply`: right after Megatron validated its arguments, before any process-group
-  work: checks the combination (one sentence saying what to change) and reads the
-  checkpoint to load without running code from it (:func:`check_load`);
+  work: checks the combination (one sentence saying what to change; a schedule file against
+  the run, :func:`~.schedules.saved.saved_schedule_problem`) and reads the checkpoint to
+  load without running code from it (:func:`check_load`);
 - :func:`forward_backward_func`: where Megatron-LM's ``train`` and ``evaluate`` ask for
   their forward-backward function, ours for our schedules (one object per run, kept with
   the run's ``args``; nothing is patched);
@@ -52,7 +54,8 @@ from .megatron.schedule.checks import (
 from .schedules.cuda_graphs import cuda_graph_problem, ep_overlap_graph_problem
 from .schedules.ir import ScheduleError
 from .schedules.layout import parse_layout
-from .schedules.registry import SCHEDULES
+from .schedules.registry import OUR_SCHEDULES, SCHEDULES
+from .schedules.saved import read_saved_schedule, saved_schedule_problem
 
 __all__ = [
     "PIPELINE_SCHEDULES",
@@ -93,8 +96,8 @@ def _help() -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--pipeline-schedule`` in its own argument group; returns ``parser`` (Megatron's
-    ``extra_args_provider`` contract)."""
+    """Add ``--pipeline-schedule`` and ``--pipeline-schedule-file`` in their own argument
+    group; returns ``parser`` (Megatron's ``extra_args_provider`` contract)."""
     group = parser.add_argument_group(
         "megatron-dualpipe", "bidirectional and zero-bubble pipeline schedules"
     )
@@ -104,6 +107,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         metavar="{" + ",".join(PIPELINE_SCHEDULES) + "}",
         help=_help(),
+    )
+    group.add_argument(
+        "--pipeline-schedule-file",
+        default=None,
+        metavar="FILE",
+        help="run the order saved in FILE (simulate --optimize --save) of the work of "
+        "--pipeline-schedule's schedule, one of megatron-dualpipe's; checked against the run "
+        "before any work",
     )
     return parser
 
@@ -229,6 +240,13 @@ def _check(args: Any) -> None:
             f"{schedule} needs pipeline parallelism with two or more model chunks per rank: "
             "set --pipeline-model-parallel-size >= 2 and --num-layers-per-virtual-pipeline-stage"
         )
+    saved = getattr(args, "pipeline_schedule_file", None)
+    if saved is not None and not found.runs_ours:
+        raise DualPipeConfigError(
+            f"--pipeline-schedule-file reorders the work of the schedules megatron-dualpipe "
+            f"runs ({', '.join(OUR_SCHEDULES)}), not Megatron's {schedule}: set "
+            "--pipeline-schedule to one of them"
+        )
     if not found.runs_ours:
         return
     if getattr(args, "rampup_batch_size", None):
@@ -244,6 +262,10 @@ def _check(args: Any) -> None:
         context_parallel_size=getattr(args, "context_parallel_size", 1),
     )
     _stage_layers(args)
+    if saved is not None:
+        problem = saved_schedule_problem(saved, schedule, pp, _num_microbatches(args))
+        if problem is not None:
+            raise DualPipeConfigError(f"--pipeline-schedule-file: {problem}")
     if found.places_chunks and getattr(args, "yaml_cfg", None) is not None:
         raise DualPipeConfigError(
             f"{schedule} builds its model config from command-line arguments: "
@@ -372,6 +394,15 @@ def apply(args: Any, *, exit_on_error: bool = False) -> None:
     instead (for the launcher: no traceback per rank).
     """
     schedule = _schedule(args)
+    if schedule is None and getattr(args, "pipeline_schedule_file", None) is not None:
+        problem = DualPipeConfigError(
+            "--pipeline-schedule-file runs a saved order of a schedule's work: give that "
+            "schedule with --pipeline-schedule"
+        )
+        if not exit_on_error:
+            raise problem
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
     if schedule is None:
         return
     try:
@@ -405,8 +436,11 @@ def forward_backward_func(args: Any, megatrons: Callable[..., Any]) -> Callable[
             # FullCudaGraphWrapper, which captures its step whole.
             graph_safe = cuda_graph_setting(args)[0] == "full_iteration"
             func = DualPipeForwardBackward(schedule, graph_safe=graph_safe, **options)
+            saved = getattr(args, "pipeline_schedule_file", None)
+            if saved is not None:  # checked in apply(): read as it was then
+                func.use_schedule(read_saved_schedule(saved))
         _RUNS[key] = (weakref.ref(args, lambda _: _RUNS.pop(key, None)), func)
-        _log_schedule(schedule, ours, megatrons)
+        _log_schedule(schedule, ours, megatrons, getattr(args, "pipeline_schedule_file", None))
     return func if ours else megatrons
 
 
@@ -433,14 +467,18 @@ def cuda_graph_helper(args: Any, megatrons: Callable[..., Any]) -> Callable[...,
     return helper_on_this_rank(schedule_for)
 
 
-def _log_schedule(schedule: str | None, ours: bool, megatrons: Callable[..., Any]) -> None:
-    """``pipeline schedule: ...`` on global rank 0: ours, or Megatron's function by name."""
+def _log_schedule(
+    schedule: str | None, ours: bool, megatrons: Callable[..., Any], saved: str | None = None
+) -> None:
+    """``pipeline schedule: ...`` on global rank 0: ours (in the order of the file ``saved``
+    where one is run), or Megatron's function by name."""
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     if ours:
-        logger.info("pipeline schedule: %s (megatron-dualpipe's)", schedule)
+        order = "" if saved is None else f", in the order saved in {saved}"
+        logger.info("pipeline schedule: %s (megatron-dualpipe's%s)", schedule, order)
         return
     flag = "" if schedule is None else f", --pipeline-schedule {schedule}"
     name = getattr(megatrons, "__name__", type(megatrons).__name__)

@@ -117,6 +117,74 @@ def test_a_good_combination_runs_our_function_one_object_per_run(schedule: str) 
     assert megatron_lm.forward_backward_func(other_run, _megatrons) is not func
 
 
+def _optimised_order(tmp_path: Path) -> tuple[str, Any]:
+    """A file with an optimised order of dualpipev's work at PP=2 with 8 micro-batches
+    (49 units at F=B=W where the generated order takes 50), and that schedule."""
+    from megatron_dualpipe.planner.optimize import Effort, optimize
+    from megatron_dualpipe.schedules.cost import CostModel
+    from megatron_dualpipe.schedules.registry import generate
+
+    result = optimize(generate("dualpipev", 2, 8).placement, CostModel(), time_limit=20,
+                      effort=Effort())  # fmt: skip
+    assert not result.fell_back
+    path = tmp_path / "order.txt"
+    path.write_text(result.schedule.to_text(), encoding="utf-8")
+    return str(path), result.schedule
+
+
+def test_a_saved_order_is_what_the_run_executes(tmp_path: Path) -> None:
+    """--pipeline-schedule-file: the saved order, checked in apply(), replaces the generated
+    one in the run's forward-backward function."""
+    from megatron_dualpipe.schedules.ir import Schedule
+    from megatron_dualpipe.schedules.registry import generate
+
+    path, saved = _optimised_order(tmp_path)
+    args = _args(pipeline_model_parallel_size=2, data_parallel_size=2,
+                 pipeline_schedule_file=path)  # fmt: skip
+    megatron_lm.apply(args)
+    func = megatron_lm.forward_backward_func(args, _megatrons)
+    read = Schedule.from_text(Path(path).read_text(encoding="utf-8")).compute_only()
+    assert func.schedule == read != generate("dualpipev", 2, 8).compute_only()
+    assert read.ranks == saved.compute_only().ranks
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            dict(pipeline_schedule="1f1b"),
+            "--pipeline-schedule-file reorders the work of the schedules megatron-dualpipe "
+            "runs (zb1p, dualpipe, dualpipev), not Megatron's 1f1b: set --pipeline-schedule to "
+            "one of them",
+        ),
+        (
+            dict(pipeline_model_parallel_size=4),
+            "--pipeline-schedule-file: {path} holds a schedule of the v placement for PP=2 with "
+            "4 stages and 8 micro-batches, but this dualpipev run has the v placement for PP=4 "
+            "with 8 stages and 8 micro-batches: save a schedule for this run (simulate "
+            "--schedule dualpipev --pp 4 --microbatches 8 --optimize --save FILE)",
+        ),
+        (
+            dict(pipeline_schedule=None),
+            "--pipeline-schedule-file runs a saved order of a schedule's work: give that "
+            "schedule with --pipeline-schedule",
+        ),
+    ],
+)
+def test_a_saved_order_that_cannot_run_is_one_sentence(
+    tmp_path: Path, overrides: dict, message: str
+) -> None:
+    from megatron_dualpipe.schedules.registry import generate
+
+    path = tmp_path / "order.txt"
+    path.write_text(generate("dualpipev", 2, 8).to_text(), encoding="utf-8")
+    values = dict(pipeline_model_parallel_size=2, data_parallel_size=2,
+                  pipeline_schedule_file=str(path))  # fmt: skip
+    with pytest.raises(DualPipeConfigError) as refused:
+        megatron_lm.apply(_args(**{**values, **overrides}))
+    assert str(refused.value) == message.format(path=path)
+
+
 def test_apply_without_the_argument_does_nothing() -> None:
     megatron_lm.apply(argparse.Namespace(num_layers=3))
     args = _args(pipeline_schedule=None)

@@ -372,6 +372,31 @@ def test_a_save_folder_another_run_holds_is_refused_before_any_rank(tmp_path: Pa
     assert "iteration" not in done.stdout
 
 
+@pytest.mark.megatron
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_a_saved_order_trains_with_the_generated_order_s_losses(tmp_path: Path) -> None:
+    """``simulate --optimize --save`` writes a reordering of dualpipev's work (49 units at
+    F=B=W where the generated order takes 50), and ``pipeline_schedule_file`` runs it: the
+    digits of the generated order, at every step and validation."""
+    if not _megatron_core_0_19():
+        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
+    order = tmp_path / "order.txt"
+    simulate = [sys.executable, "-m", "megatron_dualpipe", "simulate", "--schedule",
+                "dualpipev", "--pp", "2", "--microbatches", "8", "--optimize", "--save",
+                str(order)]  # fmt: skip
+    saved = subprocess.run(simulate, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert saved.returncode == 0, saved.stderr[-2000:]
+    generated = _train("pipeline_schedule=dualpipev")
+    reordered = _train("pipeline_schedule=dualpipev", f"pipeline_schedule_file={order}")
+    for done in (generated, reordered):
+        assert done.returncode == 0, done.stderr[-3000:]
+    said = f"pipeline schedule: dualpipev (megatron-dualpipe's, in the order saved in {order})"
+    assert said in reordered.stdout + reordered.stderr
+    assert LOSS.findall(reordered.stdout) == LOSS.findall(generated.stdout) != []
+    assert VALIDATION.findall(reordered.stdout) == VALIDATION.findall(generated.stdout) != []
+
+
 def _indexed_dataset(prefix: Path, documents: int) -> str:
     """``prefix``'s ``.bin`` and ``.idx`` with ``documents`` documents of three tokens, as
     Megatron-Core's ``IndexedDatasetBuilder`` writes them."""

@@ -37,6 +37,7 @@ LAUNCHER_KEYS = ("world_size",)
 NAMED_OTHERWISE = {
     "virtual_pipeline_model_parallel_size": "num_virtual_stages_per_pipeline_rank",
     "cuda_graph_scope": "cuda_graph_modules",
+    "schedule_file": "pipeline_schedule_file",
 }
 
 

@@ -11,13 +11,12 @@ the forward-backward object, whose executors are rebuilt at the next step.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch.distributed as dist
 from megatron.core import parallel_state
 
 from ...runtime import p2p_latency_s
 from ...schedules.ir import Schedule, ScheduleError
+from ...schedules.saved import read_saved_schedule
 from ...schedules.validate import validate
 from ..schedule.forward_backward import DualPipeForwardBackward
 from .errors import TrainError
@@ -33,11 +32,9 @@ def saved_schedule(path: str) -> Schedule:
     """The schedule in ``path`` (its text form), validated; the config has checked it
     already, so a failure here means the file changed since (one sentence)."""
     try:
-        schedule = Schedule.from_text(Path(path).read_text(encoding="utf-8"))
-        validate(schedule, dry_run=False)
+        return read_saved_schedule(path)
     except (OSError, ScheduleError) as err:
         raise TrainError(f"schedule_file: {path} became unreadable or invalid: {err}") from None
-    return schedule.compute_only()
 
 
 def optimise_from_measured(

@@ -11,7 +11,6 @@ from pathlib import Path
 from ....planner.model_cost import Recompute
 from ....schedules.config_values import override_origins
 from ....schedules.cuda_graphs import cuda_graph_problem, ep_overlap_graph_problem
-from ....schedules.ir import Schedule, ScheduleError
 from ....schedules.limits import (
     MAX_TRAIN_SIZE,
     optimize_size_problem,
@@ -19,7 +18,7 @@ from ....schedules.limits import (
     train_size_problem,
 )
 from ....schedules.registry import OUR_SCHEDULES, SCHEDULES
-from ....schedules.validate import check_weight_grads_in_b_order, validate
+from ....schedules.saved import saved_schedule_problem
 from ...schedule.checks import DualPipeConfigError, overlap_problem, schedule_spec
 from .data_rules import check_data, check_tokenizer
 from .keys import CHOICES, OPTIMIZE_AFTER, TYPES, ConfigError, Problem, TrainConfig, base_type
@@ -338,32 +337,14 @@ def _check_schedule_order(cfg: TrainConfig) -> Problem:
 
 
 def schedule_file_problem(cfg: TrainConfig) -> str | None:
-    """What makes ``cfg.schedule_file`` unusable for this run (unreadable, not a valid
-    schedule, another placement), or None."""
-    path = cfg.schedule_file
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as err:
-        return f"cannot read {path}: {err.strerror}"
-    try:
-        schedule = Schedule.from_text(text)
-        validate(schedule)  # with the dry run, as simulate --load: a deadlock is found here
-        check_weight_grads_in_b_order(schedule)
-    except ScheduleError as err:
-        return f"{path} is not a valid schedule ({err}): write it with simulate --save"
-    pp, m = cfg.pipeline_model_parallel_size, cfg.num_microbatches
-    expected = schedule_spec(cfg.pipeline_schedule).generate(pp, m).placement
-    p = schedule.placement
-    if p != expected:
-        return (
-            f"{path} holds a schedule of the {p.kind} placement for PP={p.num_ranks} with "
-            f"{p.num_stages} stages and {p.num_microbatches} micro-batches, but this "
-            f"{cfg.pipeline_schedule} run has the {expected.kind} placement for PP={pp} with "
-            f"{expected.num_stages} stages and {m} micro-batches: save a schedule for this "
-            "run (simulate --schedule "
-            f"{cfg.pipeline_schedule} --pp {pp} --microbatches {m} --optimize --save FILE)"
-        )
-    return None
+    """What makes ``cfg.schedule_file`` unusable for this run
+    (:func:`~....schedules.saved.saved_schedule_problem`), or None."""
+    return saved_schedule_problem(
+        cfg.schedule_file,
+        cfg.pipeline_schedule,
+        cfg.pipeline_model_parallel_size,
+        cfg.num_microbatches,
+    )
 
 
 def _split_key(cfg: TrainConfig) -> str:
