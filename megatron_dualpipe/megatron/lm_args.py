@@ -32,8 +32,9 @@ __all__ = [
 #: Keys the launcher takes for itself: how many CPU ranks to fork without torchrun or srun.
 LAUNCHER_KEYS = ("world_size",)
 #: Keys of megatron-dualpipe's own loop that Megatron-LM's parser (0.19) takes under another
-#: name: the value ``args`` ends up holding (``validate_args`` derives it) and a deprecated
-#: flag. A refusal names the argument to write instead.
+#: name: the value ``args`` ends up holding (``validate_args`` derives it), a deprecated
+#: flag, and our loop's ``schedule_file`` (``--pipeline-schedule-file`` there). A refusal
+#: names the argument to write instead.
 NAMED_OTHERWISE = {
     "virtual_pipeline_model_parallel_size": "num_virtual_stages_per_pipeline_rank",
     "cuda_graph_scope": "cuda_graph_modules",
