@@ -204,6 +204,27 @@ def test_another_run_s_complete_checkpoints_in_save_are_refused(tmp_path: Path) 
         pass
 
 
+@pytest.mark.parametrize("key", ["save", "data_cache_path", "tensorboard_dir"])
+def test_a_folder_the_run_would_write_that_cannot_be_written_is_one_sentence(
+    tmp_path: Path, key: str
+) -> None:
+    """Megatron-LM finds an unwritable --save at its first save (after the iterations before
+    it): the launcher tries each folder the run writes first; a writable one is made."""
+    from megatron_dualpipe.megatron.lm_launch import WRITTEN_FOLDERS, check_folders
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    good = {name: str(tmp_path / name) for name in WRITTEN_FOLDERS}
+    with pytest.raises(MegatronLMConfigError) as refused:
+        check_folders(argparse.Namespace(**{**good, key: f"{blocker}/sub"}), "x.yaml")
+    assert str(refused.value) == (
+        f"x.yaml: {key}: cannot write to {blocker}/sub (Not a directory): set {key} to a "
+        "folder this user can write to"
+    )
+    check_folders(argparse.Namespace(**good), "x.yaml")
+    assert all(Path(folder).is_dir() for folder in good.values())
+
+
 SETS = (
     "train_iters=3", "eval_interval=3", "eval_iters=1", "hidden_dropout=0",
     "attention_dropout=0", "distributed_timeout_minutes=1",

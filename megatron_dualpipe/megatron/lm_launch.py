@@ -19,8 +19,9 @@ key Megatron-LM has no argument for, a value its parser rejects, another megatro
 0.19, a checkpoint to load that is damaged or would run code
 (:func:`~..megatron_lm.check_load`), a save folder another run holds or whose complete
 checkpoints this run does not load (one run per save folder: the lock is held while the
-run lives), data files that are missing, do not belong together or leave a split without a
-token (:func:`_check_data_files`). What only validated arguments show (Megatron-LM's own
+run lives), a folder it would write to that cannot be written (:func:`check_folders`), data
+files that are missing, do not belong together or leave a split without a token
+(:func:`_check_data_files`). What only validated arguments show (Megatron-LM's own
 checks, our schedule's) each rank prints, and the command ends with one line per rank.
 """
 
@@ -42,7 +43,9 @@ from .lm_args import MegatronLMConfigError, megatron_lm_argv, megatron_lm_parser
 __all__ = [
     "CPU_SETTINGS",
     "DATA_KEYS",
+    "WRITTEN_FOLDERS",
     "PretrainExit",
+    "check_folders",
     "megatron_lm_run_argv",
     "train_with_megatron_lm",
 ]
@@ -141,6 +144,7 @@ def _run(settings: Mapping[str, Any], source: str, env: RankEnv | None, on_cpu: 
     parser = megatron_lm_parser()
     argv, parsed = megatron_lm_run_argv(settings, parser, source, on_cpu=on_cpu)
     check_load(parsed)  # each rank checks again in apply()
+    check_folders(parsed, source)
     _check_data_files(parsed, source)
     with _one_run_per_save(parsed, holder=env is None or env.rank == 0):
         if env is not None:  # torchrun's or srun's rank: Megatron-LM reads torchrun's variables
@@ -159,6 +163,29 @@ def _run(settings: Mapping[str, Any], source: str, env: RankEnv | None, on_cpu: 
             pg_timeout_s=60 * minutes,
             plain_errors=(PretrainExit,),
         )
+
+
+#: The folders Megatron-LM writes to during a run (checkpoints, dataset index caches,
+#: TensorBoard's events), by argument.
+WRITTEN_FOLDERS = ("save", "data_cache_path", "tensorboard_dir")
+
+
+def check_folders(parsed: argparse.Namespace, source: str) -> None:
+    """Each folder of :data:`WRITTEN_FOLDERS` the run names can be written by this process
+    (made where missing; :func:`~..writable.unwritable`), else one sentence naming it:
+    Megatron-LM finds an unwritable ``--save`` at its first save, after the iterations
+    before it. Checked on the machine of the process that starts the ranks (under torchrun
+    or srun each process checks its own)."""
+    from ..writable import unwritable
+
+    for key in WRITTEN_FOLDERS:
+        folder = getattr(parsed, key, None)
+        why = unwritable(folder) if folder else None
+        if why is not None:
+            raise MegatronLMConfigError(
+                f"{source}: {key}: cannot write to {folder} ({why}): set {key} to a folder "
+                "this user can write to"
+            )
 
 
 #: Megatron-LM 0.19's split where ``--data-path`` is given without one (``validate_args``).

@@ -7,8 +7,8 @@ tokenizers, preprocess) and :mod:`.checkpoint` (dist_checkpointing saves and loa
 files on disk). The modules beside them are the run itself: :mod:`.launch` (torchrun, srun
 or the embedded CPU launcher, and :func:`train`), :mod:`.loop` (one rank's run),
 :mod:`.model`, :mod:`.optim`, :mod:`.finite`, :mod:`.measure`, :mod:`.report`,
-:mod:`.profiling`, :mod:`.tensorboard`, :mod:`.schedule_order` and :mod:`.dry_run`; and two
-leaves every room may import: :mod:`.errors` (:class:`TrainError`) and :mod:`.writable`.
+:mod:`.profiling`, :mod:`.tensorboard`, :mod:`.schedule_order` and :mod:`.dry_run`; and a
+leaf every room may import: :mod:`.errors` (:class:`TrainError`).
 
 Importing this package imports neither torch nor megatron; :func:`train` does.
 """

@@ -40,6 +40,7 @@ from ...planner.megatron_flops import megatron_lm_flops
 from ...planner.model_cost import ModelShape
 from ...schedules.limits import TRAIN_BUILD_NOTICE_S, train_build_estimate
 from ...schedules.registry import SCHEDULES
+from ...writable import unwritable
 from ..grads.loss_reports import mtp_losses
 from ..model.placement import embedding_ranks
 from ..schedule.full_iteration import GraphWrapper, chunk_iterators, full_iteration_step
@@ -66,7 +67,6 @@ from .report import (
 )
 from .schedule_order import optimise_from_measured, saved_schedule
 from .tensorboard import StepScalars, open_log
-from .writable import unwritable
 
 __all__ = [
     "TrainResult",

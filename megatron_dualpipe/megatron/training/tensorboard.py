@@ -25,8 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ...writable import unwritable
 from .config import ConfigError, TrainConfig, blame
-from .writable import unwritable
 
 __all__ = [
     "MEMORY_SCALARS",

@@ -29,9 +29,9 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
 
+from ....writable import unwritable
 from ...data.file_checks import data_file_problem
 from ..config import DATA_PATH_KEYS, ConfigError, TrainConfig, blame
-from ..writable import unwritable
 
 __all__ = ["build_datasets", "check_data_files", "dataset_prefixes"]
 

@@ -1,5 +1,6 @@
-"""Whether this process can write under a folder: a probe file made and removed (every
-room of the trainer asks it of the folders it writes: save, data_cache_path, output_dir)."""
+"""Whether this process can write under a folder: a probe file made and removed (asked of
+the folders a run writes, save, data_cache_path, tensorboard_dir, output_dir, before the
+run writes there)."""
 
 from __future__ import annotations
 
