@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from megatron_dualpipe.schedules.ir import ScheduleError
-from megatron_dualpipe.schedules.layer_split import LayerSplit, stage_layer_counts
+from megatron_dualpipe.schedules.layer_split import (
+    LayerSplit,
+    even_layout,
+    stage_layer_counts,
+    stage_layouts,
+)
+from megatron_dualpipe.schedules.layout import check_layout, parse_layout
 
 CASES = [
     (LayerSplit(8), 4),
@@ -59,3 +65,44 @@ def test_counts_equal_megatrons(split: LayerSplit, stages: int) -> None:
 def test_what_does_not_split_is_one_sentence(split: LayerSplit, stages: int, message: str):
     with pytest.raises(ScheduleError, match=message):
         stage_layer_counts(split, stages)
+
+
+@pytest.mark.parametrize(
+    ("layers", "stages", "mtp", "layout"),
+    [
+        (61, 32, 1, "Et|(tt|)*30,mL"),  # DeepSeek-V3 under dualpipev at PP=16
+        (61, 16, 1, "Et*3|(t*4|)*14,ttmL"),  # taken back from the first and last stage
+        (10, 4, 0, "Ett|t*3|t*3|ttL"),
+        (8, 4, 2, "Ett|t*3|t*3|mmL"),
+    ],
+)
+def test_the_even_layout_holds_every_layer_and_splits_them_as_evenly_as_they_go(
+    layers: int, stages: int, mtp: int, layout: str
+) -> None:
+    """Every stage's load (its layers, the embedding, the loss and each MTP layer as one)
+    within one of the others, and the layout one Megatron-Core's rules take."""
+    assert even_layout(layers, stages, mtp) == layout
+    parsed = parse_layout(layout)
+    assert check_layout(parsed, layers, mtp, stages) == [s.count("t") for s in parsed]
+    loads = [len(stage) for stage in parsed]
+    assert max(loads) - min(loads) <= 1
+
+
+def test_a_split_that_does_not_go_evenly_names_the_even_layout() -> None:
+    """What DeepSeek-V3's config says under dualpipev: the layout to paste, in the sentence;
+    none where a stage would hold nothing."""
+    with pytest.raises(ScheduleError) as refused:
+        stage_layouts(LayerSplit(61, first=4, last=1), 32, mtp_num_layers=1)
+    assert str(refused.value) == (
+        "after 5 layers in the first/last stage, 56 layers do not split evenly into the other "
+        "30 stages: change the first/last counts; or set pipeline_model_parallel_layout: "
+        "Et|(tt|)*30,mL instead of them (the layers as even as they go, the embedding, the "
+        "loss and each MTP layer counted as one)"
+    )
+    assert even_layout(3, 8) is None
+    with pytest.raises(ScheduleError) as refused:
+        stage_layouts(LayerSplit(3), 8)
+    assert str(refused.value) == (
+        "3 layers do not split evenly into 8 stages: use a multiple of 8, or set the first/last "
+        "stage layer counts"
+    )

@@ -17,9 +17,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .ir import ScheduleError
-from .layout import DECODER, EMBEDDING, LOSS, MTP, check_layout, parse_layout
+from .layout import DECODER, EMBEDDING, LOSS, MTP, check_layout, format_layout, parse_layout
 
-__all__ = ["LayerSplit", "stage_layer_counts", "stage_layouts", "stages_from_counts"]
+__all__ = [
+    "LayerSplit",
+    "UnevenSplit",
+    "even_layout",
+    "stage_layer_counts",
+    "stage_layouts",
+    "stages_from_counts",
+]
+
+
+class UnevenSplit(ScheduleError):
+    """The decoder layers do not split evenly over the stages the settings leave them."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +61,7 @@ def stage_layer_counts(split: LayerSplit, model_stages: int) -> list[int]:
     total = split.num_layers + split.account_for_embedding + split.account_for_loss
     if total % model_stages:
         extra = " (with the embedding and loss counted as layers)" * (total != split.num_layers)
-        raise ScheduleError(
+        raise UnevenSplit(
             f"{split.num_layers} layers{extra} do not split evenly into {model_stages} stages: "
             f"use a multiple of {model_stages}, or set the first/last stage layer counts"
         )
@@ -68,9 +79,22 @@ def stage_layouts(
     """The split as one layout string per model stage, in pipeline order: ``layout`` as given
     (checked as Megatron-Core checks it, the MTP layers in the loss's stage where our
     schedules place them), else :func:`stage_layer_counts` with the embedding first and the
-    MTP layers and the loss last; :class:`ScheduleError` with the fix where it does not split."""
+    MTP layers and the loss last; :class:`ScheduleError` with the fix where it does not split
+    (where the layers do not split evenly, with :func:`even_layout` as a layout that does)."""
     if layout is None:
-        return stages_from_counts(stage_layer_counts(split, model_stages), mtp_num_layers)
+        try:
+            counts = stage_layer_counts(split, model_stages)
+        except UnevenSplit as err:
+            even = even_layout(split.num_layers, model_stages, mtp_num_layers)
+            if even is None:
+                raise
+            counts = split.first is not None or split.last is not None
+            instead = " instead of them" if counts else ""
+            raise UnevenSplit(
+                f"{err}; or set pipeline_model_parallel_layout: {even}{instead} (the layers as "
+                "even as they go, the embedding, the loss and each MTP layer counted as one)"
+            ) from None
+        return stages_from_counts(counts, mtp_num_layers)
     if (
         split.first is not None
         or split.last is not None
@@ -103,6 +127,28 @@ def stages_from_counts(counts: list[int], mtp_num_layers: int) -> list[str]:
     ]
 
 
+def even_layout(num_layers: int, model_stages: int, mtp_num_layers: int = 0) -> str | None:
+    """A layout string (:func:`~.layout.format_layout`) of ``model_stages`` stages holding
+    ``num_layers`` decoder layers as evenly as they go, the embedding (first stage), the
+    loss and each MTP layer (last stage) counted as one layer: every stage is filled to one
+    level, and the layers beyond ``num_layers`` are taken back from the first stage, the
+    last, then the middle ones from the back; None where a stage would hold nothing. A
+    balance by count: ``simulate --config`` balances on time or FLOPs."""
+    fixed = [1 + (i == model_stages - 1) * (1 + mtp_num_layers) for i in range(model_stages)]
+    level = 0
+    while sum(max(0, level - f) for f in fixed) < num_layers:
+        level += 1
+    counts = [max(0, level - f) for f in fixed]
+    order = [0, model_stages - 1, *range(model_stages - 2, 0, -1)]
+    excess = sum(counts) - num_layers
+    for stage in order:
+        if excess and counts[stage] and counts[stage] + fixed[stage] == level:
+            counts[stage] -= 1
+            excess -= 1
+    stages = stages_from_counts(counts, mtp_num_layers)
+    return format_layout(stages) if all(stages) else None
+
+
 def _uneven(split: LayerSplit, model_stages: int) -> list[int]:
     fixed = {0: split.first, model_stages - 1: split.last}
     fixed = {stage: count for stage, count in fixed.items() if count is not None}
@@ -119,7 +165,7 @@ def _uneven(split: LayerSplit, model_stages: int) -> list[int]:
             f"({split.num_layers}): lower them, or raise num_layers"
         )
     if (middle == 0 and rest) or (middle and rest % middle):
-        raise ScheduleError(
+        raise UnevenSplit(
             f"after {sum(fixed.values())} layers in the first/last stage, {rest} layers do "
             f"not split evenly into the other {middle} stages: change the first/last counts"
         )
