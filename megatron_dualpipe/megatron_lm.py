@@ -42,7 +42,7 @@ import sys
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .megatron.schedule.checks import (
     DualPipeConfigError,
@@ -82,7 +82,12 @@ PIPELINE_SCHEDULES = tuple(SCHEDULES)
 #: The forward-backward object of each Megatron-LM run by ``id(args)`` (None: Megatron's
 #: own), kept as long as its ``args`` live (a Namespace compares by value, so it cannot key
 #: a weak dictionary).
-_RUNS: dict[int, tuple[weakref.ref, Callable[..., Any] | None]] = {}
+_RUNS: dict[int, tuple[weakref.ref, Callable[..., Any] | None, Any]] = {}
+#: Our flags that name what a schedule of ours does, with what they do (for the refusals).
+_SCHEDULE_FLAGS = {
+    "pipeline_schedule_file": "runs a saved order of the work",
+    "pipeline_timeline": "measures a training step",
+}
 
 
 def _help() -> str:
@@ -115,6 +120,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="run the order saved in FILE (simulate --optimize --save) of the work of "
         "--pipeline-schedule's schedule, one of megatron-dualpipe's; checked against the run "
         "before any work",
+    )
+    group.add_argument(
+        "--pipeline-timeline",
+        default=None,
+        metavar="FILE",
+        help="measure the second training step of --pipeline-schedule's schedule (one of "
+        "megatron-dualpipe's) on every pipeline rank; at the end of the run global rank 0 "
+        "prints each rank's measured and simulated bubble and draws the step, above the "
+        "simulator's prediction, into FILE (a PNG; matplotlib needed)",
     )
     return parser
 
@@ -241,14 +255,23 @@ def _check(args: Any) -> None:
             "set --pipeline-model-parallel-size >= 2 and --num-layers-per-virtual-pipeline-stage"
         )
     saved = getattr(args, "pipeline_schedule_file", None)
-    if saved is not None and not found.runs_ours:
-        raise DualPipeConfigError(
-            f"--pipeline-schedule-file reorders the work of the schedules megatron-dualpipe "
-            f"runs ({', '.join(OUR_SCHEDULES)}), not Megatron's {schedule}: set "
-            "--pipeline-schedule to one of them"
-        )
+    for flag in _SCHEDULE_FLAGS:
+        if getattr(args, flag, None) is not None and not found.runs_ours:
+            raise DualPipeConfigError(
+                f"--{flag.replace('_', '-')} {_SCHEDULE_FLAGS[flag]} of the schedules "
+                f"megatron-dualpipe runs ({', '.join(OUR_SCHEDULES)}), not Megatron's "
+                f"{schedule}: set --pipeline-schedule to one of them"
+            )
     if not found.runs_ours:
         return
+    if getattr(args, "pipeline_timeline", None) is not None:
+        from .megatron.compat.version import cuda_graph_setting
+
+        if cuda_graph_setting(args)[0] == "full_iteration":
+            raise DualPipeConfigError(
+                "--pipeline-timeline measures a step's actions, and --cuda-graph-impl "
+                "full_iteration replays the step as one graph: drop one of them"
+            )
     if getattr(args, "rampup_batch_size", None):
         raise DualPipeConfigError(
             f"{schedule} needs the same number of micro-batches every step: unset "
@@ -394,10 +417,11 @@ def apply(args: Any, *, exit_on_error: bool = False) -> None:
     instead (for the launcher: no traceback per rank).
     """
     schedule = _schedule(args)
-    if schedule is None and getattr(args, "pipeline_schedule_file", None) is not None:
+    given = [flag for flag in _SCHEDULE_FLAGS if getattr(args, flag, None) is not None]
+    if schedule is None and given:
         problem = DualPipeConfigError(
-            "--pipeline-schedule-file runs a saved order of a schedule's work: give that "
-            "schedule with --pipeline-schedule"
+            f"--{given[0].replace('_', '-')} {_SCHEDULE_FLAGS[given[0]]}: give that schedule "
+            "with --pipeline-schedule"
         )
         if not exit_on_error:
             raise problem
@@ -423,9 +447,9 @@ def forward_backward_func(args: Any, megatrons: Callable[..., Any]) -> Callable[
     schedule = _schedule(args)
     ours = schedule is not None and schedule_spec(schedule).runs_ours
     key = id(args)
-    ref, func = _RUNS.get(key, (None, None))
+    ref, func, _ = _RUNS.get(key, (None, None, None))
     if ref is None or ref() is not args:
-        func = None
+        func = measurement = None
         if ours:
             from .megatron.compat.version import cuda_graph_setting
             from .megatron.schedule.forward_backward import DualPipeForwardBackward
@@ -439,9 +463,41 @@ def forward_backward_func(args: Any, megatrons: Callable[..., Any]) -> Callable[
             saved = getattr(args, "pipeline_schedule_file", None)
             if saved is not None:  # checked in apply(): read as it was then
                 func.use_schedule(read_saved_schedule(saved))
-        _RUNS[key] = (weakref.ref(args, lambda _: _RUNS.pop(key, None)), func)
+            if getattr(args, "pipeline_timeline", None) is not None:
+                measurement = _measurement(func, args)
+        _RUNS[key] = (weakref.ref(args, lambda _: _RUNS.pop(key, None)), func, measurement)
         _log_schedule(schedule, ours, megatrons, getattr(args, "pipeline_schedule_file", None))
     return func if ours else megatrons
+
+
+def _measurement(func: Any, args: Any) -> Any:
+    """The :class:`~.megatron.schedule.step_measurement.StepMeasurement` of ``func``'s second
+    training step, numbered as Megatron-LM logs it (``args.curr_iteration`` + 1)."""
+    from .megatron.schedule.step_measurement import StepMeasurement
+
+    return StepMeasurement(func, iteration=lambda: getattr(args, "curr_iteration", 0) + 1)
+
+
+class MeasuredStep(NamedTuple):
+    """``--pipeline-timeline``'s measured step (a SimResult in ms; None where the run ended
+    before its second training step), its iteration, and the picture to draw it into."""
+
+    measured: Any
+    iteration: int | None
+    png: str
+
+
+def measured_step(args: Any) -> MeasuredStep | None:
+    """``--pipeline-timeline``'s step of this run as the pipeline's rank 0 measured it (on
+    another rank: as if nothing was measured); None without the flag. Call it after the
+    run."""
+    png = getattr(args, "pipeline_timeline", None)
+    if png is None:
+        return None
+    ref, _, measurement = _RUNS.get(id(args), (None, None, None))
+    if ref is None or ref() is not args or measurement is None:
+        return MeasuredStep(None, None, png)
+    return MeasuredStep(measurement.measured, measurement.measured_iteration, png)
 
 
 def cuda_graph_helper(args: Any, megatrons: Callable[..., Any]) -> Callable[..., Any]:

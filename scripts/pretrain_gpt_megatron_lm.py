@@ -19,4 +19,8 @@ from megatron_dualpipe.megatron.pretrain_gpt import main  # noqa: E402
 
 if __name__ == "__main__":
     forks_die_with_forker()  # a save's checkpoint writers die with this rank
-    main()
+    step = main()
+    if step is not None:  # --pipeline-timeline, on global rank 0
+        from megatron_dualpipe.planner.measured_step import report_measured_step
+
+        print("\n".join(report_measured_step(*step)))

@@ -87,7 +87,7 @@ def test_two_runs_into_one_output_dir_keep_both_timelines(tmp_path: Path) -> Non
 def test_the_timelines_prediction_runs_the_order_the_ranks_ran() -> None:
     """An FB that ran as its forward half and then its backward half is two actions in the
     measured step, and the simulated step beside it runs those two, not an FB pair."""
-    from megatron_dualpipe.megatron.training.measure import predict
+    from megatron_dualpipe.planner.measured_step import predict
     from megatron_dualpipe.schedules.cost import CostModel
     from megatron_dualpipe.schedules.ir import Kind
     from megatron_dualpipe.schedules.registry import generate

@@ -153,9 +153,9 @@ def test_a_saved_order_is_what_the_run_executes(tmp_path: Path) -> None:
     [
         (
             dict(pipeline_schedule="1f1b"),
-            "--pipeline-schedule-file reorders the work of the schedules megatron-dualpipe "
-            "runs (zb1p, dualpipe, dualpipev), not Megatron's 1f1b: set --pipeline-schedule to "
-            "one of them",
+            "--pipeline-schedule-file runs a saved order of the work of the schedules "
+            "megatron-dualpipe runs (zb1p, dualpipe, dualpipev), not Megatron's 1f1b: set "
+            "--pipeline-schedule to one of them",
         ),
         (
             dict(pipeline_model_parallel_size=4),
@@ -166,8 +166,8 @@ def test_a_saved_order_is_what_the_run_executes(tmp_path: Path) -> None:
         ),
         (
             dict(pipeline_schedule=None),
-            "--pipeline-schedule-file runs a saved order of a schedule's work: give that "
-            "schedule with --pipeline-schedule",
+            "--pipeline-schedule-file runs a saved order of the work: give that schedule "
+            "with --pipeline-schedule",
         ),
     ],
 )
@@ -183,6 +183,68 @@ def test_a_saved_order_that_cannot_run_is_one_sentence(
     with pytest.raises(DualPipeConfigError) as refused:
         megatron_lm.apply(_args(**{**values, **overrides}))
     assert str(refused.value) == message.format(path=path)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            dict(pipeline_schedule="1f1b"),
+            "--pipeline-timeline measures a training step of the schedules megatron-dualpipe "
+            "runs (zb1p, dualpipe, dualpipev), not Megatron's 1f1b: set --pipeline-schedule to "
+            "one of them",
+        ),
+        (
+            dict(pipeline_schedule=None),
+            "--pipeline-timeline measures a training step: give that schedule with "
+            "--pipeline-schedule",
+        ),
+    ],
+)
+def test_a_timeline_of_what_is_not_ours_is_one_sentence(overrides: dict, message: str) -> None:
+    with pytest.raises(DualPipeConfigError) as refused:
+        megatron_lm.apply(_args(pipeline_timeline="t.png", **overrides))
+    assert str(refused.value) == message
+
+
+def test_a_timeline_measures_the_second_training_step_of_the_run() -> None:
+    """--pipeline-timeline: the run's function records until its second training step has
+    been gathered; before the run, and on a run without the flag, nothing is measured."""
+    args = _args(pipeline_timeline="t.png")
+    megatron_lm.apply(args)
+    func = megatron_lm.forward_backward_func(args, _megatrons)
+    assert func.timeline_sink is not None  # recording from the first training step
+    assert megatron_lm.measured_step(args) == megatron_lm.MeasuredStep(None, None, "t.png")
+    assert megatron_lm.measured_step(_args()) is None
+
+
+def _measure_two_steps(rank: int, world_size: int) -> tuple[float | None, int | None, bool]:
+    """Two training steps' timelines handed to a StepMeasurement on a rank of two."""
+    from types import SimpleNamespace
+
+    from megatron_dualpipe.megatron.schedule.step_measurement import StepMeasurement
+    from megatron_dualpipe.runtime import RankTimeline
+    from megatron_dualpipe.schedules.registry import generate
+
+    schedule = generate("dualpipev", 2, 4).compute_only()
+    func = SimpleNamespace(timeline_sink=None)
+    measurement = StepMeasurement(func, iteration=lambda: 8, group=lambda: None)
+    for _ in range(2):
+        timeline = RankTimeline(rank)
+        for i, action in enumerate(schedule.ranks[rank]):
+            timeline.add(action, timeline.now() + i, timeline.now() + i + 0.5)
+        assert func.timeline_sink is measurement
+        func.timeline_sink(timeline, schedule)
+    makespan = None if measurement.measured is None else measurement.measured.makespan
+    return makespan, measurement.measured_iteration, func.timeline_sink is None
+
+
+def test_the_measurement_gathers_the_second_step_on_the_pipeline_s_first_rank() -> None:
+    """The first step passes (it warms up); the second is gathered on rank 0 of the
+    pipeline group (a collective both ranks enter), and the recording stops."""
+    (makespan, iteration, stopped), other = run_workers(_measure_two_steps, 2)
+    assert makespan is not None and makespan > 0 and iteration == 8 and stopped
+    assert other == (None, 8, True)
 
 
 def test_apply_without_the_argument_does_nothing() -> None:

@@ -28,10 +28,10 @@ def _measured(costs: tuple[tuple[float, float, float], ...]) -> SimResult:
 
 
 def test_the_prediction_times_each_model_stage_as_measured() -> None:
-    from megatron_dualpipe.megatron.training.measure import predict, stage_costs
+    from megatron_dualpipe.planner.measured_step import measured_stage_costs, predict
 
     measured = _measured(COSTS)
-    assert stage_costs(measured) == COSTS
+    assert measured_stage_costs(measured) == COSTS
     predicted = predict(measured)
     assert predicted.cost.stage_costs == COSTS
     # The same step back: the bubble of each rank is the measured one, rank 0 the long one.
@@ -43,8 +43,7 @@ def test_the_prediction_times_each_model_stage_as_measured() -> None:
 
 
 def test_the_footnote_names_the_placement_when_it_is_the_cause() -> None:
-    from megatron_dualpipe.megatron.training.measure import predict
-    from megatron_dualpipe.megatron.training.report import StepSummary, summary_lines
+    from megatron_dualpipe.planner.measured_step import StepSummary, predict, summary_lines
 
     # Stage times 8, 3, 3 and 10 against their mean 6; rank 0 busy 18 x 4, rank 1 6 x 4.
     measured = _measured(COSTS)
@@ -60,8 +59,7 @@ def test_the_footnote_names_the_placement_when_it_is_the_cause() -> None:
 
 
 def test_no_footnote_when_the_stages_cost_alike() -> None:
-    from megatron_dualpipe.megatron.training.measure import predict
-    from megatron_dualpipe.megatron.training.report import StepSummary
+    from megatron_dualpipe.planner.measured_step import StepSummary, predict
 
     measured = _measured(((1.0, 1.0, 1.0),) * 4)
     assert StepSummary.of(10, measured, predict(measured), None).placement_note is None

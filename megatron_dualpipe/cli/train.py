@@ -96,7 +96,13 @@ def _megatron_lm(args: argparse.Namespace) -> None:
                 f"{flag} is megatron-dualpipe's own loop's: leave out --loop megatron-lm, or {flag}"
             )
     with unwind_on_stop_signals():
-        train_with_megatron_lm(args.config, args.overrides)
+        step = train_with_megatron_lm(args.config, args.overrides)
+    if step is None:
+        return
+    from ..planner.measured_step import report_measured_step
+
+    for line in report_measured_step(*step):
+        print(line)
 
 
 def _dry_run(args: argparse.Namespace) -> None:

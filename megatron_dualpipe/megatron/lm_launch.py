@@ -33,12 +33,15 @@ import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import DualPipeError
 from ..runtime.rank_env import RankEnv
 from ..schedules.config_values import override_origins, read_values
 from .lm_args import MegatronLMConfigError, megatron_lm_argv, megatron_lm_parser
+
+if TYPE_CHECKING:
+    from ..megatron_lm import MeasuredStep
 
 __all__ = [
     "CPU_SETTINGS",
@@ -98,10 +101,12 @@ def megatron_lm_run_argv(
     return argv, parsed
 
 
-def train_with_megatron_lm(path: Path, overrides: Iterable[str]) -> None:
+def train_with_megatron_lm(path: Path, overrides: Iterable[str]) -> MeasuredStep | None:
     """Train the config at ``path`` (with ``--set`` ``overrides``) with Megatron-LM's
     ``pretrain()``: here under torchrun or srun, else on the config's ``world_size`` forked
-    CPU ranks. Raises :class:`~.lm_args.MegatronLMConfigError` (or, for the file itself,
+    CPU ranks. Returns, in the process of global rank 0 (or the one that forked the ranks),
+    the step ``pipeline_timeline`` measured, else None. Raises
+    :class:`~.lm_args.MegatronLMConfigError` (or, for the file itself,
     :class:`~..schedules.config_values.ConfigValueError`) before any rank starts."""
     import torch
 
@@ -126,12 +131,14 @@ def train_with_megatron_lm(path: Path, overrides: Iterable[str]) -> None:
         make_patched_training(patched)
         sys.path.insert(0, folder)  # megatron.training is the copy from here on, ranks too
         try:
-            _run(settings, source, env, on_cpu)
+            return _run(settings, source, env, on_cpu)
         finally:
             sys.path.remove(folder)
 
 
-def _run(settings: Mapping[str, Any], source: str, env: RankEnv | None, on_cpu: bool) -> None:
+def _run(
+    settings: Mapping[str, Any], source: str, env: RankEnv | None, on_cpu: bool
+) -> MeasuredStep | None:
     """The run of :func:`train_with_megatron_lm`, the patched copy first on the path."""
     from ..lifetime import forks_die_with_forker
     from ..megatron_lm import check_load
@@ -146,23 +153,25 @@ def _run(settings: Mapping[str, Any], source: str, env: RankEnv | None, on_cpu: 
     check_load(parsed)  # each rank checks again in apply()
     check_folders(parsed, source)
     _check_data_files(parsed, source)
-    with _one_run_per_save(parsed, holder=env is None or env.rank == 0):
+    holder = env is None or env.rank == 0
+    with _one_run_per_save(parsed, holder=holder):
         if env is not None:  # torchrun's or srun's rank: Megatron-LM reads torchrun's variables
             os.environ.update(env.torchrun_variables())
             forks_die_with_forker()  # a save's forked writers die with the rank (not
             # --use-persistent-ckpt-worker's: Megatron-LM spawns it; forked ranks: done)
-            _pretrain(argv)
-            return
-        world_size = int(settings.get("world_size") or _model_parallel_size(settings))
-        minutes = float(settings.get("distributed_timeout_minutes") or 10)
-        run_ranks(
-            _rank,
-            world_size,
-            args=(argv,),
-            timeout_s=None,
-            pg_timeout_s=60 * minutes,
-            plain_errors=(PretrainExit,),
-        )
+            measured = _pretrain(argv)
+        else:
+            world_size = int(settings.get("world_size") or _model_parallel_size(settings))
+            minutes = float(settings.get("distributed_timeout_minutes") or 10)
+            measured = run_ranks(
+                _rank,
+                world_size,
+                args=(argv,),
+                timeout_s=None,
+                pg_timeout_s=60 * minutes,
+                plain_errors=(PretrainExit,),
+            )[0]
+    return measured if holder else None
 
 
 #: The folders Megatron-LM writes to during a run (checkpoints, dataset index caches,
@@ -171,8 +180,9 @@ WRITTEN_FOLDERS = ("save", "data_cache_path", "tensorboard_dir")
 
 
 def check_folders(parsed: argparse.Namespace, source: str) -> None:
-    """Each folder of :data:`WRITTEN_FOLDERS` the run names can be written by this process
-    (made where missing; :func:`~..writable.unwritable`), else one sentence naming it:
+    """Each folder of :data:`WRITTEN_FOLDERS` the run names, and the folder of
+    ``--pipeline-timeline``'s picture, can be written by this process (made where missing;
+    :func:`~..writable.unwritable`), else one sentence naming it:
     Megatron-LM finds an unwritable ``--save`` at its first save, after the iterations
     before it. Checked on the machine of the process that starts the ranks (under torchrun
     or srun each process checks its own)."""
@@ -186,6 +196,13 @@ def check_folders(parsed: argparse.Namespace, source: str) -> None:
                 f"{source}: {key}: cannot write to {folder} ({why}): set {key} to a folder "
                 "this user can write to"
             )
+    picture = getattr(parsed, "pipeline_timeline", None)
+    why = unwritable(Path(picture).parent) if picture else None
+    if why is not None:
+        raise MegatronLMConfigError(
+            f"{source}: pipeline_timeline: cannot write to {Path(picture).parent} ({why}): set "
+            "pipeline_timeline to a file in a folder this user can write to"
+        )
 
 
 #: Megatron-LM 0.19's split where ``--data-path`` is given without one (``validate_args``).
@@ -276,20 +293,23 @@ def _model_parallel_size(settings: Mapping[str, Any]) -> int:
     return size
 
 
-def _rank(rank: int, world_size: int, argv: list[str]) -> None:
-    """One forked rank: Megatron-LM's ``pretrain()`` (the default process group is up)."""
-    _pretrain(argv)
+def _rank(rank: int, world_size: int, argv: list[str]) -> MeasuredStep | None:
+    """One forked rank: Megatron-LM's ``pretrain()`` (the default process group is up);
+    rank 0 returns the measured step, if any."""
+    return _pretrain(argv)
 
 
-def _pretrain(argv: list[str]) -> None:
-    """``pretrain_gpt.main(argv)``; Megatron-LM's ``--exit-interval`` exit (code 0) ends it
-    as a finished run, another exit is :class:`PretrainExit` (its error printed already)."""
+def _pretrain(argv: list[str]) -> MeasuredStep | None:
+    """``pretrain_gpt.main(argv)`` and what it returns; Megatron-LM's ``--exit-interval``
+    exit (code 0) ends it as a finished run (nothing measured returned), another exit is
+    :class:`PretrainExit` (its error printed already)."""
     from .pretrain_gpt import main
 
     try:
-        main(argv)
+        return main(argv)
     except SystemExit as stop:
         if stop.code not in (0, None):
             raise PretrainExit(
                 f"Megatron-LM's pretrain exited with code {stop.code} (its error is above)"
             ) from None
+        return None

@@ -23,6 +23,7 @@ command). ``megatron-dualpipe train --loop megatron-lm`` runs it with a YAML con
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
@@ -234,10 +235,12 @@ def _refuse(sentence: str) -> None:
     raise SystemExit(2)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> dualpipe_lm.MeasuredStep | None:
     """Parse Megatron-LM's arguments (``argv``, default ``sys.argv[1:]``) with
     ``--pipeline-schedule``, and run ``pretrain`` (on a machine without a GPU, on CPU ranks
-    over gloo: ``cpu_compat_training.megatron_training_on_cpu``).
+    over gloo: ``cpu_compat_training.megatron_training_on_cpu``). Returns, on global rank 0
+    of a run with ``--pipeline-timeline``, the measured step
+    (:func:`~..megatron_lm.measured_step`), else None.
     Refuses, before any work, another megatron-core than 0.19 and an unpatched
     ``megatron/training``."""
     from .compat.lm_patch import unpatched_training_problem
@@ -288,3 +291,6 @@ def main(argv: Sequence[str] | None = None) -> None:
             model_provider=model_provider,
             get_embedding_ranks=get_embedding_ranks,
         )
+    if int(os.environ.get("RANK", "0")) != 0:  # torchrun's global rank, as Megatron-LM reads it
+        return None
+    return dualpipe_lm.measured_step(args)

@@ -36,6 +36,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+from ...planner.measured_step import (
+    StepSummary,
+    predict,
+    summary_lines,
+    write_side_by_side_png,
+)
 from ...planner.megatron_flops import megatron_lm_flops
 from ...planner.model_cost import ModelShape
 from ...schedules.limits import TRAIN_BUILD_NOTICE_S, train_build_estimate
@@ -52,16 +58,14 @@ from .data.samples import MicroBatchReader, PendingMicroBatch, SyntheticSamples
 from .data.tokenizer import build_tokenizer, model_vocab_size
 from .errors import TrainError
 from .layer_graphs import LayerGraphs
-from .measure import StepRecorder, predict, write_side_by_side_png
+from .measure import StepRecorder
 from .model import build_model, transformer_config
 from .optim import build_optimizer
 from .profiling import StepProfiler
 from .report import (
     LogWindow,
     ProgressBar,
-    StepSummary,
     iteration_line,
-    summary_lines,
     timestamp,
     validation_lines,
 )

@@ -23,24 +23,19 @@ those two.
 from __future__ import annotations
 
 import functools
-import statistics
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 from megatron.core import parallel_state
 
-from ...planner.export import figure_width, to_png
 from ...runtime import RankTimeline, gather_timeline
 from ...runtime.timeline import clock_for, start_barrier
 from ...schedules.ir import Action, Kind, Schedule
 from ...schedules.registry import generate
-from ...schedules.simulate import SimResult, simulate
+from ...schedules.simulate import SimResult
 from ..schedule.forward_backward import DualPipeForwardBackward
 
-__all__ = ["StepRecorder", "predict", "stage_costs", "write_side_by_side_png"]
+__all__ = ["StepRecorder"]
 
 
 class StepRecorder:
@@ -180,91 +175,3 @@ class _RecordingTimer:
             self.timers.stop(self.kind)
         if self.inner is not None:
             self.inner.stop(barrier=barrier)
-
-
-#: The line under the timeline: why the measured bubble is not the simulated one.
-CAPTION = (
-    "Why the bubbles differ: the simulation gives every action its stage's mean measured "
-    "time and sends messages instantly; the measured step also waits between actions "
-    "(messages, Python) and its times vary."
-)
-
-
-def write_side_by_side_png(measured: SimResult, predicted: SimResult, path: Path) -> None:
-    """One PNG: the measured step on top, the simulator's prediction below on the same
-    time scale (ms), and :data:`CAPTION` under them."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.image import imread, imsave
-
-    span = max(measured.makespan, predicted.makespan)
-    shortest = min(
-        (t.end - t.start for r in (*measured.ranks, *predicted.ranks) for t in r.actions),
-        default=span,
-    )
-    width = figure_width(span, max(shortest, span * 1e-3))
-    parts = []
-    for result, title in (
-        (measured, f"{measured.schedule.name}: measured step"),
-        (predicted, f"{predicted.schedule.name}: simulated with the measured mean durations"),
-    ):
-        part = path.with_name(f".{path.stem}.{len(parts)}.png")
-        to_png(result, str(part), title=title, unit="ms", span=span, width=width)
-        parts.append(imread(part))
-        part.unlink()
-    caption = Figure(figsize=(width, 0.4), dpi=parts[0].shape[1] / width)
-    FigureCanvasAgg(caption)
-    size = min(11.0, 0.9 * width * 72 / (0.5 * len(CAPTION)))  # one line across the width
-    caption.text(0.5, 0.5, CAPTION, ha="center", va="center", fontsize=size)
-    part = path.with_name(f".{path.stem}.caption.png")
-    caption.savefig(part)
-    parts.append(imread(part))
-    part.unlink()
-    columns = max(p.shape[1] for p in parts)
-    padded = [
-        np.pad(p, ((0, 0), (0, columns - p.shape[1]), (0, 0)), constant_values=1.0)
-        for p in parts
-    ]
-    imsave(path, np.concatenate(padded, axis=0))
-
-
-def stage_costs(measured: SimResult) -> tuple[tuple[float, float, float], ...] | None:
-    """Each model stage's mean measured F, B (dX) and W times, in model-stage order (a full
-    backward that ran as one counts as B, its W 0); None when some stage ran no forward or
-    no backward outside FB pairs. Stages differ: the first holds the embedding, the last
-    the output layer and the loss."""
-    placement = measured.schedule.placement
-    times: dict[tuple[int, Kind], list[float]] = {}
-    for rank in measured.ranks:
-        for timed in rank.actions:
-            key = (placement.model_stage(timed.action.stage), timed.action.kind)
-            times.setdefault(key, []).append(timed.end - timed.start)
-
-    def mean(stage: int, kind: Kind) -> float | None:
-        found = times.get((stage, kind))
-        return statistics.fmean(found) if found else None
-
-    costs = []
-    for stage in range(placement.num_model_stages):
-        f, b, w = (mean(stage, kind) for kind in (Kind.F, Kind.B, Kind.W))
-        if b is None and w is None:
-            b, w = mean(stage, Kind.BW), 0.0
-        if f is None or b is None:
-            return None
-        costs.append((f, b, w or 0.0))
-    return tuple(costs)
-
-
-def predict(measured: SimResult) -> SimResult:
-    """The simulator's step for the order the ranks ran and the measured mean durations of
-    each model stage (:func:`stage_costs`; of each kind where a stage's are not all
-    measured): the measured schedule's, with each FB that ran as its two halves one after
-    the other (not interleaved) as those two halves, so that the prediction draws what
-    ran. An FB pair that ran as one takes the measured ratio of FB to F + B."""
-    schedule, cost = measured.schedule, measured.cost
-    per_stage = stage_costs(measured)
-    if per_stage is not None:
-        overlap = 1.0 if cost.fb is None or not cost.f + cost.b else cost.fb / (cost.f + cost.b)
-        cost = replace(cost, fb=None, overlap=overlap, stage_costs=per_stage)
-    ran = [[timed.action for timed in rank.actions] for rank in measured.ranks]
-    return simulate(Schedule(schedule.name, schedule.placement, ran), cost)

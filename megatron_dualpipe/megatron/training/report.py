@@ -10,15 +10,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TextIO
 
-from ...schedules.simulate import SimResult
-
 __all__ = [
     "IterationLog",
     "LogWindow",
     "ProgressBar",
-    "StepSummary",
     "iteration_line",
-    "summary_lines",
     "timestamp",
     "validation_lines",
 ]
@@ -133,98 +129,6 @@ def validation_lines(iteration: int, lm_loss: float) -> list[str]:
     )
     rule = "-" * (len(text) + 1)
     return [rule, text, rule]
-
-
-@dataclass(frozen=True)
-class StepSummary:
-    """The measured step: per pipeline rank its busy time (ms), measured bubble ratio and
-    the simulator's bubble ratio for the same schedule and mean action durations."""
-
-    iteration: int
-    schedule: str
-    microbatches: int
-    makespan_ms: float
-    busy_ms: tuple[float, ...]
-    bubble: tuple[float, ...]
-    simulated_bubble: tuple[float, ...]
-    png: str | None
-    #: Why one rank is the long one, where the placement of the end stages makes it so.
-    placement_note: str | None = None
-
-    @staticmethod
-    def of(
-        iteration: int, measured: SimResult, predicted: SimResult, png: str | None
-    ) -> StepSummary:
-        return StepSummary(
-            iteration=iteration,
-            schedule=measured.schedule.name,
-            microbatches=measured.schedule.num_microbatches,
-            makespan_ms=measured.makespan,
-            busy_ms=tuple(r.busy for r in measured.ranks),
-            bubble=tuple(r.bubble_ratio for r in measured.ranks),
-            simulated_bubble=tuple(r.bubble_ratio for r in predicted.ranks),
-            png=png,
-            placement_note=placement_note(predicted),
-        )
-
-
-#: What the first and the last model stage hold beside their layers.
-_END_STAGE_PARTS = ("the embedding", "the output layer and the loss")
-#: How much longer than the mean a rank's busy time (and an end stage's time) must be to
-#: name the placement as the cause.
-_LONGER = 1.05
-
-
-def placement_note(predicted: SimResult) -> str | None:
-    """A footnote when the placement makes a rank the long one: in the simulated step (each
-    model stage its own measured times) the busiest rank is busier than the mean rank and
-    holds the first or the last model stage, whose embedding or output layer and loss make
-    it costlier than the mean stage; None otherwise."""
-    costs = predicted.cost.stage_costs
-    if costs is None:
-        return None
-    placement = predicted.schedule.placement
-    busy = [r.busy for r in predicted.ranks]
-    rank = max(range(len(busy)), key=busy.__getitem__)
-    totals = [sum(c) for c in costs]
-    mean_stage = math.fsum(totals) / len(totals)
-    if busy[rank] <= _LONGER * math.fsum(busy) / len(busy):
-        return None
-    ends = {0: _END_STAGE_PARTS[0], len(costs) - 1: _END_STAGE_PARTS[1]}
-    stages = range(placement.num_stages)
-    held = sorted({placement.model_stage(s) for s in stages if placement.rank_of(s) == rank})
-    heavy = [s for s in held if s in ends and totals[s] > _LONGER * mean_stage]
-    if not heavy:
-        return None
-    parts = " and ".join(ends[s] for s in heavy)
-    times = ", ".join(f"stage {s} {totals[s] / mean_stage:.2f}x" for s in heavy)
-    return (
-        f"pipeline rank {rank} is the long one because {predicted.schedule.name} places "
-        f"{parts} there ({times} the mean model stage's time): placement, not the schedule; "
-        "decoder_first/last_pipeline_num_layers can move layers off that rank"
-    )
-
-
-def summary_lines(summary: StepSummary) -> list[str]:
-    """The end-of-run summary of the measured step."""
-    lines = [
-        f" measured step: iteration {summary.iteration}, {summary.schedule}, "
-        f"PP={len(summary.busy_ms)}, {summary.microbatches} micro-batches, "
-        f"makespan {summary.makespan_ms:.1f} ms (data-parallel rank 0)"
-    ]
-    for rank, (busy, bubble, simulated) in enumerate(
-        zip(summary.busy_ms, summary.bubble, summary.simulated_bubble, strict=True)
-    ):
-        lines.append(
-            f"   pipeline rank {rank}: busy {busy:.1f} ms, bubble {bubble:.1%} "
-            f"(simulated {simulated:.1%})"
-        )
-    lines.append("   (simulated: each model stage with its own measured mean times)")
-    if summary.placement_note is not None:
-        lines.append(f"   {summary.placement_note}")
-    if summary.png is not None:
-        lines.append(f" timeline (measured above, simulated below): {summary.png}")
-    return lines
 
 
 class ProgressBar:
