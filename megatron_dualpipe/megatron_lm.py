@@ -82,7 +82,7 @@ PIPELINE_SCHEDULES = tuple(SCHEDULES)
 #: The forward-backward object of each Megatron-LM run by ``id(args)`` (None: Megatron's
 #: own), kept as long as its ``args`` live (a Namespace compares by value, so it cannot key
 #: a weak dictionary).
-_RUNS: dict[int, tuple[weakref.ref, Callable[..., Any] | None, Any]] = {}
+_RUNS: dict[int, tuple[weakref.ref, Callable[..., Any] | None]] = {}
 #: Our flags that name what a schedule of ours does, with what they do (for the refusals).
 _SCHEDULE_FLAGS = {
     "pipeline_schedule_file": "runs a saved order of the work",
@@ -255,15 +255,12 @@ def _check(args: Any) -> None:
             "set --pipeline-model-parallel-size >= 2 and --num-layers-per-virtual-pipeline-stage"
         )
     saved = getattr(args, "pipeline_schedule_file", None)
-    for flag in _SCHEDULE_FLAGS:
-        if getattr(args, flag, None) is not None and not found.runs_ours:
-            raise DualPipeConfigError(
-                f"--{flag.replace('_', '-')} {_SCHEDULE_FLAGS[flag]} of the schedules "
-                f"megatron-dualpipe runs ({', '.join(OUR_SCHEDULES)}), not Megatron's "
-                f"{schedule}: set --pipeline-schedule to one of them"
-            )
-    if not found.runs_ours:
-        return
+    if saved is not None and not found.runs_ours:
+        raise DualPipeConfigError(
+            f"--pipeline-schedule-file runs a saved order of the work of the schedules "
+            f"megatron-dualpipe runs ({', '.join(OUR_SCHEDULES)}), not Megatron's {schedule}: "
+            "set --pipeline-schedule to one of them"
+        )
     if getattr(args, "pipeline_timeline", None) is not None:
         from .megatron.compat.version import cuda_graph_setting
 
@@ -272,6 +269,8 @@ def _check(args: Any) -> None:
                 "--pipeline-timeline measures a step's actions, and --cuda-graph-impl "
                 "full_iteration replays the step as one graph: drop one of them"
             )
+    if not found.runs_ours:
+        return
     if getattr(args, "rampup_batch_size", None):
         raise DualPipeConfigError(
             f"{schedule} needs the same number of micro-batches every step: unset "
@@ -442,14 +441,16 @@ def apply(args: Any, *, exit_on_error: bool = False) -> None:
 def forward_backward_func(args: Any, megatrons: Callable[..., Any]) -> Callable[..., Any]:
     """The forward-backward function of this run: ours for a schedule our runtime runs
     (the same object every call with the same ``args``, so its executor is reused),
-    else ``megatrons`` (what Megatron's ``get_forward_backward_func()`` returned). The
-    first call of a run logs the schedule in use, once (on global rank 0)."""
+    else ``megatrons`` (what Megatron's ``get_forward_backward_func()`` returned); with
+    ``--pipeline-timeline``, either measuring its second training step (:func:`_measured`;
+    Megatron's the one of the run's first call). The first call of a run logs the schedule
+    in use, once (on global rank 0)."""
     schedule = _schedule(args)
     ours = schedule is not None and schedule_spec(schedule).runs_ours
     key = id(args)
-    ref, func, _ = _RUNS.get(key, (None, None, None))
+    ref, func = _RUNS.get(key, (None, None))
     if ref is None or ref() is not args:
-        func = measurement = None
+        func = None
         if ours:
             from .megatron.compat.version import cuda_graph_setting
             from .megatron.schedule.forward_backward import DualPipeForwardBackward
@@ -463,19 +464,24 @@ def forward_backward_func(args: Any, megatrons: Callable[..., Any]) -> Callable[
             saved = getattr(args, "pipeline_schedule_file", None)
             if saved is not None:  # checked in apply(): read as it was then
                 func.use_schedule(read_saved_schedule(saved))
-            if getattr(args, "pipeline_timeline", None) is not None:
-                measurement = _measurement(func, args)
-        _RUNS[key] = (weakref.ref(args, lambda _: _RUNS.pop(key, None)), func, measurement)
+        if getattr(args, "pipeline_timeline", None) is not None:
+            func = _measured(megatrons if func is None else func, schedule, args)
+        _RUNS[key] = (weakref.ref(args, lambda _: _RUNS.pop(key, None)), func)
         _log_schedule(schedule, ours, megatrons, getattr(args, "pipeline_schedule_file", None))
-    return func if ours else megatrons
+    return megatrons if func is None else func
 
 
-def _measurement(func: Any, args: Any) -> Any:
-    """The :class:`~.megatron.schedule.step_measurement.StepMeasurement` of ``func``'s second
-    training step, numbered as Megatron-LM logs it (``args.curr_iteration`` + 1)."""
-    from .megatron.schedule.step_measurement import StepMeasurement
+def _measured(func: Callable[..., Any], schedule: str, args: Any) -> Any:
+    """``func`` measuring its second training step
+    (:class:`~.megatron.schedule.step_recorder.MeasuredForwardBackward`), numbered as
+    Megatron-LM logs it (``args.curr_iteration`` + 1). It holds ``args`` weakly: the run's
+    entry in ``_RUNS`` goes with them."""
+    from .megatron.schedule.step_recorder import MeasuredForwardBackward
 
-    return StepMeasurement(func, iteration=lambda: getattr(args, "curr_iteration", 0) + 1)
+    held = weakref.ref(args)
+    return MeasuredForwardBackward(
+        func, schedule, iteration=lambda: getattr(held(), "curr_iteration", 0) + 1
+    )
 
 
 class MeasuredStep(NamedTuple):
@@ -494,10 +500,10 @@ def measured_step(args: Any) -> MeasuredStep | None:
     png = getattr(args, "pipeline_timeline", None)
     if png is None:
         return None
-    ref, _, measurement = _RUNS.get(id(args), (None, None, None))
-    if ref is None or ref() is not args or measurement is None:
+    ref, func = _RUNS.get(id(args), (None, None))
+    if ref is None or ref() is not args or func is None:
         return MeasuredStep(None, None, png)
-    return MeasuredStep(measurement.measured, measurement.measured_iteration, png)
+    return MeasuredStep(func.measured, func.measured_iteration, png)
 
 
 def cuda_graph_helper(args: Any, megatrons: Callable[..., Any]) -> Callable[..., Any]:

@@ -13,8 +13,10 @@ and the patches ``patches/megatron-lm-<tag>.patch``, one per Megatron-LM tag.
 from __future__ import annotations
 
 import argparse
+import gc
 import re
 import subprocess
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -185,66 +187,91 @@ def test_a_saved_order_that_cannot_run_is_one_sentence(
     assert str(refused.value) == message.format(path=path)
 
 
-@pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        (
-            dict(pipeline_schedule="1f1b"),
-            "--pipeline-timeline measures a training step of the schedules megatron-dualpipe "
-            "runs (zb1p, dualpipe, dualpipev), not Megatron's 1f1b: set --pipeline-schedule to "
-            "one of them",
-        ),
-        (
-            dict(pipeline_schedule=None),
-            "--pipeline-timeline measures a training step: give that schedule with "
-            "--pipeline-schedule",
-        ),
-    ],
-)
-def test_a_timeline_of_what_is_not_ours_is_one_sentence(overrides: dict, message: str) -> None:
+def test_a_timeline_without_a_schedule_is_one_sentence() -> None:
     with pytest.raises(DualPipeConfigError) as refused:
-        megatron_lm.apply(_args(pipeline_timeline="t.png", **overrides))
-    assert str(refused.value) == message
+        megatron_lm.apply(_args(pipeline_timeline="t.png", pipeline_schedule=None))
+    assert str(refused.value) == (
+        "--pipeline-timeline measures a training step: give that schedule with "
+        "--pipeline-schedule"
+    )
 
 
-def test_a_timeline_measures_the_second_training_step_of_the_run() -> None:
-    """--pipeline-timeline: the run's function records until its second training step has
-    been gathered; before the run, and on a run without the flag, nothing is measured."""
-    args = _args(pipeline_timeline="t.png")
+@pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
+def test_a_timeline_wraps_the_run_s_function_ours_or_megatron_s(schedule: str) -> None:
+    """--pipeline-timeline: the run's function (ours, or Megatron's that the run's first call
+    brings) measuring its second training step; nothing measured before the run, and
+    nothing asked of a run without the flag."""
+    from megatron_dualpipe.megatron.schedule.step_recorder import MeasuredForwardBackward
+
+    args = _args(pipeline_schedule=schedule, pipeline_timeline="t.png")
     megatron_lm.apply(args)
     func = megatron_lm.forward_backward_func(args, _megatrons)
-    assert func.timeline_sink is not None  # recording from the first training step
+    assert isinstance(func, MeasuredForwardBackward) and func.schedule == schedule
+    assert megatron_lm.forward_backward_func(args, _megatrons) is func
+    inner = DualPipeForwardBackward if schedule == "dualpipev" else type(_megatrons)
+    assert isinstance(func.inner, inner)
     assert megatron_lm.measured_step(args) == megatron_lm.MeasuredStep(None, None, "t.png")
     assert megatron_lm.measured_step(_args()) is None
+    gone = weakref.ref(func)
+    del args, func
+    gc.collect()
+    assert gone() is None  # the run's function goes with its arguments
 
 
-def _measure_two_steps(rank: int, world_size: int) -> tuple[float | None, int | None, bool]:
-    """Two training steps' timelines handed to a StepMeasurement on a rank of two."""
+def _measure_megatron_like(rank: int, world_size: int) -> tuple[float | None, int | None, bool]:
+    """An evaluation and three training calls of a function that times its F and BW as
+    Megatron's 1F1B does (``config.timers``' forward-compute and backward-compute), measured
+    by a MeasuredForwardBackward on a pipeline of two ranks; the iteration is the number of
+    training calls so far."""
     from types import SimpleNamespace
 
-    from megatron_dualpipe.megatron.schedule.step_measurement import StepMeasurement
-    from megatron_dualpipe.runtime import RankTimeline
+    from megatron.core import parallel_state
+
+    from megatron_dualpipe.megatron.schedule.step_recorder import MeasuredForwardBackward
+    from megatron_dualpipe.schedules.ir import Kind
     from megatron_dualpipe.schedules.registry import generate
 
-    schedule = generate("dualpipev", 2, 4).compute_only()
-    func = SimpleNamespace(timeline_sink=None)
-    measurement = StepMeasurement(func, iteration=lambda: 8, group=lambda: None)
-    for _ in range(2):
-        timeline = RankTimeline(rank)
-        for i, action in enumerate(schedule.ranks[rank]):
-            timeline.add(action, timeline.now() + i, timeline.now() + i + 0.5)
-        assert func.timeline_sink is measurement
-        func.timeline_sink(timeline, schedule)
-    makespan = None if measurement.measured is None else measurement.measured.makespan
-    return makespan, measurement.measured_iteration, func.timeline_sink is None
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world_size)
+    try:
+        order = [a for a in generate("1f1b", 2, 4).ranks[rank] if a.kind in (Kind.F, Kind.BW)]
+        chunk = torch.nn.Linear(1, 1)
+        chunk.config = SimpleNamespace(timers=None)
+
+        training_calls = []
+
+        def megatron_like(*, forward_step_func, data_iterator, model, forward_only, **_: Any):
+            training_calls.extend([None] * (not forward_only))
+            config = model[0].config
+            for action in order:
+                if action.kind is Kind.F:
+                    forward_step_func(data_iterator, model[0])
+                name = "forward-compute" if action.kind is Kind.F else "backward-compute"
+                if config.timers is not None:  # as Megatron's schedules ask
+                    config.timers(name, log_level=2).start()
+                    config.timers(name).stop()
+            return []
+
+        measured = MeasuredForwardBackward(
+            megatron_like, "1f1b", iteration=lambda: len(training_calls)
+        )
+        step = dict(forward_step_func=lambda it, m: None, data_iterator=None, model=[chunk],
+                    num_microbatches=4)  # fmt: skip
+        measured(**step, forward_only=True)  # an evaluation: passes
+        for _ in range(3):
+            measured(**step, forward_only=False)
+        makespan = None if measured.measured is None else measured.measured.makespan
+        return makespan, measured.measured_iteration, chunk.config.timers is None
+    finally:
+        parallel_state.destroy_model_parallel()
 
 
-def test_the_measurement_gathers_the_second_step_on_the_pipeline_s_first_rank() -> None:
-    """The first step passes (it warms up); the second is gathered on rank 0 of the
-    pipeline group (a collective both ranks enter), and the recording stops."""
-    (makespan, iteration, stopped), other = run_workers(_measure_two_steps, 2)
-    assert makespan is not None and makespan > 0 and iteration == 8 and stopped
-    assert other == (None, 8, True)
+def test_the_second_training_step_is_measured_on_the_pipeline_s_first_rank() -> None:
+    """The first training step passes (it warms up), the second is recorded through
+    Megatron's timers and gathered on rank 0 of the pipeline (a collective both ranks
+    enter), the third runs unrecorded; the config's timers are given back."""
+    (makespan, iteration, restored), other = run_workers(_measure_megatron_like, 2)
+    assert makespan is not None and makespan > 0 and iteration == 2 and restored
+    assert other == (None, 2, True)
 
 
 def test_apply_without_the_argument_does_nothing() -> None:

@@ -421,24 +421,26 @@ def test_a_saved_order_trains_with_the_generated_order_s_losses(tmp_path: Path) 
 @pytest.mark.megatron
 @pytest.mark.multiproc
 @pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["dualpipev", "1f1b"])
 def test_the_timeline_of_a_run_is_drawn_and_summarised_and_changes_no_digit(
-    tmp_path: Path,
+    tmp_path: Path, schedule: str
 ) -> None:
-    """``pipeline_timeline``: iteration 2 measured on both pipeline ranks, drawn into the
-    PNG above the simulator's prediction, each rank's measured and simulated bubble
-    printed; the losses are the run's without it."""
+    """``pipeline_timeline``: iteration 2 measured on both pipeline ranks (ours by its
+    executor, Megatron's 1F1B through its timers), drawn into the PNG above the simulator's
+    prediction, each rank's measured and simulated bubble printed; the losses are the
+    run's without it."""
     if not _megatron_core_0_19():
         pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
     png = tmp_path / "out" / "timeline.png"
-    plain = _train("pipeline_schedule=dualpipev")
-    drawn = _train("pipeline_schedule=dualpipev", f"pipeline_timeline={png}")
+    plain = _train(f"pipeline_schedule={schedule}")
+    drawn = _train(f"pipeline_schedule={schedule}", f"pipeline_timeline={png}")
     for done in (plain, drawn):
         assert done.returncode == 0, done.stderr[-3000:]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lines = drawn.stdout.splitlines()
     first = lines.index(next(line for line in lines if line.startswith(" measured step:")))
     assert re.fullmatch(
-        r" measured step: iteration 2, dualpipev, PP=2, 8 micro-batches, makespan [\d.]+ ms "
+        rf" measured step: iteration 2, {schedule}, PP=2, 8 micro-batches, makespan [\d.]+ ms "
         r"\(data-parallel rank 0\)",
         lines[first],
     ), lines[first]

@@ -6,7 +6,7 @@ Its rooms, each a package: :mod:`.config` (the YAML config read and checked into
 tokenizers, preprocess) and :mod:`.checkpoint` (dist_checkpointing saves and loads, the
 files on disk). The modules beside them are the run itself: :mod:`.launch` (torchrun, srun
 or the embedded CPU launcher, and :func:`train`), :mod:`.loop` (one rank's run),
-:mod:`.model`, :mod:`.optim`, :mod:`.finite`, :mod:`.measure`, :mod:`.report`,
+:mod:`.model`, :mod:`.optim`, :mod:`.finite`, :mod:`.report`,
 :mod:`.profiling`, :mod:`.tensorboard`, :mod:`.schedule_order` and :mod:`.dry_run`; and a
 leaf every room may import: :mod:`.errors` (:class:`TrainError`).
 

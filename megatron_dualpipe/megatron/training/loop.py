@@ -8,10 +8,10 @@ of the global batch, reduced over all ranks in float64. Global rank 0 prints eve
 (Megatron-LM's log lines, checkpoint messages, the summary), each batch of lines in one
 write, so the log has one order however the ranks are scheduled. Evaluation runs the same
 forward-backward function with ``forward_only=True`` on ``eval_iters`` fixed batches of the
-validation split. The last iteration is measured (:mod:`.measure`) and summarised; with
-``optimize_schedule`` iteration OPTIMIZE_AFTER (counted from the start or the resumed
-iteration) is measured too, and the schedule switches to the optimised order after it
-(:mod:`.schedule_order`).
+validation split. The last iteration is measured (:mod:`..schedule.step_recorder`) and
+summarised; with ``optimize_schedule`` iteration OPTIMIZE_AFTER (counted from the start or
+the resumed iteration) is measured too, and the schedule switches to the optimised order
+after it (:mod:`.schedule_order`).
 
 The process group must be initialised; this module initialises and destroys Megatron's
 ``parallel_state``.
@@ -51,6 +51,7 @@ from ..grads.loss_reports import mtp_losses
 from ..model.placement import embedding_ranks
 from ..schedule.full_iteration import GraphWrapper, chunk_iterators, full_iteration_step
 from ..schedule.registry import get_forward_backward_func
+from ..schedule.step_recorder import StepRecorder
 from . import finite
 from .checkpoint.save_load import TrainState, load_checkpoint, save_checkpoint
 from .config import OPTIMIZE_AFTER, TrainConfig
@@ -58,7 +59,6 @@ from .data.samples import MicroBatchReader, PendingMicroBatch, SyntheticSamples
 from .data.tokenizer import build_tokenizer, model_vocab_size
 from .errors import TrainError
 from .layer_graphs import LayerGraphs
-from .measure import StepRecorder
 from .model import build_model, transformer_config
 from .optim import build_optimizer
 from .profiling import StepProfiler

@@ -3,10 +3,11 @@ optimiser finds from the run's own measured step (``optimize_schedule``).
 
 Either way the work is the generated schedule's, reordered, so losses stay those of the
 generated schedule (and of 1F1B). The switch to an optimised order is collective: the
-measured step is gathered on each pipeline's rank 0 (:class:`~.measure.StepRecorder`),
-the P2P latency measured by ping-pong, the optimiser runs on global rank 0, which
-broadcasts the schedule's text form; every rank parses and validates it and hands it to
-the forward-backward object, whose executors are rebuilt at the next step.
+measured step is gathered on each pipeline's rank 0
+(:class:`~..schedule.step_recorder.StepRecorder`), the P2P latency measured by ping-pong,
+the optimiser runs on global rank 0, which broadcasts the schedule's text form; every rank
+parses and validates it and hands it to the forward-backward object, whose executors are
+rebuilt at the next step.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from ...schedules.ir import Schedule, ScheduleError
 from ...schedules.saved import read_saved_schedule
 from ...schedules.validate import validate
 from ..schedule.forward_backward import DualPipeForwardBackward
+from ..schedule.step_recorder import StepRecorder
 from .errors import TrainError
-from .measure import StepRecorder
 
 __all__ = ["OPTIMIZE_SECONDS", "optimise_from_measured", "saved_schedule"]
 

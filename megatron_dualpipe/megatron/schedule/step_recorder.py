@@ -18,6 +18,11 @@ draw it, and the simulator's prediction for the same order with the measured mea
 action durations can be put beside it. Both draw what ran: an FB pair that ran
 interleaved as a pair, one that ran as its forward half and then its backward half as
 those two.
+
+:class:`MeasuredForwardBackward` wraps a run's forward-backward function (ours or
+Megatron's) to measure one training step so, for Megatron-LM's loop
+(``--pipeline-timeline``): the first training step passes (it warms up), the next is
+recorded and gathered, and the rest run unrecorded.
 """
 
 from __future__ import annotations
@@ -27,15 +32,16 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from megatron.core import parallel_state
+from megatron.core.utils import get_model_config
 
 from ...runtime import RankTimeline, gather_timeline
 from ...runtime.timeline import clock_for, start_barrier
 from ...schedules.ir import Action, Kind, Schedule
 from ...schedules.registry import generate
 from ...schedules.simulate import SimResult
-from ..schedule.forward_backward import DualPipeForwardBackward
+from .forward_backward import DualPipeForwardBackward
 
-__all__ = ["StepRecorder"]
+__all__ = ["MeasuredForwardBackward", "StepRecorder"]
 
 
 class StepRecorder:
@@ -175,3 +181,52 @@ class _RecordingTimer:
             self.timers.stop(self.kind)
         if self.inner is not None:
             self.inner.stop(barrier=barrier)
+
+
+class MeasuredForwardBackward:
+    """``forward_backward`` (ours or Megatron's, for ``schedule``), measuring its training
+    call after the first ``skip`` with a :class:`StepRecorder` (a collective over the
+    pipeline group at the same call on every pipeline rank: they run the same steps):
+    :attr:`measured` holds the step on the pipeline's rank 0 (None elsewhere) and
+    :attr:`measured_iteration` the iteration ``iteration()`` names at that call. Forward-only
+    calls (evaluation) pass through; any other attribute is the wrapped function's."""
+
+    def __init__(
+        self,
+        forward_backward: Callable[..., Any],
+        schedule: str,
+        *,
+        iteration: Callable[[], int],
+        skip: int = 1,
+    ):
+        self.inner = forward_backward
+        self.schedule = schedule
+        self.iteration = iteration
+        self.skip = skip
+        self.measured: SimResult | None = None
+        self.measured_iteration: int | None = None
+
+    def __call__(self, **kwargs: Any) -> Any:
+        if kwargs.get("forward_only") or self.measured_iteration is not None:
+            return self.inner(**kwargs)
+        if self.skip:
+            self.skip -= 1
+            return self.inner(**kwargs)
+        model = kwargs["model"]
+        chunks = list(model) if isinstance(model, list | tuple) else [model]
+        recorder = StepRecorder(
+            self.schedule,
+            self.inner,
+            chunks,
+            get_model_config(chunks[0]),
+            kwargs["num_microbatches"],
+        )
+        with recorder:
+            kwargs["forward_step_func"] = recorder.forward_step(kwargs["forward_step_func"])
+            result = self.inner(**kwargs)
+        self.measured_iteration = self.iteration()
+        self.measured = recorder.gather()
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
