@@ -269,6 +269,12 @@ def _check(args: Any) -> None:
                 "--pipeline-timeline measures a step's actions, and --cuda-graph-impl "
                 "full_iteration replays the step as one graph: drop one of them"
             )
+        if not found.runs_ours and getattr(args, "overlap_moe_expert_parallel_comm", False):
+            raise DualPipeConfigError(
+                f"--pipeline-timeline measures Megatron's {schedule} through its "
+                "forward-compute and backward-compute timers, which its combined 1F1B "
+                "(--overlap-moe-expert-parallel-comm) times as one: drop one of them"
+            )
     if not found.runs_ours:
         return
     if getattr(args, "rampup_batch_size", None):
@@ -405,6 +411,15 @@ def _load_directory(args: Any) -> tuple[str, Path] | None:
     return (flag, iteration_dir(load, iteration)) if iteration >= 0 else None
 
 
+def unscheduled_flag(args: Any) -> tuple[str, str] | None:
+    """One of our arguments that act on a schedule, given without ``--pipeline-schedule``:
+    (its name in ``args``, what it does), or None."""
+    if _schedule(args) is not None:
+        return None
+    given = [flag for flag in _SCHEDULE_FLAGS if getattr(args, flag, None) is not None]
+    return (given[0], _SCHEDULE_FLAGS[given[0]]) if given else None
+
+
 def apply(args: Any, *, exit_on_error: bool = False) -> None:
     """Check ``args.pipeline_schedule`` against the rest of Megatron's (validated) arguments,
     and the checkpoint to load (:func:`check_load`). No-op without the argument. Under
@@ -416,14 +431,14 @@ def apply(args: Any, *, exit_on_error: bool = False) -> None:
     instead (for the launcher: no traceback per rank).
     """
     schedule = _schedule(args)
-    given = [flag for flag in _SCHEDULE_FLAGS if getattr(args, flag, None) is not None]
-    if schedule is None and given:
-        problem = DualPipeConfigError(
-            f"--{given[0].replace('_', '-')} {_SCHEDULE_FLAGS[given[0]]}: give that schedule "
-            "with --pipeline-schedule"
+    unscheduled = unscheduled_flag(args)
+    if unscheduled is not None:
+        name, does = unscheduled
+        problem = (
+            f"--{name.replace('_', '-')} {does}: give that schedule with --pipeline-schedule"
         )
         if not exit_on_error:
-            raise problem
+            raise DualPipeConfigError(problem)
         print(f"error: {problem}", file=sys.stderr, flush=True)
         raise SystemExit(2)
     if schedule is None:

@@ -5,6 +5,7 @@ run writes there)."""
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 __all__ = ["unwritable"]
@@ -15,9 +16,13 @@ def unwritable(path: str | Path) -> str | None:
     directory = Path(path)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".write-test.{os.getpid()}"
-        probe.write_bytes(b"megatron-dualpipe")
-        probe.unlink()
+        # A name no other process takes (ranks on other nodes may share the folder and a pid).
+        held, probe = tempfile.mkstemp(prefix=".write-test.", dir=directory)
+        try:
+            os.write(held, b"megatron-dualpipe")
+        finally:
+            os.close(held)
+            os.unlink(probe)
     except OSError as err:
         return err.strerror or str(err)
     return None

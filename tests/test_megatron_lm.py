@@ -187,6 +187,26 @@ def test_a_saved_order_that_cannot_run_is_one_sentence(
     assert str(refused.value) == message.format(path=path)
 
 
+def test_a_step_that_ran_other_work_than_generated_is_refused_on_every_rank() -> None:
+    """One rank's step did not follow the generated order: every rank raises its sentence
+    (an all-gather first), none waits in the gather for a rank that gave up."""
+    with pytest.raises(AssertionError) as failed:
+        run_workers(_measure_megatron_like, 2, args=(1,), timeout_s=60)
+    said = "pipeline rank 1: 1f1b ran more BW actions than the generated schedule has"
+    assert "2 of 2 ranks failed" in str(failed.value)
+    assert str(failed.value).count(said) >= 2, str(failed.value)
+
+
+def test_the_launcher_names_a_flag_of_ours_given_without_a_schedule() -> None:
+    """What the launcher refuses before any rank (and apply() in each rank, which the
+    patch now calls whenever our arguments are there)."""
+    assert megatron_lm.unscheduled_flag(_args(pipeline_schedule=None)) is None
+    assert megatron_lm.unscheduled_flag(_args(pipeline_timeline="t.png")) is None
+    assert megatron_lm.unscheduled_flag(
+        _args(pipeline_schedule=None, pipeline_timeline="t.png")
+    ) == ("pipeline_timeline", "measures a training step")
+
+
 def test_a_timeline_without_a_schedule_is_one_sentence() -> None:
     with pytest.raises(DualPipeConfigError) as refused:
         megatron_lm.apply(_args(pipeline_timeline="t.png", pipeline_schedule=None))
@@ -218,11 +238,13 @@ def test_a_timeline_wraps_the_run_s_function_ours_or_megatron_s(schedule: str) -
     assert gone() is None  # the run's function goes with its arguments
 
 
-def _measure_megatron_like(rank: int, world_size: int) -> tuple[float | None, int | None, bool]:
+def _measure_megatron_like(
+    rank: int, world_size: int, extra_on: int | None = None
+) -> tuple[float | None, int | None, bool]:
     """An evaluation and three training calls of a function that times its F and BW as
     Megatron's 1F1B does (``config.timers``' forward-compute and backward-compute), measured
     by a MeasuredForwardBackward on a pipeline of two ranks; the iteration is the number of
-    training calls so far."""
+    training calls so far. Rank ``extra_on`` runs one BW more than the generated order."""
     from types import SimpleNamespace
 
     from megatron.core import parallel_state
@@ -234,6 +256,7 @@ def _measure_megatron_like(rank: int, world_size: int) -> tuple[float | None, in
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world_size)
     try:
         order = [a for a in generate("1f1b", 2, 4).ranks[rank] if a.kind in (Kind.F, Kind.BW)]
+        order += [order[-1]] * (rank == extra_on)
         chunk = torch.nn.Linear(1, 1)
         chunk.config = SimpleNamespace(timers=None)
 

@@ -469,32 +469,36 @@ def _indexed_dataset(prefix: Path, documents: int) -> str:
 
 @pytest.mark.megatron
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["no .idx", "a split without tokens"])
+@pytest.mark.parametrize("case", ["no .idx", "a split without tokens", "split 0,0,0"])
 def test_data_files_that_cannot_train_are_refused_before_any_rank(
     tmp_path: Path, case: str
 ) -> None:
     """Megatron-LM's GPTDataset loops for ever on a split without tokens (its legacy split,
     969,30,1, gives the valid split of 3 documents none), and fails in every rank on a
-    missing file: one sentence first."""
+    missing file or a split it cannot read: one sentence first."""
     if not _megatron_core_0_19():
         pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
     prefix = _indexed_dataset(tmp_path / "data" / "c3_text_document", 3)
     if case == "no .idx":
         Path(f"{prefix}.idx").unlink()
-    done = _train(f"data_path={prefix}", "tokenizer_type=NullTokenizer", "vocab_size=64")
+    sets = [f"data_path={prefix}", "tokenizer_type=NullTokenizer", "vocab_size=64"]
+    done = _train(*sets, *(["split=0,0,0"] if case == "split 0,0,0" else []))
     assert done.returncode == 2, done.stderr[-2000:]
     said = done.stderr.splitlines()[-1]
     assert said.startswith(f"megatron-dualpipe: error: {TINY} with --set train_iters=3 ")
-    assert said.split(" --set vocab_size=64: ", 1)[1] == (
-        f"data_path: {prefix}.idx does not exist: name each dataset by the prefix its .bin "
-        "and .idx share (megatron-dualpipe preprocess --output-prefix P writes "
-        "P_text_document.bin and .idx)"
-        if case == "no .idx"
-        else f"split: 969, 30, 1 gives the valid split 0 of the 3 documents of {prefix} (3.00% "
-        "of them, rounded by Megatron-Core to documents 3 to 3; 0 tokens), and Megatron-Core's "
-        "GPTDataset loops for ever on a split without tokens: set its weight to 0 (split: "
-        "969,0,1) and set eval_iters: 0, or a corpus of at least 1,001 documents"
-    )
+    assert said.split(" --set vocab_size=64", 1)[1] == {
+        "no .idx": f": data_path: {prefix}.idx does not exist: name each dataset by the prefix "
+        "its .bin and .idx share (megatron-dualpipe preprocess --output-prefix P writes "
+        "P_text_document.bin and .idx)",
+        "a split without tokens": f": split: 969, 30, 1 gives the valid split 0 of the 3 "
+        f"documents of {prefix} (3.00% of them, rounded by Megatron-Core to documents 3 to 3; 0 "
+        "tokens), and Megatron-Core's GPTDataset loops for ever on a split without tokens: set "
+        "its weight to 0 (split: 969,0,1) and set eval_iters: 0, or a corpus of at least 1,001 "
+        "documents",
+        "split 0,0,0": " --set split=0,0,0: split: '0,0,0' is not a split Megatron-Core reads: "
+        "give up to three weights for train, valid and test, at least one above 0, such as "
+        "969,30,1",
+    }[case]
     assert "iteration" not in done.stdout
 
 

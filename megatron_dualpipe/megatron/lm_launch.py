@@ -141,7 +141,7 @@ def _run(
 ) -> MeasuredStep | None:
     """The run of :func:`train_with_megatron_lm`, the patched copy first on the path."""
     from ..lifetime import forks_die_with_forker
-    from ..megatron_lm import check_load
+    from ..megatron_lm import check_load, unscheduled_flag
     from ..runtime.launch import run_ranks
     from .compat.lm_patch import unpatched_training_problem
 
@@ -150,6 +150,12 @@ def _run(
         raise MegatronLMConfigError(problem)
     parser = megatron_lm_parser()
     argv, parsed = megatron_lm_run_argv(settings, parser, source, on_cpu=on_cpu)
+    unscheduled = unscheduled_flag(parsed)  # apply() would say it in each rank
+    if unscheduled is not None:
+        raise MegatronLMConfigError(
+            f"{source}: {unscheduled[0]} {unscheduled[1]}: give that schedule with "
+            "pipeline_schedule"
+        )
     check_load(parsed)  # each rank checks again in apply()
     check_folders(parsed, source)
     _check_data_files(parsed, source)
@@ -174,6 +180,14 @@ def _run(
     return measured if holder else None
 
 
+def _on_disk(path: str) -> bool:
+    """Whether ``path`` is a file system's, not object storage's (``s3://``, ``msc://``:
+    Megatron-Core's ``is_object_storage_path``), which these checks leave to Megatron."""
+    from megatron.core.datasets.object_storage_utils import is_object_storage_path
+
+    return not is_object_storage_path(str(path))
+
+
 #: The folders Megatron-LM writes to during a run (checkpoints, dataset index caches,
 #: TensorBoard's events), by argument.
 WRITTEN_FOLDERS = ("save", "data_cache_path", "tensorboard_dir")
@@ -190,7 +204,7 @@ def check_folders(parsed: argparse.Namespace, source: str) -> None:
 
     for key in WRITTEN_FOLDERS:
         folder = getattr(parsed, key, None)
-        why = unwritable(folder) if folder else None
+        why = unwritable(folder) if folder and _on_disk(folder) else None
         if why is not None:
             raise MegatronLMConfigError(
                 f"{source}: {key}: cannot write to {folder} ({why}): set {key} to a folder "
@@ -231,7 +245,7 @@ def _check_data_files(parsed: argparse.Namespace, source: str) -> None:
             f"{source}: {err.filename} cannot be read ({err.strerror}): name the file of data "
             "paths that Megatron-LM is to read"
         ) from None
-    except (ValueError, KeyError) as err:  # not JSON, a split missing from it, no paths
+    except (ValueError, KeyError, TypeError) as err:  # not JSON (an object), no paths
         given = (
             f"per_split_data_args_path: {parsed.per_split_data_args_path} is"
             if parsed.per_split_data_args_path
@@ -251,14 +265,26 @@ def _check_data_files(parsed: argparse.Namespace, source: str) -> None:
         for key, found in zip(split_keys, per_split or (None,) * 3, strict=True)
         if found is not None
         for prefix in found[0]
+        if _on_disk(prefix)
     ]
     split = parsed.split or (_LEGACY_SPLIT if parsed.data_path is not None else None)
-    problem = data_file_problem(
-        [(blend_key, prefix) for prefix in blend[0]] if blend is not None else [],
-        whole,
-        split=split,
-        validation_off="set eval_iters: 0" if parsed.eval_iters else None,
-    )
+    if blend is not None and split is None:  # GPTDatasetConfig asserts it in every rank
+        raise MegatronLMConfigError(
+            f"{source}: data_args_path's blend needs a split (Megatron-LM gives data_path "
+            "one, not data_args_path): set split, such as 969,30,1"
+        )
+    try:
+        problem = data_file_problem(
+            [(blend_key, p) for p in blend[0] if _on_disk(p)] if blend is not None else [],
+            whole,
+            split=split,
+            validation_off="set eval_iters: 0" if parsed.eval_iters else None,
+        )
+    except (ValueError, AssertionError, ZeroDivisionError):  # Megatron-Core's split parser
+        raise MegatronLMConfigError(
+            f"{source}: split: {split!r} is not a split Megatron-Core reads: give up to three "
+            "weights for train, valid and test, at least one above 0, such as 969,30,1"
+        ) from None
     if problem is not None:
         raise MegatronLMConfigError(f"{source}: {problem[1]}")
 
@@ -275,7 +301,7 @@ def _one_run_per_save(parsed: argparse.Namespace, *, holder: bool) -> Iterator[N
     from .checkpoint.lock import save_lock
 
     save = getattr(parsed, "save", None)
-    if save is None or not holder:
+    if save is None or not holder or not _on_disk(save):
         yield
         return
     with save_lock(save):

@@ -27,6 +27,8 @@ def saved_schedule_problem(path: str, schedule: str, pp: int, microbatches: int)
         text = Path(path).read_text(encoding="utf-8")
     except OSError as err:
         return f"cannot read {path}: {err.strerror}"
+    except UnicodeDecodeError:
+        return f"{path} is not a schedule's text (not UTF-8): write it with simulate --save"
     try:
         saved = Schedule.from_text(text)
         validate(saved)

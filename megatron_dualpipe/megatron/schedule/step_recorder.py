@@ -31,6 +31,7 @@ import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.utils import get_model_config
 
@@ -73,6 +74,8 @@ class StepRecorder:
         self.schedule: Schedule | None = None
         self._exit: Callable[[], None] | None = None
         self._forward_chunks: list[int] = []
+        #: Why this rank's step cannot be drawn (it ran other actions than generated).
+        self.problem: str | None = None
 
     def __enter__(self) -> StepRecorder:
         if isinstance(self.forward_backward, DualPipeForwardBackward):
@@ -114,20 +117,29 @@ class StepRecorder:
         self.timeline, self.schedule = timeline, schedule
 
     def gather(self) -> SimResult | None:
-        """The measured step on pipeline rank 0 (None elsewhere); collective."""
+        """The measured step on pipeline rank 0 (None elsewhere); collective. Where any
+        rank's step did not follow the generated order (:attr:`problem`), every rank raises
+        that rank's sentence, after one all-gather (none waits for the others)."""
         if self.timeline is None or self.schedule is None:
             raise RuntimeError("no step was recorded on this rank")
-        if self._forward_chunks:
-            self._check_forward_order()
+        if self._forward_chunks and self.problem is None:
+            self.problem = self._forward_order_problem()
+        problems: list[str | None] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(problems, self.problem, group=self.group)
+        found = [(rank, problem) for rank, problem in enumerate(problems) if problem]
+        if found:
+            rank, problem = found[0]
+            raise RuntimeError(f"pipeline rank {rank}: {problem}")
         return gather_timeline(self.timeline, self.schedule, group=self.group)
 
-    def _check_forward_order(self) -> None:
+    def _forward_order_problem(self) -> str | None:
         expected = [a.chunk for a in self.schedule.ranks[self.pp_rank] if a.kind is Kind.F]
-        if self._forward_chunks != expected:
-            raise RuntimeError(
-                f"{self.schedule_name} ran its forwards on chunks {self._forward_chunks} but the "
-                f"generated schedule orders them {expected}: the timeline cannot be drawn"
-            )
+        if self._forward_chunks == expected:
+            return None
+        return (
+            f"{self.schedule_name} ran its forwards on chunks {self._forward_chunks} but the "
+            f"generated schedule orders them {expected}: the timeline cannot be drawn"
+        )
 
 
 class _RecordingTimers:
@@ -158,7 +170,14 @@ class _RecordingTimers:
 
     def stop(self, kind: Kind) -> None:
         timeline = self.recorder.timeline
-        action: Action = next(self._next[kind])
+        action: Action | None = next(self._next[kind], None)
+        if action is None:  # said by gather() on every rank, not raised inside the step
+            self.recorder.problem = (
+                f"{self.recorder.schedule_name} ran more {kind.value} actions than the "
+                "generated schedule has: the timeline cannot be drawn"
+            )
+            self._started.pop(kind, None)
+            return
         timeline.add(action, self._started.pop(kind), timeline.now())
         self._live += 1 if kind is Kind.F else -1
         timeline.peak_activations = max(timeline.peak_activations, self._live)
