@@ -80,10 +80,10 @@ logger = logging.getLogger(__name__)
 #: Every value of ``--pipeline-schedule``.
 PIPELINE_SCHEDULES = tuple(SCHEDULES)
 #: The forward-backward object of each Megatron-LM run by ``id(args)`` (None: Megatron's
-#: own), kept as long as its ``args`` live (a Namespace compares by value, so it cannot key
-#: a weak dictionary).
+#: own, unwrapped; with ``--pipeline-timeline`` the measuring wrapper), kept as long as its
+#: ``args`` live (a Namespace compares by value, so it cannot key a weak dictionary).
 _RUNS: dict[int, tuple[weakref.ref, Callable[..., Any] | None]] = {}
-#: Our flags that name what a schedule of ours does, with what they do (for the refusals).
+#: Our arguments that act on the run's schedule, with what they do (for the refusals).
 _SCHEDULE_FLAGS = {
     "pipeline_schedule_file": "runs a saved order of the work",
     "pipeline_timeline": "measures a training step",
