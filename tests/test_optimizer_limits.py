@@ -14,7 +14,7 @@ import time
 import pytest
 
 from megatron_dualpipe.cli import main
-from megatron_dualpipe.planner.optimize import optimize
+from megatron_dualpipe.planner.optimize import local_search, optimize
 from megatron_dualpipe.planner.optimize.bound import tails
 from megatron_dualpipe.planner.optimize.deadline import Deadline, OutOfTime
 from megatron_dualpipe.planner.optimize.instance import Instance
@@ -24,10 +24,9 @@ from megatron_dualpipe.planner.optimize.optimizer import PORTFOLIO
 from megatron_dualpipe.planner.optimize.timing import from_actions, time_orders
 from megatron_dualpipe.schedules import CostModel, generate
 
-#: A size whose list-scheduler build takes about half a second here, a timing a quarter of it.
+#: A size whose list-scheduler build takes about half a second here, a timing a quarter of it
+#: (thousands of checks of the deadline each).
 PP, MICROBATCHES = 16, 160
-#: How long past its deadline a step may run: the clock is read every few hundred events.
-LATE_S = 0.2
 
 
 @pytest.fixture(scope="module")
@@ -38,32 +37,56 @@ def large() -> tuple[Instance, list]:
     return inst, from_actions(inst, schedule.ranks)
 
 
-def _late(step, seconds: float = 0.02) -> float:
-    """How long after a deadline ``seconds`` from now ``step(deadline)`` raised
-    :class:`OutOfTime` (the test fails if it finished instead)."""
-    deadline = Deadline(time.perf_counter() + seconds)
-    with pytest.raises(OutOfTime):
-        step(deadline)
-    return time.perf_counter() - deadline.at
+class _PassesAtReading(Deadline):
+    """A deadline whose clock reads as passed from its ``reading``-th reading on: a step's
+    checks counted, not timed (the clock is read once every few hundred checks), so a
+    loaded machine changes nothing."""
+
+    def __init__(self, reading: int) -> None:
+        super().__init__(0.0)
+        self.reading, self.readings = reading, 0
+
+    def passed(self) -> bool:
+        self.readings += 1
+        return self.readings >= self.reading
 
 
 def test_the_list_scheduler_reads_the_clock(large) -> None:
+    """A build checks its deadline as it goes and stops at the first reading of the clock
+    that finds it passed (before, a build started ran to its end whatever the time)."""
     inst, _ = large
-    assert _late(lambda d: build(inst, PORTFOLIO[0], tails(inst), d)) < LATE_S
+    deadline = _PassesAtReading(3)
+    with pytest.raises(OutOfTime):
+        build(inst, PORTFOLIO[0], tails(inst), deadline)
+    assert deadline.readings == 3
 
 
 def test_a_timing_reads_the_clock(large) -> None:
     inst, orders = large
-    assert _late(lambda d: time_orders(inst, orders, d), seconds=0.005) < LATE_S
+    deadline = _PassesAtReading(3)
+    with pytest.raises(OutOfTime):
+        time_orders(inst, orders, deadline)
+    assert deadline.readings == 3
 
 
-def test_the_local_search_stops_inside_a_timing(large) -> None:
+def test_the_local_search_stops_inside_a_timing(large, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The local search's timings check its deadline: one passed in the middle of its first
+    timing ends the search with the best found so far (the starting orders)."""
     inst, orders = large
     timing = time_orders(inst, orders)
-    deadline = time.perf_counter() + 0.05
-    found, found_timing = improve(inst, orders, deadline, timing=timing)
-    assert time.perf_counter() - deadline < LATE_S
-    assert found_timing.makespan <= timing.makespan
+    clocks: list[_PassesAtReading] = []
+
+    def passes_in_the_first_timing(at: float | None) -> _PassesAtReading:
+        clocks.append(_PassesAtReading(2))
+        return clocks[-1]
+
+    monkeypatch.setattr(local_search, "Deadline", passes_in_the_first_timing)
+    # An hour away, and 20 timings at most: only the timing's own check can end it at once.
+    found, found_timing = improve(
+        inst, orders, time.perf_counter() + 3600, timing=timing, evaluations=20
+    )
+    assert [clock.readings for clock in clocks] == [2]
+    assert found == orders and found_timing is timing
 
 
 def test_no_build_starts_once_the_time_is_up_and_the_summary_says_so(capsys) -> None:
