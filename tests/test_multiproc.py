@@ -55,12 +55,18 @@ def test_raising_worker_fails_the_call_with_its_traceback() -> None:
     assert 'raise ValueError(f"deliberate failure on rank {rank}")' in "\n".join(details)
 
 
+#: Long enough for the rank that does not hang to start and finish on a loaded machine (at
+#: 1 s, both ranks were named once while a second suite ran beside CI).
+HANG_TIMEOUT_S = 10.0
+
+
+@pytest.mark.slow
 def test_hanging_worker_is_killed_within_the_timeout(tmp_path) -> None:
     pid_file = tmp_path / "pid"
     start = time.monotonic()
-    with pytest.raises(WorkerTimeoutError, match=r"ranks \[1\]"):
-        run_workers(_hang_on_rank, 2, args=(1, str(pid_file)), timeout_s=1)
-    assert time.monotonic() - start < 4
+    with pytest.raises(WorkerTimeoutError, match=r"ranks \[1\] of 2 did not finish"):
+        run_workers(_hang_on_rank, 2, args=(1, str(pid_file)), timeout_s=HANG_TIMEOUT_S)
+    assert time.monotonic() - start < HANG_TIMEOUT_S + 5
     hung_pid = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(hung_pid, 0)  # killed and reaped, not left behind
