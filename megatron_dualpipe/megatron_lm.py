@@ -430,20 +430,15 @@ def apply(args: Any, *, exit_on_error: bool = False) -> None:
     saying what to change; with ``exit_on_error``, prints ``error: <sentence>`` and exits 2
     instead (for the launcher: no traceback per rank).
     """
-    schedule = _schedule(args)
-    unscheduled = unscheduled_flag(args)
-    if unscheduled is not None:
-        name, does = unscheduled
-        problem = (
-            f"--{name.replace('_', '-')} {does}: give that schedule with --pipeline-schedule"
-        )
-        if not exit_on_error:
-            raise DualPipeConfigError(problem)
-        print(f"error: {problem}", file=sys.stderr, flush=True)
-        raise SystemExit(2)
-    if schedule is None:
-        return
     try:
+        unscheduled = unscheduled_flag(args)
+        if unscheduled is not None:
+            name, does = unscheduled
+            raise DualPipeConfigError(
+                f"--{name.replace('_', '-')} {does}: give that schedule with --pipeline-schedule"
+            )
+        if _schedule(args) is None:
+            return
         _check(args)
         check_load(args)
     except DualPipeConfigError as err:
