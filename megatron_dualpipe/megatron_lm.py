@@ -71,8 +71,10 @@ __all__ = [
     "forward_backward_func",
     "full_batch_on_this_rank",
     "losses_on_last_stage",
+    "num_microbatches",
     "places_model_chunks",
     "prepare_model",
+    "schedule_name",
 ]
 
 logger = logging.getLogger(__name__)
@@ -137,7 +139,14 @@ def _schedule(args: Any) -> str | None:
     return getattr(args, "pipeline_schedule", None)
 
 
-def _num_microbatches(args: Any) -> int:
+def schedule_name(args: Any) -> str:
+    """The schedule the run takes: ``--pipeline-schedule``, else Megatron's own (interleaved
+    1F1B with virtual stages, else 1F1B)."""
+    vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    return _schedule(args) or ("interleaved-1f1b" if vp else "1f1b")
+
+
+def num_microbatches(args: Any) -> int:
     """Micro-batches per step, from Megatron's validated arguments."""
     micro = args.micro_batch_size * getattr(args, "data_parallel_size", 1)
     return (args.global_batch_size or micro) // micro
@@ -285,13 +294,13 @@ def _check(args: Any) -> None:
     check_run(
         schedule,
         pipeline_size=pp,
-        num_microbatches=_num_microbatches(args),
+        num_microbatches=num_microbatches(args),
         virtual_pipeline_size=vp,
         context_parallel_size=getattr(args, "context_parallel_size", 1),
     )
     _stage_layers(args)
     if saved is not None:
-        problem = saved_schedule_problem(saved, schedule, pp, _num_microbatches(args))
+        problem = saved_schedule_problem(saved, schedule, pp, num_microbatches(args))
         if problem is not None:
             raise DualPipeConfigError(f"--pipeline-schedule-file: {problem}")
     if found.places_chunks and getattr(args, "yaml_cfg", None) is not None:

@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 
 from megatron_dualpipe.cli import main
+from megatron_dualpipe.errors import DualPipeError
 from megatron_dualpipe.megatron.compat.version import installed_megatron_core
-from megatron_dualpipe.megatron.training import ConfigError, load_config
+from megatron_dualpipe.megatron.training import load_config
 from tests.multiproc import run_workers, slow_unless
 
 pytestmark = pytest.mark.megatron
@@ -106,10 +107,12 @@ def _real_build(rank: int, world_size: int, name: str) -> dict:
 @pytest.mark.parametrize("name", slow_unless(lambda n: n == "deepseek-dualpipev", list(TINY)))
 def test_the_dry_run_builds_what_train_builds(name: str) -> None:
     from megatron_dualpipe.megatron.training.dry_run import dry_run
+    from megatron_dualpipe.planner.dry_run_report import agrees, memory_of_ranks
 
     cfg = _config(name)
     real = run_workers(_real_build, cfg.launch_world_size, args=(name,), timeout_s=240)
     result = dry_run(cfg, source=name)
+    memory = memory_of_ranks(result.values, [])
     origin = {r["pipeline_rank"]: r["chunks"] for r in real if r["at_origin"]}
     assert sorted(origin) == [r.pipeline_rank for r in result.ranks]
     for report in result.ranks:
@@ -119,7 +122,7 @@ def test_the_dry_run_builds_what_train_builds(name: str) -> None:
         assert built == [(dict(d), e) for d, e in origin[report.pipeline_rank]]
         # The memory model leaves interleaved-1f1b out (stages per rank set by the config).
         expected = None if cfg.virtual_pipeline_model_parallel_size else True
-        assert report.agrees is expected, f"pipeline rank {report.pipeline_rank}: {report.model}"
+        assert agrees(report, memory) is expected, f"pipeline rank {report.pipeline_rank}"
     if cfg.tensor_model_parallel_size == 1:  # the ranks' union of global names: each once
         union: dict = {}
         for r in real:
@@ -150,12 +153,14 @@ def test_the_dry_run_builds_what_train_builds(name: str) -> None:
     ids=["dualpipe", "dualpipev"],
 )
 def test_deepseek_v3_at_full_size(overrides: list[str]) -> None:
-    from megatron_dualpipe.megatron.training.dry_run import dry_run, dry_run_lines
+    from megatron_dualpipe.megatron.training.dry_run import dry_run
+    from megatron_dualpipe.planner.dry_run_report import agrees, dry_run_lines, memory_of_ranks
 
     cfg = load_config(CONFIGS / "deepseek_v3_pp16.yaml", overrides)
     result = dry_run(cfg, source="deepseek_v3_pp16.yaml")
+    memory = memory_of_ranks(result.values, [])
     assert [r.pipeline_rank for r in result.ranks] == list(range(16))
-    assert all(r.agrees for r in result.ranks)
+    assert all(agrees(r, memory) for r in result.ranks)
     # DeepSeek-V3: 671B parameters without the MTP module (the published size).
     assert result.unique_params - result.unique_mtp_params == 671_026_404_352
     assert result.unique_mtp_params == 11_610_067_968
@@ -175,17 +180,17 @@ def test_deepseek_v3_at_full_size(overrides: list[str]) -> None:
     assert [m.count for m in first.messages] == [per_kind] * 4
     assert all(r.params > 0 and r.seconds < 60 for r in result.ranks)
     assert result.peak_host_bytes < 4 * 2**30
-    lines = dry_run_lines(result)
+    lines = dry_run_lines(result, memory)
     assert lines[-1].startswith("model parameters, each counted once: 682,636,472,320")
 
 
 def test_bad_ranks_are_refused_in_one_sentence() -> None:
-    from megatron_dualpipe.megatron.training.dry_run import parse_ranks
+    from megatron_dualpipe.megatron.model.built import parse_ranks
 
     assert parse_ranks("3,1,1", 4) == [1, 3]
     assert parse_ranks(None, 2) == [0, 1]
     for text in ("4", "a", "", "-1"):
-        with pytest.raises(ConfigError, match=r"--ranks .*: give pipeline ranks between 0 and 3"):
+        with pytest.raises(DualPipeError, match=r"--ranks .*: give pipeline ranks between 0 and 3"):
             parse_ranks(text, 4)
 
 

@@ -85,7 +85,8 @@ def test_nothing_of_the_core_imports_the_planner() -> None:
 
 #: Megatron-LM's loop (the route): its hooks, its launcher, its pretrain_gpt.
 _ROUTE = (
-    "megatron_lm.py", "megatron/lm_args.py", "megatron/lm_launch.py", "megatron/pretrain_gpt.py"
+    "megatron_lm.py", "megatron/lm_args.py", "megatron/lm_launch.py", "megatron/lm_dry_run.py",
+    "megatron/pretrain_gpt.py",
 )  # fmt: skip
 
 

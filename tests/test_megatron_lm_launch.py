@@ -251,6 +251,27 @@ def _refused(*sets: str) -> str:
     return done.stderr.splitlines()[-1]
 
 
+#: Megatron-LM's get_model, once per pipeline rank at data-parallel rank 0; and the dry run's
+#: line of each rank it builds.
+PRETRAIN_BUILT = re.compile(
+    r"number of parameters on \(tensor, gtp_weight_remat, pipeline\) model parallel rank "
+    r"\(0, 0, (\d+)\): (\d+)"
+)
+DRY_RUN_BUILT = re.compile(
+    r"^pipeline rank (\d+) \(global rank \d+, built in [\d.]+ s\): ([\d,]+) ", re.M
+)
+
+
+def _dry_run_built(*sets: str) -> dict[int, int]:
+    """Parameters per pipeline rank of the tiny config, as ``--dry-run`` builds them."""
+    done = subprocess.run(
+        [*_command(*sets), "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 of 2 ranks agree exactly" in done.stdout  # with the memory model
+    return {int(r): int(n.replace(",", "")) for r, n in DRY_RUN_BUILT.findall(done.stdout)}
+
+
 def _megatron_core_0_19() -> bool:
     from megatron_dualpipe.megatron.compat.version import megatron_lm_tag
 
@@ -262,7 +283,8 @@ def _megatron_core_0_19() -> bool:
 @pytest.mark.slow
 def test_the_tiny_config_trains_as_1f1b_under_every_schedule() -> None:
     """From scratch, tied embeddings (Megatron-LM's default): zb1p and dualpipev print
-    1F1B's digits, dualpipe within a millionth. dualpipe's last rank used to copy its
+    1F1B's digits, dualpipe within a millionth; ``--dry-run`` builds on each rank the
+    parameters Megatron-LM's ``get_model`` says it built. dualpipe's last rank used to copy its
     zeroed output layer over its embedding (loss 4.863 against 4.876 at step 1, then
     barely learning)."""
     if not _megatron_core_0_19():
@@ -271,6 +293,8 @@ def test_the_tiny_config_trains_as_1f1b_under_every_schedule() -> None:
     for schedule in ("1f1b", "zb1p", "dualpipev", "dualpipe"):
         done = _train(f"pipeline_schedule={schedule}")
         assert done.returncode == 0, done.stderr[-3000:]
+        built = {int(r): int(n) for r, n in PRETRAIN_BUILT.findall(done.stdout)}
+        assert built == _dry_run_built(f"pipeline_schedule={schedule}"), schedule
         said = "Megatron's own" if schedule == "1f1b" else f"{schedule} (megatron-dualpipe's)"
         assert f"pipeline schedule: {said}" in done.stdout + done.stderr
         losses = dict(LOSS.findall(done.stdout))

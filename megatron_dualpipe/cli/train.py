@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from ..errors import DualPipeError
 from .common import add_overrides, unwind_on_stop_signals
@@ -87,14 +88,23 @@ def run(args: argparse.Namespace) -> None:
 
 def _megatron_lm(args: argparse.Namespace) -> None:
     from ..megatron.lm_args import MegatronLMConfigError
+
+    if args.profile:
+        raise MegatronLMConfigError(
+            "--profile is megatron-dualpipe's own loop's: leave out --loop megatron-lm, or "
+            "--profile"
+        )
+    if args.dry_run:
+        from ..megatron.compat.known_warnings import silence_known_warnings
+        from ..megatron.lm_dry_run import dry_run_with_megatron_lm  # imports torch when run
+
+        silence_known_warnings()
+        _print_dry_run(dry_run_with_megatron_lm(args.config, args.overrides, args.ranks))
+        return
+    if args.ranks is not None:
+        raise MegatronLMConfigError("--ranks chooses the ranks of a dry run: add --dry-run")
     from ..megatron.lm_launch import train_with_megatron_lm  # imports torch when run
 
-    ours = {"--dry-run": args.dry_run, "--profile": args.profile, "--ranks": args.ranks}
-    for flag, given in ours.items():
-        if given:
-            raise MegatronLMConfigError(
-                f"{flag} is megatron-dualpipe's own loop's: leave out --loop megatron-lm, or {flag}"
-            )
     with unwind_on_stop_signals():
         step = train_with_megatron_lm(args.config, args.overrides)
     if step is None:
@@ -109,11 +119,21 @@ def _dry_run(args: argparse.Namespace) -> None:
     from ..megatron.compat.known_warnings import silence_known_warnings
 
     silence_known_warnings()
+    from ..megatron.model.built import parse_ranks
     from ..megatron.training import load_config
     from ..megatron.training.config import config_source
-    from ..megatron.training.dry_run import dry_run, dry_run_lines, parse_ranks
+    from ..megatron.training.dry_run import dry_run
 
     cfg = load_config(args.config, args.overrides)
     ranks = parse_ranks(args.ranks, cfg.pipeline_model_parallel_size)
     source = config_source(args.config, args.overrides)
-    print("\n".join(dry_run_lines(dry_run(cfg, ranks, source=source))))
+    _print_dry_run(dry_run(cfg, ranks, source=source))
+
+
+def _print_dry_run(result: Any) -> None:
+    """The dry run's report (``megatron.model.built.DryRun``) beside the memory model."""
+    from ..planner.dry_run_report import dry_run_lines, memory_of_ranks
+
+    notes: list[str] = []
+    memory = memory_of_ranks(result.values, notes)
+    print("\n".join(dry_run_lines(result, memory, notes)))

@@ -49,7 +49,9 @@ __all__ = [
     "WRITTEN_FOLDERS",
     "PretrainExit",
     "check_folders",
+    "megatron_lm_config",
     "megatron_lm_run_argv",
+    "model_parallel_size",
     "train_with_megatron_lm",
 ]
 
@@ -110,9 +112,23 @@ def train_with_megatron_lm(path: Path, overrides: Iterable[str]) -> MeasuredStep
     :class:`~..schedules.config_values.ConfigValueError`) before any rank starts."""
     import torch
 
-    from ..runtime.launch import process_tmpdir
     from ..runtime.rank_env import launcher_env
-    from .compat.lm_patch import make_patched_training
+
+    with megatron_lm_config(path, overrides) as (settings, source):
+        return _run(settings, source, launcher_env(), not torch.cuda.is_available())
+
+
+@contextlib.contextmanager
+def megatron_lm_config(
+    path: Path, overrides: Iterable[str]
+) -> Iterator[tuple[dict[str, Any], str]]:
+    """The config at ``path`` (with ``--set`` ``overrides``) as its keys and values, and
+    where it comes from, for the block, in which ``megatron.training`` is megatron-core
+    0.19's patched for ``--pipeline-schedule`` (a copy made for the block in a temporary
+    folder of this process, first on ``sys.path``; a ``kill -9`` leaves it to the next
+    launch to remove). Another megatron-core is refused in one sentence."""
+    from ..runtime.launch import process_tmpdir
+    from .compat.lm_patch import make_patched_training, unpatched_training_problem
     from .compat.version import installed_megatron_core, megatron_lm_tag
 
     overrides = list(overrides)
@@ -124,14 +140,15 @@ def train_with_megatron_lm(path: Path, overrides: Iterable[str]) -> MeasuredStep
             "'megatron-core==0.19.2' (Python 3.12), or train without --loop megatron-lm"
         )
     settings = read_values(path, overrides)
-    env = launcher_env()
-    on_cpu = not torch.cuda.is_available()
-    with process_tmpdir() as patched:  # a kill -9 leaves it to the next launch to remove
+    with process_tmpdir() as patched:
         folder = str(patched)
         make_patched_training(patched)
         sys.path.insert(0, folder)  # megatron.training is the copy from here on, ranks too
         try:
-            return _run(settings, source, env, on_cpu)
+            problem = unpatched_training_problem()  # the first import of megatron.training
+            if problem is not None:
+                raise MegatronLMConfigError(problem)
+            yield settings, source
         finally:
             sys.path.remove(folder)
 
@@ -143,11 +160,7 @@ def _run(
     from ..lifetime import forks_die_with_forker
     from ..megatron_lm import check_load, unscheduled_flag
     from ..runtime.launch import run_ranks
-    from .compat.lm_patch import unpatched_training_problem
 
-    problem = unpatched_training_problem()  # the first import of megatron.training
-    if problem is not None:
-        raise MegatronLMConfigError(problem)
     parser = megatron_lm_parser()
     argv, parsed = megatron_lm_run_argv(settings, parser, source, on_cpu=on_cpu)
     unscheduled = unscheduled_flag(parsed)  # apply() would say it in each rank
@@ -167,7 +180,7 @@ def _run(
             # --use-persistent-ckpt-worker's: Megatron-LM spawns it; forked ranks: done)
             measured = _pretrain(argv)
         else:
-            world_size = int(settings.get("world_size") or _model_parallel_size(settings))
+            world_size = int(settings.get("world_size") or model_parallel_size(settings))
             minutes = float(settings.get("distributed_timeout_minutes") or 10)
             measured = run_ranks(
                 _rank,
@@ -309,7 +322,7 @@ def _one_run_per_save(parsed: argparse.Namespace, *, holder: bool) -> Iterator[N
         yield
 
 
-def _model_parallel_size(settings: Mapping[str, Any]) -> int:
+def model_parallel_size(settings: Mapping[str, Any]) -> int:
     """TP x PP x CP of ``settings``: the fewest ranks the config runs on."""
     size = 1
     for key in (

@@ -1,0 +1,253 @@
+"""``megatron-dualpipe train --loop megatron-lm --dry-run``: every chosen pipeline rank of a
+config built the way Megatron-LM's ``pretrain()`` builds it, at full size, without a
+cluster and without allocating it.
+
+For each chosen pipeline rank (default: all, at tensor-, data- and expert-parallel
+coordinate 0) this process parses and validates the config's flags as that rank of the
+config's world with Megatron-LM's ``--fake-process-group`` (our checks run in validation as
+in a run), runs Megatron-LM's ``initialize_megatron`` (the fake world and Megatron's groups,
+as ``pretrain`` makes them), and builds the rank's model chunks on the meta device with the
+builders the patched ``get_model`` calls (:func:`~..megatron_lm.build_model_chunks` for our
+schedules, else the model provider per virtual stage as ``get_model`` does), wrapped in
+Megatron's ``Float16Module`` (ours for our placements) with bf16 or fp16. Megatron's global
+state is reset between ranks (``unset_global_variables``, ``destroy_model_parallel``).
+
+The report per rank is :class:`~.model.built.RankReport`, the whole :class:`DryRun`; the
+entry point puts the memory model beside it. Without Transformer Engine the chunks are built
+from Megatron-Core's local layers without FP8 (the same parameters), and a note says so;
+Megatron-LM's written outputs (TensorBoard, checkpoints) are left out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .lm_launch import megatron_lm_config, megatron_lm_run_argv, model_parallel_size
+from .model.built import (
+    BuiltSetup,
+    DryRun,
+    RankReport,
+    finished,
+    parse_ranks,
+    rank_report,
+    world_creations,
+)
+
+__all__ = ["dry_run_with_megatron_lm"]
+
+#: Keys of what a dry run neither writes nor reads (it builds a model, it never trains).
+_LEFT_OUT = ("save", "load", "tensorboard_dir", "wandb_project", "pipeline_timeline")
+
+
+def dry_run_with_megatron_lm(path: Path, overrides: Iterable[str], ranks: str | None) -> DryRun:
+    """Build the pipeline ranks ``ranks`` (``--ranks``; default every one) of the config at
+    ``path`` (with ``--set`` ``overrides``) as Megatron-LM's ``pretrain()`` would (see the
+    module docstring). Run it in a process with no process group."""
+    from .lm_args import megatron_lm_parser
+
+    started = time.perf_counter()
+    with megatron_lm_config(path, overrides) as (settings, source):
+        settings, notes = _buildable(settings)
+        on_cpu = not torch.cuda.is_available()
+        argv, parsed = megatron_lm_run_argv(settings, megatron_lm_parser(), source, on_cpu=on_cpu)
+        pp = parsed.pipeline_model_parallel_size
+        chosen = parse_ranks(ranks, pp)
+        world = int(settings.get("world_size") or model_parallel_size(settings))
+        notes.append(
+            "Megatron's gloo groups are off (Megatron-LM's --fake-process-group turns them off)"
+        )
+        reports, named, setup, values = [], {}, None, {}
+        for rank in chosen:
+            report, mine, setup, values = _rank([*argv, "--fake-process-group"], rank, world, pp)
+            reports.append(report)
+            named.update(mine)
+    assert setup is not None  # parse_ranks gives at least one rank
+    return finished(setup, {**settings, **values}, reports, named, notes, started)
+
+
+def _buildable(settings: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``settings`` as this machine builds them, and what changed: nothing read or written,
+    no initial values drawn; local layers without FP8 where Transformer Engine is not
+    installed."""
+    out = {k: v for k, v in settings.items() if k not in _LEFT_OUT}
+    # Parameters made without a device (Megatron's CPU initialisation) take the meta device
+    # of the build; values are not drawn (--no-initialization).
+    out.update(use_cpu_initialization=True, perform_initialization=False)
+    notes = []
+    if out.get("transformer_impl", "transformer_engine") != "local" and not find_spec(
+        "transformer_engine"
+    ):
+        out["transformer_impl"] = "local"
+        notes.append(
+            "Transformer Engine is not installed here: built with Megatron-Core's local layers "
+            "(the same parameters: TE fuses each norm into the next linear layer and the "
+            "experts into grouped GEMMs)"
+        )
+        if out.pop("fp8", None) is not None:  # Megatron-LM's --fp8-format
+            notes.append(
+                "built without FP8: TE's FP8 weight copies are not parameters; the memory "
+                "model counts them in the weights"
+            )
+    return out, notes
+
+
+@contextlib.contextmanager
+def _as_rank(argv: list[str], rank: int, world: int) -> Iterator[Any]:
+    """Megatron-LM's validated arguments as global rank ``rank`` of ``world`` (its global
+    state set, and reset after the block); what Megatron prints while setting up is kept
+    back."""
+    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training.global_vars import unset_global_variables
+
+    from ..megatron_lm import add_arguments
+
+    variables = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0"}
+    saved_env = {k: os.environ.get(k) for k in variables}
+    saved_argv = sys.argv
+    os.environ.update(variables)
+    sys.argv = ["pretrain", *argv]
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            args = parse_and_validate_args(
+                extra_args_provider=add_arguments,
+                args_defaults={"tokenizer_type": "NullTokenizer"},
+            )
+        yield args
+    finally:
+        sys.argv = saved_argv
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        unset_global_variables()
+
+
+def _rank(
+    argv: list[str], pipeline_rank: int, world: int, pp: int
+) -> tuple[RankReport, dict[str, tuple[int, int]], BuiltSetup, dict[str, Any]]:
+    """Build pipeline rank ``pipeline_rank`` of the fake world; its report, its parameters
+    by global name (elements, shards), the setup and the values Megatron-LM derived (the
+    padded vocabulary, the micro-batches)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.rerun_state_machine import destroy_rerun_state_machine
+    from megatron.training.initialize import initialize_megatron
+
+    from .. import megatron_lm as dualpipe_lm
+    from .compat.cpu_compat_training import megatron_training_on_cpu
+    from .pretrain_gpt import get_embedding_ranks
+    from .schedule.checks import DualPipeConfigError
+
+    started = time.perf_counter()
+    global_rank = pipeline_rank * (world // pp)
+    with _as_rank(argv, global_rank, world) as args:
+        try:
+            with megatron_training_on_cpu(), contextlib.redirect_stdout(io.StringIO()):
+                initialize_megatron(get_embedding_ranks=get_embedding_ranks)
+            creations = world_creations()
+            where = (
+                parallel_state.get_pipeline_model_parallel_rank(),
+                parallel_state.get_tensor_model_parallel_rank(),
+                parallel_state.get_data_parallel_rank(),
+                parallel_state.get_expert_model_parallel_rank(),
+            )
+            if where != (pipeline_rank, 0, 0, 0):
+                raise DualPipeConfigError(
+                    f"global rank {global_rank} is at (pipeline, tensor, data, expert) {where}, "
+                    f"not ({pipeline_rank}, 0, 0, 0): Megatron's rank order is not the one "
+                    "assumed"
+                )
+            chunks = _build(args, pipeline_rank)
+            setup = BuiltSetup(
+                schedule=dualpipe_lm.schedule_name(args),
+                pipeline=pp,
+                tensor=args.tensor_model_parallel_size,
+                expert=args.expert_model_parallel_size,
+                data=args.data_parallel_size,
+                world_size=world,
+                microbatches=dualpipe_lm.num_microbatches(args),
+                seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size,
+                bf16=bool(args.bf16),
+            )
+            config = _unwrapped(chunks[0]).config
+            ranks = (pipeline_rank, global_rank)
+            report, named = rank_report(setup, config, chunks, ranks, creations, started)
+            values = {
+                "vocab_size": args.padded_vocab_size,
+                "world_size": world,
+                "num_microbatches": setup.microbatches,
+                "pipeline_schedule": setup.schedule,
+            }
+        finally:
+            parallel_state.destroy_model_parallel()
+            destroy_rerun_state_machine()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    return report, named, setup, values
+
+
+def _unwrapped(chunk: Any) -> Any:
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(chunk)
+
+
+def _build(args: Any, pp_rank: int) -> list[Any]:
+    """This rank's chunks on the meta device, as the patched ``get_model`` builds and wraps
+    them before it moves them to the GPU and into DDP."""
+    from megatron.core.pipeline_parallel.utils import (
+        is_pp_first_stage,
+        is_pp_last_stage,
+        is_vp_first_stage,
+        is_vp_last_stage,
+    )
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.module import Float16Module
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    from .. import megatron_lm as dualpipe_lm
+    from .pretrain_gpt import model_provider
+
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    with torch.device("meta"):
+        if dualpipe_lm.builds_model_chunks(args):
+            chunks = dualpipe_lm.build_model_chunks(
+                model_provider,
+                args,
+                core_transformer_config_from_args,
+                pp_rank=pp_rank,
+                pg_collection=pgs,
+            )
+        else:
+            vp = (
+                args.virtual_pipeline_model_parallel_size
+                if args.pipeline_model_parallel_size > 1
+                else None
+            )
+            chunks = [
+                model_provider(
+                    pre_process=is_pp_first_stage(pgs.pp) and is_vp_first_stage(i, vp or 1),
+                    post_process=is_pp_last_stage(pgs.pp) and is_vp_last_stage(i, vp or 1),
+                    vp_stage=i if vp else None,
+                    pg_collection=pgs,
+                )
+                for i in range(vp or 1)
+            ]
+        if not (args.fp16 or args.bf16):
+            return chunks
+        config = _unwrapped(chunks[0]).config
+        if dualpipe_lm.places_model_chunks(args):
+            return dualpipe_lm.float16_chunks(chunks, config, args, pp_rank=pp_rank)
+        return [Float16Module(config, c) for c in chunks]

@@ -1,0 +1,113 @@
+"""``megatron-dualpipe train --loop megatron-lm --dry-run``: each pipeline rank built as
+Megatron-LM's ``pretrain()`` builds it (its arguments validated with
+``--fake-process-group``, its ``initialize_megatron``, the patched ``get_model``'s builders),
+on the meta device (megatron_dualpipe/megatron/lm_dry_run.py).
+
+- Per rank, the parameters it builds are the ones ``pretrain()`` builds in a real run of
+  the tiny config, under Megatron's 1F1B and our three schedules (checked beside those runs:
+  tests/test_megatron_lm_launch.py); here, only the chosen ranks are built.
+- DeepSeek-V3 at full size (configs/deepseek_v3_pp16.yaml, 2,048 ranks) under dualpipe and
+  dualpipev: every rank agrees with the memory model and the model without its MTP block is
+  DeepSeek's published 671B, in seconds and under a GiB of host memory (slow).
+- ``--ranks`` and ``--profile`` are refused in one sentence where they do not apply.
+
+Each run is a command in a subprocess: the route puts its patched ``megatron.training`` on
+the path, which the other tests of the process must not see.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny_gpt_cpu.yaml"
+DEEPSEEK = ROOT / "configs" / "deepseek_v3_pp16.yaml"
+#: What the tiny config needs for Megatron-LM's parser (a whole number of minutes).
+SETS = ("distributed_timeout_minutes=1",)
+BUILT = re.compile(r"^pipeline rank (\d+) \(global rank \d+, built in [\d.]+ s\): ([\d,]+) ", re.M)
+pytestmark = pytest.mark.megatron
+
+
+def _needs_0_19() -> None:
+    from megatron_dualpipe.megatron.compat.version import megatron_lm_tag
+
+    if megatron_lm_tag() != "core_v0.19.0":
+        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
+
+
+def _command(config: Path, *flags: str, sets: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    items = [arg for item in (*SETS, *sets) for arg in ("--set", item)]
+    command = [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(config)]
+    command += ["--loop", "megatron-lm", *flags, *items]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def _dry_run(config: Path, *sets: str, ranks: str | None = None) -> str:
+    flags = ["--dry-run", *(["--ranks", ranks] if ranks else [])]
+    done = _command(config, *flags, sets=sets)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_the_chosen_ranks_only_and_megatron_lm_s_groups() -> None:
+    _needs_0_19()
+    report = _dry_run(TINY, ranks="1")
+    assert [r for r, _ in BUILT.findall(report)] == ["1"]
+    assert report.startswith("dry run of dualpipev at PP=2 TP=1 EP=1 DP=1 in a fake world of 2")
+    assert "pipeline group (Megatron's; carries the lock-step plan) (2)" in report
+    assert "communication plan (lock-step, 12 batches on the pipeline group): 32 messages" in report
+    assert report.splitlines()[-1].startswith("model parameters, each counted once (of the built")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "sets",
+    [
+        (),
+        (
+            "pipeline_schedule=dualpipev",
+            "decoder_first_pipeline_num_layers=null",
+            "decoder_last_pipeline_num_layers=null",
+            "pipeline_model_parallel_layout=Et|(tt|)*30,mL",
+        ),
+    ],
+    ids=["dualpipe", "dualpipev"],
+)
+def test_deepseek_v3_at_full_size(sets: tuple[str, ...]) -> None:
+    _needs_0_19()
+    report = _dry_run(DEEPSEEK, *sets)
+    assert [int(r) for r, _ in BUILT.findall(report)] == list(range(16))
+    assert "16 of 16 ranks agree exactly" in report
+    # DeepSeek-V3: 671B parameters without the MTP module (the published size).
+    assert report.splitlines()[-1] == (
+        "model parameters, each counted once: 682,636,472,320 (682.636B); without the MTP "
+        "block (11,610,067,968 (11.610B)): 671,026,404,352 (671.026B)"
+    )
+    took = re.search(
+        r"^dry run: 16 ranks in ([\d.]+) s, peak host memory ([\d.]+) GiB", report, re.M
+    )
+    assert took is not None and float(took[2]) < 2, took
+    # Rank 0's four message kinds carry each of the 120 micro-batches once under dualpipev;
+    # under dualpipe each direction has half.
+    count = 480 if sets else 240
+    assert f"{count} messages of 56.0 MiB (bfloat16 4096x1x7168)" in report
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--ranks", "0"], "--ranks chooses the ranks of a dry run: add --dry-run"),
+        (["--profile"], "--profile is megatron-dualpipe's own loop's: leave out --loop"),
+        (["--dry-run", "--ranks", "2"], "--ranks 2: give pipeline ranks between 0 and 1"),
+    ],
+)
+def test_flags_that_do_not_apply_are_one_sentence(flags: list[str], said: str) -> None:
+    _needs_0_19()
+    done = _command(TINY, *flags)
+    assert done.returncode == 2 and said in done.stderr.splitlines()[-1], done.stderr[-2000:]
+    assert "iteration" not in done.stdout
