@@ -480,6 +480,9 @@ def forward_backward_func(args: Any, megatrons: Callable[..., Any]) -> Callable[
             # FullCudaGraphWrapper, which captures its step whole.
             graph_safe = cuda_graph_setting(args)[0] == "full_iteration"
             func = DualPipeForwardBackward(schedule, graph_safe=graph_safe, **options)
+            # Megatron-LM's --profile --use-pytorch-profiler: each action in a span, every
+            # step of the run (the profiler's schedule keeps the steps it profiles).
+            func.record_spans = bool(args.profile and args.use_pytorch_profiler)
             saved = getattr(args, "pipeline_schedule_file", None)
             if saved is not None:  # checked in apply(): read as it was then
                 func.use_schedule(read_saved_schedule(saved))

@@ -9,7 +9,7 @@ on the meta device (megatron_dualpipe/megatron/lm_dry_run.py).
 - DeepSeek-V3 at full size (configs/deepseek_v3_pp16.yaml, 2,048 ranks) under dualpipe and
   dualpipev: every rank agrees with the memory model and the model without its MTP block is
   DeepSeek's published 671B, in seconds and under a GiB of host memory (slow).
-- ``--ranks`` and ``--profile`` are refused in one sentence where they do not apply.
+- ``--ranks`` is refused in one sentence where it does not apply.
 
 Each run is a command in a subprocess: the route puts its patched ``megatron.training`` on
 the path, which the other tests of the process must not see.
@@ -102,11 +102,10 @@ def test_deepseek_v3_at_full_size(sets: tuple[str, ...]) -> None:
     ("flags", "said"),
     [
         (["--ranks", "0"], "--ranks chooses the ranks of a dry run: add --dry-run"),
-        (["--profile"], "--profile is megatron-dualpipe's own loop's: leave out --loop"),
         (["--dry-run", "--ranks", "2"], "--ranks 2: give pipeline ranks between 0 and 1"),
     ],
 )
-def test_flags_that_do_not_apply_are_one_sentence(flags: list[str], said: str) -> None:
+def test_ranks_that_do_not_apply_are_one_sentence(flags: list[str], said: str) -> None:
     _needs_0_19()
     done = _command(TINY, *flags)
     assert done.returncode == 2 and said in done.stderr.splitlines()[-1], done.stderr[-2000:]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -266,11 +268,49 @@ def test_train_profile_writes_a_trace_per_rank_that_simulate_reads(
     ]
     cfg = load_config(tiny, settings)
     train(cfg, source=str(tiny))
-    traces = sorted(Path(cfg.profile_dir).iterdir())
+    _check_traces(sorted(Path(cfg.profile_dir).iterdir()), capsys)
+
+
+@pytest.mark.slow
+@pytest.mark.megatron
+@pytest.mark.multiproc
+def test_the_route_s_profile_writes_a_trace_per_rank_that_simulate_reads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``train --loop megatron-lm --profile``: Megatron-LM's own profiler, into
+    ``<tensorboard_dir>/../torch_profile``, with our executor's spans; without
+    ``tensorboard_dir`` refused before any rank."""
+    from megatron_dualpipe.megatron.compat.version import megatron_lm_tag
+
+    if megatron_lm_tag() != "core_v0.19.0":
+        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
+    sets = ["train_iters=3", "eval_iters=0", "distributed_timeout_minutes=1"]
+    sets += ["profile_step_start=1", "profile_step_end=2"]
+    command = [sys.executable, "-m", "megatron_dualpipe", "train", "--config"]
+    command += [str(ROOT / "configs" / "tiny_gpt_cpu.yaml"), "--loop", "megatron-lm", "--profile"]
+
+    def run(*more: str) -> subprocess.CompletedProcess:
+        items = [arg for item in (*sets, *more) for arg in ("--set", item)]
+        return subprocess.run(
+            [*command, *items], cwd=ROOT, capture_output=True, text=True, timeout=600
+        )
+
+    refused = run()
+    assert (
+        refused.returncode == 2
+        and "tensorboard_dir is not set: set tensorboard_dir" in (refused.stderr.splitlines()[-1])
+    ), refused.stderr[-2000:]
+    done = run(f"tensorboard_dir={tmp_path / 'tensorboard'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    _check_traces(sorted((tmp_path / "torch_profile").iterdir()), capsys)
+
+
+def _check_traces(traces: list[Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """One trace per rank of the tiny config (dualpipev at PP=2, 8 micro-batches, one
+    profiled step): rank 0's spans are its actions, by kind, and simulate reads it."""
     assert [t.name for t in traces] == ["rank-0.json.gz", "rank-1.json.gz"]
     costs = read_profile(traces[0])
     assert costs.device == "CPU" and costs.spelling == "executor"
-    # dualpipev at PP=2, 8 micro-batches, one profiled step: rank 0's actions, by kind.
     kinds: dict[str, int] = {}
     for name, phase in costs.phases.items():
         if " stage=" in name:  # the profiler's own spans (gloo:send, ...) are there too
@@ -284,6 +324,7 @@ def test_train_profile_writes_a_trace_per_rank_that_simulate_reads(
             expected[f"FB/{half.kind.value}"] = expected.get(f"FB/{half.kind.value}", 0) + 1
     assert kinds == expected
     assert costs.f > 0 and costs.b > 0 and costs.w > 0 and costs.pair_wall is not None
+    capsys.readouterr()
     assert main(["simulate", "--profile", str(traces[0]), "--pp", "2", "--microbatches", "8"]) == 0
     assert "ms per stage" in capsys.readouterr().out
 

@@ -15,6 +15,8 @@ from .common import add_overrides, unwind_on_stop_signals
 
 __all__ = ["LOOPS", "add", "run"]
 
+#: What ``--profile`` sets: Megatron-LM's ``--profile --use-pytorch-profiler``.
+_PROFILING = ("profile=true", "use_pytorch_profiler=true")
 #: The training loops ``--loop`` chooses from, the default first.
 LOOPS = ("megatron-dualpipe", "megatron-lm")
 
@@ -43,7 +45,8 @@ def add(sub: argparse._SubParsersAction) -> None:
         help="profile with torch.profiler as Megatron-LM's --profile --use-pytorch-profiler "
         "(the steps after profile_step_start up to profile_step_end, on profile_ranks; set "
         "them with --set): one Chrome trace per profiled rank, a span per pipeline action, "
-        "for simulate --profile",
+        "for simulate --profile (with --loop megatron-lm: Megatron-LM's profiler, the traces "
+        "in <tensorboard_dir>/../torch_profile)",
     )
     p.add_argument(
         "--loop",
@@ -80,8 +83,7 @@ def run(args: argparse.Namespace) -> None:
 
     if args.ranks is not None:
         raise ConfigError("--ranks chooses the ranks of a dry run: add --dry-run")
-    profiling = ["profile=true", "use_pytorch_profiler=true"] if args.profile else []
-    overrides = [*profiling, *args.overrides]
+    overrides = [*(_PROFILING if args.profile else []), *args.overrides]
     with unwind_on_stop_signals():
         train(load_config(args.config, overrides), source=config_source(args.config, overrides))
 
@@ -89,11 +91,6 @@ def run(args: argparse.Namespace) -> None:
 def _megatron_lm(args: argparse.Namespace) -> None:
     from ..megatron.lm_args import MegatronLMConfigError
 
-    if args.profile:
-        raise MegatronLMConfigError(
-            "--profile is megatron-dualpipe's own loop's: leave out --loop megatron-lm, or "
-            "--profile"
-        )
     if args.dry_run:
         from ..megatron.compat.known_warnings import silence_known_warnings
         from ..megatron.lm_dry_run import dry_run_with_megatron_lm  # imports torch when run
@@ -105,8 +102,9 @@ def _megatron_lm(args: argparse.Namespace) -> None:
         raise MegatronLMConfigError("--ranks chooses the ranks of a dry run: add --dry-run")
     from ..megatron.lm_launch import train_with_megatron_lm  # imports torch when run
 
+    overrides = [*(_PROFILING if args.profile else []), *args.overrides]
     with unwind_on_stop_signals():
-        step = train_with_megatron_lm(args.config, args.overrides)
+        step = train_with_megatron_lm(args.config, overrides)
     if step is None:
         return
     from ..planner.measured_step import report_measured_step

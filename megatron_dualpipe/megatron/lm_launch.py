@@ -170,6 +170,7 @@ def _run(
             "pipeline_schedule"
         )
     check_load(parsed)  # each rank checks again in apply()
+    _check_profile(parsed, source)
     check_folders(parsed, source)
     _check_data_files(parsed, source)
     holder = env is None or env.rank == 0
@@ -229,6 +230,18 @@ def check_folders(parsed: argparse.Namespace, source: str) -> None:
         raise MegatronLMConfigError(
             f"{source}: pipeline_timeline: cannot write to {Path(picture).parent} ({why}): set "
             "pipeline_timeline to a file in a folder this user can write to"
+        )
+
+
+def _check_profile(parsed: argparse.Namespace, source: str) -> None:
+    """Megatron-LM's ``--profile --use-pytorch-profiler`` writes each profiled rank's
+    Chrome trace into ``<tensorboard_dir>/../torch_profile`` (``train``'s trace handler):
+    without ``--tensorboard-dir`` it would make a folder named ``None`` beside the run."""
+    if parsed.profile and parsed.use_pytorch_profiler and not parsed.tensorboard_dir:
+        raise MegatronLMConfigError(
+            f"{source}: profile with use_pytorch_profiler writes its traces into "
+            "<tensorboard_dir>/../torch_profile (Megatron-LM's place for them), and "
+            "tensorboard_dir is not set: set tensorboard_dir, e.g. runs/tensorboard"
         )
 
 
