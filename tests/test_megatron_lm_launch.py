@@ -23,6 +23,7 @@ import pytest
 
 from megatron_dualpipe.megatron.lm_args import (
     NAMED_OTHERWISE,
+    OTHER_WAY,
     MegatronLMConfigError,
     megatron_lm_argv,
 )
@@ -98,6 +99,15 @@ def test_a_key_megatron_lm_names_otherwise_is_refused_naming_its_name() -> None:
         "pretrain (did you mean 'num_virtual_stages_per_pipeline_rank'?): write a Megatron-LM "
         "flag in snake case, or remove it"
     )
+
+
+def test_a_key_the_route_does_another_way_says_how() -> None:
+    """optimize_schedule: the route's way is profile, simulate --optimize, schedule file
+    (run end to end in tests/test_profile_trace.py)."""
+    with pytest.raises(MegatronLMConfigError) as info:
+        megatron_lm_argv({"optimize_schedule": True}, _parser(), "c.yaml")
+    assert str(info.value) == f"c.yaml: optimize_schedule: {OTHER_WAY['optimize_schedule']}"
+    assert "--save ORDER) and train it with pipeline_schedule_file: ORDER" in str(info.value)
 
 
 def test_a_switch_given_a_number_is_refused() -> None:

@@ -279,7 +279,8 @@ def test_the_route_s_profile_writes_a_trace_per_rank_that_simulate_reads(
 ) -> None:
     """``train --loop megatron-lm --profile``: Megatron-LM's own profiler, into
     ``<tensorboard_dir>/../torch_profile``, with our executor's spans; without
-    ``tensorboard_dir`` refused before any rank."""
+    ``tensorboard_dir`` refused before any rank. An order optimised on the trace is one the
+    route runs (``pipeline_schedule_file``), and one of other micro-batches is refused."""
     from megatron_dualpipe.megatron.compat.version import megatron_lm_tag
 
     if megatron_lm_tag() != "core_v0.19.0":
@@ -302,7 +303,22 @@ def test_the_route_s_profile_writes_a_trace_per_rank_that_simulate_reads(
     ), refused.stderr[-2000:]
     done = run(f"tensorboard_dir={tmp_path / 'tensorboard'}")
     assert done.returncode == 0, done.stderr[-3000:]
-    _check_traces(sorted((tmp_path / "torch_profile").iterdir()), capsys)
+    traces = sorted((tmp_path / "torch_profile").iterdir())
+    _check_traces(traces, capsys)
+    # The route's way to optimise_schedule: the order optimised on the trace, saved, is one
+    # the route takes (its check runs in the argument validation a dry run does).
+    order = tmp_path / "order.txt"
+    simulate = ["simulate", "--profile", str(traces[0]), "--schedule", "dualpipev", "--pp", "2"]
+    simulate += ["--microbatches", "8", "--optimize", "--time-limit", "2", "--save", str(order)]
+    assert main(simulate) == 0
+    saved = order.read_text()
+    command[-1] = "--dry-run"
+    checked = run(f"pipeline_schedule_file={order}")
+    assert checked.returncode == 0 and "dry run of dualpipev" in checked.stdout, checked.stderr
+    refused = run(f"pipeline_schedule_file={order}", "global_batch_size=24")
+    last = refused.stderr.splitlines()[-1]
+    assert last.startswith("error: --pipeline-schedule-file: ") and "12 micro-batches" in last
+    assert order.read_text() == saved
 
 
 def _check_traces(traces: list[Path], capsys: pytest.CaptureFixture[str]) -> None:

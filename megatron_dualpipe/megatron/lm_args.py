@@ -24,6 +24,7 @@ from ..errors import DualPipeError
 __all__ = [
     "LAUNCHER_KEYS",
     "NAMED_OTHERWISE",
+    "OTHER_WAY",
     "MegatronLMConfigError",
     "megatron_lm_argv",
     "megatron_lm_parser",
@@ -39,6 +40,17 @@ NAMED_OTHERWISE = {
     "virtual_pipeline_model_parallel_size": "num_virtual_stages_per_pipeline_rank",
     "cuda_graph_scope": "cuda_graph_modules",
     "schedule_file": "pipeline_schedule_file",
+}
+
+
+#: Keys of megatron-dualpipe's own loop that Megatron-LM's loop does another way, and how.
+OTHER_WAY = {
+    "optimize_schedule": (
+        "Megatron-LM's loop keeps the schedule optimiser (the planner) out of the training "
+        "run: profile a run (--profile), optimise its order on the trace (megatron-dualpipe "
+        "simulate --profile TRACE --schedule S --pp P --microbatches M --optimize --save "
+        "ORDER) and train it with pipeline_schedule_file: ORDER"
+    ),
 }
 
 
@@ -72,6 +84,8 @@ def megatron_lm_argv(
     for key, value in settings.items():
         if key in LAUNCHER_KEYS or value is None:
             continue
+        if key in OTHER_WAY:
+            raise MegatronLMConfigError(f"{source}: {key}: {OTHER_WAY[key]}")
         if key not in actions:
             close = difflib.get_close_matches(key, actions, n=1, cutoff=0.75)
             if key in NAMED_OTHERWISE and NAMED_OTHERWISE[key] in actions:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import sys
 import time
@@ -104,8 +105,8 @@ def _buildable(settings: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
 @contextlib.contextmanager
 def _as_rank(argv: list[str], rank: int, world: int) -> Iterator[Any]:
     """Megatron-LM's validated arguments as global rank ``rank`` of ``world`` (its global
-    state set, and reset after the block); what Megatron prints while setting up is kept
-    back."""
+    state set, and reset after the block); what Megatron prints and logs below ERROR while
+    setting up and building is kept back."""
     from megatron.training.arguments import parse_and_validate_args
     from megatron.training.global_vars import unset_global_variables
 
@@ -114,8 +115,11 @@ def _as_rank(argv: list[str], rank: int, world: int) -> Iterator[Any]:
     variables = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0"}
     saved_env = {k: os.environ.get(k) for k in variables}
     saved_argv = sys.argv
+    megatrons = logging.getLogger("megatron")  # its set-up's lines, once per rank built
+    saved_level = megatrons.level
     os.environ.update(variables)
     sys.argv = ["pretrain", *argv]
+    megatrons.setLevel(logging.ERROR)
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             args = parse_and_validate_args(
@@ -124,6 +128,7 @@ def _as_rank(argv: list[str], rank: int, world: int) -> Iterator[Any]:
             )
         yield args
     finally:
+        megatrons.setLevel(saved_level)
         sys.argv = saved_argv
         for key, value in saved_env.items():
             if value is None:
