@@ -505,7 +505,9 @@ def _indexed_dataset(prefix: Path, documents: int) -> str:
 
 @pytest.mark.megatron
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["no .idx", "a split without tokens", "split 0,0,0"])
+@pytest.mark.parametrize(
+    "case", ["no .idx", "a split without tokens", "split 0,0,0", "a token beyond the vocabulary"]
+)
 def test_data_files_that_cannot_train_are_refused_before_any_rank(
     tmp_path: Path, case: str
 ) -> None:
@@ -517,10 +519,13 @@ def test_data_files_that_cannot_train_are_refused_before_any_rank(
     prefix = _indexed_dataset(tmp_path / "data" / "c3_text_document", 3)
     if case == "no .idx":
         Path(f"{prefix}.idx").unlink()
-    sets = [f"data_path={prefix}", "tokenizer_type=NullTokenizer", "vocab_size=64"]
-    said = _refused(*sets, *(["split=0,0,0"] if case == "split 0,0,0" else []))
+    # Megatron-Core's NullTokenizer(4): ids 0 to 3 (3 its end of document); the data holds 5.
+    vocab = 4 if case == "a token beyond the vocabulary" else 64
+    sets = [f"data_path={prefix}", "tokenizer_type=NullTokenizer", f"vocab_size={vocab}"]
+    more = {"split 0,0,0": ["split=0,0,0"], "a token beyond the vocabulary": ["split=1,0,0"]}
+    said = _refused(*sets, *more.get(case, []))
     assert said.startswith(f"megatron-dualpipe: error: {TINY} with --set train_iters=3 ")
-    assert said.split(" --set vocab_size=64", 1)[1] == {
+    assert said.split(f" --set vocab_size={vocab}", 1)[1] == {
         "no .idx": f": data_path: {prefix}.idx does not exist: name each dataset by the prefix "
         "its .bin and .idx share (megatron-dualpipe preprocess --output-prefix P writes "
         "P_text_document.bin and .idx)",
@@ -532,6 +537,9 @@ def test_data_files_that_cannot_train_are_refused_before_any_rank(
         "split 0,0,0": " --set split=0,0,0: split: '0,0,0' is not a split Megatron-Core reads: "
         "give up to three weights for train, valid and test, at least one above 0, such as "
         "969,30,1",
+        "a token beyond the vocabulary": f" --set split=1,0,0: data_path: {prefix}.bin holds "
+        "token id 5, beyond the 4 ids of the tokenizer (NullTokenizer): train with the "
+        "tokenizer that wrote it, or preprocess the corpus again with this one",
     }[case]
 
 

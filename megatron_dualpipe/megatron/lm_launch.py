@@ -253,9 +253,9 @@ def _check_data_files(parsed: argparse.Namespace, source: str) -> None:
     """The datasets Megatron-LM will read, as its ``get_blend_and_blend_per_split`` finds
     them (``--data-path`` or the ``--data-args-path`` file, split by ``--split``; the
     per-split paths or their JSON file, whole), checked against each other
-    (:func:`~.data.file_checks.data_file_problem`); nothing with ``--mock-data``. Token ids
-    are not checked against the tokenizer here (the ranks build it). What Megatron-LM
-    refuses itself (both a path and its file) is left to it."""
+    (:func:`~.data.file_checks.data_file_problem`), token ids against the tokenizer's
+    vocabulary (:func:`_vocabulary`); nothing with ``--mock-data``. What Megatron-LM refuses
+    itself (both a path and its file) is left to it."""
     from megatron.training.utils import get_blend_and_blend_per_split
 
     from .data.file_checks import data_file_problem
@@ -299,11 +299,14 @@ def _check_data_files(parsed: argparse.Namespace, source: str) -> None:
             f"{source}: data_args_path's blend needs a split (Megatron-LM gives data_path "
             "one, not data_args_path): set split, such as 969,30,1"
         )
+    vocabulary, tokenizer = _vocabulary(parsed)
     try:
         problem = data_file_problem(
             [(blend_key, p) for p in blend[0] if _on_disk(p)] if blend is not None else [],
             whole,
             split=split,
+            vocabulary=vocabulary,
+            tokenizer=tokenizer,
             validation_off="set eval_iters: 0" if parsed.eval_iters else None,
         )
     except (ValueError, AssertionError, ZeroDivisionError):  # Megatron-Core's split parser
@@ -313,6 +316,22 @@ def _check_data_files(parsed: argparse.Namespace, source: str) -> None:
         ) from None
     if problem is not None:
         raise MegatronLMConfigError(f"{source}: {problem[1]}")
+
+
+def _vocabulary(parsed: argparse.Namespace) -> tuple[int | None, str]:
+    """The number of ids of the tokenizer the ranks will build (Megatron-Core's
+    ``build_tokenizer`` on a copy of the arguments, the vocabulary not padded; the route's
+    default NullTokenizer where none is named) and its name; None where it does not build
+    here: each rank then fails on it with Megatron-Core's own error."""
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+
+    given = argparse.Namespace(**vars(parsed))
+    given.tokenizer_type = given.tokenizer_type or "NullTokenizer"
+    given.pad_vocab_size = False
+    try:
+        return build_tokenizer(given).vocab_size, given.tokenizer_type
+    except Exception:  # noqa: BLE001 - whatever it raises, the ranks raise it again and say so
+        return None, given.tokenizer_type
 
 
 @contextlib.contextmanager
