@@ -485,6 +485,12 @@ def test_the_timeline_of_a_run_is_drawn_and_summarised_and_changes_no_digit(
             rf"   pipeline rank {rank}: busy [\d.]+ ms, bubble [\d.]+% \(simulated [\d.]+%\)",
             lines[first + 1 + rank],
         ), lines[first + 1 + rank]
+    bound = re.fullmatch(
+        r" compute bound [\d.]+ ms \(the measured F, B and W compute shared evenly over the "
+        r"ranks\): the measured step is ([\d.]+)x it, the simulated ([\d.]+)x",
+        lines[-2],
+    )
+    assert bound is not None and float(bound[1]) >= 1 and float(bound[2]) >= 1, lines[-2]
     assert lines[-1] == f" timeline (measured above, simulated below): {png}"
     assert LOSS.findall(drawn.stdout) == LOSS.findall(plain.stdout) != []
 

@@ -160,6 +160,9 @@ def test_summary_of_the_measured_step(unclipped: dict[str, dict]) -> None:
     text = "\n".join(dualpipev.lines)
     assert f"measured step: iteration {ITERATIONS}, dualpipev, PP=2, 8 micro-batches" in text
     assert "pipeline rank 1: busy" in text and "(simulated " in text
+    assert dualpipev.summary.bound_ms is not None
+    assert dualpipev.summary.makespan_ms >= dualpipev.summary.bound_ms > 0
+    assert f" compute bound {dualpipev.summary.bound_ms:.1f} ms (the measured F, B" in text
     assert dualpipev.lines[-1].startswith(f" training done: iteration {ITERATIONS} after ")
     assert dualpipev.lines[-1].endswith(f"; outputs: timeline {dualpipev.summary.png}")
 

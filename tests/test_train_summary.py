@@ -49,7 +49,7 @@ def test_the_footnote_names_the_placement_when_it_is_the_cause() -> None:
     measured = _measured(COSTS)
     summary = StepSummary.of(10, measured, predict(measured), None)
     lines = summary_lines(summary)
-    assert lines[-2:] == [
+    assert lines[-3:-1] == [
         "   (simulated: each model stage with its own measured mean times)",
         "   pipeline rank 0 is the long one because dualpipev places the embedding and the "
         "output layer and the loss there (stage 0 1.33x, stage 3 1.67x the mean model "
@@ -63,3 +63,19 @@ def test_no_footnote_when_the_stages_cost_alike() -> None:
 
     measured = _measured(((1.0, 1.0, 1.0),) * 4)
     assert StepSummary.of(10, measured, predict(measured), None).placement_note is None
+
+
+def test_the_summary_puts_the_step_against_its_compute_bound() -> None:
+    """The measured F, B and W compute (8 + 3 + 3 + 10 per micro-batch, 4 micro-batches)
+    shared over the 2 ranks: 48; the step's ratio to it, measured and simulated."""
+    from megatron_dualpipe.planner.measured_step import StepSummary, predict, summary_lines
+
+    measured = _measured(COSTS)
+    summary = StepSummary.of(10, measured, predict(measured), None)
+    assert summary.bound_ms == 48.0
+    ratio = measured.makespan / 48.0
+    assert ratio > 1.3  # rank 0 holds 72 of the 96
+    assert summary_lines(summary)[-1] == (
+        " compute bound 48.0 ms (the measured F, B and W compute shared evenly over the "
+        f"ranks): the measured step is {ratio:.3f}x it, the simulated {ratio:.3f}x"
+    )

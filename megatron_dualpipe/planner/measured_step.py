@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..schedules.ir import Kind, Schedule
 from ..schedules.simulate import SimResult, simulate
+from .bound import step_bound
 from .export import figure_width, to_png
 
 __all__ = [
@@ -130,6 +131,10 @@ class StepSummary:
     png: str | None
     #: Why one rank is the long one, where the placement of the end stages makes it so.
     placement_note: str | None = None
+    #: The compute bound of the measured costs (ms): every rank's measured F, B and W
+    #: compute shared evenly over the ranks (:func:`~.bound.step_bound` of the prediction).
+    bound_ms: float | None = None
+    simulated_ms: float | None = None
 
     @staticmethod
     def of(
@@ -145,6 +150,8 @@ class StepSummary:
             simulated_bubble=tuple(r.bubble_ratio for r in predicted.ranks),
             png=png,
             placement_note=placement_note(predicted),
+            bound_ms=step_bound(predicted).bound,
+            simulated_ms=predicted.makespan,
         )
 
 
@@ -202,6 +209,13 @@ def summary_lines(summary: StepSummary) -> list[str]:
     lines.append("   (simulated: each model stage with its own measured mean times)")
     if summary.placement_note is not None:
         lines.append(f"   {summary.placement_note}")
+    if summary.bound_ms and summary.simulated_ms is not None:
+        bound = summary.bound_ms
+        lines.append(
+            f" compute bound {bound:.1f} ms (the measured F, B and W compute shared evenly "
+            f"over the ranks): the measured step is {summary.makespan_ms / bound:.3f}x it, the "
+            f"simulated {summary.simulated_ms / bound:.3f}x"
+        )
     if summary.png is not None:
         lines.append(f" timeline (measured above, simulated below): {summary.png}")
     return lines
