@@ -482,7 +482,8 @@ def forward_backward_func(args: Any, megatrons: Callable[..., Any]) -> Callable[
             func = DualPipeForwardBackward(schedule, graph_safe=graph_safe, **options)
             # Megatron-LM's --profile --use-pytorch-profiler: each action in a span, every
             # step of the run (the profiler's schedule keeps the steps it profiles).
-            func.record_spans = bool(args.profile and args.use_pytorch_profiler)
+            profiling = (getattr(args, k, False) for k in ("profile", "use_pytorch_profiler"))
+            func.record_spans = all(profiling)
             saved = getattr(args, "pipeline_schedule_file", None)
             if saved is not None:  # checked in apply(): read as it was then
                 func.use_schedule(read_saved_schedule(saved))
