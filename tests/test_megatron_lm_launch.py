@@ -512,7 +512,14 @@ def _indexed_dataset(prefix: Path, documents: int) -> str:
 @pytest.mark.megatron
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "case", ["no .idx", "a split without tokens", "split 0,0,0", "a token beyond the vocabulary"]
+    "case",
+    [
+        "no .idx",
+        "a split without tokens",
+        "split 0,0,0",
+        "a token beyond the vocabulary",
+        "a cache beside the data that cannot be written",
+    ],
 )
 def test_data_files_that_cannot_train_are_refused_before_any_rank(
     tmp_path: Path, case: str
@@ -525,10 +532,17 @@ def test_data_files_that_cannot_train_are_refused_before_any_rank(
     prefix = _indexed_dataset(tmp_path / "data" / "c3_text_document", 3)
     if case == "no .idx":
         Path(f"{prefix}.idx").unlink()
+    if case == "a cache beside the data that cannot be written":
+        Path(prefix).mkdir()  # where Megatron-Core's GPTDataset puts its cache folder...
+        (Path(prefix) / "cache").write_text("")  # ...a file is in the way
     # Megatron-Core's NullTokenizer(4): ids 0 to 3 (3 its end of document); the data holds 5.
     vocab = 4 if case == "a token beyond the vocabulary" else 64
     sets = [f"data_path={prefix}", "tokenizer_type=NullTokenizer", f"vocab_size={vocab}"]
-    more = {"split 0,0,0": ["split=0,0,0"], "a token beyond the vocabulary": ["split=1,0,0"]}
+    more = {
+        "split 0,0,0": ["split=0,0,0"],
+        "a token beyond the vocabulary": ["split=1,0,0"],
+        "a cache beside the data that cannot be written": ["split=1,0,0"],
+    }
     said = _refused(*sets, *more.get(case, []))
     assert said.startswith(f"megatron-dualpipe: error: {TINY} with --set train_iters=3 ")
     assert said.split(f" --set vocab_size={vocab}", 1)[1] == {
@@ -546,7 +560,42 @@ def test_data_files_that_cannot_train_are_refused_before_any_rank(
         "a token beyond the vocabulary": f" --set split=1,0,0: data_path: {prefix}.bin holds "
         "token id 5, beyond the 4 ids of the tokenizer (NullTokenizer): train with the "
         "tokenizer that wrote it, or preprocess the corpus again with this one",
+        "a cache beside the data that cannot be written": " --set split=1,0,0: "
+        "data_cache_path is not set, so Megatron-Core writes the dataset index caches of "
+        f"{prefix} into {prefix}/cache/GPTDataset_indices, which cannot be written (Not a "
+        "directory): set data_cache_path to a folder this user can write to",
     }[case]
+
+
+@pytest.mark.megatron
+@pytest.mark.slow
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+def test_a_blend_whose_split_gets_no_token_says_what_megatron_core_does(
+    tmp_path: Path, weighted: bool
+) -> None:
+    """Two datasets of 3 documents under the legacy split: the valid split gets none. An
+    unweighted blend weighs each dataset by its size, and Megatron-Core's BlendedDataset
+    asserts every weight above 0 (every rank stops); a weighted one loops for ever."""
+    if not _megatron_core_0_19():
+        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
+    a = _indexed_dataset(tmp_path / "data" / "a_text_document", 3)
+    b = _indexed_dataset(tmp_path / "data" / "b_text_document", 3)
+    config = tmp_path / "blend.yaml"
+    blend = [0.5, a, 0.5, b] if weighted else [a, b]
+    config.write_text(TINY.read_text() + f"data_path: {json.dumps(blend)}\nvocab_size: 64\n")
+    command = _command()
+    command[command.index(str(TINY))] = str(config)
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2, done.stderr[-2000:]
+    said = done.stderr.splitlines()[-1]
+    assert f"split: 969, 30, 1 gives the valid split 0 of the 3 documents of {a} " in said
+    what = (
+        "and Megatron-Core's GPTDataset loops for ever on a split without tokens: "
+        if weighted
+        else "and Megatron-Core's BlendedDataset stops every rank on it with a bare "
+        "AssertionError (an unweighted blend weighs each dataset by its size): "
+    )
+    assert what in said, said
 
 
 @pytest.mark.megatron

@@ -299,15 +299,18 @@ def _check_data_files(parsed: argparse.Namespace, source: str) -> None:
             f"{source}: data_args_path's blend needs a split (Megatron-LM gives data_path "
             "one, not data_args_path): set split, such as 969,30,1"
         )
+    prefixes = [p for p in blend[0] if _on_disk(p)] if blend is not None else []
+    _check_default_cache(parsed, source, [*prefixes, *(prefix for _, prefix in whole)])
     vocabulary, tokenizer = _vocabulary(parsed)
     try:
         problem = data_file_problem(
-            [(blend_key, p) for p in blend[0] if _on_disk(p)] if blend is not None else [],
+            [(blend_key, p) for p in prefixes],
             whole,
             split=split,
             vocabulary=vocabulary,
             tokenizer=tokenizer,
             validation_off="set eval_iters: 0" if parsed.eval_iters else None,
+            weighted=blend is None or blend[1] is not None,
         )
     except (ValueError, AssertionError, ZeroDivisionError):  # Megatron-Core's split parser
         raise MegatronLMConfigError(
@@ -316,6 +319,28 @@ def _check_data_files(parsed: argparse.Namespace, source: str) -> None:
         ) from None
     if problem is not None:
         raise MegatronLMConfigError(f"{source}: {problem[1]}")
+
+
+def _check_default_cache(parsed: argparse.Namespace, source: str, prefixes: list[str]) -> None:
+    """Without ``--data-cache-path`` Megatron-Core's GPTDataset writes each dataset's index
+    caches into ``<prefix>/cache/GPTDataset_indices``, beside the data (``GPTDataset.
+    _build_document_sample_shuffle_indices``), and rank 0 fails there, after the model is
+    built, where it cannot: each such folder that holds no cache yet is tried first."""
+    from ..writable import unwritable
+
+    if parsed.data_cache_path is not None:
+        return
+    for prefix in prefixes:
+        folder = Path(prefix) / "cache" / "GPTDataset_indices"
+        if folder.is_dir() and any(folder.iterdir()):
+            continue  # caches written before: Megatron-Core reads them where they match
+        why = unwritable(folder)
+        if why is not None:
+            raise MegatronLMConfigError(
+                f"{source}: data_cache_path is not set, so Megatron-Core writes the dataset "
+                f"index caches of {prefix} into {folder}, which cannot be written ({why}): "
+                "set data_cache_path to a folder this user can write to"
+            )
 
 
 def _vocabulary(parsed: argparse.Namespace) -> tuple[int | None, str]:

@@ -39,13 +39,15 @@ def data_file_problem(
     vocabulary: int | None = None,
     tokenizer: str = "",
     validation_off: str | None = None,
+    weighted: bool = True,
 ) -> tuple[str, str] | None:
     """The first problem of the datasets, as (the key naming them, a sentence saying what
     is wrong and what to change), or None. ``split_blend``: (key, prefix) of the blend that
-    ``split`` divides (not checked by split where ``split`` is None); ``whole``: (key,
-    prefix) of the per-split blends; ``vocabulary``: the tokenizer's number of ids (its name
-    ``tokenizer``), None to leave token ids unchecked; ``validation_off``: how the config
-    turns validation off, offered where the validation split gets no token."""
+    ``split`` divides (not checked by split where ``split`` is None), ``weighted`` where it
+    gives weights; ``whole``: (key, prefix) of the per-split blends; ``vocabulary``: the
+    tokenizer's number of ids (its name ``tokenizer``), None to leave token ids unchecked;
+    ``validation_off``: how the config turns validation off, offered where the validation
+    split gets no token."""
     for key, prefix in (*split_blend, *whole):
         for suffix in (".idx", ".bin"):
             if not Path(prefix + suffix).is_file():
@@ -62,8 +64,11 @@ def data_file_problem(
                 "write both again from the corpus with megatron-dualpipe preprocess (or "
                 "Megatron-LM's tools/preprocess_data.py), and name the prefix they share"
             )
+        # An unweighted blend of several datasets weighs each by its size: Megatron-Core's
+        # BlendedDataset asserts them all above 0 (every rank stops, without a message).
+        stops = not weighted and len(split_blend) > 1
         tokens = (
-            _empty_split(prefix, index, split, validation_off)
+            _empty_split(prefix, index, split, validation_off, stops=stops)
             if (key, prefix) in split_blend
             else _no_tokens(key, prefix, index)
         )
@@ -105,11 +110,26 @@ def _no_tokens(key: str, prefix: str, index: IndexedFiles) -> str | None:
     )
 
 
+#: What Megatron-Core does with a split without tokens: a dataset alone, or weighted in a
+#: blend; one of an unweighted blend of several.
+_LOOPS = "and Megatron-Core's GPTDataset loops for ever on a split without tokens"
+_STOPS = (
+    "and Megatron-Core's BlendedDataset stops every rank on it with a bare AssertionError "
+    "(an unweighted blend weighs each dataset by its size)"
+)
+
+
 def _empty_split(
-    prefix: str, index: IndexedFiles, split: str | None, validation_off: str | None
+    prefix: str,
+    index: IndexedFiles,
+    split: str | None,
+    validation_off: str | None,
+    *,
+    stops: bool = False,
 ) -> str | None:
     """``split: ...`` where a split of ``prefix`` with a weight above 0 gets no token, with
-    what to change; None where every split has tokens (or ``split`` is None)."""
+    what Megatron-Core does then (loop for ever; ``stops``: fail an assertion) and what to
+    change; None where every split has tokens (or ``split`` is None)."""
     if split is None:
         return None
     documents = len(index.sequence_lengths)
@@ -131,7 +151,6 @@ def _empty_split(
             f"split: {split} gives the {name} split {len(taken)} of the {documents:,} "
             f"documents of {prefix} ({weight:.2%} of them, rounded by Megatron-Core to "
             f"documents {taken.start} to {taken.stop}; {index.tokens(taken.start, taken.stop)} "
-            "tokens), and Megatron-Core's GPTDataset loops for ever on a split without tokens: "
-            f"{advice}"
+            f"tokens), {_STOPS if stops else _LOOPS}: {advice}"
         )
     return None

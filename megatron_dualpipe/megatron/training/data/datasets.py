@@ -75,6 +75,7 @@ def check_data_files(cfg: TrainConfig, source: str, vocabulary: int | None = Non
         vocabulary=vocabulary,
         tokenizer=cfg.tokenizer_type,
         validation_off="unset eval_interval" if cfg.eval_interval else None,
+        weighted=(_blend(cfg.data_path) or (None, True))[1] is not None,
     )
     if problem is not None:
         key, sentence = problem
