@@ -233,6 +233,7 @@ def test_the_config_split_keys_are_read_as_megatron_and_the_layout_exclusively()
         stages_for(shape, both, 4)
 
 
+@pytest.mark.slow
 def test_a_start_over_the_cap_moves_layers_until_it_fits() -> None:
     """torch's ZBV holds more activations than our V: on DeepSeek-V3 at PP=16 no start of
     the search (the most even split, Megatron's first/last counts, the balanced split) fits

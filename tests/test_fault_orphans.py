@@ -146,7 +146,8 @@ _RANKS_WITH_CHILDREN = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("how", ["kill -9", pytest.param("SIGHUP", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("how", ["kill -9", "SIGHUP"])
+@pytest.mark.slow
 def test_nothing_of_run_ranks_survives_its_launcher(tmp_path: Path, how: str) -> None:
     tag = uuid.uuid4().hex
     ready = tmp_path / "ready"
@@ -182,6 +183,7 @@ _RANKS_WITH_FORKS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_rank_s_forked_child_dies_with_it_when_everything_else_is_killed(
     tmp_path: Path,
 ) -> None:

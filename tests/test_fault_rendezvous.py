@@ -66,6 +66,7 @@ def test_a_rank_0_out_of_reach_is_one_sentence(monkeypatch) -> None:
     )
 
 
+@pytest.mark.slow
 def test_a_rank_0_out_of_reach_prints_no_cpp_frames(monkeypatch, capfd) -> None:
     """Before its sentence it printed c10d's log of each failed try, each with the c10
     error's 36 lines of C++ frames."""

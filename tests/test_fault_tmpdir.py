@@ -19,6 +19,7 @@ TINY = ROOT / "configs" / "tiny_gpt_cpu.yaml"
 
 
 @pytest.mark.megatron
+@pytest.mark.slow
 def test_a_long_tmpdir_is_one_sentence_before_any_rank(tmp_path: Path) -> None:
     temp = tmp_path / ("t" * max(1, 48 - len(str(tmp_path))))
     temp.mkdir()

@@ -60,6 +60,7 @@ def test_train_ranks_on_cpu_run_torch_compile_functions_eagerly() -> None:
 
 @pytest.mark.megatron
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_two_runs_into_one_output_dir_keep_both_timelines(tmp_path: Path) -> None:
     """Each run draws into its own folder under output_dir, named by the config, the
     schedule and the settings given, and its last line names it; the first run's picture

@@ -36,6 +36,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="says why the checks cannot run on CPU")
+@pytest.mark.slow
 def test_dry_run_lists_each_check_and_why_it_cannot_run_here() -> None:
     proc = _run("--dry-run")
     assert proc.returncode == 0, proc.stderr

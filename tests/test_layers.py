@@ -98,6 +98,7 @@ def test_the_megatron_lm_route_imports_nothing_of_our_trainer() -> None:
     assert _violations(route, ("megatron_dualpipe.megatron.training",)) == []
 
 
+@pytest.mark.slow
 def test_what_the_route_loads_holds_neither_our_trainer_nor_the_planner() -> None:
     """What really loads with the route's modules (its checkpoint reading among them):
     neither our trainer nor the planner."""

@@ -138,6 +138,7 @@ def test_the_mirror_exchange_never_waits_with_a_timeout_and_keeps_two_in_flight(
     assert pair_ranks == [[0, 1, 2, 3]] and peers == {3}
 
 
+@pytest.mark.slow
 def test_a_stuck_mirror_exchange_is_named_by_the_hang_monitor(monkeypatch) -> None:
     with _recorded(monkeypatch) as log:
         pair = MirrorPair(PLACEMENT, 0, timeout_s=0.2)

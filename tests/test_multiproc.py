@@ -117,6 +117,7 @@ def _verdict_late_on_rank_1(rank: int, world_size: int, pid_file: str) -> int:
     raise DualPipeError("the verdict of one collective", every_rank=True)
 
 
+@pytest.mark.slow
 def test_a_verdict_every_rank_reaches_is_said_without_a_rank_when_a_peer_is_late(
     tmp_path,
 ) -> None:

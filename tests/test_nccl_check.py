@@ -38,6 +38,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer")
+@pytest.mark.slow
 def test_dry_run_lists_every_check_and_what_it_needs() -> None:
     proc = _run("--dry-run")
     assert proc.returncode == 0, proc.stderr

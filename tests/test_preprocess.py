@@ -76,6 +76,7 @@ def _cli(*args: str, **kwargs) -> subprocess.Popen:
 # Megatron-LM's flags.
 
 
+@pytest.mark.slow
 def test_two_workers_write_the_same_bytes_as_one(
     tokenizer: Path, big_corpus: Path, tmp_path: Path
 ) -> None:
@@ -139,6 +140,7 @@ def test_the_command_prints_each_dataset_and_the_throughput(
 
 
 @pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.slow
 def test_a_bad_line_in_a_later_chunk_is_named_by_its_line_number(
     tokenizer: Path, big_corpus: Path, tmp_path: Path, workers: int
 ) -> None:

@@ -204,6 +204,7 @@ def _peak(memory: MemoryModel, stages) -> float:
     return max(r.total for r in memory.ranks(tuple(stages)))
 
 
+@pytest.mark.slow
 def test_profile_beside_a_config_times_each_schedule_at_its_advised_split(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

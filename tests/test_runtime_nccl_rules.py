@@ -216,6 +216,7 @@ def _send_then_receive(rank: int, world: int, streams: str) -> tuple[str, str, l
     return outcome, verdict, received.tolist()
 
 
+@pytest.mark.slow
 def test_a_cycle_through_one_stream_hangs_the_emulation_until_the_hang_monitor_aborts() -> None:
     """Each rank's send waits for its receive to start (NCCL's rendezvous), and on one
     shared stream each rank's receive is queued behind its own send: both hang until

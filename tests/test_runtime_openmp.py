@@ -62,6 +62,7 @@ def test_a_child_forked_after_a_parallel_region_hangs_in_its_own() -> None:
     assert not _fork_child_finishes(release=False)
 
 
+@pytest.mark.slow
 def test_the_release_lets_the_forked_child_run_in_parallel() -> None:
     assert _fork_child_finishes(release=True)
 

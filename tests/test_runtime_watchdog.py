@@ -89,6 +89,7 @@ def test_a_dead_peer_fails_every_waiting_rank_at_once() -> None:
     _check_waiters(outcomes, deadline_s=TIMEOUT_S)
 
 
+@pytest.mark.slow
 def test_a_receive_that_never_arrives_fails_every_waiting_rank_within_the_timeout() -> None:
     outcomes = run_workers(run_with_fault, RANKS, args=("stall",), timeout_s=30)
     _check_waiters(outcomes, deadline_s=TIMEOUT_S + 1.0)

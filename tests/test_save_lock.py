@@ -54,6 +54,7 @@ def test_a_lock_file_left_by_a_dead_run_is_taken_over(tmp_path: Path) -> None:
         assert (save / LOCK_NAME).read_text().startswith(f"{os.getpid()} {HOST} ")
 
 
+@pytest.mark.slow
 def test_a_holder_killed_with_sigkill_releases_the_lock(tmp_path: Path) -> None:
     save = tmp_path / "shared"
     holder = subprocess.Popen(

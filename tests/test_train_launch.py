@@ -31,6 +31,7 @@ def _fail_on_rank_1(cfg: object) -> None:
     time.sleep(600)  # a straggler: must be killed, not waited for
 
 
+@pytest.mark.slow
 def test_a_failing_rank_is_reported_and_the_others_killed(
     clean_env: pytest.MonkeyPatch,
 ) -> None:

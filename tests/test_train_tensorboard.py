@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.megatron, pytest.mark.multiproc]
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_gpt_cpu.yaml"
 
 
+@pytest.mark.slow
 def test_step_scalars_every_tensorboard_log_interval_timings_every_log_interval(
     tmp_path: Path,
 ) -> None:
