@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -439,3 +440,25 @@ def test_a_broken_event_is_one_sentence(tmp_path: Path) -> None:
     del data["traceEvents"][0]["dur"]
     with pytest.raises(ScheduleError, match="has an event without a readable 'dur'"):
         read_profile(_write(tmp_path / "broken.json", data))
+
+
+def test_megatron_s_interleaved_is_compared_at_its_fastest_virtual_stage_count(
+    tmp_path: Path,
+) -> None:
+    """Megatron's interleaved 1F1B with its all-to-all overlap, each at the advisor's split:
+    at 2, 3 and 4 virtual stages per rank, the row kept is the fastest, and it says what the
+    others took."""
+    from megatron_dualpipe.bench.catalog import VIRTUAL_STAGES
+    from megatron_dualpipe.bench.profiled import profile_comparison
+
+    profile = read_profile(_write(tmp_path / "t.json", _trace()))
+    model = ConfigModel.read(ROOT / "configs" / "tiny_deepseek_cpu.yaml", [], _train_defaults())
+    _, figures = profile_comparison(
+        profile, model, schedule="all", microbatches=8, latency=0.0, memory_cap_gib=80
+    )
+    (row,) = [r for r in figures["schedules"] if r["schedule"] == "interleaved-1f1b-a2a"]
+    kept = row["model_stages"] // 2
+    tried = dict(re.findall(r"VP=(\d) ([\d.]+) ms", row["note"]))
+    assert row["note"].startswith(f"VP={kept}, the fastest (also tried: ")
+    assert sorted([kept, *map(int, tried)]) == list(VIRTUAL_STAGES)
+    assert all(float(step) >= round(row["step_ms"], 1) for step in tried.values())

@@ -6,6 +6,7 @@ Imports the schedule layer only (torch's schedules where torch is installed)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from ..planner.advisor import StageTiming, advise
@@ -46,21 +47,12 @@ def profile_comparison(
     for entry in ENTRIES:
         if wanted is not None and entry.name not in wanted:
             continue
-        try:
-            built = entry.build(pp, mbs)
-            validate(built)
-        except ScheduleError as err:
-            rows.append(ProfileRow(entry.name, entry.source, note=str(err)))
-            continue
-        except ModuleNotFoundError as err:  # torch's schedules, where torch is not installed
-            rows.append(ProfileRow(entry.name, entry.source, note=f"needs {err.name}"))
-            continue
-        costs = config_costs(timing, model.shape, setup, built.placement, latency)
-        advised, note = _advised(model, built, mbs, timing, cap, latency)
-        if advised is not None and advised.stages != costs.stages:
-            costs = advised
-        result = simulate(built, costs.cost)
-        rows.append(replace(ProfileRow.of(entry.name, entry.source, result, costs), note=note))
+        builds = entry.variants or (("", entry.build),)
+        found = [
+            _row(entry.name, entry.source, build, model, mbs, timing, cap, latency)
+            for _, build in builds
+        ]
+        rows.append(_fastest(found, [label for label, _ in builds]))
     if not rows:
         raise ScheduleError(f"{wanted[0]} is not a schedule here: see --schedule's choices")
     lines = [f"{model.source}: PP={pp}, {mbs} micro-batches, the profile's costs in ms"]
@@ -77,6 +69,50 @@ def profile_comparison(
     if formula:
         payload["deepseek_formula"] = {k: v for k, v in formula.items() if k != "line"}
     return lines, payload
+
+
+def _row(
+    name: str,
+    source: str,
+    build: Callable[[int, int], Schedule],
+    model: ConfigModel,
+    microbatches: int,
+    timing: StageTiming,
+    cap: float | None,
+    latency: float,
+) -> ProfileRow:
+    """The schedule ``build`` makes, simulated at the advisor's split for it (the config's
+    where none is faster); a row with only a note where it cannot be built."""
+    setup = model.setup
+    try:
+        built = build(setup.pipeline_model_parallel_size, microbatches)
+        validate(built)
+    except ScheduleError as err:
+        return ProfileRow(name, source, note=str(err))
+    except ModuleNotFoundError as err:  # torch's schedules, where torch is not installed
+        return ProfileRow(name, source, note=f"needs {err.name}")
+    costs = config_costs(timing, model.shape, setup, built.placement, latency)
+    advised, note = _advised(model, built, microbatches, timing, cap, latency)
+    if advised is not None and advised.stages != costs.stages:
+        costs = advised
+    result = simulate(built, costs.cost)
+    return replace(ProfileRow.of(name, source, result, costs), note=note)
+
+
+def _fastest(rows: list[ProfileRow], labels: list[str]) -> ProfileRow:
+    """The fastest of a schedule's builds (``labels``: each one's), noting which it is and
+    what the others took, where there are others."""
+    timed = [(r.step, i) for i, r in enumerate(rows) if r.step is not None]
+    if len(rows) == 1 or not timed:
+        return rows[0]
+    best = min(timed)[1]
+    others = ", ".join(
+        f"{labels[i]} {r.step:.1f} ms" if r.step is not None else f"{labels[i]} ({r.note})"
+        for i, r in enumerate(rows)
+        if i != best
+    )
+    note = f"{labels[best]}, the fastest (also tried: {others})"
+    return replace(rows[best], note="; ".join(filter(None, (note, rows[best].note))))
 
 
 def twin_schedule(placement: Placement) -> str | None:
