@@ -110,3 +110,27 @@ def test_ranks_that_do_not_apply_are_one_sentence(flags: list[str], said: str) -
     done = _command(TINY, *flags)
     assert done.returncode == 2 and said in done.stderr.splitlines()[-1], done.stderr[-2000:]
     assert "iteration" not in done.stdout
+
+
+def test_the_wheel_s_dataset_helpers_are_not_compiled_again() -> None:
+    """Megatron-LM's initialize_megatron has rank 0 run ``make`` in the wheel's
+    megatron/core/datasets (no Makefile there: ``sys.exit(1)``), with or without a GPU; the
+    route skips it where the compiled helpers import (here ``make`` is not even on PATH)."""
+    _needs_0_19()
+    code = (
+        "import os\n"
+        "from megatron_dualpipe.megatron.compat.cpu_compat_training import "
+        "skip_compiling_shipped_dataset_helpers\n"
+        "from megatron.core.datasets import utils\n"
+        "skip_compiling_shipped_dataset_helpers()\n"
+        "os.environ['PATH'] = ''\n"
+        "utils.compile_helpers()\n"
+        "print('not compiled')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "not compiled", done.stderr[-2000:]
+    unskipped = code.replace("skip_compiling_shipped_dataset_helpers()\n", "")
+    done = subprocess.run(
+        [sys.executable, "-c", unskipped], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode != 0  # the test can fail: without the skip, make is run

@@ -110,6 +110,46 @@ def test_a_key_the_route_does_another_way_says_how() -> None:
     assert "--save ORDER) and train it with pipeline_schedule_file: ORDER" in str(info.value)
 
 
+def test_a_key_the_route_does_another_way_is_left_out_when_off() -> None:
+    assert megatron_lm_argv({"optimize_schedule": False, "lr": 0.1}, _parser(), "c.yaml") == [
+        "--lr",
+        "0.1",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ({"profile_step_start": 3, "profile_step_end": 3}, "profile_step_end 3 is not after "),
+        ({"train_iters": 4, "profile_step_end": 6}, "profile_step_end 6 is past train_iters 4"),
+        ({"tensorboard_dir": None}, "profile with use_pytorch_profiler writes its traces into "),
+    ],
+)
+def test_a_profile_megatron_lm_would_not_write_is_one_sentence(given: dict, said: str) -> None:
+    """Megatron-LM's torch profiler: its window in order and within the run (it stops at
+    iteration profile_step_end only), and a tensorboard_dir beside which the traces go."""
+    from megatron_dualpipe.megatron.lm_launch import _check_profile
+
+    args = dict(profile=True, use_pytorch_profiler=True, profile_step_start=1)
+    args |= dict(profile_step_end=2, train_iters=10, tensorboard_dir="tb") | given
+    with pytest.raises(MegatronLMConfigError, match=f"^x.yaml: {re.escape(said)}") as refused:
+        _check_profile(argparse.Namespace(**args), "x.yaml")
+    assert str(refused.value).count(": ") >= 2  # what is wrong: what to change
+    _check_profile(argparse.Namespace(**{**args, "profile": False}), "x.yaml")
+
+
+def test_the_launcher_builds_no_tokenizer_that_would_run_code_or_download(tmp_path: Path) -> None:
+    """trust_remote_code, or a tokenizer file not on disk (a Hugging Face hub name): the
+    token ids are left to the ranks."""
+    from megatron_dualpipe.megatron.lm_launch import _vocabulary
+
+    base = dict(tokenizer_type="HuggingFaceTokenizer", vocab_file=None, merge_file=None)
+    remote = argparse.Namespace(**base, tokenizer_model=str(tmp_path), trust_remote_code=True)
+    hub = argparse.Namespace(**base, tokenizer_model="org/model", trust_remote_code=False)
+    for args in (remote, hub):
+        assert _vocabulary(args) == (None, "HuggingFaceTokenizer")
+
+
 def test_a_switch_given_a_number_is_refused() -> None:
     with pytest.raises(MegatronLMConfigError, match=r"^c: bf16 is a switch of Megatron-LM "):
         megatron_lm_argv({"bf16": 1}, _parser(), "c")
@@ -573,9 +613,11 @@ def test_data_files_that_cannot_train_are_refused_before_any_rank(
 def test_a_blend_whose_split_gets_no_token_says_what_megatron_core_does(
     tmp_path: Path, weighted: bool
 ) -> None:
-    """Two datasets of 3 documents under the legacy split: the valid split gets none. An
-    unweighted blend weighs each dataset by its size, and Megatron-Core's BlendedDataset
-    asserts every weight above 0 (every rank stops); a weighted one loops for ever."""
+    """Two datasets of 3 documents (9 tokens) under the legacy split: the valid split gets
+    none. An unweighted blend weighs each dataset by its samples (of seq_length + 1 = 17
+    tokens), and Megatron-Core's BlendedDataset asserts every weight above 0 (rank 0
+    stops): the train split already has none; a weighted one loops for ever on the valid
+    split."""
     if not _megatron_core_0_19():
         pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
     a = _indexed_dataset(tmp_path / "data" / "a_text_document", 3)
@@ -588,14 +630,18 @@ def test_a_blend_whose_split_gets_no_token_says_what_megatron_core_does(
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 2, done.stderr[-2000:]
     said = done.stderr.splitlines()[-1]
-    assert f"split: 969, 30, 1 gives the valid split 0 of the 3 documents of {a} " in said
-    what = (
-        "and Megatron-Core's GPTDataset loops for ever on a split without tokens: "
-        if weighted
-        else "and Megatron-Core's BlendedDataset stops every rank on it with a bare "
-        "AssertionError (an unweighted blend weighs each dataset by its size): "
-    )
-    assert what in said, said
+    if weighted:  # the valid split: no token
+        assert f"split: 969, 30, 1 gives the valid split 0 of the 3 documents of {a} " in said
+        assert "and Megatron-Core's GPTDataset loops for ever on a split without tokens: " in said
+        return
+    # Unweighted, the train split's 9 tokens already make no sample of 16 + 1.
+    assert said.endswith(
+        f"split: 969, 30, 1 gives the train split 3 of the 3 documents of {a} (96.90% of them, "
+        "rounded by Megatron-Core to documents 0 to 3; 9 tokens), not one sample of "
+        "seq_length + 1 tokens, and Megatron-Core's BlendedDataset stops rank 0 on it with a "
+        "bare AssertionError while the other ranks wait for it (an unweighted blend weighs "
+        "each dataset by its samples): give the blend weights, or this split at least 17 tokens"
+    ), said
 
 
 @pytest.mark.megatron

@@ -82,7 +82,7 @@ def megatron_lm_argv(
             actions.setdefault(action.dest, []).append(action)
     argv: list[str] = []
     for key, value in settings.items():
-        if key in LAUNCHER_KEYS or value is None:
+        if key in LAUNCHER_KEYS or value is None or (key in OTHER_WAY and not value):
             continue
         if key in OTHER_WAY:
             raise MegatronLMConfigError(f"{source}: {key}: {OTHER_WAY[key]}")

@@ -46,21 +46,32 @@ from .model.built import (
 
 __all__ = ["dry_run_with_megatron_lm"]
 
-#: Keys of what a dry run neither writes nor reads (it builds a model, it never trains).
-_LEFT_OUT = ("save", "load", "tensorboard_dir", "wandb_project", "pipeline_timeline")
+#: Keys of what a dry run neither writes nor reads, nor starts (it builds a model, it never
+#: trains): outputs, the checkpoint to load (kept where its arguments build the model),
+#: the persistent checkpoint worker of an asynchronous save, TE's communicators.
+_LEFT_OUT = (
+    "save", "load", "tensorboard_dir", "wandb_project", "pipeline_timeline", "async_save",
+    "tp_comm_overlap",
+)  # fmt: skip
 
 
 def dry_run_with_megatron_lm(path: Path, overrides: Iterable[str], ranks: str | None) -> DryRun:
     """Build the pipeline ranks ``ranks`` (``--ranks``; default every one) of the config at
     ``path`` (with ``--set`` ``overrides``) as Megatron-LM's ``pretrain()`` would (see the
     module docstring). Run it in a process with no process group."""
-    from .lm_args import megatron_lm_parser
+    from .lm_args import MegatronLMConfigError, megatron_lm_parser
 
     started = time.perf_counter()
     with megatron_lm_config(path, overrides) as (settings, source):
         settings, notes = _buildable(settings)
         on_cpu = not torch.cuda.is_available()
         argv, parsed = megatron_lm_run_argv(settings, megatron_lm_parser(), source, on_cpu=on_cpu)
+        if getattr(parsed, "use_tp_pp_dp_mapping", False):
+            raise MegatronLMConfigError(
+                f"{source}: use_tp_pp_dp_mapping: the dry run builds the pipeline ranks of "
+                "Megatron's default rank order (tp-cp-ep-dp-pp, the pipeline outermost): "
+                "leave use_tp_pp_dp_mapping out of the dry run"
+            )
         pp = parsed.pipeline_model_parallel_size
         chosen = parse_ranks(ranks, pp)
         world = int(settings.get("world_size") or model_parallel_size(settings))
@@ -77,18 +88,16 @@ def dry_run_with_megatron_lm(path: Path, overrides: Iterable[str], ranks: str | 
 
 
 def _buildable(settings: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """``settings`` as this machine builds them, and what changed: nothing read or written,
-    no initial values drawn; local layers without FP8 where Transformer Engine is not
-    installed."""
-    out = {k: v for k, v in settings.items() if k not in _LEFT_OUT}
-    # Parameters made without a device (Megatron's CPU initialisation) take the meta device
-    # of the build; values are not drawn (--no-initialization).
-    out.update(use_cpu_initialization=True, perform_initialization=False)
+    """``settings`` as this machine builds them on the meta device, and what changed:
+    nothing read, written or started, no initial values drawn; local layers without FP8
+    where Transformer Engine is not installed."""
+    keep = ("load",) if settings.get("use_checkpoint_args") else ()
+    out = {k: v for k, v in settings.items() if k not in _LEFT_OUT or k in keep}
+    out["perform_initialization"] = False  # --no-initialization: no values drawn
     notes = []
-    if out.get("transformer_impl", "transformer_engine") != "local" and not find_spec(
-        "transformer_engine"
-    ):
-        out["transformer_impl"] = "local"
+    te = out.get("transformer_impl", "transformer_engine") != "local"
+    if te and not find_spec("transformer_engine"):
+        te, out["transformer_impl"] = False, "local"
         notes.append(
             "Transformer Engine is not installed here: built with Megatron-Core's local layers "
             "(the same parameters: TE fuses each norm into the next linear layer and the "
@@ -99,6 +108,21 @@ def _buildable(settings: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
                 "built without FP8: TE's FP8 weight copies are not parameters; the memory "
                 "model counts them in the weights"
             )
+    if te:
+        # TE's layers take the meta device from Megatron's --init-model-with-meta-device
+        # (_get_extra_te_kwargs); Megatron-Core's own layers of the model (the embedding, the
+        # output layer) take the GPU then, as without the dry run.
+        out["init_model_with_meta_device"] = True
+        notes.append(
+            "Transformer Engine's layers built on the meta device "
+            "(--init-model-with-meta-device); the embedding and the output layer, "
+            "Megatron-Core's own, are allocated on this GPU (not run: no TE on the machine "
+            "this was written on)"
+        )
+    else:
+        # Megatron-Core's local layers make their parameters without a device under
+        # --use-cpu-initialization: the build's meta device then.
+        out["use_cpu_initialization"] = True
     return out, notes
 
 
@@ -150,7 +174,10 @@ def _rank(
     from megatron.training.initialize import initialize_megatron
 
     from .. import megatron_lm as dualpipe_lm
-    from .compat.cpu_compat_training import megatron_training_on_cpu
+    from .compat.cpu_compat_training import (
+        megatron_training_on_cpu,
+        skip_compiling_shipped_dataset_helpers,
+    )
     from .pretrain_gpt import get_embedding_ranks
     from .schedule.checks import DualPipeConfigError
 
@@ -158,6 +185,7 @@ def _rank(
     global_rank = pipeline_rank * (world // pp)
     with _as_rank(argv, global_rank, world) as args:
         try:
+            skip_compiling_shipped_dataset_helpers()
             with megatron_training_on_cpu(), contextlib.redirect_stdout(io.StringIO()):
                 initialize_megatron(get_embedding_ranks=get_embedding_ranks)
             creations = world_creations()
@@ -182,6 +210,7 @@ def _rank(
                 data=args.data_parallel_size,
                 world_size=world,
                 microbatches=dualpipe_lm.num_microbatches(args),
+                expert_tensor=args.expert_tensor_parallel_size or args.tensor_model_parallel_size,
                 seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size,
                 bf16=bool(args.bf16),

@@ -234,14 +234,31 @@ def check_folders(parsed: argparse.Namespace, source: str) -> None:
 
 
 def _check_profile(parsed: argparse.Namespace, source: str) -> None:
-    """Megatron-LM's ``--profile --use-pytorch-profiler`` writes each profiled rank's
-    Chrome trace into ``<tensorboard_dir>/../torch_profile`` (``train``'s trace handler):
-    without ``--tensorboard-dir`` it would make a folder named ``None`` beside the run."""
-    if parsed.profile and parsed.use_pytorch_profiler and not parsed.tensorboard_dir:
+    """Megatron-LM's ``--profile``: its steps in order and within the run (it stops the
+    profiler at iteration ``profile_step_end`` only; ``torch.profiler.schedule`` refuses an
+    empty window when ``train()`` starts); with ``--use-pytorch-profiler`` each profiled
+    rank's Chrome trace goes into ``<tensorboard_dir>/../torch_profile`` (``train``'s
+    trace handler), so a ``--tensorboard-dir``."""
+    if not parsed.profile:
+        return
+    start, end = parsed.profile_step_start, parsed.profile_step_end
+    if end <= start:  # torch.profiler.schedule refuses active <= 0 when train() starts
+        raise MegatronLMConfigError(
+            f"{source}: profile_step_end {end} is not after profile_step_start {start}: "
+            "profile the steps after profile_step_start up to profile_step_end (e.g. 2 and 3)"
+        )
+    if parsed.train_iters is not None and parsed.train_iters < end:
+        raise MegatronLMConfigError(
+            f"{source}: profile_step_end {end} is past train_iters {parsed.train_iters}, and "
+            "Megatron-LM stops the profiler (and writes its trace) at that iteration only: "
+            "lower profile_step_end or raise train_iters"
+        )
+    if parsed.use_pytorch_profiler and not parsed.tensorboard_dir:
         raise MegatronLMConfigError(
             f"{source}: profile with use_pytorch_profiler writes its traces into "
             "<tensorboard_dir>/../torch_profile (Megatron-LM's place for them), and "
-            "tensorboard_dir is not set: set tensorboard_dir, e.g. runs/tensorboard"
+            "tensorboard_dir is not set (they would go to ./torch_profile beside an empty "
+            "folder named None): set tensorboard_dir, e.g. runs/tensorboard"
         )
 
 
@@ -300,7 +317,6 @@ def _check_data_files(parsed: argparse.Namespace, source: str) -> None:
             "one, not data_args_path): set split, such as 969,30,1"
         )
     prefixes = [p for p in blend[0] if _on_disk(p)] if blend is not None else []
-    _check_default_cache(parsed, source, [*prefixes, *(prefix for _, prefix in whole)])
     vocabulary, tokenizer = _vocabulary(parsed)
     try:
         problem = data_file_problem(
@@ -311,6 +327,7 @@ def _check_data_files(parsed: argparse.Namespace, source: str) -> None:
             tokenizer=tokenizer,
             validation_off="set eval_iters: 0" if parsed.eval_iters else None,
             weighted=blend is None or blend[1] is not None,
+            seq_length=parsed.seq_length,
         )
     except (ValueError, AssertionError, ZeroDivisionError):  # Megatron-Core's split parser
         raise MegatronLMConfigError(
@@ -319,21 +336,21 @@ def _check_data_files(parsed: argparse.Namespace, source: str) -> None:
         ) from None
     if problem is not None:
         raise MegatronLMConfigError(f"{source}: {problem[1]}")
+    _check_default_cache(parsed, source, [*prefixes, *(prefix for _, prefix in whole)])
 
 
 def _check_default_cache(parsed: argparse.Namespace, source: str, prefixes: list[str]) -> None:
     """Without ``--data-cache-path`` Megatron-Core's GPTDataset writes each dataset's index
     caches into ``<prefix>/cache/GPTDataset_indices``, beside the data (``GPTDataset.
-    _build_document_sample_shuffle_indices``), and rank 0 fails there, after the model is
-    built, where it cannot: each such folder that holds no cache yet is tried first."""
+    _build_document_sample_shuffle_indices``; their names hash the sample counts, so a run
+    of other iterations writes new ones), and rank 0 fails there, after the model is
+    built, where it cannot: each such folder of the checked datasets is tried first."""
     from ..writable import unwritable
 
     if parsed.data_cache_path is not None:
         return
     for prefix in prefixes:
         folder = Path(prefix) / "cache" / "GPTDataset_indices"
-        if folder.is_dir() and any(folder.iterdir()):
-            continue  # caches written before: Megatron-Core reads them where they match
         why = unwritable(folder)
         if why is not None:
             raise MegatronLMConfigError(
@@ -347,12 +364,19 @@ def _vocabulary(parsed: argparse.Namespace) -> tuple[int | None, str]:
     """The number of ids of the tokenizer the ranks will build (Megatron-Core's
     ``build_tokenizer`` on a copy of the arguments, the vocabulary not padded; the route's
     default NullTokenizer where none is named) and its name; None where it does not build
-    here: each rank then fails on it with Megatron-Core's own error."""
-    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
-
+    here (each rank then fails on it with Megatron-Core's own error), where it would run
+    the tokenizer's own code (``trust_remote_code``) or where a file it names is not on disk
+    (a Hugging Face hub name, which the ranks download)."""
     given = argparse.Namespace(**vars(parsed))
     given.tokenizer_type = given.tokenizer_type or "NullTokenizer"
     given.pad_vocab_size = False
+    files = [getattr(given, k, None) for k in ("tokenizer_model", "vocab_file", "merge_file")]
+    if getattr(given, "trust_remote_code", False) or any(
+        f is not None and not Path(f).exists() for f in files
+    ):  # the launcher runs no code of a tokenizer, nor downloads one: the ranks do
+        return None, given.tokenizer_type
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+
     try:
         return build_tokenizer(given).vocab_size, given.tokenizer_type
     except Exception:  # noqa: BLE001 - whatever it raises, the ranks raise it again and say so

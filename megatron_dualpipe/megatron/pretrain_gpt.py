@@ -261,7 +261,10 @@ def main(argv: Sequence[str] | None = None) -> dualpipe_lm.MeasuredStep | None:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
-    from .compat.cpu_compat_training import megatron_training_on_cpu
+    from .compat.cpu_compat_training import (
+        megatron_training_on_cpu,
+        skip_compiling_shipped_dataset_helpers,
+    )
 
     saved = sys.argv
     sys.argv = [saved[0], *(saved[1:] if argv is None else argv)]
@@ -282,6 +285,7 @@ def main(argv: Sequence[str] | None = None) -> dualpipe_lm.MeasuredStep | None:
         # "use a ModelConfig instead of a model provider": the placement needs the provider
         warnings.filterwarnings("ignore", message=r"\s*It is recommended to use a ModelConfig")
         cfg = pretrain_cfg_container_from_args(args)
+    skip_compiling_shipped_dataset_helpers()  # the wheel's helpers are built already
     with megatron_training_on_cpu():  # a no-op with CUDA
         pretrain(
             cfg,

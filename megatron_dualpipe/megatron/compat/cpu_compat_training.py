@@ -38,7 +38,7 @@ from .cpu_compat import (
     apply_cpu_compat,
 )
 
-__all__ = ["TRAINING_SITES", "megatron_training_on_cpu"]
+__all__ = ["TRAINING_SITES", "megatron_training_on_cpu", "skip_compiling_shipped_dataset_helpers"]
 
 #: Modules of megatron.training (and the megatron-core ones only it reaches) whose ``torch``
 #: becomes the CPU view, with what each assumes of CUDA (megatron-core 0.19).
@@ -108,10 +108,11 @@ def _cuda_device_is_cpu(*args: Any, **kwargs: Any) -> torch.device:
 _TORCH_AS_ONE_DEVICE = _TorchAsOneDevice()
 
 
-def _skip_compiling_shipped_dataset_helpers() -> None:
+def skip_compiling_shipped_dataset_helpers() -> None:
     """``initialize_megatron`` has rank 0 run ``compile_helpers()``: ``make`` in
     megatron/core/datasets, where the wheel ships the compiled ``helpers_cpp`` and no
-    Makefile, so it fails; with ``helpers_cpp`` importable there is nothing to compile."""
+    Makefile, so it fails (``sys.exit(1)``, with or without a GPU); with ``helpers_cpp``
+    importable there is nothing to compile. Call it before ``initialize_megatron``."""
     from megatron.core.datasets import utils
 
     try:
@@ -129,7 +130,6 @@ def megatron_training_on_cpu() -> Iterator[None]:
         yield
         return
     apply_cpu_compat()
-    _skip_compiling_shipped_dataset_helpers()
     for module_name, _why in TRAINING_SITES:
         importlib.import_module(module_name).torch = _TORCH_ON_CPU
     importlib.import_module("megatron.training.initialize").torch = _TORCH_AS_ONE_DEVICE

@@ -40,14 +40,16 @@ def data_file_problem(
     tokenizer: str = "",
     validation_off: str | None = None,
     weighted: bool = True,
+    seq_length: int | None = None,
 ) -> tuple[str, str] | None:
     """The first problem of the datasets, as (the key naming them, a sentence saying what
     is wrong and what to change), or None. ``split_blend``: (key, prefix) of the blend that
     ``split`` divides (not checked by split where ``split`` is None), ``weighted`` where it
-    gives weights; ``whole``: (key, prefix) of the per-split blends; ``vocabulary``: the
-    tokenizer's number of ids (its name ``tokenizer``), None to leave token ids unchecked;
-    ``validation_off``: how the config turns validation off, offered where the validation
-    split gets no token."""
+    gives weights (where not, each split of several datasets needs a sample of
+    ``seq_length`` + 1 tokens); ``whole``: (key, prefix) of the per-split blends;
+    ``vocabulary``: the tokenizer's number of ids (its name ``tokenizer``), None to leave
+    token ids unchecked; ``validation_off``: how the config turns validation off, offered
+    where the validation split gets no token."""
     for key, prefix in (*split_blend, *whole):
         for suffix in (".idx", ".bin"):
             if not Path(prefix + suffix).is_file():
@@ -64,11 +66,11 @@ def data_file_problem(
                 "write both again from the corpus with megatron-dualpipe preprocess (or "
                 "Megatron-LM's tools/preprocess_data.py), and name the prefix they share"
             )
-        # An unweighted blend of several datasets weighs each by its size: Megatron-Core's
-        # BlendedDataset asserts them all above 0 (every rank stops, without a message).
-        stops = not weighted and len(split_blend) > 1
+        # An unweighted blend of several datasets weighs each by its samples: Megatron-Core's
+        # BlendedDataset asserts them all above 0 (rank 0 stops, without a message).
+        sample = seq_length + 1 if seq_length and not weighted and len(split_blend) > 1 else None
         tokens = (
-            _empty_split(prefix, index, split, validation_off, stops=stops)
+            _empty_split(prefix, index, split, validation_off, sample=sample)
             if (key, prefix) in split_blend
             else _no_tokens(key, prefix, index)
         )
@@ -111,11 +113,13 @@ def _no_tokens(key: str, prefix: str, index: IndexedFiles) -> str | None:
 
 
 #: What Megatron-Core does with a split without tokens: a dataset alone, or weighted in a
-#: blend; one of an unweighted blend of several.
+#: blend; one of an unweighted blend of several (which weighs each by its samples, and a
+#: split of at most seq_length tokens makes none).
 _LOOPS = "and Megatron-Core's GPTDataset loops for ever on a split without tokens"
 _STOPS = (
-    "and Megatron-Core's BlendedDataset stops every rank on it with a bare AssertionError "
-    "(an unweighted blend weighs each dataset by its size)"
+    "not one sample of seq_length + 1 tokens, and Megatron-Core's BlendedDataset stops "
+    "rank 0 on it with a bare AssertionError while the other ranks wait for it (an "
+    "unweighted blend weighs each dataset by its samples)"
 )
 
 
@@ -125,17 +129,19 @@ def _empty_split(
     split: str | None,
     validation_off: str | None,
     *,
-    stops: bool = False,
+    sample: int | None = None,
 ) -> str | None:
-    """``split: ...`` where a split of ``prefix`` with a weight above 0 gets no token, with
-    what Megatron-Core does then (loop for ever; ``stops``: fail an assertion) and what to
-    change; None where every split has tokens (or ``split`` is None)."""
+    """``split: ...`` where a split of ``prefix`` with a weight above 0 gets no token (with
+    ``sample``, the tokens of one sample in an unweighted blend of several datasets: fewer
+    than that), with what Megatron-Core does then (loop for ever; in that blend, fail an
+    assertion) and what to change; None where every split has them (or ``split`` is
+    None)."""
     if split is None:
         return None
     documents = len(index.sequence_lengths)
     ranges = split_ranges(split, documents)
     for position, found in enumerate(ranges):
-        if found is None or index.tokens(found[2].start, found[2].stop):
+        if found is None or index.tokens(found[2].start, found[2].stop) >= (sample or 1):
             continue
         name, weight, taken = found
         words = [w for w in re.split(r"[,/ ]+", split.strip()) if w]
@@ -143,6 +149,8 @@ def _empty_split(
         smallest = min(r[1] for r in ranges if r is not None)
         enough = math.floor(1 / smallest) + 1  # every positive share then exceeds a document
         advice = f"a corpus of at least {enough:,} documents"
+        if sample and index.tokens(taken.start, taken.stop):
+            advice = f"give the blend weights, or this split at least {sample:,} tokens"
         if name != "train":
             words[position] = "0"
             off = f" and {validation_off}" if name == "valid" and validation_off else ""
@@ -151,6 +159,6 @@ def _empty_split(
             f"split: {split} gives the {name} split {len(taken)} of the {documents:,} "
             f"documents of {prefix} ({weight:.2%} of them, rounded by Megatron-Core to "
             f"documents {taken.start} to {taken.stop}; {index.tokens(taken.start, taken.stop)} "
-            f"tokens), {_STOPS if stops else _LOOPS}: {advice}"
+            f"tokens), {_STOPS if sample else _LOOPS}: {advice}"
         )
     return None

@@ -53,8 +53,8 @@ __all__ = [
 
 
 class BuiltSetup(NamedTuple):
-    """The parallel setup a dry run built: schedule, sizes, micro-batches, their shape,
-    precision."""
+    """The parallel setup a dry run built: schedule, sizes (``expert_tensor``: the experts'
+    tensor-parallel size), micro-batches, their shape, precision."""
 
     schedule: str
     pipeline: int
@@ -63,6 +63,7 @@ class BuiltSetup(NamedTuple):
     data: int
     world_size: int
     microbatches: int
+    expert_tensor: int
     seq_length: int
     micro_batch_size: int
     bf16: bool
@@ -302,20 +303,18 @@ def messages(
     return lines, len(issues), (spec.shape, str(spec.dtype).removeprefix("torch."))
 
 
-def shards(
-    chunks: Sequence[torch.nn.Module], tensor: int, expert: int
-) -> dict[str, tuple[int, int]]:
+def shards(chunks: Sequence[torch.nn.Module], setup: BuiltSetup) -> dict[str, tuple[int, int]]:
     """Every parameter of ``chunks`` by global name: (elements, shards the model has of
-    it: the expert-parallel size ``expert`` for an expert's, times the tensor-parallel size
-    ``tensor`` where Megatron's ``tensor_model_parallel`` mark says it is split)."""
+    it: an expert's the expert-parallel size times, where Megatron's
+    ``tensor_model_parallel`` mark says it is split, the experts' tensor-parallel size; any
+    other the tensor-parallel size where so marked)."""
     out = {}
     for chunk in chunks:
         for name, param in global_named_parameters(chunk).items():
-            count = 1
-            if not getattr(param, "allreduce", True):
-                count *= expert
+            expert = not getattr(param, "allreduce", True)
+            count = setup.expert if expert else 1
             if getattr(param, "tensor_model_parallel", False):
-                count *= tensor
+                count *= setup.expert_tensor if expert else setup.tensor
             out[name] = (param.numel(), count)
     return out
 
@@ -350,7 +349,7 @@ def rank_report(
         exchange_points=points,
         seconds=time.perf_counter() - started,
     )
-    return report, shards(chunks, setup.tensor, setup.expert)
+    return report, shards(chunks, setup)
 
 
 def count_once(named: dict[str, tuple[int, int]]) -> tuple[int, int]:

@@ -89,6 +89,7 @@ def _setup(cfg: TrainConfig) -> BuiltSetup:
         data=cfg.data_parallel_size,
         world_size=cfg.launch_world_size,
         microbatches=cfg.num_microbatches,
+        expert_tensor=cfg.tensor_model_parallel_size,  # Megatron's default: no key for it here
         seq_length=cfg.seq_length,
         micro_batch_size=cfg.micro_batch_size,
         bf16=cfg.bf16,

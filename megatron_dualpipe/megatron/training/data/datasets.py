@@ -76,6 +76,7 @@ def check_data_files(cfg: TrainConfig, source: str, vocabulary: int | None = Non
         tokenizer=cfg.tokenizer_type,
         validation_off="unset eval_interval" if cfg.eval_interval else None,
         weighted=(_blend(cfg.data_path) or (None, True))[1] is not None,
+        seq_length=cfg.seq_length,
     )
     if problem is not None:
         key, sentence = problem
