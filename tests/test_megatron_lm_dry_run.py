@@ -134,3 +134,26 @@ def test_the_wheel_s_dataset_helpers_are_not_compiled_again() -> None:
         [sys.executable, "-c", unskipped], capture_output=True, text=True, timeout=300
     )
     assert done.returncode != 0  # the test can fail: without the skip, make is run
+
+
+@pytest.mark.parametrize("te_installed", [False, True])
+def test_each_layer_kind_is_built_on_the_meta_device(monkeypatch, te_installed: bool) -> None:
+    """Megatron-Core's local layers take the build's meta device where they make parameters
+    without a device (--use-cpu-initialization); Transformer Engine's are given a device
+    (_get_extra_te_kwargs: "cpu" under CPU initialisation, which copies a full CPU master
+    weight), so they take --init-model-with-meta-device instead. Nothing is written."""
+    from megatron_dualpipe.megatron import lm_dry_run
+
+    monkeypatch.setattr(lm_dry_run, "find_spec", lambda name: object() if te_installed else None)
+    given = {"transformer_impl": "transformer_engine", "fp8": "e4m3", "save": "ckpt"}
+    out, notes = lm_dry_run._buildable({**given, "load": "ckpt", "async_save": True})
+    assert out["perform_initialization"] is False and "save" not in out and "load" not in out
+    assert "async_save" not in out
+    if te_installed:
+        assert out["init_model_with_meta_device"] and "use_cpu_initialization" not in out
+        assert out["fp8"] == "e4m3" and "--init-model-with-meta-device" in notes[0]
+    else:
+        assert out["use_cpu_initialization"] and "init_model_with_meta_device" not in out
+        assert out["transformer_impl"] == "local" and "fp8" not in out
+    kept, _ = lm_dry_run._buildable({"load": "ckpt", "use_checkpoint_args": True})
+    assert kept["load"] == "ckpt"  # the model's arguments are read from it
