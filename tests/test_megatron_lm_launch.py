@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -667,3 +668,49 @@ def test_every_key_of_our_loop_is_an_argument_of_megatron_lm_s_parser() -> None:
     assert named <= keys and not named & arguments  # the rest: our loop's, named otherwise
     assert set(NAMED_OTHERWISE.values()) <= arguments
     assert "pipeline_schedule" in arguments  # the patch's, ours
+
+
+@pytest.mark.megatron
+@pytest.mark.slow
+def test_the_readme_data_config_trains_through_megatron_lm_s_loop(tmp_path: Path) -> None:
+    """The README's own data (a jsonl corpus, a Hugging Face tokenizer made offline,
+    ``preprocess``) trained by Megatron-LM's loop from configs/tiny_gpt_data.yaml: Megatron-
+    Core's GPTDataset and HuggingFaceTokenizer, TensorBoard events, the loss falling; the
+    same data under a smaller tokenizer refused before any rank (its token ids checked
+    against that tokenizer's vocabulary)."""
+    from tests.corpus import train_tokenizer, write_corpus
+
+    if not _megatron_core_0_19():
+        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    train_tokenizer(corpus, tmp_path / "tokenizer")
+    train_tokenizer(corpus, tmp_path / "small", vocab_size=280)
+    command = [sys.executable, "-m", "megatron_dualpipe"]
+    prepared = subprocess.run(
+        [*command, "preprocess", "--input", "corpus.jsonl", "--tokenizer", "tokenizer"]
+        + ["--output-prefix", "data/corpus"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert prepared.returncode == 0, prepared.stderr[-2000:]
+    train = [*command, "train", "--config", "configs/tiny_gpt_data.yaml", "--loop", "megatron-lm"]
+    sets = ["distributed_timeout_minutes=1", "train_iters=6", "eval_interval=6", "eval_iters=1"]
+    train += [arg for item in sets for arg in ("--set", item)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(train, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = {int(i): float(loss) for i, loss in LOSS.findall(done.stdout)}
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6] and losses[6] < losses[1], done.stdout[-3000:]
+    assert VALIDATION.findall(done.stdout) != []
+    assert list((tmp_path / "runs" / "tiny_gpt_data-tensorboard").glob("events.out.tfevents.*"))
+    small = subprocess.run(
+        [*train, "--set", "tokenizer_model=small"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert small.returncode == 2, small.stderr[-2000:]
+    said = small.stderr.splitlines()[-1]
+    assert re.search(
+        r"data_path: data/corpus_text_document\.bin holds token id \d+, beyond the 28\d ids of "
+        r"the tokenizer \(HuggingFaceTokenizer\): train with the tokenizer that wrote it",
+        said,
+    ), said
