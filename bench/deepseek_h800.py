@@ -165,8 +165,10 @@ def section(trace: Path) -> str:
         "times (`split`: advised), within 74.5 GiB (80 GB) per rank by the memory model, "
         "Megatron's and torch's at the split found for them, each under its own order; the "
         "config's split (4 + 14 x 4 + 1 layers) where none is faster (`config's`). Megatron's "
-        "interleaved 1F1B needs the micro-batches to be a multiple of PP, so at 120 it is "
-        "n/a."
+        "interleaved 1F1B with its all-to-all overlap is tried at 2, 3 and 4 virtual stages "
+        "per rank, each at its own advised split, and its row is the fastest (the line under "
+        "each table says what the others took: 2 was the fastest at every count here); it "
+        "needs the micro-batches to be a multiple of PP, so at 120 it is n/a."
     )
     parts.append(_bound_paragraph(rows))
     # The per-layer run is dualpipe on equal one-layer stages: x k for equal chunks of the
