@@ -12,10 +12,12 @@ schedules, else the model provider per virtual stage as ``get_model`` does), wra
 Megatron's ``Float16Module`` (ours for our placements) with bf16 or fp16. Megatron's global
 state is reset between ranks (``unset_global_variables``, ``destroy_model_parallel``).
 
-The report per rank is :class:`~.model.built.RankReport`, the whole :class:`DryRun`; the
-entry point puts the memory model beside it. Without Transformer Engine the chunks are built
-from Megatron-Core's local layers without FP8 (the same parameters), and a note says so;
-Megatron-LM's written outputs (TensorBoard, checkpoints) are left out.
+The report per rank is :class:`~.model.built.RankReport`, the whole
+:class:`~.model.built.DryRun`; the entry point puts the memory model beside it. Without
+Transformer Engine the chunks are built from Megatron-Core's local layers without FP8 (the
+same parameters), and a note says so; with it, TE's layers through Megatron-LM's
+``--init-model-with-meta-device`` (modelled from ``_get_extra_te_kwargs``; not run on a
+machine with TE yet). What a run would write, load or start is left out (:data:`_LEFT_OUT`).
 """
 
 from __future__ import annotations
@@ -116,8 +118,7 @@ def _buildable(settings: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
         notes.append(
             "Transformer Engine's layers built on the meta device "
             "(--init-model-with-meta-device); the embedding and the output layer, "
-            "Megatron-Core's own, are allocated on this GPU (not run: no TE on the machine "
-            "this was written on)"
+            "Megatron-Core's own layers, are allocated on this GPU as in a run"
         )
     else:
         # Megatron-Core's local layers make their parameters without a device under
