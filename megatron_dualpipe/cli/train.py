@@ -2,7 +2,9 @@
 with a pipeline schedule; the work is :mod:`megatron_dualpipe.megatron.training`
 (:func:`~megatron_dualpipe.megatron.training.train`, and its ``dry_run`` module), or with
 ``--loop megatron-lm`` Megatron-LM's own ``pretrain()``
-(:func:`~megatron_dualpipe.megatron.lm_launch.train_with_megatron_lm`)."""
+(:func:`~megatron_dualpipe.megatron.lm_launch.train_with_megatron_lm`; the dry run
+:func:`~megatron_dualpipe.megatron.lm_dry_run.dry_run_with_megatron_lm`). Either dry run's
+report is printed beside the memory model (:mod:`megatron_dualpipe.planner.dry_run_report`)."""
 
 from __future__ import annotations
 
