@@ -301,7 +301,7 @@ def test_the_route_s_profile_writes_a_trace_per_rank_that_simulate_reads(
     refused = run()
     assert (
         refused.returncode == 2
-        and "tensorboard_dir is not set: set tensorboard_dir" in (refused.stderr.splitlines()[-1])
+        and "folder named None): set tensorboard_dir" in (refused.stderr.splitlines()[-1])
     ), refused.stderr[-2000:]
     done = run(f"tensorboard_dir={tmp_path / 'tensorboard'}")
     assert done.returncode == 0, done.stderr[-3000:]
