@@ -23,7 +23,7 @@ import pytest
 from megatron_dualpipe.megatron.checkpoint.files import CheckpointError
 from megatron_dualpipe.megatron.compat.version import common_state_in_dcp
 from megatron_dualpipe.megatron.training import ConfigError, TrainError, load_config, train
-from tests.processes import wait_for
+from tests.processes import OUR_LOOP, wait_for
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multiproc, pytest.mark.slow]
 
@@ -447,6 +447,7 @@ def test_a_save_directory_turned_read_only_mid_run_is_one_sentence(tmp_path: Pat
         sets = [f"save={save}", "save_interval=3", "train_iters=300", "output_dir=null",
                 "eval_interval=null"]  # fmt: skip
         command = [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(TINY)]
+        command += OUR_LOOP
         err = tmp_path / "stderr"
         proc = subprocess.Popen(
             [*command, *[arg for item in sets for arg in ("--set", item)]],

@@ -6,7 +6,7 @@ dead rank, at ``world_size`` 1 it never ended), and a ``.idx`` that does not ind
 or failed after the ranks started with a traceback).
 
 Corpora of 120, 2 and 1 documents (tests/corpus.py) are preprocessed here with one
-tokenizer. Runs that would hang are bounded: in-process runs by the config's 30 s
+tokenizer. Runs that would hang are bounded: in-process runs by the config's one-minute
 ``distributed_timeout_minutes``, the one-rank run as a subprocess killed after 120 s.
 """
 
@@ -26,6 +26,7 @@ import pytest
 from megatron_dualpipe.megatron.training import ConfigError, load_config, train
 from megatron_dualpipe.megatron.training.data.preprocess import preprocess
 from tests.corpus import train_tokenizer, write_corpus
+from tests.processes import OUR_LOOP
 
 pytestmark = [pytest.mark.megatron]
 
@@ -128,7 +129,7 @@ def test_a_one_rank_run_on_a_split_without_documents_ends_in_one_sentence(corpor
     one_rank = ["world_size=1", "pipeline_model_parallel_size=1", "pipeline_schedule=1f1b"]
     sets = _sets(corpora, 120, "split=969,30,1", *one_rank)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(CONFIG),
+        [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(CONFIG), *OUR_LOOP,
          *(arg for item in sets for arg in ("--set", item))],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,

@@ -18,6 +18,7 @@ from megatron.core.utils import unwrap_model
 
 from megatron_dualpipe.megatron.training import TrainError, finite, load_config, loop, train
 from megatron_dualpipe.megatron.training.report import validation_lines
+from tests.processes import OUR_LOOP
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_gpt_cpu.yaml"
@@ -32,7 +33,7 @@ def test_a_diverging_run_stops_at_the_first_nan_and_keeps_the_last_checkpoint(
     save = tmp_path / "ckpt"
     sets = [*DIVERGING, "train_iters=8", f"save={save}", "save_interval=2"]
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(TINY)]
+        [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(TINY), *OUR_LOOP]
         + [arg for item in sets for arg in ("--set", item)],
         cwd=ROOT,
         capture_output=True,

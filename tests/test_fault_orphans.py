@@ -28,7 +28,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.processes import as_from_a_terminal, wait_for
+from tests.processes import OUR_LOOP, as_from_a_terminal, wait_for
 
 pytestmark = pytest.mark.multiproc
 
@@ -215,7 +215,7 @@ def _train(
 ) -> contextlib.AbstractContextManager:
     items = ("output_dir=null", "eval_interval=null", "log_interval=1", *sets)
     args = [arg for item in items for arg in ("--set", item)]
-    command = ["-m", "megatron_dualpipe", "train", "--config", str(TINY), *args]
+    command = ["-m", "megatron_dualpipe", "train", "--config", str(TINY), *OUR_LOOP, *args]
     return _started(command, tag, tmp_path, nohup, temp)
 
 

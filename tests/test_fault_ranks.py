@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from megatron_dualpipe.megatron.checkpoint.files import damage, iteration_dir, read_tracker
 from megatron_dualpipe.runtime.launch import GUARD_NAME, LaunchFailure, run_ranks
-from tests.processes import as_from_a_terminal, wait_for
+from tests.processes import OUR_LOOP, as_from_a_terminal, wait_for
 
 pytestmark = pytest.mark.multiproc
 
@@ -96,11 +96,11 @@ TINY = ROOT / "configs" / "tiny_gpt_cpu.yaml"
 
 def _start_train(tmp_path: Path, *sets: str) -> tuple[subprocess.Popen, Path, Path]:
     out, err = tmp_path / "stdout", tmp_path / "stderr"
-    args = [
-        arg for item in ("output_dir=null", "eval_interval=null", *sets) for arg in ("--set", item)
-    ]
+    base = ("output_dir=null", "eval_interval=null", "distributed_timeout_minutes=0.5")
+    args = [arg for item in (*base, *sets) for arg in ("--set", item)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(TINY), *args],
+        [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(TINY), *OUR_LOOP]
+        + args,
         cwd=ROOT,
         stdout=out.open("w"),
         stderr=err.open("w"),
@@ -201,7 +201,7 @@ def test_kill_9_of_a_rank_started_by_torchrun_style_variables(tmp_path: Path) ->
         errs.append(tmp_path / f"stderr{rank}")
         sets = ["train_iters=3000", "log_interval=1", "eval_interval=null", "output_dir=null"]
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(TINY),
+            [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(TINY), *OUR_LOOP,
              *[arg for item in sets for arg in ("--set", item)]],
             cwd=ROOT, env=env, stdout=(tmp_path / f"stdout{rank}").open("w"),
             stderr=errs[-1].open("w"),

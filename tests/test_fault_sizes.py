@@ -17,6 +17,7 @@ import pytest
 
 from megatron_dualpipe.cli import main
 from megatron_dualpipe.megatron.training import ConfigError, load_config, train
+from tests.processes import OUR_LOOP
 
 pytestmark = pytest.mark.megatron
 
@@ -25,7 +26,9 @@ TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_gpt_cpu.yaml"
 
 def test_a_runaway_global_batch_size_is_refused_before_any_rank_starts(capsys) -> None:
     started = time.monotonic()
-    code = main(["train", "--config", str(TINY), "--set", "global_batch_size=1000000000"])
+    code = main(
+        ["train", "--config", str(TINY), *OUR_LOOP, "--set", "global_batch_size=1000000000"]
+    )
     assert code == 2 and time.monotonic() - started < 5.0
     assert capsys.readouterr().err == (
         "megatron-dualpipe: error: --set global_batch_size=1000000000: global_batch_size: "
@@ -42,7 +45,7 @@ def test_the_issues_global_batch_size_at_the_old_bound_is_refused(capsys) -> Non
     """2,000,000 (PP=2 x 1,000,000 micro-batches) was exactly the old bound and ran away:
     no output after the parameter counts, 35 MB/s per rank, 6.8 GB at 190 s. The bound is
     now what bench/step_build.py measured a rank to need (3.1 KB a PP x micro-batch)."""
-    code = main(["train", "--config", str(TINY), "--set", "global_batch_size=2000000"])
+    code = main(["train", "--config", str(TINY), *OUR_LOOP, "--set", "global_batch_size=2000000"])
     err = capsys.readouterr().err
     assert code == 2, err
     assert "PP=2 x 1000000 micro-batches is too large a step to build on each rank (about " in err

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import OUR_LOOP
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_gpt_cpu.yaml"
 
@@ -27,7 +29,7 @@ def test_a_long_tmpdir_is_one_sentence_before_any_rank(tmp_path: Path) -> None:
     sets = ["train_iters=2", "lr_warmup_iters=1", f"save={tmp_path / 'save'}", "save_interval=1"]
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "megatron_dualpipe.cli", "train", "--config", str(TINY)]
+        [sys.executable, "-m", "megatron_dualpipe.cli", "train", "--config", str(TINY), *OUR_LOOP]
         + [arg for key in sets for arg in ("--set", key)],
         cwd=ROOT,
         env=dict(os.environ, TMPDIR=str(temp)),

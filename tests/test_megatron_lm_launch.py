@@ -333,19 +333,20 @@ def _megatron_core_0_19() -> bool:
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_the_tiny_config_trains_as_1f1b_under_every_schedule() -> None:
-    """From scratch, tied embeddings (Megatron-LM's default): zb1p and dualpipev print
-    1F1B's digits, dualpipe within a millionth; ``--dry-run`` builds on each rank the
-    parameters Megatron-LM's ``get_model`` says it built. dualpipe's last rank used to copy its
-    zeroed output layer over its embedding (loss 4.863 against 4.876 at step 1, then
-    barely learning)."""
+    """From scratch, tied embeddings (Megatron-LM's default, set over the config's untied
+    ones): zb1p and dualpipev print 1F1B's digits, dualpipe within a millionth; ``--dry-run``
+    builds on each rank the parameters Megatron-LM's ``get_model`` says it built. dualpipe's
+    last rank used to copy its zeroed output layer over its embedding (loss 4.863 against
+    4.876 at step 1, then barely learning)."""
     if not _megatron_core_0_19():
         pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
     printed = {}
     for schedule in ("1f1b", "zb1p", "dualpipev", "dualpipe"):
-        done = _train(f"pipeline_schedule={schedule}")
+        sets = (f"pipeline_schedule={schedule}", "untie_embeddings_and_output_weights=false")
+        done = _train(*sets)
         assert done.returncode == 0, done.stderr[-3000:]
         built = {int(r): int(n) for r, n in PRETRAIN_BUILT.findall(done.stdout)}
-        assert built == _dry_run_built(f"pipeline_schedule={schedule}"), schedule
+        assert built == _dry_run_built(*sets), schedule
         said = "Megatron's own" if schedule == "1f1b" else f"{schedule} (megatron-dualpipe's)"
         assert f"pipeline schedule: {said}" in done.stdout + done.stderr
         losses = dict(LOSS.findall(done.stdout))
@@ -357,6 +358,25 @@ def test_the_tiny_config_trains_as_1f1b_under_every_schedule() -> None:
     for got, want in zip(printed["dualpipe"], printed["1f1b"], strict=True):
         for step, loss in want.items():
             assert float(got[step]) == pytest.approx(float(loss), rel=1e-6), (step, got, want)
+
+
+@pytest.mark.megatron
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_the_readme_s_main_job_runs_megatron_lm_s_loop_where_0_19_is_installed() -> None:
+    """``train --config configs/tiny_gpt_cpu.yaml`` without ``--loop`` (shortened): Megatron-LM's
+    ``pretrain()`` builds the model, dualpipev runs it, and it learns."""
+    if not _megatron_core_0_19():
+        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
+    sets = ("train_iters=3", "eval_interval=3", "eval_iters=1")
+    command = [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(TINY)]
+    command += [arg for item in sets for arg in ("--set", item)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(int(r) for r, _ in PRETRAIN_BUILT.findall(done.stdout)) == [0, 1]
+    assert "pipeline schedule: dualpipev (megatron-dualpipe's)" in done.stdout + done.stderr
+    losses = {int(step): float(loss) for step, loss in LOSS.findall(done.stdout)}
+    assert sorted(losses) == [1, 2, 3] and losses[3] < losses[1], done.stdout
 
 
 @pytest.mark.megatron

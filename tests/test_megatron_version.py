@@ -78,14 +78,14 @@ def test_every_release_outside_it_is_one_sentence(release: str) -> None:
         assert sentence == REFUSAL_020
 
 
-def _fake_megatron_core(tmp_path: Path, minor: int) -> dict[str, str]:
-    """An environment whose ``megatron.core`` is a stand-in of release 0.<minor>.0 that
+def _fake_megatron_core(tmp_path: Path, minor: int, patch: int = 0) -> dict[str, str]:
+    """An environment whose ``megatron.core`` is a stand-in of release 0.<minor>.<patch> that
     fails loudly if anything imports it (the refusal must come from reading its version)."""
     core = tmp_path / "megatron" / "core"
     core.mkdir(parents=True)
     (core / "__init__.py").write_text('raise SystemExit("megatron.core was imported")\n')
     (core / "package_info.py").write_text(
-        f'MAJOR = 0\nMINOR = {minor}\nPATCH = 0\nPRE_RELEASE = ""\n'
+        f'MAJOR = 0\nMINOR = {minor}\nPATCH = {patch}\nPRE_RELEASE = ""\n'
         "raise SystemExit('package_info.py was run')\n"
     )
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
@@ -106,6 +106,23 @@ def test_importing_the_adapter_refuses_an_unsupported_release_before_megatron_ru
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout == f"MegatronVersionError {REFUSAL_020}\n"
+
+
+@pytest.mark.parametrize(
+    ("minor", "loop"),
+    [(16, "megatron-dualpipe"), (17, "megatron-dualpipe"), (18, "megatron-dualpipe"),
+     (19, "megatron-lm")],
+)  # fmt: skip
+def test_train_s_default_loop_is_megatron_lm_s_where_0_19_is_installed(
+    tmp_path: Path, minor: int, loop: str
+) -> None:
+    """Read from the release on disk: the stand-in stops the process if it is imported."""
+    env = _fake_megatron_core(tmp_path, minor=minor, patch=1)
+    code = "from megatron_dualpipe.cli.train import default_loop; print(default_loop())"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert (out.returncode, out.stdout, out.stderr) == (0, f"{loop}\n", "")
 
 
 def _cli(env: dict[str, str], *argv: str) -> subprocess.CompletedProcess:

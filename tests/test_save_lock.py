@@ -23,7 +23,7 @@ from megatron_dualpipe.megatron.checkpoint.lock import (
     SaveDirectoryInUse,
     save_lock,
 )
-from tests.processes import wait_for
+from tests.processes import OUR_LOOP, wait_for
 
 pytestmark = pytest.mark.megatron
 
@@ -91,7 +91,8 @@ def test_a_second_train_on_the_same_save_is_refused(tmp_path: Path) -> None:
     def train(*more: str, out: str) -> subprocess.Popen:
         args = [arg for item in (*sets, *more) for arg in ("--set", item)]
         return subprocess.Popen(
-            [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(TINY), *args],
+            [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(TINY), *OUR_LOOP]
+            + args,
             cwd=ROOT,
             stdout=(tmp_path / f"{out}.out").open("w"),
             stderr=(tmp_path / f"{out}.err").open("w"),

@@ -13,6 +13,7 @@ import pytest
 
 from megatron_dualpipe.megatron.training import ConfigError, load_config
 from megatron_dualpipe.megatron.training.config import parse_overrides
+from tests.processes import OUR_LOOP
 
 CONFIGS = sorted(Path(__file__).resolve().parents[1].glob("configs/*.yaml"))
 TINY = next(p for p in CONFIGS if p.name == "tiny_gpt_cpu.yaml")
@@ -212,7 +213,7 @@ def test_yaml_float_literals_without_a_dot_are_numbers(tmp_path: Path) -> None:
 def test_cli_prints_the_sentence_and_fails(tmp_path: Path) -> None:
     path = _write(tmp_path, "num_layer: 8")
     done = subprocess.run(
-        [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(path)],
+        [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(path), *OUR_LOOP],
         capture_output=True,
         text=True,
         timeout=60,

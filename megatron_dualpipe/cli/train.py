@@ -1,10 +1,12 @@
 """``megatron-dualpipe train`` (and ``train --dry-run``): a GPT pretrained on megatron-core
-with a pipeline schedule; the work is :mod:`megatron_dualpipe.megatron.training`
-(:func:`~megatron_dualpipe.megatron.training.train`, and its ``dry_run`` module), or with
-``--loop megatron-lm`` Megatron-LM's own ``pretrain()``
+with a pipeline schedule. The loop is Megatron-LM's own ``pretrain()``
 (:func:`~megatron_dualpipe.megatron.lm_launch.train_with_megatron_lm`; the dry run
-:func:`~megatron_dualpipe.megatron.lm_dry_run.dry_run_with_megatron_lm`). Either dry run's
-report is printed beside the memory model (:mod:`megatron_dualpipe.planner.dry_run_report`)."""
+:func:`~megatron_dualpipe.megatron.lm_dry_run.dry_run_with_megatron_lm`) wherever the
+installed megatron-core ships the ``megatron/training`` it runs (:func:`default_loop`); on
+older releases, or with ``--loop megatron-dualpipe``, this project's own loop
+(:func:`~megatron_dualpipe.megatron.training.train`, and its ``dry_run`` module). Either dry
+run's report is printed beside the memory model
+(:mod:`megatron_dualpipe.planner.dry_run_report`)."""
 
 from __future__ import annotations
 
@@ -15,12 +17,21 @@ from typing import Any
 from ..errors import DualPipeError
 from .common import add_overrides, unwind_on_stop_signals
 
-__all__ = ["LOOPS", "add", "run"]
+__all__ = ["LOOPS", "add", "default_loop", "run"]
 
 #: What ``--profile`` sets: Megatron-LM's ``--profile --use-pytorch-profiler``.
 _PROFILING = ("profile=true", "use_pytorch_profiler=true")
-#: The training loops ``--loop`` chooses from, the default first.
-LOOPS = ("megatron-dualpipe", "megatron-lm")
+#: The training loops ``--loop`` chooses from.
+LOOPS = ("megatron-lm", "megatron-dualpipe")
+
+
+def default_loop() -> str:
+    """``megatron-lm`` where the megatron-core installed is the release whose wheel's
+    ``megatron/training`` Megatron-LM's loop runs (0.19), else ``megatron-dualpipe``. A
+    megatron-core outside the supported range is refused here, in one sentence."""
+    from ..megatron.compat.version import route_training_installed  # imports no megatron
+
+    return "megatron-lm" if route_training_installed() else "megatron-dualpipe"
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -53,11 +64,11 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--loop",
         choices=LOOPS,
-        default=LOOPS[0],
-        help="the training loop: megatron-dualpipe's own (default), or megatron-lm: "
-        "Megatron-LM's pretrain() from megatron-core 0.19's wheel, patched for the run, the "
-        "config's keys as its flags (a key is a flag in snake case, as Megatron-LM's args "
-        "name it)",
+        help="the training loop: megatron-lm, Megatron-LM's pretrain() from megatron-core "
+        "0.19's wheel, patched for the run, the config's keys as its flags (a key is a flag "
+        "in snake case, as Megatron-LM's args name it): the default where megatron-core 0.19 "
+        "is installed (Python 3.12); or megatron-dualpipe, this project's own loop: the "
+        "default on megatron-core 0.16 to 0.18",
     )
     p.add_argument(
         "--dry-run",
@@ -74,7 +85,7 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    if args.loop == "megatron-lm":
+    if (args.loop or default_loop()) == "megatron-lm":
         _megatron_lm(args)
         return
     if args.dry_run:

@@ -129,11 +129,15 @@ def megatron_lm_config(
     launch to remove). Another megatron-core is refused in one sentence."""
     from ..runtime.launch import process_tmpdir
     from .compat.lm_patch import make_patched_training, unpatched_training_problem
-    from .compat.version import installed_megatron_core, megatron_lm_tag
+    from .compat.version import (
+        ROUTE_MEGATRON_LM_TAG,
+        installed_megatron_core,
+        megatron_lm_tag,
+    )
 
     overrides = list(overrides)
     source, _ = override_origins(path, overrides)
-    if megatron_lm_tag() != "core_v0.19.0":
+    if megatron_lm_tag() != ROUTE_MEGATRON_LM_TAG:
         raise MegatronLMConfigError(
             f"Megatron-LM's loop runs the megatron/training of megatron-core 0.19, but "
             f"megatron-core {installed_megatron_core()} is installed: pip install "

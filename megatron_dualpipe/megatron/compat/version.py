@@ -66,6 +66,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MEGATRON_LM_TAGS",
+    "ROUTE_MEGATRON_LM_TAG",
     "SUPPORTED_MEGATRON_CORE",
     "TESTED_MEGATRON_CORE",
     "MegatronVersionError",
@@ -82,6 +83,7 @@ __all__ = [
     "mtp_inner_layer_name",
     "mtp_tracker_fields",
     "refuse_unsupported_at_import",
+    "route_training_installed",
     "save_mtp_metrics",
     "te_graph_capture_finished",
     "tensor_parallel_marks_without_initialisation",
@@ -104,6 +106,9 @@ MEGATRON_LM_TAGS = {
     "0.18": "core_v0.18.2",
     "0.19": "core_v0.19.0",
 }
+#: The tag whose ``megatron/training`` (shipped in that megatron-core's wheel) Megatron-LM's
+#: loop runs (``train --loop megatron-lm``, ``megatron.pretrain_gpt``).
+ROUTE_MEGATRON_LM_TAG = "core_v0.19.0"
 
 
 class MegatronVersionError(DualPipeError, RuntimeError):
@@ -168,6 +173,20 @@ def version_on_disk() -> str | None:
     if not all(isinstance(values.get(k), int) for k in ("MAJOR", "MINOR", "PATCH")):
         return None
     return f"{values['MAJOR']}.{values['MINOR']}.{values['PATCH']}{values.get('PRE_RELEASE', '')}"
+
+
+def route_training_installed() -> bool:
+    """Whether the megatron-core this process would import (or has imported) is the release
+    whose wheel's ``megatron/training`` Megatron-LM's loop runs (:data:`ROUTE_MEGATRON_LM_TAG`);
+    read from its ``package_info.py`` when not imported yet, nothing of megatron run."""
+    import sys
+
+    loaded = sys.modules.get("megatron.core")
+    version = getattr(loaded, "__version__", None) if loaded is not None else version_on_disk()
+    if version is None:
+        return False
+    major, minor = _release(str(version)).release[:2]
+    return MEGATRON_LM_TAGS.get(f"{major}.{minor}") == ROUTE_MEGATRON_LM_TAG
 
 
 def refuse_unsupported_at_import() -> None:
