@@ -56,7 +56,7 @@ part "megatron-core 0.19.2, every test marked megatron but slow" \
 part "megatron-core 0.19.2, the slow tests of Megatron-LM's own loop" \
   python -m pytest -m "megatron and slow" -p no:cacheprovider \
   tests/test_megatron_lm_loop.py tests/test_megatron_lm_patch.py tests/test_full_iteration.py \
-  tests/test_megatron_lm_launch.py tests/test_megatron_lm_dry_run.py \
+  tests/test_megatron_lm_launch.py tests/test_megatron_lm_dry_run.py tests/test_megatron_lm_faults.py \
   "tests/test_profile_trace.py::test_the_route_s_profile_writes_a_trace_per_rank_that_simulate_reads"
 
 for release in 0.17.1 0.18.2; do

@@ -99,6 +99,16 @@ def test_a_crafted_object_in_a_shard_is_refused_without_running_it(tmp_path: Pat
     assert not marker.exists()
 
 
+def test_the_rerun_state_megatron_lm_saves_after_a_nan_reads(tmp_path: Path) -> None:
+    """After a NaN, Megatron-LM's rerun state machine saves the calls that saw it (its
+    ``Call`` and ``Caller`` records) for the resumed run: a checkpoint to resume from."""
+    from megatron.core.rerun_state_machine import Call, Caller, RerunState
+
+    state = {"state": RerunState.WILL_RERUN_FROM_CHECKPOINT, "calls": [Call(Caller("NaN", 1), 0)]}
+    directory = _checkpoint(tmp_path / "ck", {"rerun_state_machine_state": state})
+    assert damage(directory) is None
+
+
 def test_a_pickle_of_something_else_is_refused(tmp_path: Path) -> None:
     path = tmp_path / ".metadata"
     path.write_bytes(pickle.dumps({"state_dict_metadata": {}}))

@@ -139,6 +139,23 @@ def test_a_profile_megatron_lm_would_not_write_is_one_sentence(given: dict, said
     _check_profile(argparse.Namespace(**{**args, "profile": False}), "x.yaml")
 
 
+def test_an_unset_eval_interval_is_one_sentence() -> None:
+    """Megatron-LM 0.19 divides train_iters by it (a TypeError on every rank); a run that
+    validates fully or trains nothing does not."""
+    from megatron_dualpipe.megatron.lm_launch import _check_evaluation
+
+    args = dict(eval_interval=None, full_validation=False, skip_train=False)
+    with pytest.raises(MegatronLMConfigError) as refused:
+        _check_evaluation(argparse.Namespace(**args), "x.yaml")
+    assert str(refused.value) == (
+        "x.yaml: eval_interval is not set, and Megatron-LM's pretrain() divides the training "
+        "iterations by it to size the validation data (a TypeError on every rank): set "
+        "eval_interval, e.g. to train_iters (eval_iters: 0 validates nothing)"
+    )
+    for fine in ({"eval_interval": 5}, {"full_validation": True}, {"skip_train": True}):
+        _check_evaluation(argparse.Namespace(**(args | fine)), "x.yaml")
+
+
 def test_the_launcher_builds_no_tokenizer_that_would_run_code_or_download(tmp_path: Path) -> None:
     """trust_remote_code, or a tokenizer file not on disk (a Hugging Face hub name): the
     token ids are left to the ranks."""

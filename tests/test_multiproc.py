@@ -140,6 +140,15 @@ def _raise_stopped(signum: int, frame: object) -> None:
     raise _Stopped(signum)
 
 
+def test_one_line_for_a_launch_says_an_error_every_rank_had_once() -> None:
+    same = LaunchFailure(2, [(1, "error", "found NaN"), (0, "error", "found NaN")], [], None)
+    assert same.cause == "found NaN"
+    died = [(1, "died", "it was killed by SIGKILL"), (0, "error", "Traceback ...")]
+    assert LaunchFailure(2, died, [], None).cause == "rank 1 of 2 failed: it was killed by SIGKILL"
+    one = LaunchFailure(2, [(1, "error", "found NaN")], [0], None)  # rank 0 was killed
+    assert one.cause == "rank 1 of 2 failed: found NaN"
+
+
 def test_stop_signals_wait_for_the_launch_clean_up_to_end() -> None:
     """A second SIGTERM while the ranks are killed and the run's folder removed is held,
     and raised again once that is done (it cut the removal short, leaving the folder)."""

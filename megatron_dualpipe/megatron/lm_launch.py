@@ -174,6 +174,7 @@ def _run(
             "pipeline_schedule"
         )
     check_load(parsed)  # each rank checks again in apply()
+    _check_evaluation(parsed, source)
     _check_profile(parsed, source)
     check_folders(parsed, source)
     _check_data_files(parsed, source)
@@ -194,6 +195,7 @@ def _run(
                 timeout_s=None,
                 pg_timeout_s=60 * minutes,
                 plain_errors=(PretrainExit,),
+                failure_as=lambda failure: PretrainExit(failure.cause),
             )[0]
     return measured if holder else None
 
@@ -234,6 +236,19 @@ def check_folders(parsed: argparse.Namespace, source: str) -> None:
         raise MegatronLMConfigError(
             f"{source}: pipeline_timeline: cannot write to {Path(picture).parent} ({why}): set "
             "pipeline_timeline to a file in a folder this user can write to"
+        )
+
+
+def _check_evaluation(parsed: argparse.Namespace, source: str) -> None:
+    """Megatron-LM 0.19's ``--eval-interval`` (default unset): ``pretrain()`` divides
+    ``train_iters`` by it when it sizes the validation data
+    (``get_train_valid_test_num_samples``), a TypeError on every rank unless the run
+    validates fully (``--full-validation``) or skips training."""
+    if parsed.eval_interval is None and not (parsed.full_validation or parsed.skip_train):
+        raise MegatronLMConfigError(
+            f"{source}: eval_interval is not set, and Megatron-LM's pretrain() divides the "
+            "training iterations by it to size the validation data (a TypeError on every "
+            "rank): set eval_interval, e.g. to train_iters (eval_iters: 0 validates nothing)"
         )
 
 
@@ -433,7 +448,30 @@ def _pretrain(argv: list[str]) -> MeasuredStep | None:
         return main(argv)
     except SystemExit as stop:
         if stop.code not in (0, None):
-            raise PretrainExit(
-                f"Megatron-LM's pretrain exited with code {stop.code} (its error is above)"
-            ) from None
+            raise PretrainExit(_exit_said(stop.code)) from None
         return None
+
+
+def _exit_said(code: object) -> str:
+    """What Megatron-LM's ``pretrain`` exiting with ``code`` means: its result validation's
+    two codes (``megatron.core.rerun_state_machine``) in words, any other by number."""
+    from megatron.core import rerun_state_machine as rerun
+
+    validation = (
+        "Megatron-LM's result validation (check_for_nan_in_loss_and_grad, rerun_mode "
+        "validate_results)"
+    )
+    diverged = "if the run diverges, lower lr or clip_grad"
+    if code == rerun.EXIT_CODE_RESUME_TO_DISAMBIGUATE:
+        return (
+            f"{validation} stopped the run with exit code {code} (the lines above say why: a "
+            "NaN or another unexpected value, or the rerun of one on the same device), for it "
+            "to be resumed from its checkpoint on other hardware, which tells a device's fault "
+            f"from the model's: {diverged}"
+        )
+    if code == rerun.EXIT_CODE_FAILED_ON_RESULT_VALIDATION:
+        return (
+            f"{validation} found the unexpected value again on rerunning the iteration and "
+            f"stopped the run (exit code {code}; the lines above say more): {diverged}"
+        )
+    return f"Megatron-LM's pretrain exited with code {code} (its error is above)"

@@ -181,6 +181,16 @@ class LaunchFailure(DualPipeError, RuntimeError):
             return text
         return f"rank {rank} of {self.world_size} failed: {text}{self._stopped_note()}"
 
+    @property
+    def cause(self) -> str:
+        """The failure in one line: a text every rank failed with (a verdict they reached
+        together, the same error seen on each) said once, without a rank; else
+        :attr:`first`."""
+        texts = {text for _, _, text in self.errors}
+        if len(texts) == 1 and len(self.errors) == self.world_size:
+            return texts.pop()
+        return self.first
+
     def _stopped_note(self) -> str:
         if not self.stopped:
             return ""

@@ -13,9 +13,12 @@ would run its code when read with plain ``pickle``:
   ``StorageMeta.checkpoint_id`` may be).
 - ``common.pt``: read with ``torch.load(weights_only=True)`` (:func:`load_weights_only`).
 - the non-tensor objects in the shards (``BytesStorageMetadata`` entries: the RNG states,
-  the layers' extra state), which torch's loader reads with ``torch.load(weights_only=
-  False)``; :func:`load_weights_only` reads each one first, with numpy's array pieces added
-  to torch's allow-list for the RNG states.
+  the layers' extra state, Megatron-Core's rerun state machine's state), which torch's
+  loader reads with ``torch.load(weights_only=False)``; :func:`load_weights_only` reads each
+  one first, with numpy's array pieces added to torch's allow-list for the RNG states and
+  the rerun state machine's records for its state (after a NaN it holds the calls that saw
+  it: ``Call`` and ``Caller``, named tuples of a message and two numbers, beside the enums
+  Megatron-Core itself admits).
 
 Anything else is refused with :class:`UntrustedPickle`, whose message names what the
 file refers to. The tensors themselves torch reads with ``weights_only=True``.
@@ -120,11 +123,20 @@ def load_weights_only(source: Path | BinaryIO) -> Any:
     ``pickle.UnpicklingError`` with the weights-only loader's reason for damaged bytes."""
     if isinstance(source, Path):
         source = io.BytesIO(source.read_bytes())
-    with torch.serialization.safe_globals(_NUMPY_ARRAY):
+    with torch.serialization.safe_globals([*_NUMPY_ARRAY, *_rerun_records()]):
         try:
             return torch.load(source, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as err:
             raise _refusal(err) from None
+
+
+def _rerun_records() -> list[Any]:
+    """The classes Megatron-Core's rerun state machine pickles into its state: its enums
+    and the named tuples recording the calls that found an unexpected result."""
+    from megatron.core import rerun_state_machine as rerun
+
+    names = ("Call", "Caller", "RerunDiagnostic", "RerunMode", "RerunState")
+    return [getattr(rerun, name) for name in names if hasattr(rerun, name)]
 
 
 #: How torch's weights-only unpickler words a refusal of what a pickle refers to.

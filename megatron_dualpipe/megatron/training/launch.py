@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import DualPipeError
-from ...runtime.launch import LaunchFailure, pick_port, run_ranks
+from ...runtime.launch import pick_port, run_ranks
 from ...runtime.rank_env import RankEnv, launcher_env
 from ...runtime.watchdog import PipelineCommError, peer_lost
 from ..checkpoint.files import check_fresh_save
@@ -399,21 +399,11 @@ def _run_forked(cfg: TrainConfig) -> TrainResult:
         pg_timeout_s=60.0 * cfg.distributed_timeout_minutes,
         threads_per_rank=max(1, (os.cpu_count() or 1) // world),
         plain_errors=(ConfigError, TrainError, CheckpointError, SaveDirectoryInUse),
-        failure_as=lambda failure: LaunchError(_failure_text(failure)),
+        failure_as=lambda failure: LaunchError(failure.cause),
     )
     merged = results[0]
     merged.lines = [line for result in results for line in result.lines]
     return merged
-
-
-def _failure_text(failure: LaunchFailure) -> str:
-    """The root cause of a failed launch. A verdict every rank reached together (a
-    non-finite loss, a checkpoint that cannot be written) reads the same on every rank and
-    is said once, without a rank; anything else names the rank it came from."""
-    texts = {text for _, _, text in failure.errors}
-    if len(texts) == 1 and len(failure.errors) == failure.world_size:
-        return texts.pop()
-    return failure.first
 
 
 def _train_rank(rank: int, world_size: int, cfg: TrainConfig) -> TrainResult:
