@@ -462,3 +462,30 @@ def test_megatron_s_interleaved_is_compared_at_its_fastest_virtual_stage_count(
     assert row["note"].startswith(f"VP={kept}, the fastest (also tried: ")
     assert sorted([kept, *map(int, tried)]) == list(VIRTUAL_STAGES)
     assert all(float(step) >= round(row["step_ms"], 1) for step in tried.values())
+
+
+def test_the_plan_under_the_table_trains_the_fastest_schedule_at_the_split_it_was_timed_at(
+    tmp_path: Path,
+) -> None:
+    """``simulate --profile --config --schedule all``: the plan names the fastest schedule
+    that trains on Megatron (not torch's), against Megatron's interleaved-1f1b-a2a; its
+    lines, set on the config, time that schedule at the same step."""
+    from megatron_dualpipe.bench.profiled import profile_comparison
+
+    profile = read_profile(_write(tmp_path / "t.json", _trace()))
+    config = ROOT / "configs" / "tiny_deepseek_cpu.yaml"
+    model = ConfigModel.read(config, [], _train_defaults())
+    options = dict(microbatches=8, latency=0.0, memory_cap_gib=80)
+    lines, figures = profile_comparison(profile, model, schedule="all", **options)
+    trained = [r for r in figures["schedules"] if r["source"] != "torch" and r["step_ms"]]
+    best = min(trained, key=lambda r: r["step_ms"])
+    plan = lines.index(next(line for line in lines if line.startswith("\nplan: ")))
+    assert lines[plan].startswith(f"\nplan: {best['schedule']} at the {best['split']} split ")
+    pasted = [line.strip() for line in lines[plan + 1 : -1]]
+    assert lines[-1].startswith("or give Megatron-LM's pretrain_gpt.py: --pipeline-schedule ")
+    overrides = [line.replace(": ", "=", 1).replace('"', "") for line in pasted]
+    again = ConfigModel.read(config, overrides, _train_defaults())
+    name = best["schedule"]
+    _, timed = profile_comparison(profile, again, schedule=name, **options)
+    (row,) = timed["schedules"]
+    assert row["step_ms"] == pytest.approx(best["step_ms"], rel=1e-9)

@@ -6,10 +6,11 @@ Imports the schedule layer only (torch's schedules where torch is installed)."""
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable
 from dataclasses import replace
 
-from ..planner.advisor import StageTiming, advise
+from ..planner.advisor import StageTiming, advise, config_split_lines, split_changes, yaml_lines
 from ..planner.config_advice import ConfigModel
 from ..planner.profile_config import ConfigCosts, config_costs, profile_timing, timed_costs
 from ..planner.profile_report import ProfileRow, deepseek_bubble, profile_table
@@ -60,6 +61,8 @@ def profile_comparison(
     formula = deepseek_bubble(rows, pp)
     if formula:
         lines.append(formula["line"])
+    if wanted is None:
+        lines += _plan_lines(rows, model)
     payload = {
         **profile.to_json(),
         "pp": pp,
@@ -69,6 +72,48 @@ def profile_comparison(
     if formula:
         payload["deepseek_formula"] = {k: v for k, v in formula.items() if k != "line"}
     return lines, payload
+
+
+#: The config keys that train a row of the table other than by its name: Megatron's
+#: interleaved 1F1B with its all-to-all overlap (its virtual stages follow from the layout).
+_TRAINED_AS: dict[str, dict[str, object]] = {
+    "interleaved-1f1b-a2a": {
+        "pipeline_schedule": "interleaved-1f1b",
+        "overlap_moe_expert_parallel_comm": True,
+    }
+}
+
+
+def _plan_lines(rows: list[ProfileRow], model: ConfigModel) -> list[str]:
+    """The fastest row that trains on Megatron (ours or Megatron's own; torch's do not)
+    against Megatron's interleaved-1f1b-a2a at its fastest, and the config lines and
+    Megatron-LM flags that train it at the split it was timed at."""
+    trained = [r for r in rows if r.source != "torch" and r.step is not None]
+    if not trained:
+        return []
+    best = min(trained, key=lambda r: r.step)
+    keys = dict(_TRAINED_AS.get(best.schedule, {"pipeline_schedule": best.schedule}))
+    layout = {"pipeline_model_parallel_layout": best.layout}
+    keys |= split_changes(layout, config_split_lines(model.setup))
+    lines = [f"\nplan: {best.schedule} at the {best.split} split trains fastest here"]
+    lines[0] += f", {best.step:.1f} ms a step"
+    megatron = next((r for r in trained if r.source == "megatron"), None)
+    if megatron is not None and megatron is not best:
+        lines[0] += (
+            f", {megatron.step / best.step:.3f}x as fast as Megatron's {megatron.schedule} at "
+            f"its fastest ({megatron.step:.1f} ms)"
+        )
+    elif megatron is not None:
+        lines[0] += ": none of megatron-dualpipe's schedules is ahead of it at these costs"
+    lines[0] += f"; to train it, set in {model.source}:"
+    lines += [f"  {line}" for line in yaml_lines(keys)]
+    flags = [
+        f"--{key.replace('_', '-')}" + ("" if value is True else f" {shlex.quote(str(value))}")
+        for key, value in keys.items()
+        if value not in (None, False)
+    ]
+    lines.append(f"or give Megatron-LM's pretrain_gpt.py: {' '.join(flags)}")
+    return lines
 
 
 def _row(

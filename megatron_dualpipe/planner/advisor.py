@@ -43,6 +43,7 @@ __all__ = [
     "PipelineSetup",
     "StageTiming",
     "advise",
+    "config_split_lines",
     "even_counts",
     "split_changes",
     "stages_for",
@@ -366,7 +367,7 @@ def advise(
         first_last=first_last,
         memory_cap=cap,
         memory_cap_given=memory_cap is not None,
-        config_lines=_config_lines(setup),
+        config_lines=config_split_lines(setup),
         config_schedule=config_schedule,
         parts=search.parts(),
         splits_considered=search.considered,
@@ -733,7 +734,8 @@ def _has_split(setup: PipelineSetup) -> bool:
     return any(getattr(setup, key) not in (None, False) for key in SPLIT_KEYS)
 
 
-def _config_lines(setup: PipelineSetup) -> dict[str, object]:
+def config_split_lines(setup: PipelineSetup) -> dict[str, object]:
+    """The split keys the config sets (:data:`SPLIT_KEYS`), with their values."""
     return {k: getattr(setup, k) for k in SPLIT_KEYS if getattr(setup, k) not in (None, False)}
 
 
