@@ -139,21 +139,32 @@ def test_a_profile_megatron_lm_would_not_write_is_one_sentence(given: dict, said
     _check_profile(argparse.Namespace(**{**args, "profile": False}), "x.yaml")
 
 
-def test_an_unset_eval_interval_is_one_sentence() -> None:
-    """Megatron-LM 0.19 divides train_iters by it (a TypeError on every rank); a run that
-    validates fully or trains nothing does not."""
-    from megatron_dualpipe.megatron.lm_launch import _check_evaluation
+def test_the_intervals_megatron_lm_needs_are_one_sentence() -> None:
+    """Megatron-LM 0.19 asserts a save_interval with save (a bare AssertionError on every
+    rank), and divides train_iters by eval_interval (a TypeError on every rank) unless the
+    run validates fully or trains nothing."""
+    from megatron_dualpipe.megatron.lm_launch import _check_intervals
 
-    args = dict(eval_interval=None, full_validation=False, skip_train=False)
-    with pytest.raises(MegatronLMConfigError) as refused:
-        _check_evaluation(argparse.Namespace(**args), "x.yaml")
-    assert str(refused.value) == (
-        "x.yaml: eval_interval is not set, and Megatron-LM's pretrain() divides the training "
-        "iterations by it to size the validation data (a TypeError on every rank): set "
-        "eval_interval, e.g. to train_iters (eval_iters: 0 validates nothing)"
-    )
-    for fine in ({"eval_interval": 5}, {"full_validation": True}, {"skip_train": True}):
-        _check_evaluation(argparse.Namespace(**(args | fine)), "x.yaml")
+    args = dict(save=None, save_interval=None, eval_interval=5)
+    args |= dict(full_validation=False, skip_train=False)
+    for given, said in [
+        ({"eval_interval": None}, "eval_interval is not set, and Megatron-LM's pretrain() "
+         "divides the training iterations by it to size the validation data (a TypeError on "
+         "every rank): set eval_interval, e.g. to train_iters (eval_iters: 0 validates "
+         "nothing)"),
+        ({"save": "ckpt"}, "save is set and save_interval is None, and Megatron-LM's "
+         "pretrain() saves every save_interval iterations (its validate_args asserts one above "
+         "0): set save_interval, e.g. to train_iters (it also saves at the end and at "
+         "exit_interval)"),
+        ({"save": "ckpt", "save_interval": 0}, "save is set and save_interval is 0, "),
+    ]:  # fmt: skip
+        with pytest.raises(MegatronLMConfigError) as refused:
+            _check_intervals(argparse.Namespace(**(args | given)), "x.yaml")
+        assert str(refused.value).startswith(f"x.yaml: {said}")
+    fine = [{}, {"eval_interval": None, "full_validation": True}, {"eval_interval": None,
+            "skip_train": True}, {"save": "ckpt", "save_interval": 3}]  # fmt: skip
+    for given in fine:
+        _check_intervals(argparse.Namespace(**(args | given)), "x.yaml")
 
 
 def test_the_launcher_builds_no_tokenizer_that_would_run_code_or_download(tmp_path: Path) -> None:
@@ -499,7 +510,7 @@ def test_a_save_folder_another_run_holds_is_refused_before_any_rank(tmp_path: Pa
     save = tmp_path / "ck"
     with save_lock(save):
         started = (save / LOCK_NAME).read_text().split(maxsplit=2)[2].strip()
-        said = _refused(f"save={save}")
+        said = _refused(f"save={save}", "save_interval=3")
     assert said == (
         f"megatron-dualpipe: error: save: {save} is in use by another run (pid {os.getpid()} "
         f"on {socket.gethostname()}, started {started}): wait for it to finish, or set save to "
@@ -751,3 +762,39 @@ def test_the_readme_data_config_trains_through_megatron_lm_s_loop(tmp_path: Path
         r"the tokenizer \(HuggingFaceTokenizer\): train with the tokenizer that wrote it",
         said,
     ), said
+
+
+@pytest.mark.megatron
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_the_readme_resume_walkthrough_runs_through_megatron_lm_s_loop(tmp_path: Path) -> None:
+    """The README's four save / stop / resume commands as written, where they run
+    Megatron-LM's ``pretrain()`` (megatron-core 0.19): stopped at 5, resumed under 1f1b to 10,
+    the reached checkpoint trains nothing, then on to 15."""
+    from tests.test_readme_resume import _walkthrough
+
+    if not _megatron_core_0_19():
+        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    outputs = []
+    for argv in _walkthrough():
+        done = subprocess.run(
+            [sys.executable, "-m", "megatron_dualpipe", *argv],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert PRETRAIN_BUILT.search(done.stdout), argv  # Megatron-LM's get_model
+        outputs.append(done.stdout + done.stderr)
+    stop, resume, again, further = outputs
+    loaded = "successfully loaded checkpoint from ckpt [ t 1/1, gtp_remat 1/1, p 1/2 ] at "
+    assert [int(i) for i, _ in LOSS.findall(stop)] == [1, 2, 3, 4, 5]
+    assert "[exiting program at iteration 5]" in stop
+    assert f"{loaded}iteration 5" in resume
+    assert "pipeline schedule: Megatron's own" in resume
+    assert [int(i) for i, _ in LOSS.findall(resume)] == [6, 7, 8, 9, 10]
+    assert f"{loaded}iteration 10" in again and LOSS.findall(again) == []
+    assert [int(i) for i, _ in LOSS.findall(further)] == [11, 12, 13, 14, 15]
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "15"

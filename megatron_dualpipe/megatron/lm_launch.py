@@ -174,7 +174,7 @@ def _run(
             "pipeline_schedule"
         )
     check_load(parsed)  # each rank checks again in apply()
-    _check_evaluation(parsed, source)
+    _check_intervals(parsed, source)
     _check_profile(parsed, source)
     check_folders(parsed, source)
     _check_data_files(parsed, source)
@@ -239,11 +239,19 @@ def check_folders(parsed: argparse.Namespace, source: str) -> None:
         )
 
 
-def _check_evaluation(parsed: argparse.Namespace, source: str) -> None:
-    """Megatron-LM 0.19's ``--eval-interval`` (default unset): ``pretrain()`` divides
-    ``train_iters`` by it when it sizes the validation data
-    (``get_train_valid_test_num_samples``), a TypeError on every rank unless the run
-    validates fully (``--full-validation``) or skips training."""
+def _check_intervals(parsed: argparse.Namespace, source: str) -> None:
+    """The intervals Megatron-LM 0.19 needs, which its ``validate_args`` and ``pretrain()``
+    check with a bare AssertionError or a TypeError on every rank: ``save_interval`` (a
+    positive one) with ``save``, and ``eval_interval``, by which ``pretrain()`` divides
+    ``train_iters`` to size the validation data (``get_train_valid_test_num_samples``),
+    unless the run validates fully (``--full-validation``) or skips training."""
+    if parsed.save is not None and not (parsed.save_interval or 0) > 0:
+        raise MegatronLMConfigError(
+            f"{source}: save is set and save_interval is {parsed.save_interval}, and "
+            "Megatron-LM's pretrain() saves every save_interval iterations (its validate_args "
+            "asserts one above 0): set save_interval, e.g. to train_iters (it also saves at "
+            "the end and at exit_interval)"
+        )
     if parsed.eval_interval is None and not (parsed.full_validation or parsed.skip_train):
         raise MegatronLMConfigError(
             f"{source}: eval_interval is not set, and Megatron-LM's pretrain() divides the "
