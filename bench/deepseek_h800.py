@@ -148,10 +148,13 @@ def section(trace: Path) -> str:
         args = ["simulate", "--profile", "$TRACE", "--config", CONFIG, "--schedule", "all"]
         args += ["--microbatches", str(m), "--memory-cap", str(MEMORY_CAP_GIB)]
         text, figures = _run(args, trace)
-        table = text[text.index(f"{CONFIG}:") :].split("\n", 1)[1]
-        table, formula = table.rsplit("\n", 1)
+        body = text[text.index(f"{CONFIG}:") :].split("\n", 1)[1]
+        body, _, plan = body.partition("\n\nplan: ")  # the plan under the table
+        table, formula = body.rsplit("\n", 1)
         title = f"**DeepSeek-V3 at PP=16, {m} micro-batches** (ms), `{_command(args)}`:"
         parts += [title, table, f"`{formula}`"]
+        if plan:
+            parts.append(f"```\nplan: {plan}\n```")
         formulas.append((m, figures["deepseek_formula"]))
         rows[m] = [r for r in figures["schedules"] if r["step_ms"] is not None]
     f = formulas[0][1]

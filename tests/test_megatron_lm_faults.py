@@ -9,6 +9,7 @@ does for its own loop, and nothing of the run outlives it.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -54,11 +55,18 @@ def test_a_diverging_run_stops_at_megatron_lm_s_check_with_its_exit_code_said(
     said = (
         "Megatron-LM's result validation (check_for_nan_in_loss_and_grad, rerun_mode "
         "validate_results) stopped the run with exit code 16 (the lines above say why: a NaN "
-        "or another unexpected value, or the rerun of one on the same device), for it to be "
-        "resumed from its checkpoint on other hardware, which tells a device's fault from the "
-        "model's: if the run diverges, lower lr or clip_grad"
+        "or another unexpected value that a rerun in place reproduced, or a resumed rerun on "
+        "the same device), for it to be resumed from its checkpoint on other hardware, which "
+        "tells a device's fault from the model's; on this machine such a resume stops the "
+        "same way: if the run diverges, lower lr or clip_grad, and set rerun_mode: disabled to "
+        "resume from that checkpoint here (a NaN then stops the run on the rank that saw it)"
     )
-    assert done.stderr.splitlines()[-1] == f"megatron-dualpipe: error: {said}"  # every rank's
+    # Said once where every rank reported it; a rank killed late, 2 s after the first one
+    # failed (the launcher's grace on a loaded machine), leaves the first rank's alone.
+    last = done.stderr.splitlines()[-1]
+    assert last == f"megatron-dualpipe: error: {said}" or re.fullmatch(
+        rf"megatron-dualpipe: error: rank [01] of 2 failed: {re.escape(said)}", last
+    ), last
     assert " iteration        2/       8 |" in done.stdout
     assert " iteration        4/" not in done.stdout
     assert read_tracker(save) == 2  # the steps before the NaN, whole

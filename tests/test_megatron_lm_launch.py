@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -141,28 +142,35 @@ def test_a_profile_megatron_lm_would_not_write_is_one_sentence(given: dict, said
 
 def test_the_intervals_megatron_lm_needs_are_one_sentence() -> None:
     """Megatron-LM 0.19 asserts a save_interval with save (a bare AssertionError on every
-    rank), and divides train_iters by eval_interval (a TypeError on every rank) unless the
-    run validates fully or trains nothing."""
+    rank), and divides the iterations by eval_interval (a TypeError, or a ZeroDivisionError,
+    on every rank) unless the run validates fully or trains nothing and resumes nothing."""
     from megatron_dualpipe.megatron.lm_launch import _check_intervals
 
-    args = dict(save=None, save_interval=None, eval_interval=5)
-    args |= dict(full_validation=False, skip_train=False)
+    args = dict(save=None, save_interval=None, save_retain_interval=None, eval_interval=5)
+    args |= dict(load=None, full_validation=False, skip_train=False)
     for given, said in [
-        ({"eval_interval": None}, "eval_interval is not set, and Megatron-LM's pretrain() "
-         "divides the training iterations by it to size the validation data (a TypeError on "
-         "every rank): set eval_interval, e.g. to train_iters (eval_iters: 0 validates "
-         "nothing)"),
+        ({"eval_interval": None}, "eval_interval is None, and Megatron-LM's pretrain() divides "
+         "the training iterations by it to size the validation data (an error on every rank): "
+         "set eval_interval above 0, e.g. to train_iters (eval_iters: 0 validates nothing)"),
+        ({"eval_interval": 0}, "eval_interval is 0, "),
+        ({"eval_interval": None, "skip_train": True, "load": "ck"}, "eval_interval is None, "),
         ({"save": "ckpt"}, "save is set and save_interval is None, and Megatron-LM's "
          "pretrain() saves every save_interval iterations (its validate_args asserts one above "
          "0): set save_interval, e.g. to train_iters (it also saves at the end and at "
          "exit_interval)"),
         ({"save": "ckpt", "save_interval": 0}, "save is set and save_interval is 0, "),
+        ({"save": "ckpt", "save_interval": 4, "save_retain_interval": 6},
+         "save_retain_interval 6 is not a positive multiple of save_interval 4 "),
     ]:  # fmt: skip
         with pytest.raises(MegatronLMConfigError) as refused:
             _check_intervals(argparse.Namespace(**(args | given)), "x.yaml")
         assert str(refused.value).startswith(f"x.yaml: {said}")
-    fine = [{}, {"eval_interval": None, "full_validation": True}, {"eval_interval": None,
-            "skip_train": True}, {"save": "ckpt", "save_interval": 3}]  # fmt: skip
+    fine = [
+        {},
+        {"eval_interval": None, "full_validation": True},
+        {"eval_interval": None, "skip_train": True},
+        {"save": "ckpt", "save_interval": 3, "save_retain_interval": 6},
+    ]
     for given in fine:
         _check_intervals(argparse.Namespace(**(args | given)), "x.yaml")
 
@@ -798,3 +806,36 @@ def test_the_readme_resume_walkthrough_runs_through_megatron_lm_s_loop(tmp_path:
     assert f"{loaded}iteration 10" in again and LOSS.findall(again) == []
     assert [int(i) for i, _ in LOSS.findall(further)] == [11, 12, 13, 14, 15]
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "15"
+
+
+def _readme_demos() -> list[list[str]]:
+    """The README's ``megatron-dualpipe train`` block: each demo's argv after
+    ``megatron-dualpipe`` (the tiny configs', not the dry run's, not tiny_gpt_cpu's that
+    other tests run)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = readme.split("## `megatron-dualpipe train`", 1)[1].split("```bash\n", 1)[1]
+    block = block.split("```", 1)[0].replace("\\\n", " ")
+    commands = [shlex.split(line, comments=True) for line in block.splitlines()]
+    return [
+        argv[1:]
+        for argv in commands
+        if argv and "--dry-run" not in argv and "configs/tiny_gpt_cpu.yaml" not in argv
+    ]
+
+
+@pytest.mark.megatron
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize("argv", _readme_demos(), ids=lambda argv: " ".join(argv[2:]))
+def test_the_readme_s_demos_train_through_megatron_lm_s_loop(argv: list[str]) -> None:
+    """Where megatron-core 0.19 is installed the README's demos run Megatron-LM's
+    ``pretrain()``: MoE, DeepSeek-V3's shape, the F&B overlap in bf16 (three steps each)."""
+    if not _megatron_core_0_19():
+        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
+    sets = ("train_iters=3", "eval_interval=3", "eval_iters=1")
+    command = [sys.executable, "-m", "megatron_dualpipe", *argv]
+    command += [arg for item in sets for arg in ("--set", item)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert PRETRAIN_BUILT.search(done.stdout)
+    assert [int(step) for step, _ in LOSS.findall(done.stdout)] == [1, 2, 3]

@@ -469,7 +469,7 @@ def test_the_plan_under_the_table_trains_the_fastest_schedule_at_the_split_it_wa
 ) -> None:
     """``simulate --profile --config --schedule all``: the plan names the fastest schedule
     that trains on Megatron (not torch's), against Megatron's interleaved-1f1b-a2a; its
-    lines, set on the config, time that schedule at the same step."""
+    lines, set on the config, time that schedule (by the table's name) at the same step."""
     from megatron_dualpipe.bench.profiled import profile_comparison
 
     profile = read_profile(_write(tmp_path / "t.json", _trace()))
@@ -481,11 +481,16 @@ def test_the_plan_under_the_table_trains_the_fastest_schedule_at_the_split_it_wa
     best = min(trained, key=lambda r: r["step_ms"])
     plan = lines.index(next(line for line in lines if line.startswith("\nplan: ")))
     assert lines[plan].startswith(f"\nplan: {best['schedule']} at the {best['split']} split ")
-    pasted = [line.strip() for line in lines[plan + 1 : -1]]
-    assert lines[-1].startswith("or give Megatron-LM's pretrain_gpt.py: --pipeline-schedule ")
+    flags = next(i for i, line in enumerate(lines) if line.startswith("or give Megatron-LM's "))
+    pasted = [line.strip() for line in lines[plan + 1 : flags]]
+    assert "  overlap_moe_expert_parallel_comm: true" in lines  # the trace's F&B pairs overlap
+    assert "--overlap-moe-expert-parallel-comm" in lines[flags]
+    assert lines[-1].startswith("overlap_moe_expert_parallel_comm needs bf16 or fp16, ")
     overrides = [line.replace(": ", "=", 1).replace('"', "") for line in pasted]
     again = ConfigModel.read(config, overrides, _train_defaults())
     name = best["schedule"]
-    _, timed = profile_comparison(profile, again, schedule=name, **options)
+    assert again.setup.num_microbatches == 8 != model.setup.num_microbatches  # in the lines
+    unset = options | {"microbatches": None}  # the config's, as the lines set it
+    _, timed = profile_comparison(profile, again, schedule=name, **unset)
     (row,) = timed["schedules"]
     assert row["step_ms"] == pytest.approx(best["step_ms"], rel=1e-9)

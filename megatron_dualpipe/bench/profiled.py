@@ -62,7 +62,7 @@ def profile_comparison(
     if formula:
         lines.append(formula["line"])
     if wanted is None:
-        lines += _plan_lines(rows, model)
+        lines += _plan_lines(rows, model, mbs)
     payload = {
         **profile.to_json(),
         "pp": pp,
@@ -77,24 +77,38 @@ def profile_comparison(
 #: The config keys that train a row of the table other than by its name: Megatron's
 #: interleaved 1F1B with its all-to-all overlap (its virtual stages follow from the layout).
 _TRAINED_AS: dict[str, dict[str, object]] = {
-    "interleaved-1f1b-a2a": {
-        "pipeline_schedule": "interleaved-1f1b",
-        "overlap_moe_expert_parallel_comm": True,
-    }
+    "interleaved-1f1b-a2a": {"pipeline_schedule": "interleaved-1f1b"},
 }
+#: What Megatron-Core's ``TransformerConfig`` asserts beside ``overlap_moe_expert_parallel_comm``.
+_OVERLAP_NEEDS = (
+    "bf16 or fp16, expert_model_parallel_size above 1, the alltoall or flex token "
+    "dispatcher, no recompute_method or full recomputation, no moe_shared_expert_overlap, "
+    "at most one MTP layer"
+)
 
 
-def _plan_lines(rows: list[ProfileRow], model: ConfigModel) -> list[str]:
+def _plan_lines(rows: list[ProfileRow], model: ConfigModel, microbatches: int) -> list[str]:
     """The fastest row that trains on Megatron (ours or Megatron's own; torch's do not)
     against Megatron's interleaved-1f1b-a2a at its fastest, and the config lines and
-    Megatron-LM flags that train it at the split it was timed at."""
+    Megatron-LM flags that train it as it was timed: the schedule, the split (the config's
+    other split keys and virtual stages cleared), the all-to-all overlap the profile's F&B
+    pairs had, the micro-batch count."""
     trained = [r for r in rows if r.source != "torch" and r.step is not None]
     if not trained:
         return []
     best = min(trained, key=lambda r: r.step)
+    setup = model.setup
     keys = dict(_TRAINED_AS.get(best.schedule, {"pipeline_schedule": best.schedule}))
     layout = {"pipeline_model_parallel_layout": best.layout}
-    keys |= split_changes(layout, config_split_lines(model.setup))
+    keys |= split_changes(layout, config_split_lines(setup))
+    if setup.virtual_pipeline_model_parallel_size is not None:
+        keys["virtual_pipeline_model_parallel_size"] = None  # the layout says it
+    overlapped = best.source == "megatron" or (best.overlap or 1.0) < 1.0
+    if overlapped:
+        keys["overlap_moe_expert_parallel_comm"] = True
+    if microbatches != setup.num_microbatches:
+        per_microbatch = setup.micro_batch_size * setup.data_parallel_size
+        keys["global_batch_size"] = microbatches * per_microbatch
     lines = [f"\nplan: {best.schedule} at the {best.split} split trains fastest here"]
     lines[0] += f", {best.step:.1f} ms a step"
     megatron = next((r for r in trained if r.source == "megatron"), None)
@@ -110,9 +124,14 @@ def _plan_lines(rows: list[ProfileRow], model: ConfigModel) -> list[str]:
     flags = [
         f"--{key.replace('_', '-')}" + ("" if value is True else f" {shlex.quote(str(value))}")
         for key, value in keys.items()
-        if value not in (None, False)
+        if value not in (None, False) and not (key == "pipeline_schedule" and best.source != "ours")
     ]
-    lines.append(f"or give Megatron-LM's pretrain_gpt.py: {' '.join(flags)}")
+    script = (
+        "pretrain_gpt.py" if best.source != "ours" else "pretrain_gpt.py with this project's patch"
+    )
+    lines.append(f"or give Megatron-LM's {script}, in place of its split flags: {' '.join(flags)}")
+    if overlapped:
+        lines.append(f"overlap_moe_expert_parallel_comm needs {_OVERLAP_NEEDS} (TransformerConfig)")
     return lines
 
 

@@ -27,8 +27,8 @@ LOOPS = ("megatron-lm", "megatron-dualpipe")
 
 def default_loop() -> str:
     """``megatron-lm`` where the megatron-core installed is the release whose wheel's
-    ``megatron/training`` Megatron-LM's loop runs (0.19), else ``megatron-dualpipe``. A
-    megatron-core outside the supported range is refused here, in one sentence."""
+    ``megatron/training`` Megatron-LM's loop runs (0.19), else ``megatron-dualpipe`` (whose
+    import of the adapter refuses a megatron-core outside the supported range)."""
     from ..megatron.compat.version import route_training_installed  # imports no megatron
 
     return "megatron-lm" if route_training_installed() else "megatron-dualpipe"

@@ -241,22 +241,33 @@ def check_folders(parsed: argparse.Namespace, source: str) -> None:
 
 def _check_intervals(parsed: argparse.Namespace, source: str) -> None:
     """The intervals Megatron-LM 0.19 needs, which its ``validate_args`` and ``pretrain()``
-    check with a bare AssertionError or a TypeError on every rank: ``save_interval`` (a
-    positive one) with ``save``, and ``eval_interval``, by which ``pretrain()`` divides
-    ``train_iters`` to size the validation data (``get_train_valid_test_num_samples``),
-    unless the run validates fully (``--full-validation``) or skips training."""
-    if parsed.save is not None and not (parsed.save_interval or 0) > 0:
+    check with a bare AssertionError, a TypeError or a ZeroDivisionError on every rank:
+    ``save_interval`` above 0 with ``save`` (and a ``save_retain_interval`` that is a
+    multiple of it), and ``eval_interval`` above 0, by which ``pretrain()`` divides the
+    iterations to size the validation data (``get_train_valid_test_num_samples``; a run that
+    validates fully or skips training does not, unless it resumes:
+    ``build_train_valid_test_data_loaders`` does)."""
+    save_interval = parsed.save_interval or 0
+    if parsed.save is not None and not save_interval > 0:
         raise MegatronLMConfigError(
             f"{source}: save is set and save_interval is {parsed.save_interval}, and "
             "Megatron-LM's pretrain() saves every save_interval iterations (its validate_args "
             "asserts one above 0): set save_interval, e.g. to train_iters (it also saves at "
             "the end and at exit_interval)"
         )
-    if parsed.eval_interval is None and not (parsed.full_validation or parsed.skip_train):
+    retain = getattr(parsed, "save_retain_interval", None)
+    if parsed.save is not None and retain is not None and (retain <= 0 or retain % save_interval):
         raise MegatronLMConfigError(
-            f"{source}: eval_interval is not set, and Megatron-LM's pretrain() divides the "
-            "training iterations by it to size the validation data (a TypeError on every "
-            "rank): set eval_interval, e.g. to train_iters (eval_iters: 0 validates nothing)"
+            f"{source}: save_retain_interval {retain} is not a positive multiple of "
+            f"save_interval {save_interval} (Megatron-LM's validate_args asserts it): make it one"
+        )
+    exempt = (parsed.full_validation or parsed.skip_train) and parsed.load is None
+    if not (parsed.eval_interval or 0) > 0 and not exempt:
+        raise MegatronLMConfigError(
+            f"{source}: eval_interval is {parsed.eval_interval}, and Megatron-LM's pretrain() "
+            "divides the training iterations by it to size the validation data (an error on "
+            "every rank): set eval_interval above 0, e.g. to train_iters (eval_iters: 0 "
+            "validates nothing)"
         )
 
 
@@ -469,17 +480,21 @@ def _exit_said(code: object) -> str:
         "Megatron-LM's result validation (check_for_nan_in_loss_and_grad, rerun_mode "
         "validate_results)"
     )
-    diverged = "if the run diverges, lower lr or clip_grad"
     if code == rerun.EXIT_CODE_RESUME_TO_DISAMBIGUATE:
         return (
             f"{validation} stopped the run with exit code {code} (the lines above say why: a "
-            "NaN or another unexpected value, or the rerun of one on the same device), for it "
-            "to be resumed from its checkpoint on other hardware, which tells a device's fault "
-            f"from the model's: {diverged}"
+            "NaN or another unexpected value that a rerun in place reproduced, or a resumed "
+            "rerun on the same device), for it to be resumed from its checkpoint on other "
+            "hardware, which tells a device's fault from the model's; on this machine such a "
+            "resume stops the same way: if the run diverges, lower lr or clip_grad, and set "
+            "rerun_mode: disabled to resume from that checkpoint here (a NaN then stops the "
+            "run on the rank that saw it)"
         )
     if code == rerun.EXIT_CODE_FAILED_ON_RESULT_VALIDATION:
         return (
-            f"{validation} found the unexpected value again on rerunning the iteration and "
-            f"stopped the run (exit code {code}; the lines above say more): {diverged}"
+            f"{validation} finished its diagnosis of an unexpected value and stopped the run "
+            f"(exit code {code}); the lines above say which it was: a transient fault (the "
+            "rerun did not reproduce it), a persistent fault of a device, or a correct result "
+            "(the model itself diverged: lower lr or clip_grad)"
         )
     return f"Megatron-LM's pretrain exited with code {code} (its error is above)"
