@@ -129,15 +129,11 @@ def megatron_lm_config(
     launch to remove). Another megatron-core is refused in one sentence."""
     from ..runtime.launch import process_tmpdir
     from .compat.lm_patch import make_patched_training, unpatched_training_problem
-    from .compat.version import (
-        ROUTE_MEGATRON_LM_TAG,
-        installed_megatron_core,
-        megatron_lm_tag,
-    )
+    from .compat.version import installed_megatron_core, route_training_installed
 
     overrides = list(overrides)
     source, _ = override_origins(path, overrides)
-    if megatron_lm_tag() != ROUTE_MEGATRON_LM_TAG:
+    if not route_training_installed():
         raise MegatronLMConfigError(
             f"Megatron-LM's loop runs the megatron/training of megatron-core 0.19, but "
             f"megatron-core {installed_megatron_core()} is installed: pip install "
@@ -255,7 +251,7 @@ def _check_intervals(parsed: argparse.Namespace, source: str) -> None:
             "asserts one above 0): set save_interval, e.g. to train_iters (it also saves at "
             "the end and at exit_interval)"
         )
-    retain = getattr(parsed, "save_retain_interval", None)
+    retain = parsed.save_retain_interval
     if parsed.save is not None and retain is not None and (retain <= 0 or retain % save_interval):
         raise MegatronLMConfigError(
             f"{source}: save_retain_interval {retain} is not a positive multiple of "

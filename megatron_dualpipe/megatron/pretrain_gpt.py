@@ -244,13 +244,9 @@ def main(argv: Sequence[str] | None = None) -> dualpipe_lm.MeasuredStep | None:
     Refuses, before any work, another megatron-core than 0.19 and an unpatched
     ``megatron/training``."""
     from .compat.lm_patch import unpatched_training_problem
-    from .compat.version import (
-        ROUTE_MEGATRON_LM_TAG,
-        installed_megatron_core,
-        megatron_lm_tag,
-    )
+    from .compat.version import installed_megatron_core, route_training_installed
 
-    if megatron_lm_tag() != ROUTE_MEGATRON_LM_TAG:
+    if not route_training_installed():
         raise SystemExit(
             f"error: this script runs megatron-core 0.19's megatron.training (pretrain with a "
             f"config container), but megatron-core {installed_megatron_core()} is installed: "

@@ -66,7 +66,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MEGATRON_LM_TAGS",
-    "ROUTE_MEGATRON_LM_TAG",
     "SUPPORTED_MEGATRON_CORE",
     "TESTED_MEGATRON_CORE",
     "MegatronVersionError",
@@ -175,18 +174,28 @@ def version_on_disk() -> str | None:
     return f"{values['MAJOR']}.{values['MINOR']}.{values['PATCH']}{values.get('PRE_RELEASE', '')}"
 
 
-def route_training_installed() -> bool:
-    """Whether the megatron-core this process would import (or has imported) is the release
-    whose wheel's ``megatron/training`` Megatron-LM's loop runs (:data:`ROUTE_MEGATRON_LM_TAG`);
-    read from its ``package_info.py`` when not imported yet, nothing of megatron run."""
+def _version_to_import() -> str | None:
+    """The ``__version__`` of the megatron-core this process has imported, else of the one
+    it would import (:func:`version_on_disk`); None without one."""
     import sys
 
     loaded = sys.modules.get("megatron.core")
     version = getattr(loaded, "__version__", None) if loaded is not None else version_on_disk()
-    if version is None:
-        return False
-    major, minor = _release(str(version)).release[:2]
-    return MEGATRON_LM_TAGS.get(f"{major}.{minor}") == ROUTE_MEGATRON_LM_TAG
+    return None if version is None else str(version)
+
+
+def _minor(version: str) -> str:
+    """``0.19`` of ``0.19.2`` (the key of :data:`MEGATRON_LM_TAGS`)."""
+    major, minor = _release(version).release[:2]
+    return f"{major}.{minor}"
+
+
+def route_training_installed() -> bool:
+    """Whether the megatron-core this process would import (or has imported) is the release
+    whose wheel's ``megatron/training`` Megatron-LM's loop runs (:data:`ROUTE_MEGATRON_LM_TAG`);
+    read from its ``package_info.py`` when not imported yet, nothing of megatron run."""
+    version = _version_to_import()
+    return version is not None and MEGATRON_LM_TAGS.get(_minor(version)) == ROUTE_MEGATRON_LM_TAG
 
 
 def refuse_unsupported_at_import() -> None:
@@ -194,20 +203,16 @@ def refuse_unsupported_at_import() -> None:
     the megatron-core this process would import (or has imported) is not supported. Without
     megatron-core nothing is said here (its import fails where it is needed, and the CLI
     names the missing packages)."""
-    import sys
-
-    loaded = sys.modules.get("megatron.core")
-    version = getattr(loaded, "__version__", None) if loaded is not None else version_on_disk()
+    version = _version_to_import()
     if version is not None:
-        problem = unsupported_megatron_core(str(version))
+        problem = unsupported_megatron_core(version)
         if problem is not None:
             raise MegatronVersionError(problem)
 
 
 def megatron_lm_tag() -> str:
     """The Megatron-LM tag (:data:`MEGATRON_LM_TAGS`) of the imported megatron-core."""
-    major, minor = _release(installed_megatron_core()).release[:2]
-    return MEGATRON_LM_TAGS[f"{major}.{minor}"]
+    return MEGATRON_LM_TAGS[_minor(installed_megatron_core())]
 
 
 def _since(release: str) -> bool:
