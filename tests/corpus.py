@@ -15,7 +15,7 @@ import json
 import random
 from pathlib import Path
 
-from megatron_dualpipe.megatron.training.data.make_tokenizer import make_tokenizer
+from megatron_dualpipe.megatron.data.make_tokenizer import make_tokenizer
 
 __all__ = ["EOD", "train_tokenizer", "write_corpus"]
 

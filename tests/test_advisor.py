@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from megatron_dualpipe.bench.catalog import SCHEDULES as CATALOG
-from megatron_dualpipe.cli.simulate import _train_defaults
 from megatron_dualpipe.planner.advisor import (
     PipelineSetup,
     advise,
@@ -239,7 +238,7 @@ def test_a_start_over_the_cap_moves_layers_until_it_fits() -> None:
     the search (the most even split, Megatron's first/last counts, the balanced split) fits
     80 GB (74.5 GiB) on every rank, and it said "no split found fits" though some do; now
     it moves layers while that lowers the peak until the split fits, then speeds it up."""
-    model = ConfigModel.read(ROOT / "configs" / "deepseek_v3_pp16.yaml", [], _train_defaults())
+    model = ConfigModel.read(ROOT / "configs" / "deepseek_v3_pp16.yaml", [])
     (zbv,) = [e for e in CATALOG if e.name == "torch-zbv"]
     cap = 74.5 * 2**30
     advice = advise(

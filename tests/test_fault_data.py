@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from megatron_dualpipe.megatron.data.preprocess import preprocess
 from megatron_dualpipe.megatron.training import ConfigError, load_config, train
-from megatron_dualpipe.megatron.training.data.preprocess import preprocess
 from tests.corpus import train_tokenizer, write_corpus
 from tests.processes import OUR_LOOP
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dualpipe.megatron.training.data.make_tokenizer import make_tokenizer
-from megatron_dualpipe.megatron.training.data.preprocess import PreprocessError, preprocess
+from megatron_dualpipe.megatron.data.make_tokenizer import make_tokenizer
+from megatron_dualpipe.megatron.data.preprocess import PreprocessError, preprocess
 from tests.corpus import write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,7 +24,7 @@ UNSEEN = ["Grüße aus Köln — 東京 🚀", "tab\tseparated\tvalues", "traili
 
 
 def _megatron_tokenizer(directory: Path):
-    from megatron_dualpipe.megatron.training.data.tokenizer import huggingface_tokenizer
+    from megatron_dualpipe.megatron.data.hf_tokenizer import huggingface_tokenizer
 
     return huggingface_tokenizer(directory, "test")
 

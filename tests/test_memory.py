@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from megatron_dualpipe.megatron.training.config.advice import train_defaults
 from megatron_dualpipe.planner.advisor import PipelineSetup, stages_for
+from megatron_dualpipe.planner.config_advice import MEGATRON_LM_UNSET
 from megatron_dualpipe.planner.memory import (
     GIB,
     MemoryModel,
@@ -180,7 +180,8 @@ def test_every_copy_of_a_vocabulary_table_is_counted() -> None:
     schedule = generate("dualpipev", 2, 4)
     stages = _layers(shape, [2, 1, 1, 2])
     table = shape.vocab_size * shape.hidden_size
-    untied = MemoryModel(shape, schedule, tokens=16).ranks(stages)[0]
+    untied_shape = dataclasses.replace(shape, untie_embeddings_and_output_weights=True)
+    untied = MemoryModel(untied_shape, schedule, tokens=16).ranks(stages)[0]
     tied_shape = dataclasses.replace(shape, untie_embeddings_and_output_weights=False)
     tied = MemoryModel(tied_shape, schedule, tokens=16).ranks(stages)[0]
     assert untied.params - tied.params == table
@@ -201,7 +202,7 @@ def test_bad_settings_are_one_sentence(settings: dict, message: str) -> None:
 
 
 def _deepseek_ranks(overrides: list[str]) -> list[Any]:
-    values = {**train_defaults(), **read_values(DEEPSEEK, overrides)}
+    values = {**MEGATRON_LM_UNSET, **read_values(DEEPSEEK, overrides)}
     shape = ModelShape.from_values(values, "deepseek")
     setup = PipelineSetup.from_values(values, "deepseek")
     settings = MemorySettings.from_values(values, "deepseek")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dualpipe.megatron.training.data.preprocess import (
+from megatron_dualpipe.megatron.data.preprocess import (
     CHUNK_BYTES,
     PreprocessError,
     dataset_prefix,

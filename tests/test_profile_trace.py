@@ -19,7 +19,6 @@ import pytest
 from megatron_dualpipe.bench.catalog import SCHEDULES as CATALOG
 from megatron_dualpipe.bench.profiled import twin_schedule
 from megatron_dualpipe.cli import main
-from megatron_dualpipe.cli.simulate import _train_defaults
 from megatron_dualpipe.planner.config_advice import ConfigModel
 from megatron_dualpipe.planner.memory import MemoryModel
 from megatron_dualpipe.planner.profile_config import config_costs, profile_timing
@@ -225,7 +224,7 @@ def test_profile_beside_a_config_times_each_schedule_at_its_advised_split(
         figures[name] = json.loads(out.read_text())
         (rows[name],) = figures[name]["schedules"]
     assert "deepseek_formula" in figures["dualpipe"]
-    model = ConfigModel.read(config, [], _train_defaults())
+    model = ConfigModel.read(config, [])
     profile = read_profile(trace)
     for name, plain in (("dualpipe", "config's"), ("dualpipev", "most even")):
         row = rows[name]
@@ -452,7 +451,7 @@ def test_megatron_s_interleaved_is_compared_at_its_fastest_virtual_stage_count(
     from megatron_dualpipe.bench.profiled import profile_comparison
 
     profile = read_profile(_write(tmp_path / "t.json", _trace()))
-    model = ConfigModel.read(ROOT / "configs" / "tiny_deepseek_cpu.yaml", [], _train_defaults())
+    model = ConfigModel.read(ROOT / "configs" / "tiny_deepseek_cpu.yaml", [])
     _, figures = profile_comparison(
         profile, model, schedule="all", microbatches=8, latency=0.0, memory_cap_gib=80
     )
@@ -474,7 +473,7 @@ def test_the_plan_under_the_table_trains_the_fastest_schedule_at_the_split_it_wa
 
     profile = read_profile(_write(tmp_path / "t.json", _trace()))
     config = ROOT / "configs" / "tiny_deepseek_cpu.yaml"
-    model = ConfigModel.read(config, [], _train_defaults())
+    model = ConfigModel.read(config, [])
     options = dict(microbatches=8, latency=0.0, memory_cap_gib=80)
     lines, figures = profile_comparison(profile, model, schedule="all", **options)
     trained = [r for r in figures["schedules"] if r["source"] != "torch" and r["step_ms"]]
@@ -487,7 +486,7 @@ def test_the_plan_under_the_table_trains_the_fastest_schedule_at_the_split_it_wa
     assert "--overlap-moe-expert-parallel-comm" in lines[flags]
     assert lines[-1].startswith("overlap_moe_expert_parallel_comm needs bf16 or fp16, ")
     overrides = [line.replace(": ", "=", 1).replace('"', "") for line in pasted]
-    again = ConfigModel.read(config, overrides, _train_defaults())
+    again = ConfigModel.read(config, overrides)
     name = best["schedule"]
     assert again.setup.num_microbatches == 8 != model.setup.num_microbatches  # in the lines
     unset = options | {"microbatches": None}  # the config's, as the lines set it

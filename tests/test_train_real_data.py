@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron_dualpipe.megatron.data.hf_tokenizer import TokenizerError
+from megatron_dualpipe.megatron.data.preprocess import PreprocessError, preprocess
 from megatron_dualpipe.megatron.training import ConfigError, load_config, train
-from megatron_dualpipe.megatron.training.data.preprocess import PreprocessError, preprocess
 from tests.corpus import train_tokenizer, write_corpus
 
 pytestmark = [pytest.mark.megatron]
@@ -184,7 +185,7 @@ def test_a_missing_corpus_or_tokenizer_json_is_one_sentence(corpus: Path, tmp_pa
         preprocess(tmp_path / "absent.jsonl", corpus / "tokenizer", str(tmp_path / "x"))
     _one_sentence(info.value, "absent.jsonl does not exist")
     (tmp_path / "hollow").mkdir()
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(TokenizerError) as info:
         preprocess(corpus / "corpus.jsonl", tmp_path / "hollow", str(tmp_path / "x"))
     _one_sentence(info.value, "--tokenizer", "hollow holds no tokenizer.json")
     assert not list(tmp_path.glob("x*"))

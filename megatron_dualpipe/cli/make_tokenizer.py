@@ -1,5 +1,5 @@
 """``megatron-dualpipe make-tokenizer``: a byte-level BPE trained offline on a corpus; the
-work is :func:`megatron_dualpipe.megatron.training.data.make_tokenizer.make_tokenizer`."""
+work is :func:`megatron_dualpipe.megatron.data.make_tokenizer.make_tokenizer`."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from ..megatron.training.data.make_tokenizer import make_tokenizer
+    from ..megatron.data.make_tokenizer import make_tokenizer
 
     with unwind_on_stop_signals(), Progress(delay_s=0.5) as bar:
         bar.phase(f"training a BPE on {args.input}")

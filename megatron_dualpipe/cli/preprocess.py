@@ -1,5 +1,5 @@
 """``megatron-dualpipe preprocess``: a jsonl corpus into Megatron's indexed dataset; the
-work is :func:`megatron_dualpipe.megatron.training.data.preprocess.preprocess`."""
+work is :func:`megatron_dualpipe.megatron.data.preprocess.preprocess`."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from ..megatron.compat.known_warnings import silence_known_warnings
-    from ..megatron.training.data.preprocess import preprocess  # imports torch and megatron
+    from ..megatron.data.preprocess import preprocess  # imports torch and megatron
 
     silence_known_warnings()
     given = args.max_document_chars

@@ -345,7 +345,7 @@ def _run_profile_config(args: argparse.Namespace, profile: TraceCosts) -> None:
             "--optimize does not apply with --profile and --config: drop it (or --config, "
             "to optimise on the profile's costs)"
         )
-    model = ConfigModel.read(args.config, args.overrides, _train_defaults())
+    model = ConfigModel.read(args.config, args.overrides)
     lines, payload = profile_comparison(
         profile,
         model,
@@ -362,7 +362,6 @@ def _run_profile_config(args: argparse.Namespace, profile: TraceCosts) -> None:
 
 def _run_advisor(args: argparse.Namespace) -> None:
     """``simulate --config``: the balance advisor (pure Python, as the rest of simulate)."""
-    from ..megatron.training.config.advice import train_refuses
     from ..planner.config_advice import ConfigModel, advice_text, advise_config, write_advice
 
     if args.pp is not None:
@@ -379,7 +378,7 @@ def _run_advisor(args: argparse.Namespace) -> None:
             f"{flag} does not apply with --config (the advisor takes one schedule and derives "
             "its costs from the model): drop it"
         )
-    model = ConfigModel.read(args.config, args.overrides, _train_defaults())
+    model = ConfigModel.read(args.config, args.overrides)
     settings = model.memory_settings()
     status = StatusLine()
     try:
@@ -395,19 +394,8 @@ def _run_advisor(args: argparse.Namespace) -> None:
         status.clear()
     for text in advice_text(advice, model, settings, os.environ):
         print(text)
-    problem = train_refuses(args.config, args.overrides, advice.changes())
-    if problem:
-        print(f"note: megatron-dualpipe train does not take the config with these lines: {problem}")
     for line in write_advice(advice, png=args.png, json_path=args.json):
         print(line)
-
-
-def _train_defaults() -> dict:
-    """The trainer's defaults (its config module imports no torch), so that the advisor
-    models what ``train`` builds."""
-    from ..megatron.training.config.advice import train_defaults
-
-    return train_defaults()
 
 
 def _run_optimize(args: argparse.Namespace, extra: dict | None = None) -> None:

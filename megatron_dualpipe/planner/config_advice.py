@@ -1,6 +1,7 @@
 """``simulate --config``'s work, without its flags: a training config read into the model
 and pipeline the cost model needs, the balance advisor run on it, its report and files.
-Pure Python; the trainer's defaults come from the caller (the adapter holds them)."""
+Pure Python: a key the config leaves out takes Megatron-LM's default (the model's fields
+say theirs; :data:`MEGATRON_LM_UNSET` the ones Megatron-LM leaves for later)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,11 @@ from .memory import MemorySettings
 from .model_cost import ModelShape
 from .nccl_memory import NcclBuffers
 
-__all__ = ["ConfigModel", "advice_text", "advise_config", "write_advice"]
+__all__ = ["MEGATRON_LM_UNSET", "ConfigModel", "advice_text", "advise_config", "write_advice"]
+
+#: Keys the model needs that Megatron-LM's arguments leave unset until the run: the
+#: vocabulary (``--vocab-size`` defaults to the tokenizer's, known only once it is built).
+MEGATRON_LM_UNSET: dict[str, Any] = {"vocab_size": None}
 
 
 @dataclass(frozen=True)
@@ -30,13 +35,11 @@ class ConfigModel:
     setup: PipelineSetup
 
     @staticmethod
-    def read(
-        config: str | Path, overrides: Iterable[str], defaults: Mapping[str, Any]
-    ) -> ConfigModel:
-        """``config`` with ``overrides`` over the trainer's ``defaults``."""
+    def read(config: str | Path, overrides: Iterable[str]) -> ConfigModel:
+        """``config`` with ``overrides`` (a key left out: Megatron-LM's default)."""
         overrides = list(overrides)
         source, origins = override_origins(config, overrides)
-        values = {**defaults, **read_values(config, overrides)}
+        values = {**MEGATRON_LM_UNSET, **read_values(config, overrides)}
         shape = ModelShape.from_values(values, source, origins)
         setup = PipelineSetup.from_values(values, source, origins)
         return ConfigModel(source, values, origins, shape, setup)

@@ -173,7 +173,7 @@ _POSITIVE_OR_NULL = (
 @dataclass(frozen=True)
 class ModelShape:
     """A GPT's shape in Megatron-LM's keys (defaults: Megatron-Core's model defaults, which
-    the trainer builds with: ``ffn_hidden_size`` 4 x hidden, ``kv_channels`` hidden / heads,
+    Megatron-LM builds with: ``ffn_hidden_size`` 4 x hidden, ``kv_channels`` hidden / heads,
     ``moe_ffn_hidden_size`` = ``ffn_hidden_size``; MLA dimensions: Megatron-LM's flag
     defaults). ``moe_layer_freq`` is Megatron's: an integer N (every N-th layer is MoE,
     from layer 0), a list of 0/1, or its string form such as ``"[0]*3+[1]*58"``.
@@ -194,7 +194,7 @@ class ModelShape:
     add_bias_linear: bool = True
     position_embedding_type: str = "learned_absolute"
     max_position_embeddings: int | None = None
-    untie_embeddings_and_output_weights: bool = True
+    untie_embeddings_and_output_weights: bool = False
     num_experts: int | None = None
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int | None = None

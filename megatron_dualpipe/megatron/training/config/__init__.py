@@ -1,9 +1,8 @@
 """The training configuration (no torch or megatron import): :mod:`.keys` the key table
 (:class:`TrainConfig`), :mod:`.reading` the YAML file and ``--set`` overrides, :mod:`.rules`
 and :mod:`.data_rules` the checks a config meets before any rank starts, :mod:`.run_name` a
-run's folder name,
-:mod:`.advice` the trainer's defaults and refusals for the balance advisor. It imports the
-pure-Python schedules and the adapter's schedule checks, nothing of the run."""
+run's folder name. It imports the pure-Python schedules and the adapter's schedule checks,
+nothing of the run."""
 
 from __future__ import annotations
 

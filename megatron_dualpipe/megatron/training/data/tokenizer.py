@@ -23,32 +23,28 @@ with the files is one :class:`~.config.ConfigError` sentence naming the key and 
 
 from __future__ import annotations
 
-import importlib.util
+import functools
 import json
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ...compat.version import null_tokenizer_library
+from ...data.hf_tokenizer import (
+    TOKENIZER_CONFIG,
+    TRANSFORMERS_INSTALL,
+    TokenizerError,
+    check_huggingface_dir,
+    end_of_document_problem,
+    has_transformers,
+    huggingface_tokenizer,
+)
 from ..config import ConfigError, TrainConfig, blame
 
-__all__ = [
-    "build_tokenizer",
-    "check_huggingface_dir",
-    "check_tokenizer_files",
-    "end_of_document_problem",
-    "huggingface_tokenizer",
-    "model_vocab_size",
-    "padded_vocab_size",
-]
-
-#: The file a Hugging Face tokenizer directory holds, and the one naming its class.
-TOKENIZER_JSON = "tokenizer.json"
-TOKENIZER_CONFIG = "tokenizer_config.json"
-#: What to install for the tokenizers that need transformers (setup.py's [data] extra).
-TRANSFORMERS_INSTALL = "pip install 'transformers>=4.40' 'tokenizers>=0.19'"
+__all__ = ["build_tokenizer", "check_tokenizer_files", "model_vocab_size", "padded_vocab_size"]
 
 
 def padded_vocab_size(size: int, divisible_by: int, tensor_parallel: int) -> int:
@@ -58,6 +54,21 @@ def padded_vocab_size(size: int, divisible_by: int, tensor_parallel: int) -> int
     return int(math.ceil(size / multiple) * multiple)
 
 
+def _config_errors(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` raising the tokenizer helpers' :class:`TokenizerError` as the config's
+    ConfigError (the same sentence)."""
+
+    @functools.wraps(function)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except TokenizerError as err:
+            raise ConfigError(str(err)) from None
+
+    return wrapped
+
+
+@_config_errors
 def check_tokenizer_files(cfg: TrainConfig, source: str) -> None:
     """Refuse, in one sentence, tokenizer files that are missing or not what the tokenizer
     reads, and a missing transformers; before anything is loaded."""
@@ -69,7 +80,7 @@ def check_tokenizer_files(cfg: TrainConfig, source: str) -> None:
         path = getattr(cfg, key)
         if kind == "GPT2BPETokenizer" and not Path(path).is_file():
             raise ConfigError(f"{blame(source, key)}: {key}: {path} is not a file")
-    if kind in ("HuggingFaceTokenizer", "GPT2BPETokenizer") and not _has_transformers():
+    if kind in ("HuggingFaceTokenizer", "GPT2BPETokenizer") and not has_transformers():
         raise ConfigError(
             f"{blame(source, 'tokenizer_type')}: tokenizer_type: "
             f"{kind} needs the transformers package, which is not "
@@ -77,37 +88,7 @@ def check_tokenizer_files(cfg: TrainConfig, source: str) -> None:
         )
 
 
-def check_huggingface_dir(directory: str | Path, where: str) -> None:
-    """Refuse, in one sentence starting with ``where``, a path that is not a Hugging Face
-    tokenizer directory (``tokenizer.json`` and ``tokenizer_config.json``)."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        what = "is a file" if directory.exists() else "does not exist"
-        raise ConfigError(
-            f"{where}: {directory} {what}: point it at a Hugging Face tokenizer directory "
-            f"(holding {TOKENIZER_JSON}, as transformers' save_pretrained writes it)"
-        )
-    if not (directory / TOKENIZER_JSON).is_file():
-        raise ConfigError(
-            f"{where}: {directory} holds no {TOKENIZER_JSON}: point it at a Hugging Face "
-            "tokenizer directory (as transformers' save_pretrained writes it)"
-        )
-    if not (directory / TOKENIZER_CONFIG).is_file():
-        raise ConfigError(
-            f"{where}: {directory} has {TOKENIZER_JSON} but no {TOKENIZER_CONFIG}, which names "
-            "the tokenizer's class: save the tokenizer with transformers' save_pretrained"
-        )
-    if not _has_transformers():
-        raise ConfigError(
-            f"{where}: reading a Hugging Face tokenizer needs the transformers package, which "
-            f"is not installed: {TRANSFORMERS_INSTALL}"
-        )
-
-
-def _has_transformers() -> bool:
-    return importlib.util.find_spec("transformers") is not None
-
-
+@_config_errors
 def build_tokenizer(cfg: TrainConfig, source: str = "config") -> Any | None:
     """Megatron-Core's tokenizer of ``cfg`` (see the module docstring), or None for the
     synthetic data; ConfigError when its files cannot be loaded."""
@@ -132,36 +113,6 @@ def build_tokenizer(cfg: TrainConfig, source: str = "config") -> Any | None:
         config = {"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>"}
         (Path(scratch) / TOKENIZER_CONFIG).write_text(json.dumps(config), encoding="utf-8")
         return huggingface_tokenizer(scratch, f"{blame(source, 'vocab_file')}: vocab_file")
-
-
-def huggingface_tokenizer(directory: str | Path, where: str) -> Any:
-    """Megatron-Core's ``huggingface`` tokenizer of a local directory; ConfigError starting
-    with ``where`` when it does not load. The fast tokenizer and no special tokens in
-    ``tokenize`` are asked for explicitly: Megatron-Core's defaults for both changed between
-    0.16.1 (False, False) and 0.19 (True, True)."""
-    from megatron.core.tokenizers import MegatronTokenizer
-
-    try:
-        return MegatronTokenizer.from_pretrained(
-            tokenizer_path=str(directory),
-            metadata_path={"library": "huggingface"},
-            use_fast=True,
-            include_special_tokens=False,
-        )
-    except (ValueError, OSError) as err:
-        first = " ".join(str(err).split())[:300]
-        raise ConfigError(f"{where}: the tokenizer does not load: {first}") from None
-
-
-def end_of_document_problem(tokenizer: Any, directory: str | Path) -> str | None:
-    """The clause refusing a Hugging Face tokenizer (of ``directory``) without an
-    end-of-document token, which Megatron ends every document with; None if it has one."""
-    if tokenizer.eod is not None:
-        return None
-    return (
-        f"{directory} has no end-of-document token (eos_token in tokenizer_config.json): "
-        "add one, Megatron appends it to every document"
-    )
 
 
 def model_vocab_size(cfg: TrainConfig, tokenizer: Any | None) -> int:

@@ -3,7 +3,7 @@
 What Megatron-LM's ``tools/preprocess_data.py`` does at document level, through
 Megatron-Core's own parts: each line of the input is a JSON object; for every key of
 ``json_keys`` (Megatron-LM's ``--json-keys``, default ``text``) its string is one document,
-Megatron-Core's ``huggingface`` tokenizer (:mod:`.tokenizer`) turns it into ids, the
+Megatron-Core's ``huggingface`` tokenizer (:mod:`.hf_tokenizer`) turns it into ids, the
 tokenizer's end-of-document id is appended, and Megatron-Core's ``IndexedDatasetBuilder``
 writes ``<prefix>_<key>_document.bin`` and ``.idx`` (token dtype as
 ``DType.optimal_dtype`` picks it for the vocabulary): one dataset per key, as Megatron-LM
@@ -58,8 +58,12 @@ from typing import Any
 
 import numpy
 
-from ..config import ConfigError
-from .tokenizer import check_huggingface_dir, end_of_document_problem, huggingface_tokenizer
+from .hf_tokenizer import (
+    TokenizerError,
+    check_huggingface_dir,
+    end_of_document_problem,
+    huggingface_tokenizer,
+)
 
 __all__ = [
     "DEFAULT_MAX_DOCUMENT_CHARS",
@@ -86,7 +90,7 @@ POLL_S = 0.5
 _HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
-class PreprocessError(ConfigError):
+class PreprocessError(TokenizerError):
     """The corpus, the tokenizer or the output cannot be used (one sentence)."""
 
 

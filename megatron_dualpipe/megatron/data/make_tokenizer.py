@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .hf_tokenizer import TOKENIZER_JSON, TRANSFORMERS_INSTALL
 from .preprocess import (
     DEFAULT_MAX_DOCUMENT_CHARS,
     TEXT_KEY,
@@ -31,7 +32,6 @@ from .preprocess import (
     decode_line,
     document_texts,
 )
-from .tokenizer import TOKENIZER_JSON, TRANSFORMERS_INSTALL
 
 __all__ = ["EOD", "MIN_VOCAB_SIZE", "MadeTokenizer", "make_tokenizer"]
 
