@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_dualpipe.megatron.training.config import ConfigError, load_config  # noqa: E402
-from megatron_dualpipe.planner.advisor import PipelineSetup, stages_for  # noqa: E402
-from megatron_dualpipe.planner.memory import MemorySettings  # noqa: E402
+from megatron_dualpipe.errors import DualPipeError  # noqa: E402
+from megatron_dualpipe.planner.advisor import stages_for  # noqa: E402
+from megatron_dualpipe.planner.config_advice import ConfigModel  # noqa: E402
 from megatron_dualpipe.planner.memory_bridge import TOLERANCE, bridges  # noqa: E402
 from megatron_dualpipe.planner.model_cost import ModelShape  # noqa: E402
 from megatron_dualpipe.schedules.registry import spec  # noqa: E402
@@ -35,8 +35,8 @@ MIB = 2**20
 
 def megatron_args(values: dict) -> argparse.Namespace:
     """Megatron-LM's validated arguments, as far as its formula reads them, for a training
-    config's values (the defaults megatron-dualpipe train builds with: ffn 4h, the
-    vocabulary as given, the expert tensor-parallel size of the tensor-parallel size)."""
+    config's values over Megatron-LM's defaults (ffn 4h, the vocabulary as given, the
+    expert tensor-parallel size of the tensor-parallel size)."""
     h, heads = values["hidden_size"], values["num_attention_heads"]
     ffn = values["ffn_hidden_size"] or 4 * h
     tp, pp = values["tensor_model_parallel_size"], values["pipeline_model_parallel_size"]
@@ -96,22 +96,23 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.training import theoretical_memory_usage as formula
 
     try:
-        cfg = load_config(args.config, [*args.overrides, "pipeline_schedule=1f1b"])
-    except ConfigError as err:
+        model = ConfigModel.read(args.config, [*args.overrides, "pipeline_schedule=1f1b"])
+        settings = model.memory_settings()
+    except DualPipeError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    values = dataclasses.asdict(cfg)
-    shape = ModelShape.from_values(values, str(args.config))
-    setup = PipelineSetup.from_values(values, str(args.config))
-    settings = MemorySettings.from_values(values, str(args.config))
+    shape, setup = model.shape, model.setup
+    values = {**dataclasses.asdict(setup), **dataclasses.asdict(settings)}
+    values |= dataclasses.asdict(shape)
     mlm = megatron_args(values)
-    m = cfg.num_microbatches
+    m = setup.num_microbatches
+    pp = setup.pipeline_model_parallel_size
     weights = formula.compute_weight_and_optimizer_memory(mlm)
     if mlm.sequence_parallel and mlm.recompute_granularity == "selective":
         raise SystemExit("the bridge follows the formula's path without sequence parallelism")
     activations = formula.compute_activation_memory_without_sp(mlm, num_microbatches=m)
-    schedule = spec("1f1b").generate(cfg.pipeline_model_parallel_size, m)
-    stages = stages_for(shape, setup, cfg.pipeline_model_parallel_size)
+    schedule = spec("1f1b").generate(pp, m)
+    stages = stages_for(shape, setup, pp)
     found = bridges(
         shape,
         setup,
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         megatron_activations=activations,
     )
     print(
-        f"{args.config} under 1f1b, PP={cfg.pipeline_model_parallel_size}, {m} micro-batches: "
+        f"{args.config} under 1f1b, PP={pp}, {m} micro-batches: "
         "Megatron-LM's theoretical_memory_usage beside megatron-dualpipe's memory model (MiB)"
     )
     for bridge in found:
