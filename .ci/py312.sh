@@ -2,13 +2,15 @@
 # CI's second leg: Python 3.12 (megatron-core 0.17 and newer publish 3.12 wheels only).
 #   - a venv (.ci/venv312) with torch==2.13.0 (PyPI's CUDA build, about 4.5 GB; it runs on
 #     CPU) and megatron-core==0.19.2, then scripts/install.sh, which keeps both;
-#   - on 0.19.2, every test marked megatron but slow, and the slow ones that only a wheel
-#     shipping megatron/training runs (Megatron-LM's own loop; leg 1 runs every slow one on
-#     0.16.1: both legs share two cores, and the slow ones twice kept CI over 30 minutes);
+#   - on 0.19.2, every test marked megatron but slow, and the slow ones marked route (they
+#     run train: Megatron-LM's own loop, which only 0.19's wheel ships; leg 1 runs every
+#     other slow one on 0.16.1: both legs share two cores, and the slow ones twice kept CI
+#     over 30 minutes);
 #   - smoke runs of 0.17.1 and 0.18.2: each wheel installed without dependencies into its
 #     own folder (.ci/megatron-core-X) put first on PYTHONPATH, no second torch: the
-#     version tests, the tiny GPT under every schedule against 1F1B, one save and resume,
-#     and the patch of that release's Megatron-LM tag applied to the wheel's megatron/training.
+#     version tests, every schedule against the non-pipelined reference through Megatron's
+#     get_forward_backward_func (PP=2, and five Adam steps against 1F1B's), and the patch of
+#     that release's Megatron-LM tag applied to the wheel's megatron/training.
 # Usage: bash .ci/py312.sh   (PY312=/path/to/python3.12 to choose the interpreter)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -54,10 +56,7 @@ part() {  # part NAME COMMAND...
 part "megatron-core 0.19.2, every test marked megatron but slow" \
   python -m pytest -m "megatron and not slow"
 part "megatron-core 0.19.2, the slow tests of Megatron-LM's own loop" \
-  python -m pytest -m "megatron and slow" -p no:cacheprovider \
-  tests/test_megatron_lm_loop.py tests/test_megatron_lm_patch.py tests/test_full_iteration.py \
-  tests/test_megatron_lm_launch.py tests/test_megatron_lm_dry_run.py tests/test_megatron_lm_faults.py \
-  "tests/test_profile_trace.py::test_the_route_s_profile_writes_a_trace_per_rank_that_simulate_reads"
+  python -m pytest -m "route and slow" -p no:cacheprovider
 
 for release in 0.17.1 0.18.2; do
   target=.ci/megatron-core-$release
@@ -71,9 +70,8 @@ for release in 0.17.1 0.18.2; do
     python -m pytest -m megatron -p no:cacheprovider \
     tests/test_megatron_version.py \
     tests/test_megatron_lm.py::test_the_installed_wheels_training_takes_its_tags_patch \
-    tests/test_train_schedules.py::test_unclipped_the_same_digits_as_1f1b \
-    tests/test_train_schedules.py::test_unclipped_dualpipe_within_a_millionth_of_1f1b \
-    "tests/test_train_resume.py::test_resume_under_another_schedule[dualpipev-1f1b]"
+    tests/test_megatron_schedules.py::test_pp2_matches_reference \
+    tests/test_megatron_schedules.py::test_five_adam_steps_follow_1f1b_loss_trajectory
 done
 printf '%s\n' "${results[@]}"
 exit "$failed"

@@ -54,6 +54,7 @@ from .megatron.schedule.checks import (
 from .schedules.cuda_graphs import cuda_graph_problem, ep_overlap_graph_problem
 from .schedules.ir import ScheduleError
 from .schedules.layout import parse_layout
+from .schedules.limits import train_size_problem
 from .schedules.registry import OUR_SCHEDULES, SCHEDULES
 from .schedules.saved import read_saved_schedule, saved_schedule_problem
 
@@ -291,10 +292,18 @@ def _check(args: Any) -> None:
             f"{schedule} needs the same number of micro-batches every step: unset "
             "--rampup-batch-size"
         )
+    microbatches = num_microbatches(args)
+    too_large = train_size_problem(pp, microbatches, found.chunks)
+    if too_large is not None:
+        raise DualPipeConfigError(
+            f"--global-batch-size {args.global_batch_size} makes {microbatches} micro-batches "
+            "per step (--global-batch-size / (--micro-batch-size x data-parallel size)), and "
+            f"{too_large}: lower --global-batch-size or raise --micro-batch-size"
+        )
     check_run(
         schedule,
         pipeline_size=pp,
-        num_microbatches=num_microbatches(args),
+        num_microbatches=microbatches,
         virtual_pipeline_size=vp,
         context_parallel_size=getattr(args, "context_parallel_size", 1),
     )
@@ -361,7 +370,18 @@ def check_load(args: Any) -> None:
     file is one sentence naming it and the complete iterations, before any work. Nothing
     is read where Megatron-LM loads nothing, a non-persistent checkpoint may win, or the
     folder is another format (no ``metadata.json``: Megatron-LM's ``torch`` and
-    ``torch_dcp``, not checked)."""
+    ``torch_dcp``, not checked). A ``--load`` that is a file, or that does not exist and is
+    not also ``--save`` (a job's first run may save where later runs load), is refused:
+    Megatron-LM would train from scratch."""
+    from .megatron.checkpoint.files import missing_load
+
+    problem = missing_load(
+        getattr(args, "load", None),
+        save=getattr(args, "save", None),
+        pretrained=getattr(args, "pretrained_checkpoint", None),
+    )
+    if problem is not None:
+        raise DualPipeConfigError(problem)
     found = _load_directory(args)
     if found is None or not (found[1] / "metadata.json").is_file():
         return

@@ -10,11 +10,7 @@ from typing import Any
 
 import pytest
 
-__all__ = ["OUR_LOOP", "as_from_a_terminal", "wait_for"]
-
-#: ``train``'s flags for this project's own loop, whatever megatron-core is installed (on
-#: 0.19 the default is Megatron-LM's): for the tests of that loop's behaviour.
-OUR_LOOP = ("--loop", "megatron-dualpipe")
+__all__ = ["as_from_a_terminal", "wait_for"]
 
 #: The signals a command started from a terminal has at their defaults; a test runner
 #: started under nohup (or in a shell's background) passes them on ignored.

@@ -8,10 +8,11 @@ configs/tiny_deepseek_cpu.yaml carry the keys these shapes need."""
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import itertools
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,15 +107,30 @@ def test_tiny_deepseek_proposal_loads_back(tmp_path: Path) -> None:
     assert "MLA, MTP 1" in text and "5 MoE: 4 experts top-2 + shared expert" in text
 
 
-def test_pasted_lines_load_through_the_training_config(tmp_path: Path) -> None:
-    from megatron_dualpipe.megatron.training.config import TrainConfig, load_config
-
+@pytest.mark.megatron
+@pytest.mark.route
+def test_pasted_lines_are_megatron_lm_s_arguments_with_the_advised_values(tmp_path: Path) -> None:
+    """The config with the advisor's lines pasted in, as ``train`` hands it to Megatron-LM's
+    parser (read in a process of its own: this one must not import megatron.training)."""
     advice, text = _advise(TINY, tmp_path)
-    keys = set(read_values(_with_pasted_lines(TINY, text, tmp_path)))
-    assert keys <= {f.name for f in dataclasses.fields(TrainConfig)}
-    cfg = load_config(_with_pasted_lines(TINY, text, tmp_path))
-    for key, value in advice["changes"].items():
-        assert getattr(cfg, key) == value
+    pasted = _with_pasted_lines(TINY, text, tmp_path)
+    code = (
+        "import json, sys, warnings; warnings.simplefilter('ignore'); "
+        "from megatron_dualpipe.megatron.lm_args import megatron_lm_argv, megatron_lm_parser; "
+        "from megatron_dualpipe.schedules.config_values import read_values; "
+        "p = megatron_lm_parser(); "
+        "args = p.parse_args(megatron_lm_argv(read_values(sys.argv[1]), p, sys.argv[1])); "
+        "print(json.dumps({k: getattr(args, k) for k in json.loads(sys.argv[2])}))"
+    )
+    changes = advice["changes"]
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(pasted), json.dumps(sorted(changes))],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == changes
 
 
 @pytest.mark.slow

@@ -1,22 +1,19 @@
 """``CUDA_DEVICE_MAX_CONNECTIONS`` by Megatron-LM's rule (``validate_args`` in
 ``megatron/training/arguments.py``, core_v0.16.1 and core_v0.19.0): 1 with tensor
 parallelism, never forced to 1 with ``overlap_moe_expert_parallel_comm`` (its all-to-all
-runs beside compute), no requirement otherwise; ``train`` sets it before CUDA starts and
-keeps what the launching shell exported, with Megatron-LM's warning where that works
-against the rule."""
+runs beside compute), no requirement otherwise; ``train`` sets it before any rank starts
+CUDA and keeps what the launching shell exported, with a warning where that works against
+the rule."""
 
 from __future__ import annotations
 
+import argparse
 import logging
-from pathlib import Path
+import os
 
 import pytest
 
 from megatron_dualpipe.megatron.schedule.checks import cuda_device_max_connections
-from megatron_dualpipe.megatron.training import launch
-from megatron_dualpipe.megatron.training.config import load_config
-
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 @pytest.mark.parametrize(
@@ -41,20 +38,23 @@ def test_megatron_lms_rule(
         assert "\n" not in warning and warning.startswith("CUDA_DEVICE_MAX_CONNECTIONS=")
 
 
-def test_train_sets_it_from_the_config_and_keeps_an_exported_value(
+def test_train_sets_it_before_any_rank_and_keeps_an_exported_value(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    tp2 = load_config(
-        CONFIGS / "tiny_moe_cpu.yaml", ["tensor_model_parallel_size=2", "world_size=8"]
-    )
+    from megatron_dualpipe.megatron import lm_launch
+
+    def args(tp: int, overlap: bool) -> argparse.Namespace:
+        return argparse.Namespace(
+            tensor_model_parallel_size=tp,
+            context_parallel_size=1,
+            overlap_moe_expert_parallel_comm=overlap,
+        )
+
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-    launch._set_cuda_device_max_connections(tp2)
-    assert launch.os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
-    moe = load_config(
-        CONFIGS / "tiny_moe_cpu.yaml", ["overlap_moe_expert_parallel_comm=true", "bf16=true"]
-    )
+    lm_launch._set_cuda_device_max_connections(args(2, False))
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    with caplog.at_level(logging.WARNING, logger=launch.logger.name):
-        launch._set_cuda_device_max_connections(moe)
-    assert launch.os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"  # the shell's, kept
+    with caplog.at_level(logging.WARNING, logger=lm_launch.__name__):
+        lm_launch._set_cuda_device_max_connections(args(1, True))
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"  # the shell's, kept
     assert "cannot run beside compute" in caplog.text

@@ -41,37 +41,13 @@ ALLOWED: dict[str, tuple[int, str]] = {
         1,
         "torch.cuda.get_rng_state_all(), put back after the 1F1B replay",
     ),
-    "megatron_dualpipe/megatron/model/layer_specs.py:te_missing": (
-        4,
-        "Transformer Engine needs CUDA: its import is checked only with a device",
-    ),
-    "megatron_dualpipe/megatron/training/checkpoint/save_load.py:_rng_state": (
-        1,
-        "torch.cuda.get_rng_state()",
-    ),
-    "megatron_dualpipe/megatron/training/checkpoint/save_load.py:_set_rng_state": (
-        1,
-        "torch.cuda.set_rng_state()",
-    ),
-    "megatron_dualpipe/megatron/training/loop.py:_Run.__init__": (
-        1,
-        "the run's device: torch.cuda.current_device()",
-    ),
-    "megatron_dualpipe/megatron/training/loop.py:_Run._after_step": (
-        1,
-        "torch.cuda.memory_stats() to TensorBoard",
-    ),
-    "megatron_dualpipe/megatron/training/loop.py:eager_on_cpu": (
+    "megatron_dualpipe/megatron/compat/cpu_compat_training.py:eager_on_cpu": (
         1,
         "torch.compile stays on with CUDA (a null context)",
     ),
-    "megatron_dualpipe/megatron/training/model.py:build_chunks_here.build": (
-        1,
-        "chunk.cuda(torch.cuda.current_device())",
-    ),
-    "megatron_dualpipe/megatron/training/profiling.py:StepProfiler.before_step": (
-        1,
-        "the profiler's CUDA activity",
+    "megatron_dualpipe/megatron/model/layer_specs.py:te_missing": (
+        4,
+        "Transformer Engine needs CUDA: its import is checked only with a device",
     ),
     "megatron_dualpipe/runtime/latency.py:p2p_latency_s": (
         1,

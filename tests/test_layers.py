@@ -75,11 +75,9 @@ def test_schedules_and_the_planner_are_pure_python() -> None:
 
 def test_nothing_of_the_core_imports_the_planner() -> None:
     """The planner is a wing: the schedules, the runtime, the Megatron adapter and the
-    Megatron-LM hooks import nothing of it (our own trainer, ``megatron/training/``, is to
-    go; what the route loads is held below)."""
-    training = PACKAGE / "megatron" / "training"
+    Megatron-LM hooks import nothing of it (what the route loads is held below)."""
     core = _modules("schedules") + _modules("runtime") + [PACKAGE / "megatron_lm.py"]
-    core += [p for p in _modules("megatron") if training not in p.parents]
+    core += _modules("megatron")
     assert _violations(core, ("megatron_dualpipe.planner",)) == []
 
 
@@ -90,25 +88,16 @@ _ROUTE = (
 )  # fmt: skip
 
 
-def test_the_megatron_lm_route_imports_nothing_of_our_trainer() -> None:
-    """The route and the rooms it uses never import our trainer (``megatron/training/``,
-    which is to go); read from the source, lazy imports included."""
-    route = [PACKAGE / name for name in _ROUTE]
-    route += _modules("megatron/checkpoint") + _modules("megatron/data")
-    assert _violations(route, ("megatron_dualpipe.megatron.training",)) == []
-
-
 @pytest.mark.slow
-def test_what_the_route_loads_holds_neither_our_trainer_nor_the_planner() -> None:
+def test_what_the_route_loads_holds_nothing_of_the_planner() -> None:
     """What really loads with the route's modules (its checkpoint reading among them):
-    neither our trainer nor the planner."""
+    nothing of the planner."""
     modules = [f"megatron_dualpipe.{n[:-3].replace('/', '.')}" for n in _ROUTE]
     modules += [f"megatron_dualpipe.megatron.checkpoint.{n}" for n in ("files", "lock")]
     modules += ["megatron_dualpipe.megatron.data.file_checks"]
     code = (
         f"import importlib, sys\nfor name in {modules!r}:\n    importlib.import_module(name)\n"
-        "prefixes = ('megatron_dualpipe.megatron.training', 'megatron_dualpipe.planner')\n"
-        "print(sorted(m for m in sys.modules if m.startswith(prefixes)))"
+        "print(sorted(m for m in sys.modules if m.startswith('megatron_dualpipe.planner')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -129,7 +118,7 @@ def test_the_installed_package_never_imports_the_tests() -> None:
 
 
 # Which sibling rooms of ``megatron_dualpipe/megatron/`` each room may import.
-_ROOMS = ("schedule", "model", "grads", "compat", "checkpoint", "data", "training")
+_ROOMS = ("schedule", "model", "grads", "compat", "checkpoint", "data")
 _ROOM_MAY_IMPORT = {
     "compat": (),
     "checkpoint": ("compat",),
@@ -137,7 +126,6 @@ _ROOM_MAY_IMPORT = {
     "model": ("compat", "grads", "schedule"),
     "grads": ("compat", "model", "schedule"),
     "schedule": ("compat", "model", "grads"),
-    "training": ("compat", "model", "grads", "schedule", "checkpoint", "data"),
 }
 
 
@@ -150,35 +138,6 @@ def _room_violations(room: str, paths: list[Path]) -> list[str]:
 @pytest.mark.parametrize("room", sorted(_ROOM_MAY_IMPORT))
 def test_each_adapter_room_imports_only_its_allowed_siblings(room: str) -> None:
     assert _room_violations(room, _modules(f"megatron/{room}")) == []
-
-
-# The trainer's rooms (``megatron/training/``): which of the others each may import. Every
-# room may import the trainer's leaves; the modules beside the rooms (the run) import all.
-_TRAINING = "megatron_dualpipe.megatron.training"
-_TRAINING_LEAVES = ("errors",)
-_TRAINING_ROOM_MAY_IMPORT = {"config": (), "data": ("config",), "checkpoint": ("config",)}
-
-
-def _training_room_violations(room: str) -> list[str]:
-    folder = PACKAGE / "megatron" / "training"
-    run = [p.stem for p in folder.glob("*.py") if p.stem not in (*_TRAINING_LEAVES, "__init__")]
-    others = [
-        r for r in _TRAINING_ROOM_MAY_IMPORT if r not in (room, *_TRAINING_ROOM_MAY_IMPORT[room])
-    ]
-    forbidden = tuple(f"{_TRAINING}.{name}" for name in (*others, *run))
-    return _violations(_modules(f"megatron/training/{room}"), forbidden)
-
-
-@pytest.mark.parametrize("room", sorted(_TRAINING_ROOM_MAY_IMPORT))
-def test_each_trainer_room_imports_only_its_allowed_siblings(room: str) -> None:
-    assert _training_room_violations(room) == []
-
-
-def test_the_trainer_room_rule_sees_the_rooms_relative_imports() -> None:
-    """Were config/ not allowed to data/, its imports of it would be found (a check that
-    cannot fail proves nothing)."""
-    found = _violations(_modules("megatron/training/data"), (f"{_TRAINING}.config",))
-    assert any("data/datasets.py imports" in line for line in found), found
 
 
 # The command line (``cli/``): ``command`` (the top parser) imports every command's module;
@@ -279,13 +238,13 @@ def test_the_optimiser_without_scipy_is_one_sentence() -> None:
     "code",
     [
         "import megatron_dualpipe, megatron_dualpipe.schedules, megatron_dualpipe.cli",
-        "import megatron_dualpipe.megatron.training, megatron_dualpipe.megatron_lm",
+        "import megatron_dualpipe.megatron_lm, megatron_dualpipe.megatron.lm_args",
         "from megatron_dualpipe.cli import main\n"
         "assert main(['simulate', '--schedule', 'all', '--pp', '4']) == 0\n"
         "assert main(['simulate', '--schedule', 'dualpipev', '--pp', '2', '--grid']) == 0\n"
         "assert main(['simulate', '--config', 'tests/data/tiny_deepseek_cpu.yaml']) == 0",
-        "from megatron_dualpipe.megatron.training import load_config\n"
-        "load_config('configs/tiny_gpt_cpu.yaml', ['pipeline_schedule=dualpipe'])",
+        "from megatron_dualpipe.planner.config_advice import ConfigModel\n"
+        "ConfigModel.read('configs/tiny_gpt_cpu.yaml', ['pipeline_schedule=dualpipe'])",
     ],
 )
 def test_torch_free_paths_load_with_torch_blocked(code: str) -> None:

@@ -35,6 +35,7 @@ from megatron_dualpipe.megatron.compat.version import (
 from megatron_dualpipe.megatron.model.placement import StagePlacementLayout
 from megatron_dualpipe.megatron.schedule.checks import DualPipeConfigError
 from megatron_dualpipe.megatron.schedule.forward_backward import DualPipeForwardBackward
+from megatron_dualpipe.schedules.limits import MAX_TRAIN_SIZE
 from tests.multiproc import one_fast, run_workers
 
 pytestmark = pytest.mark.megatron
@@ -409,6 +410,25 @@ def test_apply_refuses_a_bad_combination_in_one_sentence(
     text = str(err.value)
     assert message in text
     assert "\n" not in text
+
+
+def test_apply_refuses_a_step_too_large_to_build_before_any_work() -> None:
+    """``--global-batch-size 1000000000`` grew each rank by 18 MB/s until it was killed
+    (2,000,000 at PP=2, the bound before, ran away too); at the bound the step builds."""
+    bound = MAX_TRAIN_SIZE // 4  # PP=4 x micro-batches, data-parallel size 2
+    megatron_lm.apply(_args(global_batch_size=2 * bound))
+    with pytest.raises(DualPipeConfigError) as err:
+        megatron_lm.apply(_args(global_batch_size=1_000_000_000))
+    assert str(err.value) == (
+        "--global-batch-size 1000000000 makes 500000000 micro-batches per step "
+        "(--global-batch-size / (--micro-batch-size x data-parallel size)), and PP=4 x "
+        "500000000 micro-batches is too large a step to build on each rank (about 5960.5 GB "
+        "and 200000 s before the first step, at 3.2 KB and 0.1 ms per PP x micro-batch): train "
+        f"builds PP x micro-batches up to {MAX_TRAIN_SIZE:,} (about 1 GB and 30 s): lower "
+        "--global-batch-size or raise --micro-batch-size"
+    )
+    with pytest.raises(DualPipeConfigError, match="PP=4 x 75001 micro-batches is too large"):
+        megatron_lm.apply(_args(global_batch_size=2 * (bound + 1)))
 
 
 def test_apply_refuses_te_graphs_under_ep_overlap_before_the_warm_up() -> None:

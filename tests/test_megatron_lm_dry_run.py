@@ -1,4 +1,4 @@
-"""``megatron-dualpipe train --loop megatron-lm --dry-run``: each pipeline rank built as
+"""``megatron-dualpipe train --dry-run``: each pipeline rank built as
 Megatron-LM's ``pretrain()`` builds it (its arguments validated with
 ``--fake-process-group``, its ``initialize_megatron``, the patched ``get_model``'s builders),
 on the meta device (megatron_dualpipe/megatron/lm_dry_run.py).
@@ -9,7 +9,8 @@ on the meta device (megatron_dualpipe/megatron/lm_dry_run.py).
 - DeepSeek-V3 at full size (configs/deepseek_v3_pp16.yaml, 2,048 ranks) under dualpipe and
   dualpipev: every rank agrees with the memory model and the model without its MTP block is
   DeepSeek's published 671B, in seconds and under a GiB of host memory (slow).
-- ``--ranks`` is refused in one sentence where it does not apply.
+- ``--ranks`` is refused in one sentence where it does not apply (and, on any release,
+  without ``--dry-run``, or naming ranks the pipeline lacks).
 
 Each run is a command in a subprocess: the route puts its patched ``megatron.training`` on
 the path, which the other tests of the process must not see.
@@ -17,12 +18,17 @@ the path, which the other tests of the process must not see.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from megatron_dualpipe.cli import main
+from megatron_dualpipe.errors import DualPipeError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_gpt_cpu.yaml"
@@ -33,17 +39,10 @@ BUILT = re.compile(r"^pipeline rank (\d+) \(global rank \d+, built in [\d.]+ s\)
 pytestmark = pytest.mark.megatron
 
 
-def _needs_0_19() -> None:
-    from megatron_dualpipe.megatron.compat.version import megatron_lm_tag
-
-    if megatron_lm_tag() != "core_v0.19.0":
-        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
-
-
 def _command(config: Path, *flags: str, sets: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     items = [arg for item in (*SETS, *sets) for arg in ("--set", item)]
     command = [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(config)]
-    command += ["--loop", "megatron-lm", *flags, *items]
+    command += [*flags, *items]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
@@ -54,8 +53,8 @@ def _dry_run(config: Path, *sets: str, ranks: str | None = None) -> str:
     return done.stdout
 
 
+@pytest.mark.route
 def test_the_chosen_ranks_only_and_megatron_lm_s_groups() -> None:
-    _needs_0_19()
     report = _dry_run(TINY, ranks="1")
     assert [r for r, _ in BUILT.findall(report)] == ["1"]
     assert report.startswith("dry run of dualpipev at PP=2 TP=1 EP=1 DP=1 in a fake world of 2")
@@ -78,8 +77,8 @@ def test_the_chosen_ranks_only_and_megatron_lm_s_groups() -> None:
     ],
     ids=["dualpipe", "dualpipev"],
 )
+@pytest.mark.route
 def test_deepseek_v3_at_full_size(sets: tuple[str, ...]) -> None:
-    _needs_0_19()
     report = _dry_run(DEEPSEEK, *sets)
     assert [int(r) for r, _ in BUILT.findall(report)] == list(range(16))
     assert "16 of 16 ranks agree exactly" in report
@@ -105,18 +104,18 @@ def test_deepseek_v3_at_full_size(sets: tuple[str, ...]) -> None:
         (["--dry-run", "--ranks", "2"], "--ranks 2: give pipeline ranks between 0 and 1"),
     ],
 )
+@pytest.mark.route
 def test_ranks_that_do_not_apply_are_one_sentence(flags: list[str], said: str) -> None:
-    _needs_0_19()
     done = _command(TINY, *flags)
     assert done.returncode == 2 and said in done.stderr.splitlines()[-1], done.stderr[-2000:]
     assert "iteration" not in done.stdout
 
 
+@pytest.mark.route
 def test_the_wheel_s_dataset_helpers_are_not_compiled_again() -> None:
     """Megatron-LM's initialize_megatron has rank 0 run ``make`` in the wheel's
     megatron/core/datasets (no Makefile there: ``sys.exit(1)``), with or without a GPU; the
     route skips it where the compiled helpers import (here ``make`` is not even on PATH)."""
-    _needs_0_19()
     code = (
         "import os\n"
         "from megatron_dualpipe.megatron.compat.cpu_compat_training import "
@@ -157,3 +156,21 @@ def test_each_layer_kind_is_built_on_the_meta_device(monkeypatch, te_installed: 
         assert out["transformer_impl"] == "local" and "fp8" not in out
     kept, _ = lm_dry_run._buildable({"load": "ckpt", "use_checkpoint_args": True})
     assert kept["load"] == "ckpt"  # the model's arguments are read from it
+
+
+def test_bad_ranks_are_refused_in_one_sentence() -> None:
+    from megatron_dualpipe.megatron.model.built import parse_ranks
+
+    assert parse_ranks("3,1,1", 4) == [1, 3]
+    assert parse_ranks(None, 2) == [0, 1]
+    for text in ("4", "a", "", "-1"):
+        with pytest.raises(DualPipeError, match=r"--ranks .*: give pipeline ranks between 0 and 3"):
+            parse_ranks(text, 4)
+
+
+def test_ranks_need_the_dry_run() -> None:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["train", "--config", str(TINY), "--ranks", "0"])
+    assert code != 0
+    assert "--ranks chooses the ranks of a dry run: add --dry-run" in err.getvalue()

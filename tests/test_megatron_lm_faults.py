@@ -19,30 +19,22 @@ import psutil
 import pytest
 
 from megatron_dualpipe.megatron.checkpoint.files import (
+    TRACKER,
     complete_iterations,
     damage,
     iteration_dir,
-    read_tracker,
 )
 from tests.processes import as_from_a_terminal, wait_for
 from tests.test_fault_ranks import STOP_WITHIN_S, _gone_soon, _ranks
 
-pytestmark = [pytest.mark.megatron, pytest.mark.multiproc, pytest.mark.slow]
+pytestmark = [pytest.mark.megatron, pytest.mark.multiproc, pytest.mark.slow, pytest.mark.route]
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_gpt_cpu.yaml"
 
 
-@pytest.fixture(autouse=True)
-def _megatron_core_0_19() -> None:
-    from megatron_dualpipe.megatron.compat.version import route_training_installed
-
-    if not route_training_installed():
-        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
-
-
 def _command(*sets: str) -> list[str]:
-    """``train`` of the tiny config (Megatron-LM's loop: the default on 0.19) with ``sets``."""
+    """``train`` of the tiny config with ``sets``."""
     items = [arg for item in sets for arg in ("--set", item)]
     return [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(TINY), *items]
 
@@ -74,7 +66,7 @@ def test_a_diverging_run_stops_at_megatron_lm_s_check_with_its_exit_code_said(
     ), last
     assert " iteration        2/       8 |" in done.stdout
     assert " iteration        4/" not in done.stdout
-    assert read_tracker(save) == 2  # the steps before the NaN, whole
+    assert int((save / TRACKER).read_text()) == 2  # the steps before the NaN, whole
     assert damage(iteration_dir(save, 2)) is None
 
 

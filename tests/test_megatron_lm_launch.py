@@ -1,4 +1,4 @@
-"""``megatron-dualpipe train --loop megatron-lm``: a YAML config's keys as Megatron-LM's
+"""``megatron-dualpipe train``: a YAML config's keys as Megatron-LM's
 flags, and the config trained by Megatron-LM's own ``pretrain()``.
 
 The key-to-flag rules run against a parser with the kinds of argument Megatron-LM's
@@ -24,7 +24,6 @@ from pathlib import Path
 import pytest
 
 from megatron_dualpipe.megatron.lm_args import (
-    NAMED_OTHERWISE,
     OTHER_WAY,
     MegatronLMConfigError,
     megatron_lm_argv,
@@ -66,6 +65,17 @@ def test_each_key_becomes_its_flag() -> None:
     assert megatron_lm_argv(settings, _parser(), "c.yaml") == [
         *("--num-layers", "8", "--lr", "0.003", "--data-path", "1", "corpus"),
     ]  # world_size is the launcher's
+
+
+def test_a_yaml_float_without_a_dot_reaches_megatron_lm_as_a_number(tmp_path: Path) -> None:
+    """YAML 1.1 reads ``1e-3`` as a string (no dot): Megatron-LM's parser gets the text and
+    reads the number."""
+    from megatron_dualpipe.schedules.config_values import read_values
+
+    path = tmp_path / "c.yaml"
+    path.write_text("lr: 1e-3\n", encoding="utf-8")
+    argv = megatron_lm_argv(read_values(path), _parser(), "c.yaml")
+    assert argv == ["--lr", "1e-3"] and _parser().parse_args(argv).lr == 1e-3
 
 
 def test_true_and_false_pick_the_flag_that_stores_them() -> None:
@@ -289,6 +299,16 @@ def test_another_run_s_complete_checkpoints_in_save_are_refused(tmp_path: Path) 
         pass
     with _one_run_per_save(argparse.Namespace(save=str(save), load=str(save)), holder=True):
         pass
+    elsewhere = argparse.Namespace(save=str(save), load=str(tmp_path / "other"))
+    loads_elsewhere = f"and this run loads from {tmp_path / 'other'}, so"
+    with (
+        pytest.raises(CheckpointError, match=loads_elsewhere),
+        _one_run_per_save(elsewhere, holder=True),
+    ):
+        pytest.fail("the run went on")
+    (save / "iter_0000002" / "metadata.json").unlink()  # only incomplete ones left
+    with _one_run_per_save(fresh, holder=True):
+        pass  # overwritten, as Megatron-LM's dist_checkpointing does
 
 
 @pytest.mark.parametrize("key", ["save", "data_cache_path", "tensorboard_dir"])
@@ -319,10 +339,10 @@ SETS = (
 
 
 def _command(*sets: str) -> list[str]:
-    """``train --loop megatron-lm`` of the tiny config with :data:`SETS` and ``sets``."""
+    """``train`` of the tiny config with :data:`SETS` and ``sets``."""
     items = [arg for item in (*SETS, *sets) for arg in ("--set", item)]
     command = [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(TINY)]
-    return [*command, "--loop", "megatron-lm", *items]
+    return [*command, *items]
 
 
 def _train(*sets: str) -> subprocess.CompletedProcess:
@@ -368,14 +388,13 @@ def _megatron_core_0_19() -> bool:
 @pytest.mark.megatron
 @pytest.mark.multiproc
 @pytest.mark.slow
+@pytest.mark.route
 def test_the_tiny_config_trains_as_1f1b_under_every_schedule() -> None:
     """From scratch, tied embeddings (Megatron-LM's default, set over the config's untied
     ones): zb1p and dualpipev print 1F1B's digits, dualpipe within a millionth; ``--dry-run``
     builds on each rank the parameters Megatron-LM's ``get_model`` says it built. dualpipe's
     last rank used to copy its zeroed output layer over its embedding (loss 4.863 against
     4.876 at step 1, then barely learning)."""
-    if not _megatron_core_0_19():
-        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
     printed = {}
     for schedule in ("1f1b", "zb1p", "dualpipev", "dualpipe"):
         sets = (f"pipeline_schedule={schedule}", "untie_embeddings_and_output_weights=false")
@@ -399,11 +418,10 @@ def test_the_tiny_config_trains_as_1f1b_under_every_schedule() -> None:
 @pytest.mark.megatron
 @pytest.mark.multiproc
 @pytest.mark.slow
+@pytest.mark.route
 def test_the_readme_s_main_job_runs_megatron_lm_s_loop_where_0_19_is_installed() -> None:
-    """``train --config configs/tiny_gpt_cpu.yaml`` without ``--loop`` (shortened): Megatron-LM's
+    """``train --config configs/tiny_gpt_cpu.yaml`` (shortened): Megatron-LM's
     ``pretrain()`` builds the model, dualpipev runs it, and it learns."""
-    if not _megatron_core_0_19():
-        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
     sets = ("train_iters=3", "eval_interval=3", "eval_iters=1")
     command = [sys.executable, "-m", "megatron_dualpipe", "train", "--config", str(TINY)]
     command += [arg for item in sets for arg in ("--set", item)]
@@ -417,9 +435,8 @@ def test_the_readme_s_main_job_runs_megatron_lm_s_loop_where_0_19_is_installed()
 
 @pytest.mark.megatron
 @pytest.mark.slow
+@pytest.mark.route
 def test_a_key_of_megatron_dualpipe_s_own_loop_is_refused_before_any_rank() -> None:
-    if not _megatron_core_0_19():
-        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
     assert _refused("output_dir=runs") == (
         f"megatron-dualpipe: error: {TINY} with --set train_iters=3 --set eval_interval=3 "
         "--set eval_iters=1 --set hidden_dropout=0 --set attention_dropout=0 --set "
@@ -433,28 +450,30 @@ def test_another_megatron_core_is_refused_in_one_sentence(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from megatron_dualpipe.cli.command import main
-    from megatron_dualpipe.megatron.compat.version import installed_megatron_core
+    from megatron_dualpipe.megatron.compat.version import installed_megatron_core, megatron_lm_tag
 
     if _megatron_core_0_19():
         pytest.skip("megatron-core 0.19 is installed: its loop runs")
-    assert main(["train", "--config", str(TINY), "--loop", "megatron-lm"]) == 2
+    assert main(["train", "--config", str(TINY)]) == 2
+    tag = megatron_lm_tag()
     assert capsys.readouterr().err == (
-        "megatron-dualpipe: error: Megatron-LM's loop runs the megatron/training of "
-        f"megatron-core 0.19, but megatron-core {installed_megatron_core()} is installed: pip "
-        "install 'megatron-core==0.19.2' (Python 3.12), or train without --loop megatron-lm\n"
+        "megatron-dualpipe: error: train runs Megatron-LM's pretrain() from the "
+        "megatron/training of megatron-core 0.19's wheel, but megatron-core "
+        f"{installed_megatron_core()} is installed: on Python 3.12, pip install "
+        f"'megatron-core==0.19.2'; with this release, apply patches/megatron-lm-{tag}.patch to "
+        f"a Megatron-LM checkout at {tag} and run its pretrain_gpt.py with --pipeline-schedule\n"
     )
 
 
 @pytest.mark.megatron
 @pytest.mark.multiproc
 @pytest.mark.slow
+@pytest.mark.route
 def test_under_srun_each_process_is_a_rank_and_trains_as_forked(tmp_path: Path) -> None:
     """Two processes with srun's variables (as ``srun --ntasks 2`` starts them) train the
     digits that the two ranks the command forks itself train."""
     from megatron_dualpipe.runtime.launch import pick_port
 
-    if not _megatron_core_0_19():
-        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
     forked = _train("pipeline_schedule=dualpipev")
     assert forked.returncode == 0, forked.stderr[-3000:]
     command = _command("pipeline_schedule=dualpipev")
@@ -482,6 +501,7 @@ def test_under_srun_each_process_is_a_rank_and_trains_as_forked(tmp_path: Path) 
 
 @pytest.mark.megatron
 @pytest.mark.slow
+@pytest.mark.route
 def test_a_crafted_checkpoint_to_load_is_refused_before_any_rank(tmp_path: Path) -> None:
     """Megatron-LM's reader would unpickle the index with plain ``pickle``: the command reads
     it the safe way first, and the marker the pickle would make is never made."""
@@ -489,8 +509,6 @@ def test_a_crafted_checkpoint_to_load_is_refused_before_any_rank(tmp_path: Path)
 
     from tests.test_checkpoint_trust import OPEN, _checkpoint, _Creates
 
-    if not _megatron_core_0_19():
-        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
     root, marker = tmp_path / "ck", tmp_path / "ran"
     directory = _checkpoint(root / "iter_0000002")
     (root / "latest_checkpointed_iteration.txt").write_text("2\n")
@@ -506,6 +524,7 @@ def test_a_crafted_checkpoint_to_load_is_refused_before_any_rank(tmp_path: Path)
 
 @pytest.mark.megatron
 @pytest.mark.slow
+@pytest.mark.route
 def test_a_save_folder_another_run_holds_is_refused_before_any_rank(tmp_path: Path) -> None:
     """Two runs saving into one folder would overwrite each other's iterations: while this
     test holds the folder, the command refuses it in one sentence, and no rank trains."""
@@ -513,8 +532,6 @@ def test_a_save_folder_another_run_holds_is_refused_before_any_rank(tmp_path: Pa
 
     from megatron_dualpipe.megatron.checkpoint.lock import LOCK_NAME, save_lock
 
-    if not _megatron_core_0_19():
-        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
     save = tmp_path / "ck"
     with save_lock(save):
         started = (save / LOCK_NAME).read_text().split(maxsplit=2)[2].strip()
@@ -529,12 +546,11 @@ def test_a_save_folder_another_run_holds_is_refused_before_any_rank(tmp_path: Pa
 @pytest.mark.megatron
 @pytest.mark.multiproc
 @pytest.mark.slow
+@pytest.mark.route
 def test_a_saved_order_trains_with_the_generated_order_s_losses(tmp_path: Path) -> None:
     """``simulate --optimize --save`` writes a reordering of dualpipev's work (49 units at
     F=B=W where the generated order takes 50), and ``pipeline_schedule_file`` runs it: the
     digits of the generated order, at every step and validation."""
-    if not _megatron_core_0_19():
-        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
     order = tmp_path / "order.txt"
     simulate = [sys.executable, "-m", "megatron_dualpipe", "simulate", "--schedule",
                 "dualpipev", "--pp", "2", "--microbatches", "8", "--optimize", "--save",
@@ -555,6 +571,7 @@ def test_a_saved_order_trains_with_the_generated_order_s_losses(tmp_path: Path) 
 @pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["dualpipev", "1f1b"])
+@pytest.mark.route
 def test_the_timeline_of_a_run_is_drawn_and_summarised_and_changes_no_digit(
     tmp_path: Path, schedule: str
 ) -> None:
@@ -562,8 +579,6 @@ def test_the_timeline_of_a_run_is_drawn_and_summarised_and_changes_no_digit(
     executor, Megatron's 1F1B through its timers), drawn into the PNG above the simulator's
     prediction, each rank's measured and simulated bubble printed; the losses are the
     run's without it."""
-    if not _megatron_core_0_19():
-        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
     png = tmp_path / "out" / "timeline.png"
     plain = _train(f"pipeline_schedule={schedule}")
     drawn = _train(f"pipeline_schedule={schedule}", f"pipeline_timeline={png}")
@@ -618,14 +633,13 @@ def _indexed_dataset(prefix: Path, documents: int) -> str:
         "a cache beside the data that cannot be written",
     ],
 )
+@pytest.mark.route
 def test_data_files_that_cannot_train_are_refused_before_any_rank(
     tmp_path: Path, case: str
 ) -> None:
     """Megatron-LM's GPTDataset loops for ever on a split without tokens (its legacy split,
     969,30,1, gives the valid split of 3 documents none), and fails in every rank on a
     missing file or a split it cannot read: one sentence first."""
-    if not _megatron_core_0_19():
-        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
     prefix = _indexed_dataset(tmp_path / "data" / "c3_text_document", 3)
     if case == "no .idx":
         Path(f"{prefix}.idx").unlink()
@@ -667,6 +681,7 @@ def test_data_files_that_cannot_train_are_refused_before_any_rank(
 @pytest.mark.megatron
 @pytest.mark.slow
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.route
 def test_a_blend_whose_split_gets_no_token_says_what_megatron_core_does(
     tmp_path: Path, weighted: bool
 ) -> None:
@@ -675,8 +690,6 @@ def test_a_blend_whose_split_gets_no_token_says_what_megatron_core_does(
     tokens), and Megatron-Core's BlendedDataset asserts every weight above 0 (rank 0
     stops): the train split already has none; a weighted one loops for ever on the valid
     split."""
-    if not _megatron_core_0_19():
-        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
     a = _indexed_dataset(tmp_path / "data" / "a_text_document", 3)
     b = _indexed_dataset(tmp_path / "data" / "b_text_document", 3)
     config = tmp_path / "blend.yaml"
@@ -702,32 +715,8 @@ def test_a_blend_whose_split_gets_no_token_says_what_megatron_core_does(
 
 
 @pytest.mark.megatron
-def test_every_key_of_our_loop_is_an_argument_of_megatron_lm_s_parser() -> None:
-    """The config keys that say they are Megatron-LM's are its parser's arguments (the
-    parser read in a process of its own: this one must not import megatron.training)."""
-    from megatron_dualpipe.megatron.training.config import config_keys
-
-    if not _megatron_core_0_19():
-        pytest.skip("megatron-core 0.19's wheel ships the parser")
-    code = (
-        "import json, warnings; warnings.simplefilter('ignore'); "
-        "from megatron_dualpipe.megatron.lm_args import megatron_lm_parser; "
-        "print(json.dumps(sorted({a.dest for a in megatron_lm_parser()._actions})))"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    arguments = set(json.loads(done.stdout.splitlines()[-1]))
-    keys = {key.name for key in config_keys()}
-    ours = {key.name for key in config_keys() if key.megatron_lm}
-    named = set(NAMED_OTHERWISE)  # each refused naming the other name
-    assert ours - arguments == named & ours
-    assert named <= keys and not named & arguments  # the rest: our loop's, named otherwise
-    assert set(NAMED_OTHERWISE.values()) <= arguments
-    assert "pipeline_schedule" in arguments  # the patch's, ours
-
-
-@pytest.mark.megatron
 @pytest.mark.slow
+@pytest.mark.route
 def test_the_readme_data_config_trains_through_megatron_lm_s_loop(tmp_path: Path) -> None:
     """The README's own data (a jsonl corpus, a Hugging Face tokenizer made offline,
     ``preprocess``) trained by Megatron-LM's loop from configs/tiny_gpt_data.yaml: Megatron-
@@ -736,8 +725,6 @@ def test_the_readme_data_config_trains_through_megatron_lm_s_loop(tmp_path: Path
     against that tokenizer's vocabulary)."""
     from tests.corpus import train_tokenizer, write_corpus
 
-    if not _megatron_core_0_19():
-        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
     shutil.copytree(ROOT / "configs", tmp_path / "configs")
     corpus = write_corpus(tmp_path / "corpus.jsonl")
     train_tokenizer(corpus, tmp_path / "tokenizer")
@@ -749,7 +736,7 @@ def test_the_readme_data_config_trains_through_megatron_lm_s_loop(tmp_path: Path
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert prepared.returncode == 0, prepared.stderr[-2000:]
-    train = [*command, "train", "--config", "configs/tiny_gpt_data.yaml", "--loop", "megatron-lm"]
+    train = [*command, "train", "--config", "configs/tiny_gpt_data.yaml"]
     sets = ["distributed_timeout_minutes=1", "train_iters=6", "eval_interval=6", "eval_iters=1"]
     train += [arg for item in sets for arg in ("--set", item)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -771,18 +758,26 @@ def test_the_readme_data_config_trains_through_megatron_lm_s_loop(tmp_path: Path
         said,
     ), said
 
+def _walkthrough() -> list[list[str]]:
+    """The README's "Save, stop, resume, change the schedule" commands, each as argv after
+    ``megatron-dualpipe``."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = readme.split("### Save, stop, resume, change the schedule", 1)[1]
+    block = block.split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [shlex.split(line) for line in block.splitlines() if line.strip()[:1] != "#"]
+    assert all(argv[0] == "megatron-dualpipe" for argv in commands), commands
+    return [argv[1:] for argv in commands]
+
+
 
 @pytest.mark.megatron
 @pytest.mark.multiproc
 @pytest.mark.slow
+@pytest.mark.route
 def test_the_readme_resume_walkthrough_runs_through_megatron_lm_s_loop(tmp_path: Path) -> None:
     """The README's four save / stop / resume commands as written, where they run
     Megatron-LM's ``pretrain()`` (megatron-core 0.19): stopped at 5, resumed under 1f1b to 10,
     the reached checkpoint trains nothing, then on to 15."""
-    from tests.test_readme_resume import _walkthrough
-
-    if not _megatron_core_0_19():
-        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
     shutil.copytree(ROOT / "configs", tmp_path / "configs")
     outputs = []
     for argv in _walkthrough():
@@ -827,11 +822,10 @@ def _readme_demos() -> list[list[str]]:
 @pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.parametrize("argv", _readme_demos(), ids=lambda argv: " ".join(argv[2:]))
+@pytest.mark.route
 def test_the_readme_s_demos_train_through_megatron_lm_s_loop(argv: list[str]) -> None:
     """Where megatron-core 0.19 is installed the README's demos run Megatron-LM's
     ``pretrain()``: MoE, DeepSeek-V3's shape, the F&B overlap in bf16 (three steps each)."""
-    if not _megatron_core_0_19():
-        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
     sets = ("train_iters=3", "eval_interval=3", "eval_iters=1")
     command = [sys.executable, "-m", "megatron_dualpipe", *argv]
     command += [arg for item in sets for arg in ("--set", item)]

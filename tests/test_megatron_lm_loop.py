@@ -48,6 +48,7 @@ pytestmark = [
     pytest.mark.megatron,
     pytest.mark.multiproc,
     pytest.mark.slow,
+    pytest.mark.route,
     pytest.mark.timeout(1800),
 ]
 

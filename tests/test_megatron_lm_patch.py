@@ -24,7 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "pretrain_gpt_megatron_lm.py"
 WHEEL = Path(megatron.core.__file__).parents[1]  # as the script names it: unresolved
 SHIPS_TRAINING = (WHEEL / "training" / "training.py").is_file()
-ON_019 = installed_megatron_core().startswith("0.19.")
 
 
 @pytest.mark.skipif(not SHIPS_TRAINING, reason="the megatron-core wheel ships no megatron/training")
@@ -85,7 +84,7 @@ def _script(*args: str, path: Path | None = None) -> subprocess.CompletedProcess
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not ON_019, reason="the script runs megatron-core 0.19's megatron/training")
+@pytest.mark.route
 def test_the_script_refuses_the_wheels_unpatched_training_in_one_sentence() -> None:
     done = _script("--pipeline-schedule", "dualpipev", "--mock-data")
     assert done.returncode == 2, done.stderr[-3000:]
@@ -109,7 +108,7 @@ MINIMAL = [
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not ON_019, reason="the script runs megatron-core 0.19's megatron/training")
+@pytest.mark.route
 def test_the_script_takes_the_commands_patched_copy_and_refuses_te_without_te(
     tmp_path: Path,
 ) -> None:

@@ -108,21 +108,21 @@ def test_importing_the_adapter_refuses_an_unsupported_release_before_megatron_ru
     assert out.stdout == f"MegatronVersionError {REFUSAL_020}\n"
 
 
-@pytest.mark.parametrize(
-    ("minor", "loop"),
-    [(16, "megatron-dualpipe"), (17, "megatron-dualpipe"), (18, "megatron-dualpipe"),
-     (19, "megatron-lm")],
-)  # fmt: skip
-def test_train_s_default_loop_is_megatron_lm_s_where_0_19_is_installed(
-    tmp_path: Path, minor: int, loop: str
+@pytest.mark.parametrize(("minor", "runs"), [(16, False), (17, False), (18, False), (19, True)])
+def test_megatron_lm_s_loop_runs_where_0_19_is_installed(
+    tmp_path: Path, minor: int, runs: bool
 ) -> None:
-    """Read from the release on disk: the stand-in stops the process if it is imported."""
+    """Read from the release on disk (``train``'s gate, and the ``route`` marker's): the
+    stand-in stops the process if it is imported."""
     env = _fake_megatron_core(tmp_path, minor=minor, patch=1)
-    code = "from megatron_dualpipe.cli.train import default_loop; print(default_loop())"
+    code = (
+        "from megatron_dualpipe.megatron.compat.version import route_training_installed\n"
+        "print(route_training_installed())"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
-    assert (out.returncode, out.stdout, out.stderr) == (0, f"{loop}\n", "")
+    assert (out.returncode, out.stdout, out.stderr) == (0, f"{runs}\n", "")
 
 
 def _cli(env: dict[str, str], *argv: str) -> subprocess.CompletedProcess:
@@ -194,42 +194,6 @@ def test_the_common_state_gate_says_where_megatron_writes_it(tmp_path: Path) -> 
     assert megatron.core.dist_checkpointing.load_common_state_dict(str(tmp_path)) == {
         "iteration": 7
     }
-
-
-def _marked_without_initialisation(rank: int, world_size: int) -> bool:
-    from megatron.core.tensor_parallel import RowParallelLinear
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from megatron_dualpipe.megatron.compat.cpu_compat import apply_cpu_compat
-
-    apply_cpu_compat()
-    parallel_state.initialize_model_parallel()
-    try:
-        config = TransformerConfig(
-            num_layers=1,
-            hidden_size=8,
-            num_attention_heads=1,
-            use_cpu_initialization=True,
-            perform_initialization=False,
-        )
-        layer = RowParallelLinear(
-            8,
-            8,
-            config=config,
-            init_method=config.init_method,
-            bias=False,
-            input_is_parallel=True,
-            skip_bias_add=False,
-        )
-        return hasattr(layer.weight, "tensor_model_parallel")
-    finally:
-        parallel_state.destroy_model_parallel()
-
-
-@pytest.mark.multiproc
-def test_the_tensor_parallel_marks_gate_says_whether_megatron_marks_uninitialised() -> None:
-    (marked,) = run_workers(_marked_without_initialisation, 1, timeout_s=60.0)
-    assert marked is version.tensor_parallel_marks_without_initialisation()
 
 
 # --------------------------------------------------------------------------------------

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron_dualpipe.errors import DualPipeError
-from megatron_dualpipe.runtime.launch import LaunchFailure, run_ranks
+from megatron_dualpipe.runtime.launch import LaunchFailure, TempDirTooLong, run_ranks
 from tests.multiproc import WorkerTimeoutError, run_workers
 
 pytestmark = pytest.mark.multiproc
@@ -165,3 +167,26 @@ def test_stop_signals_wait_for_the_launch_clean_up_to_end() -> None:
         assert signal.getsignal(signal.SIGTERM) is _raise_stopped
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _touch(rank: int, world_size: int, folder: str) -> None:
+    Path(folder, f"rank{rank}").touch()
+
+
+def test_a_long_tmpdir_is_one_sentence_before_any_rank_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ranks' sockets (a checkpoint writer's result-queue manager, torch's tensor
+    sharing) live under the run's folder in TMPDIR: over 36 characters a save failed in a
+    worker with "AF_UNIX path too long" and the run with a bare EOFError."""
+    temp = tmp_path / ("t" * max(1, 48 - len(str(tmp_path))))
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    with pytest.raises(TempDirTooLong) as info:
+        run_ranks(_touch, 2, args=(str(tmp_path),))
+    assert str(info.value) == (
+        f"TMPDIR {temp} is {len(str(temp))} characters long, and the ranks' sockets live under "
+        "it, which leaves it at most 36 (an AF_UNIX socket path is at most 107 bytes): set "
+        "TMPDIR to a shorter directory, such as /tmp"
+    )
+    assert not list(tmp_path.glob("rank*"))  # no rank started

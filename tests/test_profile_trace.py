@@ -252,44 +252,18 @@ def test_profile_beside_a_config_times_each_schedule_at_its_advised_split(
 @pytest.mark.slow
 @pytest.mark.megatron
 @pytest.mark.multiproc
-def test_train_profile_writes_a_trace_per_rank_that_simulate_reads(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from megatron_dualpipe.megatron.training import load_config, train
-
-    tiny = ROOT / "configs" / "tiny_gpt_cpu.yaml"
-    settings = [
-        "train_iters=3",
-        "eval_interval=null",
-        f"output_dir={tmp_path}",
-        "profile=true",
-        "use_pytorch_profiler=true",
-        "profile_step_start=1",
-        "profile_step_end=2",
-    ]
-    cfg = load_config(tiny, settings)
-    train(cfg, source=str(tiny))
-    _check_traces(sorted(Path(cfg.profile_dir).iterdir()), capsys)
-
-
-@pytest.mark.slow
-@pytest.mark.megatron
-@pytest.mark.multiproc
+@pytest.mark.route
 def test_the_route_s_profile_writes_a_trace_per_rank_that_simulate_reads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``train --loop megatron-lm --profile``: Megatron-LM's own profiler, into
+    """``train --profile``: Megatron-LM's own profiler, into
     ``<tensorboard_dir>/../torch_profile``, with our executor's spans; without
     ``tensorboard_dir`` refused before any rank. An order optimised on the trace is one the
     route runs (``pipeline_schedule_file``), and one of other micro-batches is refused."""
-    from megatron_dualpipe.megatron.compat.version import megatron_lm_tag
-
-    if megatron_lm_tag() != "core_v0.19.0":
-        pytest.skip("Megatron-LM's loop runs megatron-core 0.19's wheel")
     sets = ["train_iters=3", "eval_iters=0", "distributed_timeout_minutes=1"]
     sets += ["profile_step_start=1", "profile_step_end=2"]
     command = [sys.executable, "-m", "megatron_dualpipe", "train", "--config"]
-    command += [str(ROOT / "configs" / "tiny_gpt_cpu.yaml"), "--loop", "megatron-lm", "--profile"]
+    command += [str(ROOT / "configs" / "tiny_gpt_cpu.yaml"), "--profile"]
 
     def run(*more: str) -> subprocess.CompletedProcess:
         items = [arg for item in (*sets, *more) for arg in ("--set", item)]

@@ -120,3 +120,19 @@ def test_entry_keeps_its_owner_alive_until_w() -> None:
 def test_defer_outside_a_capture_is_an_error() -> None:
     with pytest.raises(RuntimeError, match="no backward is being captured"):
         WeightGradStore().defer(lambda: None)
+
+
+def test_w_of_different_stages_run_in_any_order_but_each_stage_in_b_order() -> None:
+    store, done = WeightGradStore(), []
+    for stage, mb in ((0, 0), (1, 0), (0, 1)):
+        with store.capture((stage, mb), lane=stage):
+            store.defer(lambda s=stage, m=mb: done.append((s, m)))
+    store.run((1, 0), lane=1)  # stage 1 before stage 0's older entry: allowed
+    with pytest.raises(RuntimeError, match="first-in first-out"):
+        store.run((0, 1), lane=0)  # stage 0's newer entry first: refused
+    store.run((0, 0), lane=0)
+    store.run((0, 1), lane=0)
+    assert done == [(1, 0), (0, 0), (0, 1)] and len(store) == 0
+
+
+# -- slow: training --------------------------------------------------------------------

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from megatron_dualpipe.bench.torch_schedules import import_torch_schedule
-from megatron_dualpipe.planner.optimize import lower_bound, optimize
+from megatron_dualpipe.planner.optimize import lower_bound, measured_costs, optimize
 from megatron_dualpipe.planner.optimize.bound import tails
 from megatron_dualpipe.planner.optimize.instance import Instance
 from megatron_dualpipe.planner.optimize.listsched import Policy, build
@@ -344,3 +344,17 @@ def test_optimised_rows_match_or_beat_their_placement_whole_grid(
     key: str, pp: int, microbatches: int
 ) -> None:
     assert _peers_unbeaten(_profile(key), pp, microbatches) == []
+
+
+def test_measured_costs_read_back_the_costs_a_step_ran_with() -> None:
+    cost = CostModel(
+        overlap=0.8,
+        latency=0.25,
+        stage_costs=((1.5, 1.2, 0.7), (1.0, 1.1, 0.5), (0.9, 1.0, 0.6), (2.0, 1.9, 1.1)),
+    )
+    step = simulate(generate("dualpipev", 2, 10), cost)
+    read = measured_costs(step, latency=0.25)
+    assert read.latency == 0.25
+    assert read.overlap == pytest.approx(0.8)
+    for got, want in zip(read.stage_costs, cost.stage_costs, strict=True):
+        assert got == pytest.approx(want)

@@ -6,16 +6,13 @@ stand-in of TE's ``make_graphed_callables`` that follows ``_make_graphed_callabl
 the graphs in the order they were captured (each chunk's graph picked by its own forward
 count, as ``set_current_microbatch`` gives it), and losses and gradients equal the eager
 step's. One or two layers per chunk; a rank's chunks are independent (no pipeline messages):
-what is checked is the graph bookkeeping, not the model.
-
-Then ``train``'s own loop (``megatron.training.layer_graphs``) on two forked CPU ranks with
-the tiny MoE: the same helpers, built and driven as Megatron-LM's ``train`` does, the real
-layers replaying through the stand-in, against the eager run."""
+what is checked is the graph bookkeeping, not the model. Then Megatron-LM's ``train`` builds
+its helper through the patch's hook, for every patch (the capture in a run needs CUDA: the
+route refuses CUDA graphs without it)."""
 
 from __future__ import annotations
 
 import ast
-import dataclasses
 import sys
 import types
 from pathlib import Path
@@ -369,8 +366,6 @@ def test_the_megatron_lm_hook_gives_our_helper_where_te_can_graph(
     gives Megatron's class back unless ``--cuda-graph-impl transformer_engine`` runs under
     one of our schedules, and there a helper capturing the run's schedule for the pipeline
     rank; ``apply`` leaves Megatron-LM's module alone."""
-    import sys
-    import types
 
     from megatron.core.transformer import cuda_graphs
 
@@ -495,210 +490,3 @@ def test_every_patch_builds_trains_helper_through_the_hook(tag: str) -> None:
         line.startswith("+") and "dualpipe_lm.cuda_graph_helper(args, TECudaGraphHelper)" in line
         for line in bodies[0]
     )
-
-
-# -- train's own loop ------------------------------------------------------------------
-
-MOE = Path(__file__).resolve().parents[1] / "configs" / "tiny_moe_cpu.yaml"
-TRAIN_ITERS, WARMUP = 4, 2  # steps 1-2 eager, capture before step 3, steps 3-4 replayed
-TE_VERSION = "2.8.0"  # the stand-in's (tests/te_graph_stand_in.py)
-
-
-def _train(
-    rank: int,
-    world: int,
-    settings: list[str],
-    graphed: bool = False,
-    unchecked: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """``run_rank`` as ``train`` runs it; with ``graphed``, CUDA and TE stood in for: TE's
-    ``make_graphed_callables`` by :class:`StandInTE` (and TE's package by an empty one
-    once it captured, as a layer's replay imports it), and the CUDA calls of Megatron's
-    helper that CPU lacks (``current_device`` for the static inputs' device,
-    ``synchronize``) by the CPU's. Megatron's helper and our subclass run as they are."""
-    from megatron.core import utils as megatron_utils
-    from megatron.core.transformer import cuda_graphs
-    from packaging.version import Version
-
-    from megatron_dualpipe.megatron.training import load_config, loop
-
-    te = StandInTE()
-    steps: list[int] = []
-    captures: list[int] = []  # the training steps run before each capture
-    if graphed:
-        train_step = loop._Run.train_step
-
-        def counted(self: Any, measure: bool) -> Any:
-            steps.append(self.state.iteration)
-            return train_step(self, measure)
-
-        def make_graphed_callables(*args: Any, **kwargs: Any) -> Any:
-            captures.append(len(steps))
-            # From here on TE's package is there, as the layers' replay imports it.
-            package = types.ModuleType("transformer_engine")
-            package.__version__ = TE_VERSION  # type: ignore[attr-defined]
-            megatron_utils._te_version = None  # read again, from it
-            package.pytorch = types.ModuleType("transformer_engine.pytorch")  # type: ignore[attr-defined]
-            package.pytorch.make_graphed_callables = te  # type: ignore[attr-defined]
-            sys.modules.update(
-                {"transformer_engine": package, "transformer_engine.pytorch": package.pytorch}
-            )
-            return te(*args, **kwargs)
-
-        loop._Run.train_step = counted
-        cuda_graphs.HAVE_TE_GRAPHS = True
-        cuda_graphs.make_graphed_callables = make_graphed_callables
-        cuda_graphs.is_te_min_version = lambda v, *a, **k: Version(v) <= Version(TE_VERSION)
-        torch.cuda.current_device = lambda: "cpu"
-        torch.cuda.synchronize = lambda *a, **k: None
-    cfg = load_config(MOE, settings)
-    result = loop.run_rank(dataclasses.replace(cfg, **(unchecked or {})))
-    from megatron.core import parallel_state
-
-    assert not parallel_state.model_parallel_is_initialized()
-    return {
-        "losses": dict(result.losses),
-        "validation": dict(result.validation),
-        "captured": te.captured,
-        "replayed": te.replayed,
-        "captures": captures,
-    }
-
-
-def _train_settings(impl: str, schedule: str = "dualpipev", modules: str = "") -> list[str]:
-    return [
-        "world_size=2",
-        "expert_model_parallel_size=1",
-        f"pipeline_schedule={schedule}",
-        f"train_iters={TRAIN_ITERS}",
-        "output_dir=null",
-        "eval_interval=2",
-        "eval_iters=1",
-        f"cuda_graph_impl={impl}",
-        f"cuda_graph_modules={modules}",
-        f"cuda_graph_warmup_steps={WARMUP}",
-    ]
-
-
-@pytest.mark.megatron
-@pytest.mark.multiproc
-@pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["dualpipev", "1f1b"])
-def test_train_captures_te_graphs_after_the_warm_up_in_the_schedule_s_order(schedule: str) -> None:
-    """``train`` at PP 2, the tiny MoE with its router graphed (it defers no dW; graphed
-    attention is refused with local layers): Megatron's helper (through our subclass under
-    dualpipev, Megatron's own under 1F1B) captures once, before step WARMUP + 1, in each
-    rank's order of the schedule; the two replayed steps follow it; the losses (training,
-    and validation, which runs eagerly) equal the eager run's."""
-    from megatron_dualpipe.megatron.training import load_config
-    from tests.multiproc import run_workers
-
-    settings = _train_settings("transformer_engine", schedule, "moe_router")
-    cfg = load_config(MOE, settings)
-    generated = SCHEDULES[schedule].generate(2, cfg.num_microbatches)
-    eager = run_workers(_train, 2, args=(_train_settings("none", schedule),), timeout_s=300)
-    graphed = run_workers(_train, 2, args=(settings, True), timeout_s=300)
-    chunks = generated.placement.num_chunks
-    depth = cfg.num_layers // 2 // chunks  # every layer is a MoE layer, graphable
-    for rank in range(2):
-        got = graphed[rank]
-        assert got["captures"] == [WARMUP], f"rank {rank}: captured after {got['captures']}"
-        order, per_chunk = graph_order(generated, rank, wgrad=False)
-        ours = StandInTE()  # what TE captures given the schedule's order
-        ours(
-            tuple(_Layer() for _ in range(chunks * depth)),
-            [(torch.zeros(1),)] * chunks * depth * per_chunk,
-            _order=order,
-            _num_layers_per_chunk=[depth] * chunks,
-        )
-        assert got["captured"] == ours.captured, f"rank {rank}: not {schedule}'s order"
-        replays = TRAIN_ITERS - WARMUP
-        assert got["replayed"] == got["captured"] * replays, f"rank {rank}: replay order"
-        assert got["losses"] == eager[rank]["losses"]
-        assert got["validation"] == eager[rank]["validation"]
-        assert len(got["losses"]) == TRAIN_ITERS
-
-
-@pytest.mark.megatron
-@pytest.mark.multiproc
-@pytest.mark.slow
-def test_graphed_local_attention_leaves_the_eager_losses() -> None:
-    """What the refusal of graphed attention with ``transformer_impl: local`` saves: under
-    1F1B with ``attn`` graphed (past the check), the replayed steps' losses differ from the
-    eager run's (Megatron's replay hands the graph an all-False mask, which the local
-    attention applies in place of its causal one), while the warm-up steps' are equal."""
-    from megatron_dualpipe.megatron.training import ConfigError, load_config
-    from tests.multiproc import run_workers
-
-    with pytest.raises(ConfigError, match="replays attention without its causal mask"):
-        load_config(
-            MOE, [*_train_settings("transformer_engine", "1f1b", "attn"), "transformer_impl=local"]
-        )
-    settings = _train_settings("transformer_engine", "1f1b", "moe_router")
-    eager = run_workers(_train, 2, args=(_train_settings("none", "1f1b"),), timeout_s=300)
-    unchecked = {"cuda_graph_modules": "attn"}
-    graphed = run_workers(_train, 2, args=(settings, True, unchecked), timeout_s=300)
-    for rank in range(2):
-        got, want = graphed[rank]["losses"], eager[rank]["losses"]
-        assert [got[i] == want[i] for i in sorted(want)] == [True] * WARMUP + [False] * (
-            TRAIN_ITERS - WARMUP
-        )
-
-
-class _RecordingHelper:
-    """What ``LayerGraphs`` calls of a ``TECudaGraphHelper``, recorded."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        self.kwargs, self.calls, self._done = kwargs, [], False
-
-    def capture_finished(self) -> bool:
-        return self._done
-
-    def graphs_created(self) -> bool:
-        return self._done
-
-    def create_cudagraphs(self) -> None:
-        self.calls.append("create")
-        self._done = True
-
-    def delete_cuda_graphs(self) -> None:
-        self.calls.append("delete")
-        self._done = False
-
-
-@pytest.mark.megatron
-@pytest.mark.parametrize(("resumed", "skipped"), [(0, False), (5, False), (0, True)])
-def test_layer_graphs_capture_as_megatron_lm_s_train(
-    monkeypatch: pytest.MonkeyPatch, resumed: int, skipped: bool
-) -> None:
-    """Built with Megatron-LM's keywords; one capture at the top of the iteration
-    ``cuda_graph_warmup_steps`` after the start (a resumed iteration; one later where the
-    optimizer skipped the first step); deleted after the loop, with Megatron's micro-batch
-    calculator, which it set up."""
-    from megatron.core import num_microbatches_calculator as calculator
-
-    from megatron_dualpipe.megatron.training import load_config
-    from megatron_dualpipe.megatron.training.layer_graphs import LayerGraphs
-
-    monkeypatch.setattr(torch.distributed, "get_rank", lambda *_: 0)
-    cfg = load_config(MOE, _train_settings("transformer_engine", "dualpipev", "moe_router"))
-    graphs = LayerGraphs(cfg, None, ["chunk"], "config", "optimizer", _RecordingHelper)
-    helper = graphs.helper
-    assert helper.kwargs == {
-        "model": ["chunk"],
-        "config": "config",
-        "seq_length": cfg.seq_length,
-        "micro_batch_size": cfg.micro_batch_size,
-        "optimizers": ["optimizer"],
-    }
-    assert calculator.get_num_microbatches() == cfg.num_microbatches
-    captured_at = []
-    for iteration in range(resumed, resumed + 6):
-        graphs.before_step(iteration)
-        if helper.calls and not captured_at:
-            captured_at.append(iteration)
-        graphs.after_step(iteration + 1, success=not (skipped and iteration == resumed))
-    assert captured_at == [resumed + WARMUP + skipped]
-    graphs.close()
-    assert helper.calls == ["create", "delete"]
-    assert calculator._GLOBAL_NUM_MICROBATCHES_CALCULATOR is None

@@ -32,9 +32,9 @@ __all__ = [
 
 #: Keys the launcher takes for itself: how many CPU ranks to fork without torchrun or srun.
 LAUNCHER_KEYS = ("world_size",)
-#: Keys of megatron-dualpipe's own loop that Megatron-LM's parser (0.19) takes under another
-#: name: the value ``args`` ends up holding (``validate_args`` derives it), a deprecated
-#: flag, and our loop's ``schedule_file`` (``--pipeline-schedule-file`` there). A refusal
+#: Keys a config may hold that Megatron-LM's parser (0.19) takes under another name: the
+#: value ``args`` ends up holding (``validate_args`` derives it), a deprecated flag, and the
+#: ``schedule_file`` of this project's former loop (``--pipeline-schedule-file``). A refusal
 #: names the argument to write instead.
 NAMED_OTHERWISE = {
     "virtual_pipeline_model_parallel_size": "num_virtual_stages_per_pipeline_rank",
@@ -43,7 +43,7 @@ NAMED_OTHERWISE = {
 }
 
 
-#: Keys of megatron-dualpipe's own loop that Megatron-LM's loop does another way, and how.
+#: Keys of this project's former loop that Megatron-LM's loop does another way, and how.
 OTHER_WAY = {
     "optimize_schedule": (
         "Megatron-LM's loop keeps the schedule optimiser (the planner) out of the training "

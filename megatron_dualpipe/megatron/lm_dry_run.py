@@ -1,4 +1,4 @@
-"""``megatron-dualpipe train --loop megatron-lm --dry-run``: every chosen pipeline rank of a
+"""``megatron-dualpipe train --dry-run``: every chosen pipeline rank of a
 config built the way Megatron-LM's ``pretrain()`` builds it, at full size, without a
 cluster and without allocating it.
 

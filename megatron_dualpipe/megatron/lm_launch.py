@@ -1,5 +1,5 @@
-"""A YAML config trained by Megatron-LM's own ``pretrain()``: what ``megatron-dualpipe train
---loop megatron-lm`` runs.
+"""A YAML config trained by Megatron-LM's own ``pretrain()``: what ``megatron-dualpipe train``
+runs.
 
 The config's keys become Megatron-LM's flags (:mod:`.lm_args`); the run is
 :func:`~megatron_dualpipe.megatron.pretrain_gpt.main` (this project's ``pretrain_gpt.py``)
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping
@@ -129,15 +130,21 @@ def megatron_lm_config(
     launch to remove). Another megatron-core is refused in one sentence."""
     from ..runtime.launch import process_tmpdir
     from .compat.lm_patch import make_patched_training, unpatched_training_problem
-    from .compat.version import installed_megatron_core, route_training_installed
+    from .compat.version import (
+        installed_megatron_core,
+        megatron_lm_tag,
+        route_training_installed,
+    )
 
     overrides = list(overrides)
     source, _ = override_origins(path, overrides)
     if not route_training_installed():
         raise MegatronLMConfigError(
-            f"Megatron-LM's loop runs the megatron/training of megatron-core 0.19, but "
-            f"megatron-core {installed_megatron_core()} is installed: pip install "
-            "'megatron-core==0.19.2' (Python 3.12), or train without --loop megatron-lm"
+            f"train runs Megatron-LM's pretrain() from the megatron/training of megatron-core "
+            f"0.19's wheel, but megatron-core {installed_megatron_core()} is installed: on "
+            "Python 3.12, pip install 'megatron-core==0.19.2'; with this release, apply "
+            f"patches/megatron-lm-{megatron_lm_tag()}.patch to a Megatron-LM checkout at "
+            f"{megatron_lm_tag()} and run its pretrain_gpt.py with --pipeline-schedule"
         )
     settings = read_values(path, overrides)
     with process_tmpdir() as patched:
@@ -174,6 +181,7 @@ def _run(
     _check_profile(parsed, source)
     check_folders(parsed, source)
     _check_data_files(parsed, source)
+    _set_cuda_device_max_connections(parsed)
     holder = env is None or env.rank == 0
     with _one_run_per_save(parsed, holder=holder):
         if env is not None:  # torchrun's or srun's rank: Megatron-LM reads torchrun's variables
@@ -194,6 +202,25 @@ def _run(
                 failure_as=lambda failure: PretrainExit(failure.cause),
             )[0]
     return measured if holder else None
+
+
+def _set_cuda_device_max_connections(args: argparse.Namespace) -> None:
+    """``CUDA_DEVICE_MAX_CONNECTIONS`` for the ranks, where the launching shell left it unset,
+    by the rule Megatron-LM's ``validate_args`` asserts (1 with tensor or context parallelism
+    before Blackwell, not 1 with the MoE all-to-all overlap): set here, before any rank
+    starts CUDA; a value set against the rule is kept, with one warning."""
+    from .schedule.checks import cuda_device_max_connections
+
+    value, warning = cuda_device_max_connections(
+        tensor_parallel=args.tensor_model_parallel_size,
+        context_parallel=args.context_parallel_size,
+        overlap=bool(args.overlap_moe_expert_parallel_comm),
+        current=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+    )
+    if value is not None:
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = value
+    if warning is not None:
+        logging.getLogger(__name__).warning(warning)
 
 
 def _on_disk(path: str) -> bool:
@@ -454,11 +481,17 @@ def _rank(rank: int, world_size: int, argv: list[str]) -> MeasuredStep | None:
 
 
 def _pretrain(argv: list[str]) -> MeasuredStep | None:
-    """``pretrain_gpt.main(argv)`` and what it returns; Megatron-LM's ``--exit-interval``
-    exit (code 0) ends it as a finished run (nothing measured returned), another exit is
-    :class:`PretrainExit` (its error printed already)."""
+    """``pretrain_gpt.main(argv)`` and what it returns (with ``--save``, the checkpoint
+    writer's queue made to die with the rank first:
+    :func:`~.checkpoint.writer_queue.writer_queue_dies_with_rank`); Megatron-LM's
+    ``--exit-interval`` exit (code 0) ends it as a finished run (nothing measured
+    returned), another exit is :class:`PretrainExit` (its error printed already)."""
     from .pretrain_gpt import main
 
+    if "--save" in argv:  # its first save spawns the manager this one makes die with the rank
+        from .checkpoint.writer_queue import writer_queue_dies_with_rank
+
+        writer_queue_dies_with_rank()
     try:
         return main(argv)
     except SystemExit as stop:

@@ -17,7 +17,7 @@ one is refused in one sentence). Every flag is Megatron-LM's (its ``arguments.py
 
 ``scripts/pretrain_gpt_megatron_lm.py`` runs :func:`main` (torchrun starts it); on a machine
 without a GPU it runs on CPU ranks (``--distributed-backend gloo``; the README has the
-command). ``megatron-dualpipe train --loop megatron-lm`` runs it with a YAML config's flags
+command). ``megatron-dualpipe train`` runs it with a YAML config's flags
 (:mod:`.lm_launch`), and tests/test_megatron_lm_loop.py on forked CPU ranks.
 """
 

@@ -1,11 +1,10 @@
 """A dry run's built ranks beside the memory model, and the printed report.
 
-Both dry runs (``train --dry-run`` and ``train --loop megatron-lm --dry-run``) build each
-pipeline rank on the meta device and hand over its report (the adapter's
-``megatron.model.built.DryRun``: read here by its fields, the planner imports nothing of
-the adapter). :func:`memory_of_ranks` gives the memory model's figures for the config's
-values, :func:`agrees` says whether its parameter counts equal the built modules' exactly,
-:func:`dry_run_lines` prints the report.
+The dry run (``train --dry-run``) builds each pipeline rank on the meta device and hands
+over its report (the adapter's ``megatron.model.built.DryRun``: read here by its fields, the
+planner imports nothing of the adapter). :func:`memory_of_ranks` gives the memory model's
+figures for the config's values, :func:`agrees` says whether its parameter counts equal the
+built modules' exactly, :func:`dry_run_lines` prints the report.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A measured training step beside the simulator's: the prediction for the order the ranks
 ran with their measured mean durations, the end-of-run summary (each pipeline rank's busy
 time and bubble, measured and simulated) and the picture (the measured step above the
-prediction), for both training loops (ours, and Megatron-LM's under ``train --loop
-megatron-lm``). Pure Python; matplotlib and numpy are imported to draw."""
+prediction), for ``train``'s ``pipeline_timeline``. Pure Python; matplotlib and numpy are
+imported to draw."""
 
 from __future__ import annotations
 

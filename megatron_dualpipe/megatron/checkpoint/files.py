@@ -21,15 +21,11 @@ key, naming the complete ones).
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import io
 import json
-import logging
-import os
 import re
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,13 +48,9 @@ __all__ = [
     "complete_iterations",
     "contents",
     "damage",
-    "earlier_advice",
-    "failure_cause",
     "iteration_dir",
     "iterations",
-    "read_tracker",
-    "write_tracker",
-    "writer_errors",
+    "missing_load",
 ]
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -73,26 +65,6 @@ class CheckpointError(DualPipeError, RuntimeError):
 def iteration_dir(root: str | Path, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 
-
-def read_tracker(root: str | Path) -> int | None:
-    """The iteration the tracker file under ``root`` names, or None without one."""
-    tracker = Path(root) / TRACKER
-    if not tracker.is_file():
-        return None
-    text = tracker.read_text(encoding="utf-8", errors="replace").strip()
-    if not text.isdigit():
-        raise CheckpointError(
-            f"{tracker}: expected an iteration number, found {text[:40]!r}: {earlier_advice(root)}"
-        )
-    return int(text)
-
-
-def write_tracker(root: str | Path, iteration: int) -> None:
-    """Name ``iteration`` the latest in ``root``; atomic, so a kill leaves the old one."""
-    tracker = Path(root) / TRACKER
-    partial = tracker.with_name(f".{TRACKER}.{os.getpid()}")
-    partial.write_text(f"{iteration}\n", encoding="utf-8")
-    os.replace(partial, tracker)
 
 
 def iterations(root: str | Path) -> list[int]:
@@ -226,6 +198,32 @@ def damage(directory: Path) -> str | None:
     return None
 
 
+def missing_load(
+    load: str | None, *, save: str | None = None, pretrained: str | None = None
+) -> str | None:
+    """The sentence refusing ``--load`` on disk where it is a file, or does not exist and is
+    not ``--save`` too (a job's first run may save where later runs load), where Megatron-LM
+    would quietly train from scratch; None otherwise (no ``--load``, object storage, or a
+    ``--pretrained-checkpoint`` to fall back on)."""
+    from megatron.core.datasets.object_storage_utils import is_object_storage_path
+
+    if not load or pretrained or is_object_storage_path(str(load)):
+        return None
+    path = Path(load)
+    if path.is_file():
+        return (
+            f"--load {load} is a file, not a checkpoint directory: point --load at the save "
+            "folder of an earlier run, or drop it to train from scratch"
+        )
+    if not path.exists() and not (save and Path(save).absolute() == path.absolute()):
+        return (
+            f"--load {load} does not exist: point --load at the save folder of an earlier "
+            "run, or drop it to train from scratch (a run that loads and saves one folder may "
+            "start before it exists)"
+        )
+    return None
+
+
 def complete_iterations(root: str | Path) -> list[int]:
     """The iterations under ``root`` whose directories look complete, oldest first."""
     return [i for i in iterations(root) if damage(iteration_dir(root, i)) is None]
@@ -255,61 +253,6 @@ def check_fresh_save(save: str | Path | None, load: str | Path | None) -> None:
     )
 
 
-def earlier_advice(root: str | Path, *, before: int | None = None) -> str:
-    """What to do instead: load a complete iteration (before ``before``) or start over."""
-    complete = [i for i in complete_iterations(root) if before is None or i < before]
-    if not complete:
-        return f"there is no complete checkpoint in {root}: unset load to train from scratch"
-    listed = ", ".join(map(str, complete))
-    return (
-        f"load an earlier iteration with ckpt_step (complete checkpoints in {root}: "
-        f"iteration{'s' if len(complete) > 1 else ''} {listed})"
-    )
-
-
-#: The logger of megatron-core's checkpoint writer: from 0.17 a failing writer worker is
-#: raised as ``AssertionError(<class 'OSError'>)``, its error only logged here.
-_WRITER_LOGGER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
-
-
-class _Collect(logging.Handler):
-    def __init__(self, into: list[str]) -> None:
-        super().__init__(logging.ERROR)
-        self.into = into
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.into.append(record.getMessage())
-
-
-@contextlib.contextmanager
-def writer_errors() -> Iterator[list[str]]:
-    """The errors megatron-core's checkpoint writer logs while the block runs (a list that
-    fills as they come), for :func:`failure_cause`."""
-    logged: list[str] = []
-    handler = _Collect(logged)
-    logger = logging.getLogger(_WRITER_LOGGER)
-    logger.addHandler(handler)
-    try:
-        yield logged
-    finally:
-        logger.removeHandler(handler)
-
-
-def failure_cause(
-    err: BaseException, logged: Sequence[str] = (), directory: str | Path | None = None
-) -> tuple[list[int], str]:
-    """The ranks and the one-line cause behind a dist_checkpointing failure (torch's
-    CheckpointException gathers each failing rank's exception); ENOSPC reads as "no space
-    left on device", also when only the writer's ``logged`` errors name it, and so does a
-    short write without an errno where ``directory`` (the save directory) is full."""
-    failures = getattr(err, "failures", None)
-    if isinstance(failures, dict) and failures:
-        causes = {rank: _unwrap(failure) for rank, failure in failures.items()}
-        ranks = sorted(causes)
-        return ranks, _cause_text(causes[ranks[0]], logged, directory)
-    return [], _cause_text(err, logged, directory)
-
-
 def _cause(err: BaseException) -> BaseException | object:
     """The first failing rank's exception inside torch's CheckpointException (which is not an
     ``Exception``: it derives from ``BaseException``), else ``err``."""
@@ -324,48 +267,6 @@ def _unwrap(failure: object) -> BaseException | object:
     if isinstance(failure, tuple) and failure and isinstance(failure[0], BaseException):
         return failure[0]
     return failure
-
-
-#: What torch's ``PyTorchStreamWriter`` (``caffe2/serialize/inline_container.cc``) says of
-#: a write that wrote less than asked, with no errno: on a full disk, one save in four.
-_SHORT_WRITE = ("file write failed", "inline_container.cc")
-#: A file system with less free than this (to this process) counts as full.
-_NEARLY_FULL_BYTES = 1 << 20
-
-
-def _cause_text(
-    err: BaseException | object, logged: Sequence[str] = (), directory: str | Path | None = None
-) -> str:
-    """``err``'s first line, or "no space left on device" where it, its causes or the lines
-    ``logged`` with it show a full disk (``directory``: where it was written)."""
-    seen: set[int] = set()
-    current: BaseException | None = err if isinstance(err, BaseException) else None
-    texts = [*logged] if current is not None else [str(err), *logged]
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, OSError) and current.errno == errno.ENOSPC:
-            return "no space left on device"
-        texts.append(str(current))
-        current = current.__cause__ or current.__context__
-    if any("No space left on device" in text for text in texts):
-        return "no space left on device"
-    short_write = any(mark in text for text in texts for mark in _SHORT_WRITE)
-    if short_write and directory is not None and _is_full(directory):
-        return "no space left on device"
-    return _first_line(err)
-
-
-def _is_full(directory: str | Path) -> bool:
-    """Whether the file system of ``directory`` (or of its nearest existing parent) has
-    (nearly) no space left for this process."""
-    path = Path(directory)
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    try:
-        stats = os.statvfs(path)
-    except OSError:
-        return False
-    return stats.f_bavail * stats.f_frsize < _NEARLY_FULL_BYTES
 
 
 def _first_line(err: BaseException | object) -> str:

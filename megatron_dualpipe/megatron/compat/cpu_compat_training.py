@@ -38,7 +38,12 @@ from .cpu_compat import (
     apply_cpu_compat,
 )
 
-__all__ = ["TRAINING_SITES", "megatron_training_on_cpu", "skip_compiling_shipped_dataset_helpers"]
+__all__ = [
+    "TRAINING_SITES",
+    "eager_on_cpu",
+    "megatron_training_on_cpu",
+    "skip_compiling_shipped_dataset_helpers",
+]
 
 #: Modules of megatron.training (and the megatron-core ones only it reaches) whose ``torch``
 #: becomes the CPU view, with what each assumes of CUDA (megatron-core 0.19).
@@ -122,6 +127,18 @@ def skip_compiling_shipped_dataset_helpers() -> None:
     utils.compile_helpers = _no_op
 
 
+def eager_on_cpu() -> contextlib.AbstractContextManager[None]:
+    """Without a GPU, a context in which ``torch.compile`` compiles nothing, so that
+    Megatron-Core's fused functions (``megatron.core.jit.jit_fuser`` is ``torch.compile``;
+    e.g. the MoE router's ``_apply_expert_bias`` under ``moe_router_enable_expert_bias``)
+    run eagerly: compiling one on a CPU builds C++ kernels with inductor in its first call,
+    on every rank at once, to fuse a few element-wise operations (11-19 s of
+    tiny_deepseek_cpu.yaml's first iteration). With a GPU a null context: they compile."""
+    if torch.cuda.is_available():
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")
+
+
 @contextlib.contextmanager
 def megatron_training_on_cpu() -> Iterator[None]:
     """Within this block Megatron-LM's training loop runs on CPU (see the module docstring);
@@ -133,5 +150,5 @@ def megatron_training_on_cpu() -> Iterator[None]:
     for module_name, _why in TRAINING_SITES:
         importlib.import_module(module_name).torch = _TORCH_ON_CPU
     importlib.import_module("megatron.training.initialize").torch = _TORCH_AS_ONE_DEVICE
-    with _tensor_cuda_is_identity(), _record_stream_is_no_op():
+    with _tensor_cuda_is_identity(), _record_stream_is_no_op(), eager_on_cpu():
         yield

@@ -15,10 +15,6 @@ difference broke before it was gated):
   ``transformer_layer``), in parameter names too: :func:`mtp_inner_layer_name`;
 - 0.17: ``MultiTokenPredictionBlock`` asserts it is built on the last virtual pipeline
   stage, and dualpipe puts it on chunk 0 of the last rank: :func:`mtp_block_on_any_chunk`;
-- 0.18: the weights of ``VocabParallelEmbedding``, ``ColumnParallelLinear`` and
-  ``RowParallelLinear`` carry their tensor-parallel marks also when built with
-  ``perform_initialization`` off (Megatron-LM #4084; before, only initialising set them):
-  :func:`tensor_parallel_marks_without_initialisation`;
 - 0.19: the layer schedule plan's attention node became ``pre_dispatch_computation`` (was
   ``attn``): :func:`layer_plan_attention_node`, :func:`layer_plan_nodes`;
 - 0.19: Megatron's MTP tracker became ``save_metrics_to_tracker`` /
@@ -28,11 +24,7 @@ difference broke before it was gated):
   :func:`common_state_in_dcp`;
 - 0.18: ``cuda_graph_impl`` gained ``full_iteration`` (before: ``local`` with the scope
   ``full_iteration``) and ``cuda_graph_scope`` became ``cuda_graph_modules`` (the old name
-  kept as an alias, ``--cuda-graph-scope`` too): :func:`cuda_graph_config`,
-  :func:`cuda_graph_setting`;
-- 0.17: ``TECudaGraphHelper`` gained ``capture_finished()``, which Megatron-LM's ``train``
-  asks before capturing (0.16: ``graphs_created()``, which then meant the same):
-  :func:`te_graph_capture_finished`;
+  kept as an alias, ``--cuda-graph-scope`` too): :func:`cuda_graph_setting`;
 - each minor release has its Megatron-LM tag and patch: :func:`megatron_lm_tag`.
 
 Differences the code takes in its stride, without a gate (listed so that reading the next
@@ -45,8 +37,8 @@ pipeline size from it (0.19; was ``parallel_state``), while ``_get_cuda_graph_in
 hands ``_get_sample_arguments(order, chunk_id_list)`` the very list it passes TE as
 ``_order`` in 0.16.1 and 0.19.2 alike (``megatron.schedule.te_graphs`` overrides that one method and
 passes the constructor's arguments through); ``set_streams`` lost ``comp_stream`` (0.17);
-the checkpoint writer raises a failing worker as its exception class and logs the error (0.17;
-``checkpoint.files.writer_errors`` reads the log). The CPU compatibility layer's sites per
+the checkpoint writer raises a failing worker as its exception class and logs the error
+(0.17). The CPU compatibility layer's sites per
 release: docs/megatron-on-cpu.md.
 """
 
@@ -55,7 +47,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import importlib.util
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -71,10 +63,8 @@ __all__ = [
     "MegatronVersionError",
     "clean_mtp_tracker",
     "common_state_in_dcp",
-    "cuda_graph_config",
     "cuda_graph_setting",
     "installed_megatron_core",
-    "null_tokenizer_library",
     "layer_plan_attention_node",
     "layer_plan_nodes",
     "megatron_lm_tag",
@@ -84,8 +74,6 @@ __all__ = [
     "refuse_unsupported_at_import",
     "route_training_installed",
     "save_mtp_metrics",
-    "te_graph_capture_finished",
-    "tensor_parallel_marks_without_initialisation",
     "unsupported_megatron_core",
     "version_on_disk",
 ]
@@ -106,7 +94,7 @@ MEGATRON_LM_TAGS = {
     "0.19": "core_v0.19.0",
 }
 #: The tag whose ``megatron/training`` (shipped in that megatron-core's wheel) Megatron-LM's
-#: loop runs (``train --loop megatron-lm``, ``megatron.pretrain_gpt``).
+#: loop runs (``train``, ``megatron.pretrain_gpt``).
 ROUTE_MEGATRON_LM_TAG = "core_v0.19.0"
 
 
@@ -298,52 +286,11 @@ def save_mtp_metrics(values: list[Any], layer: int, num_layers: int, avg_group: 
         MTPLossLoggingHelper.save_loss_to_tracker(loss, layer, num_layers, avg_group=avg_group)
 
 
-def tensor_parallel_marks_without_initialisation() -> bool:
-    """Whether Megatron's ``VocabParallelEmbedding``, ``ColumnParallelLinear`` and
-    ``RowParallelLinear`` set their weight's ``tensor_model_parallel`` / ``partition_dim``
-    / ``partition_stride`` with ``perform_initialization`` off (0.18); before, only
-    ``_initialize_affine_weight_cpu`` / ``_gpu`` set them."""
-    return _since("0.18")
-
-
 def common_state_in_dcp() -> bool:
     """Whether ``dist_checkpointing.save`` writes the common (non-sharded) state inside the
     DCP checkpoint (a ShardedObject, 0.19) rather than into ``common.pt``. Loading reads
     both in 0.19 (``load_common_state_dict``)."""
     return _since("0.19")
-
-
-def null_tokenizer_library() -> str:
-    """The metadata ``library`` that selects Megatron-Core's NullTokenizer in
-    ``MegatronTokenizer.from_pretrained``: ``null`` in 0.16.1, ``null-text`` once the text
-    and vision tokenizer libraries were split (0.19.x, whose ``megatron_tokenizer`` module
-    lists ``TEXT_LIBRARIES``)."""
-    from megatron.core.tokenizers import megatron_tokenizer
-
-    return "null-text" if hasattr(megatron_tokenizer, "TEXT_LIBRARIES") else "null"
-
-
-def te_graph_capture_finished(helper: Any) -> bool:
-    """Whether ``helper`` (a ``TECudaGraphHelper``) has run ``create_cudagraphs``, as
-    Megatron-LM's ``train`` asks it before capturing: ``capture_finished()`` from 0.17
-    (``graphs_created()`` there is whether any layer was graphed), ``graphs_created()`` in
-    0.16."""
-    return helper.capture_finished() if _since("0.17") else helper.graphs_created()
-
-
-def cuda_graph_config(impl: str, modules: Sequence[str], warmup_steps: int) -> dict[str, Any]:
-    """``TransformerConfig`` keywords for CUDA graphs given in megatron-core 0.18's names
-    (``impl`` one of none, local, transformer_engine, full_iteration; ``modules`` the
-    graphed parts, none: the whole layer). From 0.18: ``cuda_graph_impl`` and
-    ``cuda_graph_modules``; before, ``cuda_graph_scope``, and ``full_iteration`` is
-    ``cuda_graph_impl="local"`` with the scope ``["full_iteration"]``. Empty for none."""
-    if impl == "none":
-        return {}
-    names = list(modules)
-    if not _since("0.18") and impl == "full_iteration":
-        impl, names = "local", ["full_iteration"]
-    key = "cuda_graph_modules" if _since("0.18") else "cuda_graph_scope"
-    return {"cuda_graph_impl": impl, key: names, "cuda_graph_warmup_steps": warmup_steps}
 
 
 def cuda_graph_setting(args: Any) -> tuple[str, tuple[str, ...]]:

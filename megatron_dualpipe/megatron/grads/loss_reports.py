@@ -14,7 +14,7 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 
 from ..compat.version import clean_mtp_tracker, mtp_tracker_fields, save_mtp_metrics
 
-__all__ = ["mtp_losses", "mtp_losses_to_last_stage", "reports_to_last_stage"]
+__all__ = ["mtp_losses_to_last_stage", "reports_to_last_stage"]
 
 
 def reports_to_last_stage(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -55,19 +55,6 @@ def _pipeline_mtp_sum(num_mtp_layers: int) -> torch.Tensor:
         clean_mtp_tracker()
     dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
     return total
-
-
-def mtp_losses(num_mtp_layers: int, num_microbatches: int) -> list[float]:
-    """Each MTP layer's loss over the last training step, as Megatron-LM reports it
-    (``track_mtp_metrics``: "mtp_1 loss"): the per-micro-batch losses Megatron's tracker
-    summed, over the micro-batches, averaged over data-parallel ranks; here summed over the
-    pipeline first, wherever the MTP blocks are. Clears the tracker; collective over every
-    rank (all get the values)."""
-    total = _pipeline_mtp_sum(num_mtp_layers)[0]
-    data_parallel = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    dist.all_reduce(total, group=data_parallel)
-    total /= num_microbatches * dist.get_world_size(data_parallel)
-    return total.tolist()
 
 
 def mtp_losses_to_last_stage(num_mtp_layers: int) -> None:

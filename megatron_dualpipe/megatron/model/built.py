@@ -2,18 +2,16 @@
 its chunks (stage, layers, parameters by dtype), the process groups it is a member of, the
 group creations it entered and the messages of the communication plan the executor runs.
 
-Both dry runs fill these: ``train --dry-run`` (our loop's builders) and ``train --loop
-megatron-lm --dry-run`` (Megatron-LM's). The planner puts the memory model beside them and
-prints them; nothing here imports it.
+``train --dry-run`` fills these (with Megatron-LM's builders: :mod:`..lm_dry_run`). The
+planner puts the memory model beside them and prints them; nothing here imports it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import resource
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -22,7 +20,6 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.utils import unwrap_model
 from torch.distributed import distributed_c10d
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from ...schedules.comm_plan import Issue, comm_plan
 from ...schedules.ir import Kind
@@ -40,7 +37,6 @@ __all__ = [
     "RankReport",
     "chunk_report",
     "count_once",
-    "fake_rank",
     "finished",
     "groups",
     "messages",
@@ -190,21 +186,6 @@ def parse_ranks(text: str | None, pipeline_size: int) -> list[int]:
             "separated by commas (e.g. --ranks 0,7)"
         )
     return ranks
-
-
-@contextlib.contextmanager
-def fake_rank(rank: int, world_size: int) -> Iterator[None]:
-    """This process as ``rank`` of a fake world of ``world_size`` ranks (torch's fake
-    backend, as Megatron-LM's ``--fake-process-group``: every collective returns at once)."""
-    if dist.is_initialized():
-        raise DualPipeConfigError(
-            "--dry-run makes its own fake world: run it in a process without a process group"
-        )
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def world_creations() -> int:

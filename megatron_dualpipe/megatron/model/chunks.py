@@ -1,6 +1,5 @@
-"""This pipeline rank's model chunks under a schedule: the one path that ``train``
-(:mod:`.training.model`) and Megatron-LM's ``get_model`` (``megatron_lm.build_model_chunks``)
-both build them by.
+"""This pipeline rank's model chunks under a schedule: the path Megatron-LM's ``get_model``
+builds them by through the placement hook (``megatron_lm.build_model_chunks``).
 
 :func:`build_chunks` makes each chunk with the caller's ``build`` (a GPTModel from
 :func:`.layer_specs.gpt_chunk_specs`, or Megatron-LM's model provider) and then, in this

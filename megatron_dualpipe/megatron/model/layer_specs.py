@@ -13,7 +13,7 @@ MTP block where the layout puts MTP layers, else None), with
   flash or fused attention (``TEDotProductAttention``, MLA included), grouped GEMM experts
   (``TEGroupedMLP`` when ``config.moe_grouped_gemm``). Its linears defer dW through TE's
   ``delay_wgrad_compute`` (:mod:`.deferral`), so the spec is used as Megatron gives it.
-  Needs CUDA and Transformer Engine (:func:`te_available`).
+  Needs CUDA and Transformer Engine (:func:`te_missing`).
 - ``local``: Megatron's own modules (CPU-runnable), with ``deferrable`` the linear layers
   Megatron's deferrable ones (:mod:`.deferral`), except MLA's two down projections:
   ``MLASelfAttention`` accepts only Megatron's own classes there (it picks their arguments
@@ -52,7 +52,6 @@ __all__ = [
     "MLADotProductAttention",
     "gpt_chunk_specs",
     "local_gpt_specs",
-    "te_available",
     "te_missing",
 ]
 
@@ -70,11 +69,6 @@ def te_missing() -> str | None:
     if not transformer_engine.HAVE_TE:
         return "no Transformer Engine (pip install 'megatron-dualpipe[te]')"
     return None
-
-
-def te_available() -> bool:
-    """Whether this process can build Transformer Engine layers (:func:`te_missing`)."""
-    return te_missing() is None
 
 
 class MLADotProductAttention(DotProductAttention):
