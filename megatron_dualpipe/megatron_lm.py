@@ -246,6 +246,19 @@ def _take_layout(args: Any, schedule: str) -> None:
         args.virtual_pipeline_model_parallel_size = None
 
 
+def _check_step_size(args: Any, pp: int, chunks: int) -> None:
+    """Refuse a step with more PP x micro-batches than a rank builds a schedule for (the
+    bound ``simulate`` keeps: :func:`~.schedules.limits.train_size_problem`)."""
+    microbatches = num_microbatches(args)
+    too_large = train_size_problem(pp, microbatches, chunks)
+    if too_large is not None:
+        raise DualPipeConfigError(
+            f"--global-batch-size {args.global_batch_size} makes {microbatches} micro-batches "
+            "per step (--global-batch-size / (--micro-batch-size x data-parallel size)), and "
+            f"{too_large}: lower --global-batch-size or raise --micro-batch-size"
+        )
+
+
 def _check(args: Any) -> None:
     schedule = _schedule(args)
     found = schedule_spec(schedule)
@@ -285,6 +298,8 @@ def _check(args: Any) -> None:
                 "forward-compute and backward-compute timers, which its combined 1F1B "
                 "(--overlap-moe-expert-parallel-comm) times as one: drop one of them"
             )
+    if found.runs_ours or getattr(args, "pipeline_timeline", None) is not None:
+        _check_step_size(args, pp, found.chunks_per_rank(vp))  # each rank builds the step
     if not found.runs_ours:
         return
     if getattr(args, "rampup_batch_size", None):
@@ -292,18 +307,10 @@ def _check(args: Any) -> None:
             f"{schedule} needs the same number of micro-batches every step: unset "
             "--rampup-batch-size"
         )
-    microbatches = num_microbatches(args)
-    too_large = train_size_problem(pp, microbatches, found.chunks)
-    if too_large is not None:
-        raise DualPipeConfigError(
-            f"--global-batch-size {args.global_batch_size} makes {microbatches} micro-batches "
-            "per step (--global-batch-size / (--micro-batch-size x data-parallel size)), and "
-            f"{too_large}: lower --global-batch-size or raise --micro-batch-size"
-        )
     check_run(
         schedule,
         pipeline_size=pp,
-        num_microbatches=microbatches,
+        num_microbatches=num_microbatches(args),
         virtual_pipeline_size=vp,
         context_parallel_size=getattr(args, "context_parallel_size", 1),
     )
@@ -379,6 +386,7 @@ def check_load(args: Any) -> None:
         getattr(args, "load", None),
         save=getattr(args, "save", None),
         pretrained=getattr(args, "pretrained_checkpoint", None),
+        non_persistent=bool(getattr(args, "non_persistent_ckpt_type", None)),
     )
     if problem is not None:
         raise DualPipeConfigError(problem)

@@ -1,6 +1,6 @@
 """Whether this process can write under a folder: a probe file made and removed (asked of
-the folders a run writes, save, data_cache_path, tensorboard_dir, output_dir, before the
-run writes there)."""
+the folders a run writes, save, data_cache_path, tensorboard_dir, the timeline's, before
+the run writes there)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,12 @@
 """``CUDA_DEVICE_MAX_CONNECTIONS`` by Megatron-LM's rule (``validate_args`` in
 ``megatron/training/arguments.py``, core_v0.16.1 and core_v0.19.0): 1 with tensor
 parallelism, never forced to 1 with ``overlap_moe_expert_parallel_comm`` (its all-to-all
-runs beside compute), no requirement otherwise; ``train`` sets it before any rank starts
-CUDA and keeps what the launching shell exported, with a warning where that works against
-the rule."""
+runs beside compute, nor with FSDP or the UCC backend), no requirement otherwise; ``train``
+sets it from the config before anything asks CUDA and keeps what the launching shell
+exported, with a warning where that works against the rule."""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 
@@ -43,18 +42,15 @@ def test_train_sets_it_before_any_rank_and_keeps_an_exported_value(
 ) -> None:
     from megatron_dualpipe.megatron import lm_launch
 
-    def args(tp: int, overlap: bool) -> argparse.Namespace:
-        return argparse.Namespace(
-            tensor_model_parallel_size=tp,
-            context_parallel_size=1,
-            overlap_moe_expert_parallel_comm=overlap,
-        )
-
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-    lm_launch._set_cuda_device_max_connections(args(2, False))
+    lm_launch._set_cuda_device_max_connections({"tensor_model_parallel_size": 2})
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    for fsdp in ({"use_torch_fsdp2": True}, {"pipeline_model_parallel_comm_backend": "ucc"}):
+        lm_launch._set_cuda_device_max_connections({"tensor_model_parallel_size": 2, **fsdp})
+        assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ  # Megatron asserts it is not 1
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     with caplog.at_level(logging.WARNING, logger=lm_launch.__name__):
-        lm_launch._set_cuda_device_max_connections(args(1, True))
+        lm_launch._set_cuda_device_max_connections({"overlap_moe_expert_parallel_comm": True})
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"  # the shell's, kept
     assert "cannot run beside compute" in caplog.text

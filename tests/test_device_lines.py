@@ -45,10 +45,6 @@ ALLOWED: dict[str, tuple[int, str]] = {
         1,
         "torch.compile stays on with CUDA (a null context)",
     ),
-    "megatron_dualpipe/megatron/model/layer_specs.py:te_missing": (
-        4,
-        "Transformer Engine needs CUDA: its import is checked only with a device",
-    ),
     "megatron_dualpipe/runtime/latency.py:p2p_latency_s": (
         1,
         "the probe's tensors on CUDA where the backend is NCCL",

@@ -429,6 +429,11 @@ def test_apply_refuses_a_step_too_large_to_build_before_any_work() -> None:
     )
     with pytest.raises(DualPipeConfigError, match="PP=4 x 75001 micro-batches is too large"):
         megatron_lm.apply(_args(global_batch_size=2 * (bound + 1)))
+    timed = _args(pipeline_schedule="1f1b", pipeline_timeline="t.png")  # built to be timed
+    megatron_lm.apply(timed)
+    timed.global_batch_size = 1_000_000_000
+    with pytest.raises(DualPipeConfigError, match="PP=4 x 500000000 micro-batches is too"):
+        megatron_lm.apply(timed)
 
 
 def test_apply_refuses_te_graphs_under_ep_overlap_before_the_warm_up() -> None:

@@ -78,6 +78,18 @@ def test_a_yaml_float_without_a_dot_reaches_megatron_lm_as_a_number(tmp_path: Pa
     assert argv == ["--lr", "1e-3"] and _parser().parse_args(argv).lr == 1e-3
 
 
+def test_the_writer_queue_is_made_for_the_rank_s_own_torch_dist_saves_only() -> None:
+    """Megatron-LM's torch_dist save spawns its results-queue manager on the first save;
+    --async-save's worker keeps a queue of its own, other formats none."""
+    from megatron_dualpipe.megatron.lm_launch import _saves_torch_dist_here
+
+    assert _saves_torch_dist_here(["--save", "ck", "--save-interval", "2"])
+    assert _saves_torch_dist_here(["--save", "ck", "--ckpt-format", "torch_dist"])
+    assert not _saves_torch_dist_here(["--load", "ck"])
+    assert not _saves_torch_dist_here(["--save", "ck", "--ckpt-format", "torch"])
+    assert not _saves_torch_dist_here(["--save", "ck", "--async-save"])
+
+
 def test_true_and_false_pick_the_flag_that_stores_them() -> None:
     p = _parser()
     assert megatron_lm_argv({"bf16": True, "bias_gelu_fusion": False}, p, "c") == [

@@ -143,6 +143,8 @@ def test_a_load_that_is_missing_or_a_file_is_refused(tmp_path: Path) -> None:
         "before it exists)"
     )
     check_load(_args(nowhere, save=str(nowhere)))  # a job's first run
+    check_load(_args(nowhere, save=str(tmp_path / "x" / ".." / "nowhere")))  # the same folder
+    check_load(_args(nowhere, non_persistent_ckpt_type="global"))  # Megatron-LM tries it first
     (tmp_path / "file").write_text("x")
     assert _refused(tmp_path / "file") == (
         f"--load {tmp_path / 'file'} is a file, not a checkpoint directory: point --load at the "

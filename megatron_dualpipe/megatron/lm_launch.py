@@ -111,11 +111,13 @@ def train_with_megatron_lm(path: Path, overrides: Iterable[str]) -> MeasuredStep
     the step ``pipeline_timeline`` measured, else None. Raises
     :class:`~.lm_args.MegatronLMConfigError` (or, for the file itself,
     :class:`~..schedules.config_values.ConfigValueError`) before any rank starts."""
-    import torch
-
-    from ..runtime.rank_env import launcher_env
-
+    overrides = list(overrides)
+    _set_cuda_device_max_connections(read_values(path, overrides))  # before anything asks CUDA
     with megatron_lm_config(path, overrides) as (settings, source):
+        import torch
+
+        from ..runtime.rank_env import launcher_env
+
         return _run(settings, source, launcher_env(), not torch.cuda.is_available())
 
 
@@ -181,7 +183,6 @@ def _run(
     _check_profile(parsed, source)
     check_folders(parsed, source)
     _check_data_files(parsed, source)
-    _set_cuda_device_max_connections(parsed)
     holder = env is None or env.rank == 0
     with _one_run_per_save(parsed, holder=holder):
         if env is not None:  # torchrun's or srun's rank: Megatron-LM reads torchrun's variables
@@ -204,18 +205,24 @@ def _run(
     return measured if holder else None
 
 
-def _set_cuda_device_max_connections(args: argparse.Namespace) -> None:
-    """``CUDA_DEVICE_MAX_CONNECTIONS`` for the ranks, where the launching shell left it unset,
-    by the rule Megatron-LM's ``validate_args`` asserts (1 with tensor or context parallelism
-    before Blackwell, not 1 with the MoE all-to-all overlap): set here, before any rank
-    starts CUDA; a value set against the rule is kept, with one warning."""
+def _set_cuda_device_max_connections(settings: Mapping[str, Any]) -> None:
+    """``CUDA_DEVICE_MAX_CONNECTIONS`` for this process and the ranks, where the launching
+    shell left it unset, by the rule Megatron-LM's ``validate_args`` asserts (1 with tensor
+    or context parallelism before Blackwell, not 1 with the MoE all-to-all overlap, FSDP or
+    UCC): set from the config's values before anything here asks CUDA (the driver reads it
+    when CUDA starts); a value set against the rule is kept, with one warning."""
     from .schedule.checks import cuda_device_max_connections
 
     value, warning = cuda_device_max_connections(
-        tensor_parallel=args.tensor_model_parallel_size,
-        context_parallel=args.context_parallel_size,
-        overlap=bool(args.overlap_moe_expert_parallel_comm),
+        tensor_parallel=int(settings.get("tensor_model_parallel_size") or 1),
+        context_parallel=int(settings.get("context_parallel_size") or 1),
+        overlap=bool(settings.get("overlap_moe_expert_parallel_comm")),
         current=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+        more_than_one=bool(
+            settings.get("use_torch_fsdp2")
+            or settings.get("use_megatron_fsdp")
+            or settings.get("pipeline_model_parallel_comm_backend") == "ucc"
+        ),
     )
     if value is not None:
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = value
@@ -488,7 +495,7 @@ def _pretrain(argv: list[str]) -> MeasuredStep | None:
     returned), another exit is :class:`PretrainExit` (its error printed already)."""
     from .pretrain_gpt import main
 
-    if "--save" in argv:  # its first save spawns the manager this one makes die with the rank
+    if _saves_torch_dist_here(argv):  # its first save spawns a manager: made to die with us
         from .checkpoint.writer_queue import writer_queue_dies_with_rank
 
         writer_queue_dies_with_rank()
@@ -498,6 +505,13 @@ def _pretrain(argv: list[str]) -> MeasuredStep | None:
         if stop.code not in (0, None):
             raise PretrainExit(_exit_said(stop.code)) from None
         return None
+
+
+def _saves_torch_dist_here(argv: list[str]) -> bool:
+    """Whether the run saves ``torch_dist`` checkpoints from the rank itself (``--save``, the
+    default ``--ckpt-format``, no ``--async-save``: whose worker keeps a queue of its own)."""
+    fmt = argv[argv.index("--ckpt-format") + 1] if "--ckpt-format" in argv else "torch_dist"
+    return "--save" in argv and fmt == "torch_dist" and "--async-save" not in argv
 
 
 def _exit_said(code: object) -> str:

@@ -69,7 +69,7 @@ FIT_EXPANSIONS = 64
 @dataclass(frozen=True)
 class PipelineSetup:
     """The parallel and training settings that decide per-rank costs and memory, and the
-    config's split settings (Megatron-LM's keys; defaults as in the trainer's config)."""
+    config's split settings (Megatron-LM's keys and defaults)."""
 
     micro_batch_size: int
     global_batch_size: int

@@ -8,8 +8,7 @@ minute and 1.5 GB (docs/schedules.md); beyond :data:`MAX_SIZE` the actions alone
 (the executor's checks and communication plan beside the schedule): measured by
 ``bench/step_build.py`` at about :data:`TRAIN_BYTES_PER_UNIT` and
 :data:`TRAIN_SECONDS_PER_UNIT` per PP x micro-batch, so it stops at :data:`MAX_TRAIN_SIZE`
-(about 1 GB and half a minute per rank), and says what it builds where that takes more
-than :data:`TRAIN_BUILD_NOTICE_S`. The optimiser keeps several timed orders of the schedule
+(about 1 GB and half a minute per rank). The optimiser keeps several timed orders of the schedule
 at once: about :data:`OPTIMIZE_BYTES_PER_UNIT` per PP x micro-batch, so it stops at
 :data:`MAX_OPTIMIZE_SIZE`.
 """
@@ -24,7 +23,6 @@ __all__ = [
     "MAX_TRAIN_SIZE",
     "NCCL_CHECK_BYTES_PER_UNIT",
     "OPTIMIZE_BYTES_PER_UNIT",
-    "TRAIN_BUILD_NOTICE_S",
     "TRAIN_BYTES_PER_UNIT",
     "TRAIN_SECONDS_PER_UNIT",
     "nccl_check_size_problem",
@@ -97,8 +95,6 @@ TRAIN_SECONDS_PER_UNIT = 100e-6
 #: The largest PP x micro-batches (x chunks / 2) a training step is built for: about 1 GB
 #: and 30 s on each rank.
 MAX_TRAIN_SIZE = 300_000
-#: Building a step estimated to take longer than this is announced before it starts.
-TRAIN_BUILD_NOTICE_S = 3.0
 
 
 def train_build_estimate(

@@ -199,15 +199,20 @@ def damage(directory: Path) -> str | None:
 
 
 def missing_load(
-    load: str | None, *, save: str | None = None, pretrained: str | None = None
+    load: str | None,
+    *,
+    save: str | None = None,
+    pretrained: str | None = None,
+    non_persistent: bool = False,
 ) -> str | None:
     """The sentence refusing ``--load`` on disk where it is a file, or does not exist and is
     not ``--save`` too (a job's first run may save where later runs load), where Megatron-LM
-    would quietly train from scratch; None otherwise (no ``--load``, object storage, or a
-    ``--pretrained-checkpoint`` to fall back on)."""
+    would quietly train from scratch; None otherwise (no ``--load``, object storage, a
+    ``--pretrained-checkpoint`` to fall back on, or non-persistent checkpoints, which
+    Megatron-LM's ``_load_base_checkpoint`` tries first)."""
     from megatron.core.datasets.object_storage_utils import is_object_storage_path
 
-    if not load or pretrained or is_object_storage_path(str(load)):
+    if not load or pretrained or non_persistent or is_object_storage_path(str(load)):
         return None
     path = Path(load)
     if path.is_file():
@@ -215,7 +220,7 @@ def missing_load(
             f"--load {load} is a file, not a checkpoint directory: point --load at the save "
             "folder of an earlier run, or drop it to train from scratch"
         )
-    if not path.exists() and not (save and Path(save).absolute() == path.absolute()):
+    if not path.exists() and not (save and Path(save).resolve() == path.resolve()):
         return (
             f"--load {load} does not exist: point --load at the save folder of an earlier "
             "run, or drop it to train from scratch (a run that loads and saves one folder may "

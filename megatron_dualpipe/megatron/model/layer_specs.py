@@ -13,7 +13,7 @@ MTP block where the layout puts MTP layers, else None), with
   flash or fused attention (``TEDotProductAttention``, MLA included), grouped GEMM experts
   (``TEGroupedMLP`` when ``config.moe_grouped_gemm``). Its linears defer dW through TE's
   ``delay_wgrad_compute`` (:mod:`.deferral`), so the spec is used as Megatron gives it.
-  Needs CUDA and Transformer Engine (:func:`te_missing`).
+  Needs CUDA and Transformer Engine.
 - ``local``: Megatron's own modules (CPU-runnable), with ``deferrable`` the linear layers
   Megatron's deferrable ones (:mod:`.deferral`), except MLA's two down projections:
   ``MLASelfAttention`` accepts only Megatron's own classes there (it picks their arguments
@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_decoder_layer_specs,
@@ -52,23 +51,10 @@ __all__ = [
     "MLADotProductAttention",
     "gpt_chunk_specs",
     "local_gpt_specs",
-    "te_missing",
 ]
 
 #: Megatron-LM's ``--transformer-impl`` choices that build a GPT here.
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
-
-
-def te_missing() -> str | None:
-    """What keeps this process from building Transformer Engine layers (no CUDA device, or
-    Megatron's TE extension finds no Transformer Engine), or None."""
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    from megatron.core.extensions import transformer_engine
-
-    if not transformer_engine.HAVE_TE:
-        return "no Transformer Engine (pip install 'megatron-dualpipe[te]')"
-    return None
 
 
 class MLADotProductAttention(DotProductAttention):

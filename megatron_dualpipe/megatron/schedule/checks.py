@@ -158,16 +158,25 @@ def _listed(items: list[str]) -> str:
 
 
 def cuda_device_max_connections(
-    *, tensor_parallel: int, context_parallel: int = 1, overlap: bool, current: str | None
+    *,
+    tensor_parallel: int,
+    context_parallel: int = 1,
+    overlap: bool,
+    current: str | None,
+    more_than_one: bool = False,
 ) -> tuple[str | None, str | None]:
     """``CUDA_DEVICE_MAX_CONNECTIONS`` by Megatron-LM's rule (``validate_args``,
     ``megatron/training/arguments.py``, core_v0.16.1 to core_v0.19.0): with tensor or context
     parallelism, 1 (one hardware queue keeps TP communication ahead of compute, required
     before Blackwell), except with ``overlap_moe_expert_parallel_comm``, whose MoE
     all-to-all must run beside compute (more queues); without either, no requirement.
+    ``more_than_one``: what Megatron asserts is not 1 (FSDP, the UCC pipeline backend) is on:
+    nothing is set or said (Megatron-LM's own check speaks).
 
     Returns (the value to set where ``current`` is unset, else None; a one-sentence warning
     where ``current`` works against the rule, else None)."""
+    if more_than_one:
+        return None, None
     model_parallel = tensor_parallel > 1 or context_parallel > 1
     if current is None:
         return ("1" if model_parallel and not overlap else None), None
