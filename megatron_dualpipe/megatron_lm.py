@@ -41,6 +41,7 @@ import logging
 import sys
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -55,7 +56,8 @@ from .schedules.cuda_graphs import cuda_graph_problem, ep_overlap_graph_problem
 from .schedules.ir import ScheduleError
 from .schedules.layout import parse_layout
 from .schedules.limits import train_size_problem
-from .schedules.registry import OUR_SCHEDULES, SCHEDULES
+from .schedules.pipeline_setup import PipelineSetup
+from .schedules.registry import OUR_SCHEDULES, SCHEDULES, ScheduleSpec
 from .schedules.saved import read_saved_schedule, saved_schedule_problem
 
 __all__ = [
@@ -75,17 +77,32 @@ __all__ = [
     "num_microbatches",
     "places_model_chunks",
     "prepare_model",
-    "schedule_name",
+    "schedule_of_run",
 ]
 
 logger = logging.getLogger(__name__)
 
 #: Every value of ``--pipeline-schedule``.
 PIPELINE_SCHEDULES = tuple(SCHEDULES)
-#: The forward-backward object of each Megatron-LM run by ``id(args)`` (None: Megatron's
-#: own, unwrapped; with ``--pipeline-timeline`` the measuring wrapper), kept as long as its
-#: ``args`` live (a Namespace compares by value, so it cannot key a weak dictionary).
-_RUNS: dict[int, tuple[weakref.ref, Callable[..., Any] | None]] = {}
+
+
+@dataclass
+class _Run:
+    """What one Megatron-LM run resolved from its ``args``, once: the schedule's spec (None
+    without ``--pipeline-schedule``), its :class:`PipelineSetup` (the split read at first
+    need, after the checks), and its forward-backward function (None: Megatron's own,
+    unwrapped; with ``--pipeline-timeline`` the measuring wrapper)."""
+
+    args: weakref.ref
+    spec: ScheduleSpec | None
+    setup: PipelineSetup | None = None
+    func: Callable[..., Any] | None = None
+    func_made: bool = False
+
+
+#: Each Megatron-LM run by ``id(args)``, kept as long as its ``args`` live (a Namespace
+#: compares by value, so it cannot key a weak dictionary).
+_RUNS: dict[int, _Run] = {}
 #: Our arguments that act on the run's schedule, with what they do (for the refusals).
 _SCHEDULE_FLAGS = {
     "pipeline_schedule_file": "runs a saved order of the work",
@@ -140,11 +157,14 @@ def _schedule(args: Any) -> str | None:
     return getattr(args, "pipeline_schedule", None)
 
 
-def schedule_name(args: Any) -> str:
-    """The schedule the run takes: ``--pipeline-schedule``, else Megatron's own (interleaved
-    1F1B with virtual stages, else 1F1B)."""
+def schedule_of_run(args: Any) -> ScheduleSpec:
+    """The schedule the run takes: ``--pipeline-schedule``'s, else Megatron's own
+    (interleaved 1F1B with virtual stages, else 1F1B)."""
+    found = _spec(args)
+    if found is not None:
+        return found
     vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
-    return _schedule(args) or ("interleaved-1f1b" if vp else "1f1b")
+    return SCHEDULES["interleaved-1f1b" if vp else "1f1b"]
 
 
 def num_microbatches(args: Any) -> int:
@@ -163,10 +183,38 @@ _SPLIT_ARGS = {
 }
 
 
-def _stage_layers(args: Any) -> tuple[int, ...]:
+def _run(args: Any) -> _Run:
+    """This run's record, made (the schedule's name looked up) at its first call."""
+    key = id(args)
+    run = _RUNS.get(key)
+    if run is None or run.args() is not args:
+        schedule = _schedule(args)
+        found = None if schedule is None else schedule_spec(schedule)
+        run = _Run(weakref.ref(args, lambda _: _RUNS.pop(key, None)), found)
+        _RUNS[key] = run
+    return run
+
+
+def _spec(args: Any) -> ScheduleSpec | None:
+    """The spec of ``--pipeline-schedule`` (None without it)."""
+    return _run(args).spec
+
+
+def _setup(args: Any) -> PipelineSetup:
+    """This run's pipeline, resolved once: for a schedule our runtime runs, with each model
+    stage's layers from Megatron-LM's split arguments (:func:`_stage_layers`)."""
+    run = _run(args)
+    if run.setup is None:
+        found, pp = run.spec, args.pipeline_model_parallel_size
+        layers = _stage_layers(args, found) if found.runs_ours else ()
+        run.setup = PipelineSetup(found, pp, layers)
+    return run.setup
+
+
+def _stage_layers(args: Any, found: ScheduleSpec) -> tuple[int, ...]:
     """Decoder layers per model stage from Megatron-LM's split arguments."""
     return stage_layers(
-        _schedule(args),
+        found,
         args.pipeline_model_parallel_size,
         args.num_layers,
         first=getattr(args, "decoder_first_pipeline_num_layers", None),
@@ -178,7 +226,7 @@ def _stage_layers(args: Any) -> tuple[int, ...]:
     )
 
 
-def _check_cuda_graphs(args: Any, schedule: str) -> None:
+def _check_cuda_graphs(args: Any, found: ScheduleSpec) -> None:
     """``--cuda-graph-impl`` and the graphed parts (``--cuda-graph-modules``, 0.16/0.17:
     ``--cuda-graph-scope``, read by :func:`~.megatron.compat.version.cuda_graph_setting`): a CUDA
     device for any graph, and what the schedule can graph
@@ -190,7 +238,7 @@ def _check_cuda_graphs(args: Any, schedule: str) -> None:
         return
     shared = getattr(args, "moe_shared_expert_intermediate_size", None) is not None
     problem = cuda_graph_problem(
-        schedule,
+        found,
         impl,
         modules,
         shared_expert_in_router_graph=shared
@@ -199,7 +247,7 @@ def _check_cuda_graphs(args: Any, schedule: str) -> None:
     if problem is not None:
         raise DualPipeConfigError(problem.replace("cuda_graph_impl ", "--cuda-graph-impl ", 1))
     ep_overlap = bool(getattr(args, "overlap_moe_expert_parallel_comm", False))
-    problem = ep_overlap_graph_problem(schedule, impl, ep_overlap)
+    problem = ep_overlap_graph_problem(found, impl, ep_overlap)
     if problem is not None:  # before the warm-up steps, not at the capture after them
         raise DualPipeConfigError(
             "--overlap-moe-expert-parallel-comm "
@@ -219,7 +267,7 @@ def _check_cuda_graphs(args: Any, schedule: str) -> None:
         )
 
 
-def _take_layout(args: Any, schedule: str) -> None:
+def _take_layout(args: Any, found: ScheduleSpec) -> None:
     """A ``--pipeline-model-parallel-layout`` of a schedule that places its own chunks: one
     entry per model stage in pipeline order (dualpipev: the V's 2 x PP stages), read over
     our placement (:func:`_stage_layers`). Megatron-LM's ``validate_args`` read a layout of
@@ -227,7 +275,7 @@ def _take_layout(args: Any, schedule: str) -> None:
     ``virtual_pipeline_model_parallel_size`` from it; ours is none (two chunks per rank by
     the placement), so it is unset again. Another number of stages is refused."""
     layout = getattr(args, "pipeline_model_parallel_layout", None)
-    found = schedule_spec(schedule)
+    schedule = found.name
     if layout is None or not found.places_chunks:
         return
     pp = args.pipeline_model_parallel_size
@@ -260,10 +308,10 @@ def _check_step_size(args: Any, pp: int, chunks: int) -> None:
 
 
 def _check(args: Any) -> None:
-    schedule = _schedule(args)
-    found = schedule_spec(schedule)
-    _check_cuda_graphs(args, schedule)
-    _take_layout(args, schedule)
+    found = _spec(args)
+    schedule = found.name
+    _check_cuda_graphs(args, found)
+    _take_layout(args, found)
     vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
     pp = args.pipeline_model_parallel_size
     if found.chunks == 1 and vp is not None and vp > 1:
@@ -308,15 +356,15 @@ def _check(args: Any) -> None:
             "--rampup-batch-size"
         )
     check_run(
-        schedule,
+        found,
         pipeline_size=pp,
         num_microbatches=num_microbatches(args),
         virtual_pipeline_size=vp,
         context_parallel_size=getattr(args, "context_parallel_size", 1),
     )
-    _stage_layers(args)
+    _setup(args)  # the split, checked
     if saved is not None:
-        problem = saved_schedule_problem(saved, schedule, pp, num_microbatches(args))
+        problem = saved_schedule_problem(saved, found, pp, num_microbatches(args))
         if problem is not None:
             raise DualPipeConfigError(f"--pipeline-schedule-file: {problem}")
     if found.places_chunks and getattr(args, "yaml_cfg", None) is not None:
@@ -340,7 +388,7 @@ def _check(args: Any) -> None:
         _one_bucket_per_chunk(args, schedule)
     if getattr(args, "overlap_moe_expert_parallel_comm", False):
         problem = overlap_problem(
-            schedule,
+            found,
             expert_parallel=getattr(args, "expert_model_parallel_size", 1),
             dispatcher=getattr(args, "moe_token_dispatcher_type", "allgather"),
             half_precision=bool(getattr(args, "bf16", False) or getattr(args, "fp16", False)),
@@ -492,11 +540,10 @@ def forward_backward_func(args: Any, megatrons: Callable[..., Any]) -> Callable[
     ``--pipeline-timeline``, either measuring its second training step (:func:`_measured`;
     Megatron's the one of the run's first call). The first call of a run logs the schedule
     in use, once (on global rank 0)."""
-    schedule = _schedule(args)
-    ours = schedule is not None and schedule_spec(schedule).runs_ours
-    key = id(args)
-    ref, func = _RUNS.get(key, (None, None))
-    if ref is None or ref() is not args:
+    run = _run(args)
+    found = run.spec
+    ours = found is not None and found.runs_ours
+    if not run.func_made:
         func = None
         if ours:
             from .megatron.compat.version import cuda_graph_setting
@@ -507,7 +554,7 @@ def forward_backward_func(args: Any, megatrons: Callable[..., Any]) -> Callable[
             # --cuda-graph-impl full_iteration: Megatron-LM's train wraps this function in
             # FullCudaGraphWrapper, which captures its step whole.
             graph_safe = cuda_graph_setting(args)[0] == "full_iteration"
-            func = DualPipeForwardBackward(schedule, graph_safe=graph_safe, **options)
+            func = DualPipeForwardBackward(found, graph_safe=graph_safe, **options)
             # Megatron-LM's --profile --use-pytorch-profiler: each action in a span, every
             # step of the run (the profiler's schedule keeps the steps it profiles).
             profiling = (getattr(args, k, False) for k in ("profile", "use_pytorch_profiler"))
@@ -516,13 +563,14 @@ def forward_backward_func(args: Any, megatrons: Callable[..., Any]) -> Callable[
             if saved is not None:  # checked in apply(): read as it was then
                 func.use_schedule(read_saved_schedule(saved))
         if getattr(args, "pipeline_timeline", None) is not None:
-            func = _measured(megatrons if func is None else func, schedule, args)
-        _RUNS[key] = (weakref.ref(args, lambda _: _RUNS.pop(key, None)), func)
-        _log_schedule(schedule, ours, megatrons, getattr(args, "pipeline_schedule_file", None))
-    return megatrons if func is None else func
+            func = _measured(megatrons if func is None else func, found, args)
+        run.func, run.func_made = func, True
+        name = None if found is None else found.name
+        _log_schedule(name, ours, megatrons, getattr(args, "pipeline_schedule_file", None))
+    return megatrons if run.func is None else run.func
 
 
-def _measured(func: Callable[..., Any], schedule: str, args: Any) -> Any:
+def _measured(func: Callable[..., Any], schedule: ScheduleSpec, args: Any) -> Any:
     """``func`` measuring its second training step
     (:class:`~.megatron.schedule.step_recorder.MeasuredForwardBackward`), numbered as
     Megatron-LM logs it (``args.curr_iteration`` + 1). It holds ``args`` weakly: the run's
@@ -551,8 +599,9 @@ def measured_step(args: Any) -> MeasuredStep | None:
     png = getattr(args, "pipeline_timeline", None)
     if png is None:
         return None
-    ref, func = _RUNS.get(id(args), (None, None))
-    if ref is None or ref() is not args or func is None:
+    run = _RUNS.get(id(args))
+    func = None if run is None or run.args() is not args else run.func
+    if func is None:
         return MeasuredStep(None, None, png)
     return MeasuredStep(func.measured, func.measured_iteration, png)
 
@@ -565,10 +614,10 @@ def cuda_graph_helper(args: Any, megatrons: Callable[..., Any]) -> Callable[...,
     (:mod:`.megatron.schedule.te_graphs`); else ``megatrons`` (Megatron's class, unchanged)."""
     from .megatron.compat.version import cuda_graph_setting
 
-    schedule = _schedule(args)
+    found = _spec(args)
     if (
-        schedule is None
-        or not schedule_spec(schedule).runs_ours
+        found is None
+        or not found.runs_ours
         or cuda_graph_setting(args)[0] != "transformer_engine"
     ):
         return megatrons
@@ -600,16 +649,16 @@ def _log_schedule(
 
 def places_model_chunks(args: Any) -> bool:
     """Whether this run's chunks sit in our placement (dualpipe, dualpipev)."""
-    schedule = _schedule(args)
-    return schedule is not None and schedule_spec(schedule).places_chunks
+    found = _spec(args)
+    return found is not None and found.places_chunks
 
 
 def builds_model_chunks(args: Any) -> bool:
     """Whether :func:`build_model_chunks` builds this run's model: every schedule our
     runtime runs (zb1p, dualpipe, dualpipev), so that its chunks defer their weight
     gradients as ``train``'s do."""
-    schedule = _schedule(args)
-    return schedule is not None and schedule_spec(schedule).runs_ours
+    found = _spec(args)
+    return found is not None and found.runs_ours
 
 
 def build_model_chunks(
@@ -641,23 +690,20 @@ def build_model_chunks(
     from .megatron.model.chunks import ChunkEnds, build_chunks, model_config
     from .megatron.model.placement import StagePlacementLayout, config_chunk_roles
 
-    schedule = _schedule(args)
-    pp = args.pipeline_model_parallel_size
-    places = places_model_chunks(args)
+    setup = _setup(args)
+    places = setup.spec.places_chunks
     if config is None:
         source = args
         if places:
-            layout = StagePlacementLayout(
-                schedule, pp, _stage_layers(args), getattr(args, "mtp_num_layers", None)
-            )
+            layout = StagePlacementLayout(setup, getattr(args, "mtp_num_layers", None))
             source = argparse.Namespace(**{**vars(args), **_SPLIT_ARGS})
             source.pipeline_model_parallel_layout = layout
         config = config_from_args(source)
     impl = getattr(args, "transformer_impl", "transformer_engine")
-    config = model_config(config, schedule, impl)
+    config = model_config(config, setup.spec, impl)
     ends = [
         ChunkEnds(r.pre_process, r.post_process, r.chunk if places else None)
-        for r in config_chunk_roles(config, schedule, pp, pp_rank)
+        for r in config_chunk_roles(config, setup, pp_rank)
     ]
 
     def build_with(chunk_config: Any, pre_process: bool, post_process: bool, vp_stage: Any) -> Any:
@@ -671,9 +717,9 @@ def build_model_chunks(
             )
 
     chunks = build_chunks(
-        lambda e: build_with(config, e.pre_process, e.post_process, e.vp_stage), ends, schedule
+        lambda e: build_with(config, e.pre_process, e.post_process, e.vp_stage), ends, setup.spec
     )
-    if schedule == "dualpipev" and getattr(args, "seed", None):
+    if setup.spec.placement == "v" and getattr(args, "seed", None):
         _values_as_1f1b(chunks, args, config, lambda c, pre, post: build_with(c, pre, post, None))
     return chunks
 
@@ -687,8 +733,7 @@ def _values_as_1f1b(chunks: list[Any], args: Any, config: Any, build: Callable) 
     graphs = cuda_graph_setting(args)[0] != "none"
     done = values_as_1f1b(
         chunks,
-        v_layers=_stage_layers(args),
-        pipeline_size=args.pipeline_model_parallel_size,
+        setup=_setup(args),
         mtp_num_layers=getattr(args, "mtp_num_layers", None),
         config=config,
         build=build,
@@ -713,7 +758,7 @@ def ddp_config(config: Any, args: Any) -> Any:
 
     fields = ddp_config_fields(config)
     del fields["delay_wgrad_compute"]  # Megatron-LM's --delay-wgrad-compute: set here
-    return for_schedule(_schedule(args), **fields)
+    return for_schedule(_spec(args), **fields)
 
 
 def float16_chunks(model: Sequence[Any], config: Any, args: Any, *, pp_rank: int) -> list[Any]:
@@ -723,9 +768,7 @@ def float16_chunks(model: Sequence[Any], config: Any, args: Any, *, pp_rank: int
     from .megatron.model.placement import chunk_roles
     from .megatron.model.precision import StageFloat16Module
 
-    roles = chunk_roles(
-        _schedule(args), args.pipeline_model_parallel_size, pp_rank, _stage_layers(args)
-    )
+    roles = chunk_roles(_setup(args), pp_rank)
     return [
         StageFloat16Module(config, chunk, pre_process=r.pre_process, post_process=r.post_process)
         for chunk, r in zip(model, roles, strict=True)
@@ -743,7 +786,7 @@ def prepare_model(model: Sequence[Any], args: Any) -> None:
         return
     from .megatron.model.tied import copy_tied_params
 
-    if schedule_spec(_schedule(args)).placement == "mirror":
+    if _spec(args).placement == "mirror":
         from .megatron.checkpoint.replicas import save_as_mirror_replicas
         from .megatron.grads.mirror import prepare_mirrors
 
@@ -759,7 +802,7 @@ def embedding_ranks(args: Any, pp_ranks: list[int]) -> list[int] | None:
     embedding all-reduce does nothing; None: Megatron's own choice."""
     from .megatron.model.placement import embedding_ranks as ranks_of
 
-    ranks = ranks_of(_schedule(args))
+    ranks = ranks_of(_spec(args))
     return None if ranks is None else ranks(pp_ranks)
 
 

@@ -189,18 +189,20 @@ def _deferral_case(moe: bool, fp8: bool, overlap: bool) -> tuple[float, list[str
         model_config,
     )
     from megatron_dualpipe.runtime import WeightGradStore
+    from megatron_dualpipe.schedules.registry import SCHEDULES
     from tests import tiny_models as tm
 
     config = _tiny_te_config(moe, fp8)
-    deferred_config = model_config(config, "dualpipev", "transformer_engine")
+    v = SCHEDULES["dualpipev"]
+    deferred_config = model_config(config, v, "transformer_engine")
     reference = _te_gpt(config).cuda()
     (deferred,) = build_chunks(
-        lambda _: _te_gpt(deferred_config).cuda(), [ChunkEnds(True, True, None)], "dualpipev"
+        lambda _: _te_gpt(deferred_config).cuda(), [ChunkEnds(True, True, None)], v
     )
     tm.load_global_state(deferred, tm.global_state(reference))
     fields = dict(overlap_grad_reduce=overlap, grad_reduce_in_fp32=True, bucket_size=40_000)
     ref_ddp = DistributedDataParallel(config, DistributedDataParallelConfig(**fields), reference)
-    ddp = DistributedDataParallel(deferred_config, ddp_config("dualpipev", **fields), deferred)
+    ddp = DistributedDataParallel(deferred_config, ddp_config(v, **fields), deferred)
     skipped = [p for p in deferred.parameters() if getattr(p, "skip_backward_post_hook", False)]
     problems = [] if skipped else ["no parameter is hooked through its TE layer"]
     batches = [
@@ -338,7 +340,7 @@ def _layer_costs(moe: bool) -> Callable[[argparse.Namespace], tuple[bool, str]]:
         from megatron_dualpipe.planner.memory import MemoryModel
         from megatron_dualpipe.planner.model_cost import ModelShape
         from megatron_dualpipe.runtime import WeightGradStore
-        from megatron_dualpipe.schedules.registry import generate
+        from megatron_dualpipe.schedules.registry import SCHEDULES, generate
 
         h, s, ffn = args.hidden, args.seq, 14336
         experts = (
@@ -374,11 +376,12 @@ def _layer_costs(moe: bool) -> Callable[[argparse.Namespace], tuple[bool, str]]:
             pipeline_dtype=torch.bfloat16,
             **experts,
         )
-        config = model_config(config, "dualpipev", "transformer_engine")
+        v = SCHEDULES["dualpipev"]
+        config = model_config(config, v, "transformer_engine")
         (model,) = build_chunks(
             lambda _: _te_gpt(config, pre=False, post=False).cuda(),
             [ChunkEnds(False, False, None)],
-            "dualpipev",
+            v,
         )
         store = WeightGradStore()
         x = torch.randn(s, 1, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)

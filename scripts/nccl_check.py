@@ -181,10 +181,11 @@ def _pipeline(size: int, schedule: str) -> _Ctx:
     from megatron.core import parallel_state
 
     from megatron_dualpipe.megatron.model.placement import embedding_ranks
+    from megatron_dualpipe.schedules.registry import SCHEDULES
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    ranks = embedding_ranks(schedule)
+    ranks = embedding_ranks(SCHEDULES[schedule])
     parallel_state.initialize_model_parallel(
         pipeline_model_parallel_size=size,
         **({"get_embedding_ranks": ranks} if ranks else {}),

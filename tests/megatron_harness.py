@@ -41,7 +41,7 @@ from megatron_dualpipe.megatron.model.position_copies import (
     mark_position_copies,
 )
 from megatron_dualpipe.megatron.model.tied import mark_tied_copies
-from megatron_dualpipe.megatron.schedule.checks import stage_layers
+from megatron_dualpipe.megatron.schedule.checks import pipeline_setup, schedule_spec
 from megatron_dualpipe.megatron.schedule.registry import get_forward_backward_func
 from megatron_dualpipe.runtime import WeightGradStore
 from megatron_dualpipe.schedules.ir import Kind
@@ -203,7 +203,7 @@ def _init_parallel(
     schedule: str | None = None,
     timeout_factor: float = 1.0,
 ) -> None:
-    ranks = embedding_ranks(schedule)
+    ranks = embedding_ranks(None if schedule is None else schedule_spec(schedule))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
@@ -350,7 +350,7 @@ def _build_chunks(model: Model, layout: Layout) -> list[torch.nn.Module]:
     if layout.schedule not in ("dualpipe", "dualpipev"):
         config = model.config(**parallel, **layout.split())
         return list(tm.build_tiny_gpt_chunks(config, **model.build_kwargs()))
-    counts = stage_layers(
+    setup = pipeline_setup(
         layout.schedule,
         layout.pp,
         model.num_layers,
@@ -359,7 +359,7 @@ def _build_chunks(model: Model, layout: Layout) -> list[torch.nn.Module]:
         layout=layout.layout,
         mtp_num_layers=model.mtp,
     )
-    placement = StagePlacementLayout(layout.schedule, layout.pp, counts, model.mtp)
+    placement = StagePlacementLayout(setup, model.mtp)
     config = model.config(**parallel, pipeline_model_parallel_layout=placement)
     roles = placement.roles(parallel_state.get_pipeline_model_parallel_rank())
     return [

@@ -19,6 +19,7 @@ from megatron_dualpipe.megatron.compat.version import (
 )
 from megatron_dualpipe.megatron.schedule.checks import DualPipeConfigError
 from megatron_dualpipe.schedules.cuda_graphs import cuda_graph_problem, deferring_modules
+from megatron_dualpipe.schedules.registry import spec
 
 pytestmark = pytest.mark.megatron
 
@@ -39,7 +40,7 @@ def test_the_router_of_a_moe_model_defers_nothing() -> None:
 
 @pytest.mark.parametrize("schedule", ["zb1p", "dualpipe", "dualpipev"])
 def test_local_names_the_scope_and_the_alternatives(schedule: str) -> None:
-    problem = cuda_graph_problem(schedule, "local", ("mlp",))
+    problem = cuda_graph_problem(spec(schedule), "local", ("mlp",))
     assert problem == (
         f"cuda_graph_impl local under {schedule} graphs mlp, and mlp defers its weight gradient "
         "to a W that the replayed backward graph cannot leave out: graph only moe_router / "
@@ -51,7 +52,7 @@ def test_local_names_the_scope_and_the_alternatives(schedule: str) -> None:
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
 def test_megatrons_schedules_take_every_implementation(schedule: str) -> None:
     for impl in ("local", "transformer_engine", "full_iteration"):
-        assert cuda_graph_problem(schedule, impl, ()) is None
+        assert cuda_graph_problem(spec(schedule), impl, ()) is None
 
 
 def test_the_release_names() -> None:

@@ -12,6 +12,9 @@ loads when torch and megatron cannot be imported at all.
 4. With torch and megatron blocked, the CLI's ``simulate`` works and the config layer loads.
 5. ``runtime/`` never prints (nor writes to ``sys.stdout``/``sys.stderr``): it logs.
 6. Each command's module of ``cli/`` imports no other command's (nor ``cli.command``).
+7. The core looks a schedule up by name (the registry's ``spec``, ``generate``,
+   ``SCHEDULES[...]``, the adapter's ``schedule_spec`` and ``pipeline_setup``) only where a
+   run starts: every other function takes the resolved spec or ``PipelineSetup``.
 """
 
 from __future__ import annotations
@@ -167,6 +170,62 @@ def test_the_command_rule_sees_a_command_importing_another() -> None:
     finally:
         fake.unlink()
     assert "megatron_dualpipe/cli/_command_probe.py imports megatron_dualpipe.cli.simulate" in found
+
+
+#: The functions of the core that may turn a schedule's name into its spec: where a run
+#: or a direct user of the adapter starts.
+NAME_LOOKUPS_ALLOWED = {
+    "megatron_dualpipe/megatron_lm.py": {"_run", "schedule_of_run"},
+    "megatron_dualpipe/megatron/schedule/checks.py": {"schedule_spec", "pipeline_setup"},
+    "megatron_dualpipe/megatron/schedule/registry.py": {"get_forward_backward_func", "install"},
+    "megatron_dualpipe/megatron/schedule/forward_backward.py": {"__init__"},
+    "megatron_dualpipe/megatron/model/seeding.py": {"__init__"},  # 1F1B's layout, emulated
+}
+_LOOKUPS = ("spec", "schedule_spec", "pipeline_setup", "generate")
+
+
+def _name_lookups(path: Path) -> list[tuple[str, int]]:
+    """(enclosing function, line) of every lookup of a schedule by name in ``path``."""
+    found = []
+
+    def visit(node: ast.AST, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = function
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                inner = child.name
+            called = isinstance(child, ast.Call) and isinstance(child.func, ast.Name)
+            if called and child.func.id in _LOOKUPS:
+                found.append((function, child.lineno))
+            if isinstance(child, ast.Subscript) and ast.unparse(child.value) == "SCHEDULES":
+                found.append((function, child.lineno))
+            visit(child, inner)
+
+    visit(_tree(path), "<module>")
+    return found
+
+
+def _core_name_lookups() -> list[str]:
+    paths = [p for folder in ("runtime", "megatron", "schedules") for p in _modules(folder)]
+    paths.append(PACKAGE / "megatron_lm.py")
+    out = []
+    for path in paths:
+        name = str(path.relative_to(ROOT))
+        if name == "megatron_dualpipe/schedules/registry.py":
+            continue  # the registry itself
+        allowed = NAME_LOOKUPS_ALLOWED.get(name, set())
+        out += [f"{name}:{line} in {f}" for f, line in _name_lookups(path) if f not in allowed]
+    return out
+
+
+def test_the_core_looks_a_schedule_up_by_name_only_where_a_run_starts() -> None:
+    assert _core_name_lookups() == []
+
+
+def test_the_lookup_rule_sees_a_lookup_in_a_hook(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("def hook(args):\n    return schedule_spec(args.pipeline_schedule).chunks\n")
+    found = _name_lookups(probe)
+    assert found == [("hook", 2)]
 
 
 def _prints(node: ast.AST) -> bool:

@@ -36,6 +36,7 @@ from megatron_dualpipe.megatron.model.placement import StagePlacementLayout
 from megatron_dualpipe.megatron.schedule.checks import DualPipeConfigError
 from megatron_dualpipe.megatron.schedule.forward_backward import DualPipeForwardBackward
 from megatron_dualpipe.schedules.limits import MAX_TRAIN_SIZE
+from megatron_dualpipe.schedules.registry import SCHEDULES
 from tests.multiproc import one_fast, run_workers
 
 pytestmark = pytest.mark.megatron
@@ -227,7 +228,7 @@ def test_a_timeline_wraps_the_run_s_function_ours_or_megatron_s(schedule: str) -
     args = _args(pipeline_schedule=schedule, pipeline_timeline="t.png")
     megatron_lm.apply(args)
     func = megatron_lm.forward_backward_func(args, _megatrons)
-    assert isinstance(func, MeasuredForwardBackward) and func.schedule == schedule
+    assert isinstance(func, MeasuredForwardBackward) and func.schedule.name == schedule
     assert megatron_lm.forward_backward_func(args, _megatrons) is func
     inner = DualPipeForwardBackward if schedule == "dualpipev" else type(_megatrons)
     assert isinstance(func.inner, inner)
@@ -276,7 +277,7 @@ def _measure_megatron_like(
             return []
 
         measured = MeasuredForwardBackward(
-            megatron_like, "1f1b", iteration=lambda: len(training_calls)
+            megatron_like, SCHEDULES["1f1b"], iteration=lambda: len(training_calls)
         )
         step = dict(forward_step_func=lambda it, m: None, data_iterator=None, model=[chunk],
                     num_microbatches=4)  # fmt: skip
@@ -461,7 +462,7 @@ def test_apply_takes_a_layout_of_the_vs_stages_megatron_read_as_a_virtual_pipeli
     args = _args(pipeline_model_parallel_layout=layout, virtual_pipeline_model_parallel_size=2)
     megatron_lm.apply(args)
     assert args.virtual_pipeline_model_parallel_size is None
-    assert megatron_lm._stage_layers(args) == (1, 2, 3, 2, 2, 2, 2, 2)
+    assert megatron_lm._setup(args).stage_layers == (1, 2, 3, 2, 2, 2, 2, 2)
 
 
 def test_apply_asks_get_model_for_one_bucket_per_chunk_under_dualpipe() -> None:
@@ -543,7 +544,7 @@ def test_build_model_chunks_splits_as_the_arguments_say() -> None:
 
     chunks = megatron_lm.build_model_chunks(_Chunk, args, config_from_args, pp_rank=0)
     layout = chunks[0].kwargs["config"].pipeline_model_parallel_layout
-    assert layout.stage_layers == (1, 2, 2, 2)  # 2 x PP = 4 stages in the V
+    assert layout.setup.stage_layers == (1, 2, 2, 2)  # 2 x PP = 4 stages in the V
     # rank 0: stage 0 (layer 0) and stage 3 (layers 5-6, the MTP layer and the loss)
     assert [layout.get_layer_offset(vp_stage=c, pp_rank=0) for c in (0, 1)] == [0, 5]
     assert [layout.get_num_layers_to_build(vp_stage=c, pp_rank=0) for c in (0, 1)] == [1, 2]

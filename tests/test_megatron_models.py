@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_dualpipe.megatron.schedule.checks import DualPipeConfigError, stage_layers
+from megatron_dualpipe.megatron.schedule.checks import DualPipeConfigError, pipeline_setup
 from tests.megatron_harness import Layout, Model, _check, check_training
 
 pytestmark = [
@@ -91,7 +91,8 @@ def test_one_step_matches_the_unpipelined_run() -> None:
 def test_splits_read_over_the_model_stages_in_pipeline_order(
     schedule: str, pp: int, split: dict, counts: tuple
 ) -> None:
-    assert stage_layers(schedule, pp, NUM_LAYERS, mtp_num_layers=1, **split) == counts
+    setup = pipeline_setup(schedule, pp, NUM_LAYERS, mtp_num_layers=1, **split)
+    assert setup.stage_layers == counts
 
 
 @pytest.mark.parametrize(
@@ -124,7 +125,7 @@ def test_splits_read_over_the_model_stages_in_pipeline_order(
 )
 def test_a_split_that_cannot_run_is_one_sentence(schedule: str, split: dict, message: str) -> None:
     with pytest.raises(DualPipeConfigError, match=message) as info:
-        stage_layers(schedule, 2, NUM_LAYERS, mtp_num_layers=1, **split)
+        pipeline_setup(schedule, 2, NUM_LAYERS, mtp_num_layers=1, **split)
     assert "\n" not in str(info.value)
 
 

@@ -36,8 +36,10 @@ from megatron_dualpipe.megatron.grads.deferral import (
 from megatron_dualpipe.megatron.grads.mirror import prepare_mirrors
 from megatron_dualpipe.megatron.model.placement import StagePlacementLayout, chunk_roles
 from megatron_dualpipe.megatron.model.precision import StageFloat16Module
+from megatron_dualpipe.megatron.schedule.checks import pipeline_setup
 from megatron_dualpipe.megatron.schedule.registry import get_forward_backward_func
 from megatron_dualpipe.megatron.schedule.stage import MegatronStage
+from megatron_dualpipe.schedules.pipeline_setup import PipelineSetup
 from tests import tiny_models as tm
 from tests.megatron_harness import PG_TIMEOUT_S, _init_parallel
 from tests.multiproc import run_workers, slow_unless
@@ -69,13 +71,17 @@ class Case:
         return 2 * self.pp + (2 if self.schedule == "dualpipe" else 0)
 
 
+def _setup(case: Case) -> PipelineSetup:
+    return pipeline_setup(case.schedule, case.pp, NUM_LAYERS)
+
+
 def _config(case: Case) -> Any:
     return tm.tiny_gpt_config(
         num_layers=NUM_LAYERS,
         num_moe_experts=4,
         expert_model_parallel_size=EP,
         pipeline_model_parallel_size=case.pp,
-        pipeline_model_parallel_layout=StagePlacementLayout(case.schedule, case.pp, NUM_LAYERS),
+        pipeline_model_parallel_layout=StagePlacementLayout(_setup(case)),
         bf16=True,
         params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16,
@@ -87,7 +93,7 @@ def _model(case: Case, config: Any, state: dict | None) -> tuple[list, Counter, 
     """This rank's chunks (initial weights from ``state`` when given), deferral (if asked),
     Float16Module with our ends, DDP; plus a counter of dW accumulations per layer."""
     rank = parallel_state.get_pipeline_model_parallel_rank()
-    roles = chunk_roles(case.schedule, case.pp, rank, NUM_LAYERS)
+    roles = chunk_roles(_setup(case), rank)
     torch.manual_seed(1234)
     chunks = [
         tm.build_tiny_gpt(
@@ -296,7 +302,7 @@ def test_one_fb_pair_interleaves_forward_and_backward_nodes(case: Case) -> None:
     layers = NUM_LAYERS // (2 * case.pp if case.schedule == "dualpipev" else case.pp)
     for rank, result in enumerate(_run(case)):
         (order,) = result["fb_order"]
-        roles = chunk_roles(case.schedule, case.pp, result["pp_rank"], NUM_LAYERS)
+        roles = chunk_roles(_setup(case), result["pp_rank"])
         # The first FB pair of every rank forwards one chunk and backwards the other.
         candidates = [
             _plan_order(layers, layers, f.post_process, b.post_process)

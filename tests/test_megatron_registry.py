@@ -14,7 +14,12 @@ from megatron_dualpipe.megatron.model.placement import (
     config_chunk_roles,
 )
 from megatron_dualpipe.megatron.schedule import registry
-from megatron_dualpipe.megatron.schedule.checks import DualPipeConfigError, check_run
+from megatron_dualpipe.megatron.schedule.checks import (
+    DualPipeConfigError,
+    check_run,
+    pipeline_setup,
+    schedule_spec,
+)
 from megatron_dualpipe.megatron.schedule.forward_backward import DualPipeForwardBackward
 from tests.tiny_models import tiny_gpt_config
 
@@ -107,44 +112,49 @@ def test_unknown_schedule_is_one_sentence() -> None:
 )
 def test_bad_combinations_fail_before_work(schedule: str, kwargs: dict, message: str) -> None:
     with pytest.raises(DualPipeConfigError, match=message):
-        check_run(schedule, **kwargs)
+        check_run(schedule_spec(schedule), **kwargs)
 
 
 def test_layers_must_split_into_stages() -> None:
     with pytest.raises(DualPipeConfigError, match="6 layers do not split evenly into 8 stages"):
-        chunk_roles("dualpipev", 4, 0, 6)
-    assert [r.num_layers for r in chunk_roles("dualpipe", 2, 0, 6)] == [3, 3]
+        pipeline_setup("dualpipev", 4, 6)
+    with pytest.raises(DualPipeConfigError, match="give 4 per-stage layer counts >= 0, got"):
+        pipeline_setup("dualpipev", 2, (2, 2, 4))
+    assert [r.num_layers for r in chunk_roles(pipeline_setup("dualpipe", 2, 6), 0)] == [3, 3]
 
 
 def test_a_model_built_for_another_placement_is_refused() -> None:
-    layout = StagePlacementLayout("dualpipev", 2, 8)
+    layout = StagePlacementLayout(pipeline_setup("dualpipev", 2, 8))
     config = tiny_gpt_config(num_layers=8, pipeline_model_parallel_layout=layout)
-    assert [r.layer_offset for r in config_chunk_roles(config, "dualpipev", 2, 1)] == [2, 4]
+    v, mirror = pipeline_setup("dualpipev", 2), pipeline_setup("dualpipe", 2)
+    assert [r.layer_offset for r in config_chunk_roles(config, v, 1)] == [2, 4]
     with pytest.raises(DualPipeConfigError, match="built for dualpipev at PP=2 but runs dualpipe"):
-        config_chunk_roles(config, "dualpipe", 2, 0)
+        config_chunk_roles(config, mirror, 0)
     plain = tiny_gpt_config(num_layers=8, pipeline_model_parallel_size=2)
     with pytest.raises(DualPipeConfigError, match="pipeline_model_parallel_layout to be"):
-        config_chunk_roles(plain, "dualpipev", 2, 0)
+        config_chunk_roles(plain, v, 0)
     # zb1p: Megatron's own split, here its first/last counts.
     uneven = tiny_gpt_config(
         num_layers=8, pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=3
     )
-    assert [r.num_layers for r in config_chunk_roles(uneven, "zb1p", 2, 1)] == [5]
+    assert [r.num_layers for r in config_chunk_roles(uneven, pipeline_setup("zb1p", 2), 1)] == [5]
 
 
 def test_v_placement_keeps_global_layer_numbers() -> None:
-    roles = [chunk_roles("dualpipev", 2, rank, 8) for rank in range(2)]
+    setup = pipeline_setup("dualpipev", 2, 8)
+    roles = [chunk_roles(setup, rank) for rank in range(2)]
     assert [(r.layer_offset, r.num_layers) for r in roles[0]] == [(0, 2), (6, 2)]
     assert [(r.layer_offset, r.num_layers) for r in roles[1]] == [(2, 2), (4, 2)]
     assert roles[0][0].pre_process and roles[0][1].post_process
     assert not any(r.pre_process or r.post_process for r in roles[1])
-    layout = StagePlacementLayout("dualpipev", 2, 8)
+    layout = StagePlacementLayout(setup)
     assert layout.get_layer_offset(vp_stage=1, pp_rank=0) == 6
     assert layout.get_num_layers_to_build(vp_stage=0, pp_rank=1) == 2
 
 
 def test_mirror_placement_holds_two_copies() -> None:
-    roles = [chunk_roles("dualpipe", 4, rank, 8) for rank in range(4)]
+    setup = pipeline_setup("dualpipe", 4, 8)
+    roles = [chunk_roles(setup, rank) for rank in range(4)]
     assert [r.model_stage for r in roles[0]] == [0, 3]
     assert [r.model_stage for r in roles[3]] == [3, 0]
     assert roles[3][1].pre_process and roles[3][0].post_process

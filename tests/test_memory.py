@@ -252,13 +252,14 @@ def _built_parameters(rank: int, world_size: int, tied: bool) -> int:
     from megatron_dualpipe.megatron.compat.cpu_compat import apply_cpu_compat
     from megatron_dualpipe.megatron.model.placement import StagePlacementLayout
     from megatron_dualpipe.megatron.model.tied import mark_tied_copies
+    from megatron_dualpipe.megatron.schedule.checks import pipeline_setup
     from tests import tiny_models as tm
     from tests.megatron_harness import _init_parallel
 
     apply_cpu_compat()
     _init_parallel(pp=world_size, schedule="dualpipev")  # our embedding group
     try:
-        layout = StagePlacementLayout("dualpipev", world_size, (2, 1, 1, 2), 1)
+        layout = StagePlacementLayout(pipeline_setup("dualpipev", world_size, (2, 1, 1, 2)), 1)
         config = tm.tiny_gpt_config(
             num_layers=6,
             hidden_size=64,

@@ -31,7 +31,7 @@ from torch.distributed import distributed_c10d
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from megatron_dualpipe.runtime import PipelineExecutor, TensorSpec
-from megatron_dualpipe.schedules.registry import generate
+from megatron_dualpipe.schedules.registry import generate, spec
 from tests.multiproc import run_workers
 
 PACKAGE = Path(__file__).resolve().parent.parent / "megatron_dualpipe"
@@ -64,7 +64,7 @@ def _after_megatron_init(rank: int, world: int) -> dict:
     from megatron_dualpipe.megatron.model.placement import embedding_ranks
 
     parallel_state.initialize_model_parallel(
-        pipeline_model_parallel_size=world, get_embedding_ranks=embedding_ranks("dualpipev")
+        pipeline_model_parallel_size=world, get_embedding_ranks=embedding_ranks(spec("dualpipev"))
     )
     try:
         held = len(distributed_c10d._world.pg_names)

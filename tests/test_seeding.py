@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_dualpipe.megatron.model.seeding import one_f_one_b_owners
+from megatron_dualpipe.megatron.schedule.checks import pipeline_setup
 
 pytestmark = pytest.mark.megatron
 
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.megatron
 def test_an_even_v_split_takes_the_values_of_the_1f1b_rank_holding_each_chunk(
     v_layers: tuple[int, ...], pp: int, owners: list[list[int]]
 ) -> None:
-    assert one_f_one_b_owners(v_layers, pp) == owners
+    assert one_f_one_b_owners(pipeline_setup("dualpipev", pp, v_layers)) == owners
 
 
 @pytest.mark.parametrize(
@@ -36,4 +37,4 @@ def test_an_even_v_split_takes_the_values_of_the_1f1b_rank_holding_each_chunk(
     ],
 )
 def test_a_split_across_1f1b_ranks_has_no_owner(v_layers: tuple[int, ...], pp: int) -> None:
-    assert one_f_one_b_owners(v_layers, pp) is None
+    assert one_f_one_b_owners(pipeline_setup("dualpipev", pp, v_layers)) is None

@@ -204,7 +204,7 @@ def _rank(
                 )
             chunks = _build(args, pipeline_rank)
             setup = BuiltSetup(
-                schedule=dualpipe_lm.schedule_name(args),
+                schedule=dualpipe_lm.schedule_of_run(args),
                 pipeline=pp,
                 tensor=args.tensor_model_parallel_size,
                 expert=args.expert_model_parallel_size,
@@ -223,7 +223,7 @@ def _rank(
                 "vocab_size": args.padded_vocab_size,
                 "world_size": world,
                 "num_microbatches": setup.microbatches,
-                "pipeline_schedule": setup.schedule,
+                "pipeline_schedule": setup.schedule.name,
             }
         finally:
             parallel_state.destroy_model_parallel()

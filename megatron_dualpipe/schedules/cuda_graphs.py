@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .ir import Kind, Schedule, ScheduleError
-from .registry import spec
+from .registry import ScheduleSpec
 
 __all__ = [
     "CUDA_GRAPH_IMPLS",
@@ -69,7 +69,7 @@ def deferring_modules(modules: Sequence[str], *, shared_expert_in_router_graph: 
 
 
 def cuda_graph_problem(
-    schedule: str,
+    found: ScheduleSpec,
     impl: str,
     modules: Sequence[str],
     *,
@@ -99,7 +99,7 @@ def cuda_graph_problem(
             f"cuda_graph_modules {unknown[0]!r} is not one of {', '.join(CUDA_GRAPH_MODULES)} "
             "(none listed: the whole layer)"
         )
-    found = spec(schedule)
+    schedule = found.name
     if impl == "none" or not found.runs_ours:
         return None
     if impl in ("local", "transformer_engine"):
@@ -131,16 +131,16 @@ def cuda_graph_problem(
     return None
 
 
-def ep_overlap_graph_problem(schedule: str, impl: str, ep_overlap: bool) -> str | None:
+def ep_overlap_graph_problem(schedule: ScheduleSpec, impl: str, ep_overlap: bool) -> str | None:
     """Why ``impl`` cannot graph under ``schedule`` with ``overlap_moe_expert_parallel_comm``
     (``ep_overlap``), as the rest of a sentence after that key's name, or None: Megatron
     then captures TE's per-layer graphs in its combined 1F1B order, which our schedules do
     not run."""
-    if impl != "transformer_engine" or not ep_overlap or not spec(schedule).runs_ours:
+    if impl != "transformer_engine" or not ep_overlap or not schedule.runs_ours:
         return None
     return (
         "under cuda_graph_impl: transformer_engine has Megatron graph each layer in its "
-        f"combined 1F1B order, which {schedule} does not run: turn one of them off"
+        f"combined 1F1B order, which {schedule.name} does not run: turn one of them off"
     )
 
 

@@ -13,13 +13,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from .ir import Schedule, ScheduleError
-from .registry import spec
+from .registry import ScheduleSpec
 from .validate import check_weight_grads_in_b_order, validate
 
 __all__ = ["read_saved_schedule", "saved_schedule_problem"]
 
 
-def saved_schedule_problem(path: str, schedule: str, pp: int, microbatches: int) -> str | None:
+def saved_schedule_problem(
+    path: str, found: ScheduleSpec, pp: int, microbatches: int
+) -> str | None:
     """What makes the schedule file ``path`` unusable for a run of ``schedule`` on ``pp``
     ranks with ``microbatches`` micro-batches (unreadable, not a valid schedule, another
     placement), as a clause saying what to do; None where it is usable."""
@@ -35,7 +37,8 @@ def saved_schedule_problem(path: str, schedule: str, pp: int, microbatches: int)
         check_weight_grads_in_b_order(saved)
     except ScheduleError as err:
         return f"{path} is not a valid schedule ({err}): write it with simulate --save"
-    expected = spec(schedule).generate(pp, microbatches).placement
+    schedule = found.name
+    expected = found.generate(pp, microbatches).placement
     p = saved.placement
     if p != expected:
         return (

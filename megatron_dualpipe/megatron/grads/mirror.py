@@ -23,7 +23,7 @@ from torch import nn
 
 from ...runtime import DEFAULT_TIMEOUT_S
 from ...runtime.mirror import Buckets, MirrorPair, param_buckets, param_grad
-from ..model.placement import placement_of
+from ...schedules.ir import Placement
 from ..schedule.checks import DualPipeConfigError
 
 __all__ = [
@@ -51,9 +51,9 @@ def mirror_pair(
     captures CUDA graphs (``is_graph_capturing``)."""
     if group is None:
         group = parallel_state.get_pipeline_model_parallel_group()
-    placement = placement_of("dualpipe", group.size())
+    size = group.size()
     return MirrorPair(
-        placement,
+        Placement("mirror", size, 2 * size, 2),
         group.rank(),
         group=group,
         timeout_s=timeout_s,

@@ -23,7 +23,9 @@ from torch.distributed import distributed_c10d
 
 from ...schedules.comm_plan import Issue, comm_plan
 from ...schedules.ir import Kind
-from ..schedule.checks import DualPipeConfigError, schedule_spec
+from ...schedules.pipeline_setup import PipelineSetup
+from ...schedules.registry import ScheduleSpec
+from ..schedule.checks import DualPipeConfigError
 from ..schedule.forward_backward import stage_input_spec
 from .names import global_named_parameters
 from .placement import config_chunk_roles
@@ -49,10 +51,11 @@ __all__ = [
 
 
 class BuiltSetup(NamedTuple):
-    """The parallel setup a dry run built: schedule, sizes (``expert_tensor``: the experts'
-    tensor-parallel size), micro-batches, their shape, precision."""
+    """The parallel setup a dry run built: the schedule (its spec), sizes
+    (``expert_tensor``: the experts' tensor-parallel size), micro-batches, their shape,
+    precision."""
 
-    schedule: str
+    schedule: ScheduleSpec
     pipeline: int
     tensor: int
     expert: int
@@ -246,13 +249,13 @@ def chunk_report(chunk: torch.nn.Module, index: int, model_stage: int) -> ChunkR
     )
 
 
-def model_stages(
-    config: Any, schedule: str, pipeline_size: int, rank: int, chunks: int
-) -> list[int]:
+def model_stages(config: Any, setup: BuiltSetup, rank: int, chunks: int) -> list[int]:
     """Each local chunk's model stage: our placements' roles, else Megatron's order (chunk
     ``c`` of rank ``r`` is stage ``c * PP + r``)."""
-    if schedule_spec(schedule).places_chunks:
-        return [r.model_stage for r in config_chunk_roles(config, schedule, pipeline_size, rank)]
+    pipeline_size = setup.pipeline
+    if setup.schedule.places_chunks:
+        roles = config_chunk_roles(config, PipelineSetup(setup.schedule, pipeline_size), rank)
+        return [r.model_stage for r in roles]
     return [chunk * pipeline_size + rank for chunk in range(chunks)]
 
 
@@ -262,13 +265,13 @@ def messages(
     """The rank's messages in one step of the plan the executor runs, by (direction, kind,
     peer, stage), each of the stage input's size; the plan's exchange points; the message's
     shape and dtype. Nothing for Megatron's own schedules (its P2P, not our plan)."""
-    if not schedule_spec(setup.schedule).runs_ours:
+    if not setup.schedule.runs_ours:
         return (), 0, ((), "")
     spec = stage_input_spec(config, setup.seq_length, setup.micro_batch_size, setup.tensor)
     size = spec.dtype.itemsize
     for dim in spec.shape:
         size *= dim
-    schedule = schedule_spec(setup.schedule).generate(setup.pipeline, setup.microbatches)
+    schedule = setup.schedule.generate(setup.pipeline, setup.microbatches)
     plan = comm_plan(schedule, message_bytes=size)
     issues = [step for step in plan.ranks[rank] if isinstance(step, Issue)]
     found: Counter[tuple[str, str, int, int]] = Counter()
@@ -314,7 +317,7 @@ def rank_report(
     from megatron.core import parallel_state
 
     pipeline_rank, global_rank = ranks
-    stages = model_stages(config, setup.schedule, setup.pipeline, pipeline_rank, len(chunks))
+    stages = model_stages(config, setup, pipeline_rank, len(chunks))
     lines, points, shape = messages(setup, config, pipeline_rank)
     report = RankReport(
         pipeline_rank=pipeline_rank,

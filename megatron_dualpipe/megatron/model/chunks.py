@@ -24,12 +24,12 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
+from ...schedules.registry import ScheduleSpec
 from ..grads.deferral import (
     ddp_config_for_deferral,
     enable_weight_grad_deferral,
     with_delay_wgrad_compute,
 )
-from ..schedule.checks import schedule_spec
 from .tied import mark_tied_copies, release_unused_output_weight
 
 __all__ = ["ChunkEnds", "build_chunks", "ddp_config", "ddp_config_fields", "model_config"]
@@ -44,19 +44,19 @@ class ChunkEnds:
     vp_stage: int | None
 
 
-def model_config(config: TransformerConfig, schedule: str, transformer_impl: str) -> Any:
+def model_config(config: TransformerConfig, schedule: ScheduleSpec, transformer_impl: str) -> Any:
     """``config`` for building the chunks: under a schedule that splits the backward with
     Transformer Engine layers, a copy with ``delay_wgrad_compute`` (TE then keeps each dW
     for ``backward_dw()``); else ``config`` itself."""
-    if schedule_spec(schedule).splits_backward and transformer_impl == "transformer_engine":
+    if schedule.splits_backward and transformer_impl == "transformer_engine":
         return with_delay_wgrad_compute(config)
     return config
 
 
-def ddp_config(schedule: str, **fields: Any) -> DistributedDataParallelConfig:
+def ddp_config(schedule: ScheduleSpec, **fields: Any) -> DistributedDataParallelConfig:
     """Megatron DDP's config with ``fields``: built for deferral
     (:func:`.deferral.ddp_config_for_deferral`) under a schedule that splits the backward."""
-    if schedule_spec(schedule).splits_backward:
+    if schedule.splits_backward:
         return ddp_config_for_deferral(**fields)
     return DistributedDataParallelConfig(**fields)
 
@@ -67,7 +67,7 @@ def ddp_config_fields(config: DistributedDataParallelConfig) -> dict[str, Any]:
 
 
 def build_chunks(
-    build: Callable[[ChunkEnds], nn.Module], ends: Sequence[ChunkEnds], schedule: str
+    build: Callable[[ChunkEnds], nn.Module], ends: Sequence[ChunkEnds], schedule: ScheduleSpec
 ) -> list[nn.Module]:
     """This rank's chunks, chunk 0 first: ``build(ends)`` for each, then what the module
     docstring lists (to run before any wrapper)."""
@@ -78,6 +78,6 @@ def build_chunks(
         chunk.vp_stage = chunk_ends.vp_stage
         chunks.append(chunk)
     mark_tied_copies(chunks)
-    if schedule_spec(schedule).splits_backward:
+    if schedule.splits_backward:
         enable_weight_grad_deferral(chunks)
     return chunks

@@ -28,8 +28,9 @@ from typing import Any
 from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
-from ...schedules.ir import Placement
-from ..schedule.checks import DualPipeConfigError, schedule_spec, stage_layers
+from ...schedules.pipeline_setup import PipelineSetup
+from ...schedules.registry import ScheduleSpec
+from ..schedule.checks import DualPipeConfigError
 
 __all__ = [
     "ChunkRole",
@@ -37,15 +38,7 @@ __all__ = [
     "chunk_roles",
     "config_chunk_roles",
     "embedding_ranks",
-    "placement_of",
 ]
-
-
-def placement_of(schedule: str, pipeline_size: int, num_microbatches: int = 2) -> Placement:
-    """The IR placement of ``schedule`` (micro-batches matter only for dualpipe's paths)."""
-    found = schedule_spec(schedule)
-    stages = found.chunks_per_rank() * pipeline_size
-    return Placement(found.placement, pipeline_size, stages, num_microbatches)
 
 
 @dataclass(frozen=True)
@@ -61,29 +54,16 @@ class ChunkRole:
     post_process: bool
 
 
-def _counts(schedule: str, pipeline_size: int, layers: int | Sequence[int]) -> tuple[int, ...]:
-    """Per-model-stage decoder counts: ``layers`` as given, or an even split of an int."""
-    if isinstance(layers, int):
-        return stage_layers(schedule, pipeline_size, layers)
-    counts = tuple(layers)
-    stages = schedule_spec(schedule).model_stages(pipeline_size)
-    if len(counts) != stages or min(counts, default=0) < 0:
+def chunk_roles(setup: PipelineSetup, rank: int) -> list[ChunkRole]:
+    """The chunks pipeline rank ``rank`` builds under ``setup`` (whose ``stage_layers``
+    give each model stage's decoder layers), chunk 0 first."""
+    counts = setup.stage_layers
+    if not counts:
         raise DualPipeConfigError(
-            f"{schedule} at PP={pipeline_size} runs {stages} model stages: give {stages} "
-            f"per-stage layer counts >= 0, got {list(counts)}"
+            f"the roles of {setup.name}'s chunks need each model stage's layer count: resolve "
+            "the setup with the model's layers"
         )
-    return counts
-
-
-def chunk_roles(
-    schedule: str, pipeline_size: int, rank: int, layers: int | Sequence[int]
-) -> list[ChunkRole]:
-    """The chunks pipeline rank ``rank`` builds under ``schedule``, chunk 0 first.
-
-    ``layers``: the decoder layers of each model stage in pipeline order (see
-    :func:`~.checks.stage_layers`), or ``num_layers`` split evenly."""
-    counts = _counts(schedule, pipeline_size, layers)
-    p = placement_of(schedule, pipeline_size)
+    p = setup.placement()
     roles = []
     for chunk in range(p.num_chunks):
         stage = p.stage_of(rank, chunk)
@@ -122,16 +102,9 @@ class StagePlacementLayout(PipelineParallelLayerLayout):
     for decoder and MTP layers) with global numbers, ``vp_stage`` meaning the local chunk.
     """
 
-    def __init__(
-        self,
-        schedule: str,
-        pipeline_size: int,
-        layers: int | Sequence[int],
-        mtp_num_layers: int | None = None,
-    ):
-        counts = _counts(schedule, pipeline_size, layers)
-        p = placement_of(schedule, pipeline_size)
-        contents = _stage_contents(counts, mtp_num_layers)
+    def __init__(self, setup: PipelineSetup, mtp_num_layers: int | None = None):
+        pipeline_size, p = setup.pipeline_size, setup.placement()
+        contents = _stage_contents(setup.stage_layers, mtp_num_layers)
         self.stages = PipelineParallelLayerLayout(contents, p.num_model_stages)
         # Megatron's 1-D order is chunk-major: entry c * P + r is rank r's chunk c.
         placed = [
@@ -140,8 +113,7 @@ class StagePlacementLayout(PipelineParallelLayerLayout):
             for rank in range(pipeline_size)
         ]
         super().__init__(placed, pipeline_size)
-        self.schedule = schedule
-        self.stage_layers = counts
+        self.setup = setup
         self.mtp_num_layers = mtp_num_layers
         self._placement = p
 
@@ -152,9 +124,7 @@ class StagePlacementLayout(PipelineParallelLayerLayout):
 
     def roles(self, rank: int) -> list[ChunkRole]:
         """:func:`chunk_roles` of ``rank`` under this layout."""
-        return chunk_roles(
-            self.schedule, self.pipeline_model_parallel_size, rank, self.stage_layers
-        )
+        return chunk_roles(self.setup, rank)
 
     def _model_stage(self, vp_stage: int | None, pp_rank: int | None) -> int:
         from megatron.core import parallel_state
@@ -182,31 +152,31 @@ class StagePlacementLayout(PipelineParallelLayerLayout):
 
     def __repr__(self) -> str:
         return (
-            f"StagePlacementLayout({self.schedule}, {self.pipeline_model_parallel_size}, "
-            f"{list(self.stage_layers)}, mtp={self.mtp_num_layers})"
+            f"StagePlacementLayout({self.setup.name}, {self.pipeline_model_parallel_size}, "
+            f"{list(self.setup.stage_layers)}, mtp={self.mtp_num_layers})"
         )
 
 
-def config_chunk_roles(
-    config: Any, schedule: str, pipeline_size: int, rank: int
-) -> list[ChunkRole]:
+def config_chunk_roles(config: Any, setup: PipelineSetup, rank: int) -> list[ChunkRole]:
     """:func:`chunk_roles` of ``rank`` for a model built from TransformerConfig ``config``:
     from its :class:`StagePlacementLayout` (required where the schedule places the chunks),
     else from Megatron's own split of the layers over the pipeline ranks."""
     layout = config.pipeline_model_parallel_layout
+    schedule, pipeline_size = setup.name, setup.pipeline_size
     if isinstance(layout, StagePlacementLayout):
-        if (layout.schedule, layout.pipeline_model_parallel_size) != (schedule, pipeline_size):
+        built = layout.setup
+        if (built.spec, built.pipeline_size) != (setup.spec, pipeline_size):
             raise DualPipeConfigError(
-                f"the model was built for {layout.schedule} at PP="
-                f"{layout.pipeline_model_parallel_size} but runs {schedule} at PP={pipeline_size}:"
-                " build it with StagePlacementLayout for the schedule it runs"
+                f"the model was built for {built.name} at PP={built.pipeline_size} but runs "
+                f"{schedule} at PP={pipeline_size}: build it with StagePlacementLayout for the "
+                "schedule it runs"
             )
         return layout.roles(rank)
-    if schedule_spec(schedule).places_chunks:
+    if setup.spec.places_chunks:
         raise DualPipeConfigError(
-            f"{schedule} needs the model config's pipeline_model_parallel_layout to be "
-            f"StagePlacementLayout({schedule!r}, {pipeline_size}, layers): Megatron's own "
-            "layouts cannot express its placement"
+            f"{schedule} needs the model config's pipeline_model_parallel_layout to be a "
+            f"StagePlacementLayout of its setup ({schedule} at PP={pipeline_size} with each "
+            "model stage's layers): Megatron's own layouts cannot express its placement"
         )
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
@@ -216,16 +186,16 @@ def config_chunk_roles(
         ]
     else:
         counts = [get_num_layers_to_build(config, pp_rank=r) for r in range(pipeline_size)]
-    return chunk_roles(schedule, pipeline_size, rank, counts)
+    return chunk_roles(setup.with_layers(tuple(counts)), rank)
 
 
-def embedding_ranks(schedule: str | None) -> Callable[[list[int]], list[int]] | None:
+def embedding_ranks(schedule: ScheduleSpec | None) -> Callable[[list[int]], list[int]] | None:
     """Megatron's ``get_embedding_ranks`` for ``initialize_model_parallel`` under
     ``schedule``: under dualpipe and dualpipev only the first pipeline rank, so Megatron's
     embedding-group all-reduce is empty (the embedding's copies on one rank are tied locally,
     :mod:`.tied`, and dualpipe's mirrored copies are summed, :mod:`.mirror`); None (Megatron's
     default: first and last rank) otherwise."""
-    if schedule is None or not schedule_spec(schedule).places_chunks:
+    if schedule is None or not schedule.places_chunks:
         return None
     return _first_rank
 

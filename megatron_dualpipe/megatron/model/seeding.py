@@ -30,6 +30,8 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from torch import nn
 
+from ...schedules.pipeline_setup import PipelineSetup
+from ..schedule.checks import pipeline_setup
 from .names import global_named_parameters
 from .placement import StagePlacementLayout, chunk_roles
 
@@ -44,7 +46,7 @@ class AsRank(StagePlacementLayout):
     def __init__(
         self, pipeline_size: int, layers: Sequence[int], mtp_num_layers: int | None, rank: int
     ):
-        super().__init__("1f1b", pipeline_size, layers, mtp_num_layers)
+        super().__init__(pipeline_setup("1f1b", pipeline_size, tuple(layers)), mtp_num_layers)
         self.as_rank = rank
         here = parallel_state.get_pipeline_model_parallel_rank()
         self.layout[here] = list(self.layout[rank])
@@ -53,22 +55,23 @@ class AsRank(StagePlacementLayout):
         return self.as_rank
 
 
-def one_f_one_b_owners(v_layers: Sequence[int], pipeline_size: int) -> list[list[int]] | None:
-    """Per dualpipev rank, per local chunk (``v_layers``: decoder layers of each of the V's
-    model stages), the 1F1B rank whose layers it holds under Megatron's even split; None
-    (for every rank alike) where 1F1B's split is not even or a chunk's layers span two
-    1F1B ranks."""
-    total = sum(v_layers)
+def one_f_one_b_owners(setup: PipelineSetup) -> list[list[int]] | None:
+    """Per rank of a dualpipev ``setup`` (its ``stage_layers``: decoder layers of each of
+    the V's model stages), per local chunk, the 1F1B rank whose layers it holds under
+    Megatron's even split; None (for every rank alike) where 1F1B's split is not even or a
+    chunk's layers span two 1F1B ranks."""
+    total, pipeline_size = sum(setup.stage_layers), setup.pipeline_size
     if total % pipeline_size:
         return None
     per = total // pipeline_size
-    owners = [_owners(v_layers, pipeline_size, rank, per) for rank in range(pipeline_size)]
+    owners = [_owners(setup, rank, per) for rank in range(pipeline_size)]
     return None if None in owners else owners
 
 
-def _owners(v_layers: Sequence[int], pipeline_size: int, rank: int, per: int) -> list[int] | None:
+def _owners(setup: PipelineSetup, rank: int, per: int) -> list[int] | None:
+    pipeline_size = setup.pipeline_size
     owners = []
-    for role in chunk_roles("dualpipev", pipeline_size, rank, v_layers):
+    for role in chunk_roles(setup, rank):
         first, last = role.layer_offset, role.layer_offset + role.num_layers - 1
         owner = min(first // per, pipeline_size - 1)
         if role.num_layers and last // per != owner:
@@ -124,22 +127,23 @@ def megatron_lm_seed(args: Any, pipeline_rank: int, use_cudagraphable_rng: bool)
 def values_as_1f1b(
     chunks: Sequence[nn.Module],
     *,
-    v_layers: Sequence[int],
-    pipeline_size: int,
+    setup: PipelineSetup,
     mtp_num_layers: int | None,
     config: Any,
     build: Callable[[Any, bool, bool], nn.Module],
     seed_as: Callable[[int], None],
 ) -> bool:
-    """Give this rank's dualpipev ``chunks`` the values 1F1B gives their parameters (see
-    the module docstring). ``build(config, pre_process, post_process)`` builds one chunk as
-    the run builds its chunks; ``seed_as(k)`` seeds every generator as Megatron-LM seeds
-    pipeline rank k. False (nothing changed) where the split does not allow it."""
-    every = one_f_one_b_owners(v_layers, pipeline_size)
+    """Give this rank's ``chunks`` of a dualpipev ``setup`` the values 1F1B gives their
+    parameters (see the module docstring). ``build(config, pre_process, post_process)``
+    builds one chunk as the run builds its chunks; ``seed_as(k)`` seeds every generator as
+    Megatron-LM seeds pipeline rank k. False (nothing changed) where the split does not
+    allow it."""
+    every = one_f_one_b_owners(setup)
     if every is None:
         return False
     owners = every[parallel_state.get_pipeline_model_parallel_rank()]
-    per = sum(v_layers) // pipeline_size
+    pipeline_size = setup.pipeline_size
+    per = sum(setup.stage_layers) // pipeline_size
     layers = [per] * pipeline_size
     with _random_state_kept(), torch.no_grad():
         for owner in sorted(set(owners)):

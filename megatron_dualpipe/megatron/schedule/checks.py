@@ -2,7 +2,8 @@
 
 Each failure is one :class:`DualPipeConfigError` sentence saying what is wrong and what to
 change. The schedules' own facts (chunks, placement, legal micro-batch counts) come from
-the schedule registry.
+the schedule registry, looked up by name here once (:func:`pipeline_setup`,
+:func:`schedule_spec`); every check takes the resolved spec.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from ...errors import DualPipeError
 from ...schedules.ir import ScheduleError
 from ...schedules.layer_split import LayerSplit, stage_layouts
 from ...schedules.layout import DECODER
+from ...schedules.pipeline_setup import PipelineSetup
 from ...schedules.registry import SCHEDULES, ScheduleSpec, spec
 
 __all__ = [
@@ -18,6 +20,7 @@ __all__ = [
     "check_run",
     "cuda_device_max_connections",
     "overlap_problem",
+    "pipeline_setup",
     "schedule_spec",
     "stage_layers",
 ]
@@ -35,8 +38,25 @@ def schedule_spec(name: str) -> ScheduleSpec:
         raise DualPipeConfigError(str(err)) from None
 
 
+def pipeline_setup(
+    schedule: str, pipeline_size: int, layers: int | tuple[int, ...] | None = None, **split: object
+) -> PipelineSetup:
+    """``schedule`` resolved once on ``pipeline_size`` ranks, with the decoder layers of each
+    model stage: ``layers`` as given (one count per model stage), an int split as
+    :func:`stage_layers` splits it (``split``: its keywords), or None (Megatron's own split,
+    read later from the model's config). Unknown names and wrong counts are a
+    :class:`DualPipeConfigError`."""
+    found = schedule_spec(schedule)
+    if isinstance(layers, int):
+        layers = stage_layers(found, pipeline_size, layers, **split)
+    try:
+        return PipelineSetup(found, pipeline_size, tuple(layers or ()))
+    except ScheduleError as err:
+        raise DualPipeConfigError(str(err)) from None
+
+
 def stage_layers(
-    schedule: str,
+    schedule: ScheduleSpec,
     pipeline_size: int,
     num_layers: int,
     *,
@@ -55,8 +75,8 @@ def stage_layers(
     (:mod:`~..schedules.layout`, which reads it as Megatron-Core's parser does, also for the
     balance advisor; the MTP layers in the last stage, with the loss). Raises
     :class:`DualPipeConfigError`, one sentence with the fix."""
-    stages = schedule_spec(schedule).model_stages(pipeline_size)
-    where = f"{schedule} at PP={pipeline_size} runs {stages} model stages"
+    stages = schedule.model_stages(pipeline_size)
+    where = f"{schedule.name} at PP={pipeline_size} runs {stages} model stages"
     try:
         split = LayerSplit(num_layers, first, last, account_for_embedding, account_for_loss)
         layouts = stage_layouts(split, stages, layout, mtp_num_layers or 0)
@@ -66,7 +86,7 @@ def stage_layers(
 
 
 def check_run(
-    schedule: str,
+    found: ScheduleSpec,
     *,
     pipeline_size: int,
     num_microbatches: int,
@@ -76,7 +96,7 @@ def check_run(
     """Refuse unsupported combinations for a schedule our runtime runs: too few ranks, a
     virtual pipeline, context parallelism, illegal micro-batch counts. (How the layers split
     into stages: :func:`stage_layers`; the placement's roles check the model's config.)"""
-    found = schedule_spec(schedule)
+    schedule = found.name
     if not found.runs_ours:
         ours = ", ".join(n for n, s in SCHEDULES.items() if s.runs_ours)
         raise DualPipeConfigError(
@@ -103,7 +123,7 @@ def check_run(
 
 
 def overlap_problem(
-    schedule: str,
+    found: ScheduleSpec,
     *,
     expert_parallel: int,
     dispatcher: str,
@@ -117,9 +137,9 @@ def overlap_problem(
     None. ``moe``: whether the model has routed experts."""
     pairs = [n for n, s in SCHEDULES.items() if s.places_chunks]
     needs: list[tuple[str, str]] = []  # (what it needs, what to change)
-    if schedule not in pairs:
+    if not found.places_chunks:
         needs.append((
-            f"a schedule with FB pairs to overlap ({' or '.join(pairs)}; {schedule} has none)",
+            f"a schedule with FB pairs to overlap ({' or '.join(pairs)}; {found.name} has none)",
             f"choose {' or '.join(pairs)}",
         ))  # fmt: skip
     if not moe:

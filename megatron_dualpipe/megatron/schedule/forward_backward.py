@@ -60,6 +60,8 @@ from megatron.core.utils import get_model_config, unwrap_model
 from ...runtime import DEFAULT_TIMEOUT_S, PipelineExecutor, RankTimeline, TensorSpec
 from ...runtime.mirror import MirrorPair
 from ...schedules.ir import Action, Kind, Schedule
+from ...schedules.pipeline_setup import PipelineSetup
+from ...schedules.registry import ScheduleSpec
 from ...schedules.step_collectives import grad_final_points
 from ..grads.deferral import te_layers_left_to_plan
 from ..grads.mirror import (
@@ -166,7 +168,7 @@ class _Prepared:
 
 class DualPipeForwardBackward:
     """Megatron's forward-backward signature, running ``schedule`` (one the registry says
-    our runtime runs: zb1p, dualpipe, dualpipev).
+    our runtime runs: zb1p, dualpipe, dualpipev; a name is resolved to its spec here, once).
 
     ``timeout_s`` bounds every pipeline wait (messages, mirror exchanges) and defaults to
     Megatron-LM's ``--distributed-timeout-minutes`` default; ``timeline_sink``, when set,
@@ -181,22 +183,21 @@ class DualPipeForwardBackward:
 
     def __init__(
         self,
-        schedule: str,
+        schedule: ScheduleSpec | str,
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         timeline_sink: TimelineSink | None = None,
         graph_safe: bool = False,
         mirror_slice_bytes: int = SLICE_BYTES,
     ):
-        self.spec = schedule_spec(schedule)
+        self.spec = schedule if isinstance(schedule, ScheduleSpec) else schedule_spec(schedule)
         if not self.spec.runs_ours:
             raise DualPipeConfigError(
-                f"{schedule} is Megatron-Core's own schedule: use Megatron's "
+                f"{self.spec.name} is Megatron-Core's own schedule: use Megatron's "
                 "get_forward_backward_func for it"
             )
         if graph_safe and timeline_sink is not None:
             raise DualPipeConfigError(_NO_TIMELINE)
-        self.schedule_name = schedule
         self.timeout_s = timeout_s
         self.timeline_sink = timeline_sink
         self.graph_safe = graph_safe
@@ -210,6 +211,11 @@ class DualPipeForwardBackward:
         self.last_overlap: OverlapReport | None = None
         #: Put every action of a step in a profiler span (see :meth:`profiling`).
         self.record_spans = False
+
+    @property
+    def schedule_name(self) -> str:
+        """The schedule's name, as ``--pipeline-schedule`` spells it."""
+        return self.spec.name
 
     def __repr__(self) -> str:
         return f"DualPipeForwardBackward({self.schedule_name!r})"
@@ -277,14 +283,15 @@ class DualPipeForwardBackward:
         if prepared is not None:
             prepared.executor.close()  # its helper threads go with it
         check_run(
-            self.schedule_name,
+            self.spec,
             pipeline_size=groups.pp_size,
             num_microbatches=num_microbatches,
             virtual_pipeline_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
             context_parallel_size=groups.cp_size,
         )
         schedule = self.schedule_to_run(groups.pp_size, num_microbatches)
-        roles = config_chunk_roles(config, self.schedule_name, groups.pp_size, groups.pp_rank)
+        setup = PipelineSetup(self.spec, groups.pp_size)
+        roles = config_chunk_roles(config, setup, groups.pp_rank)
         overlap = self._overlap(config, model)
         stages = [
             MegatronStage(m, role, overlap=overlap) for m, role in zip(model, roles, strict=True)

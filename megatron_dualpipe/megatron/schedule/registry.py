@@ -50,9 +50,10 @@ def get_forward_backward_func(
     :class:`~.forward_backward.DualPipeForwardBackward`); ``megatron_kwargs`` are
     Megatron's other keywords (0.19: ``schedule_pg_collection``), passed to Megatron's
     choice."""
-    if pipeline_schedule is not None and schedule_spec(pipeline_schedule).runs_ours:
+    found = None if pipeline_schedule is None else schedule_spec(pipeline_schedule)
+    if found is not None and found.runs_ours:
         return DualPipeForwardBackward(
-            pipeline_schedule,
+            found,
             timeout_s=timeout_s,
             graph_safe=graph_safe,
             mirror_slice_bytes=mirror_slice_bytes,
@@ -97,9 +98,9 @@ def install(pipeline_schedule: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> 
     Megatron's own: Megatron's choice, unchanged). Installing again replaces the previous
     installation. Modules imported later are not patched."""
     uninstall()
-    forward_backward = None
-    if schedule_spec(pipeline_schedule).runs_ours:
-        forward_backward = DualPipeForwardBackward(pipeline_schedule, timeout_s=timeout_s)
+    found, forward_backward = schedule_spec(pipeline_schedule), None
+    if found.runs_ours:
+        forward_backward = DualPipeForwardBackward(found, timeout_s=timeout_s)
     patched = []
     for module in _megatron_modules():
         original = getattr(module, "get_forward_backward_func", None)

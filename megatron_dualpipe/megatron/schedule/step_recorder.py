@@ -38,7 +38,7 @@ from megatron.core.utils import get_model_config
 from ...runtime import RankTimeline, gather_timeline
 from ...runtime.timeline import clock_for, start_barrier
 from ...schedules.ir import Action, Kind, Schedule
-from ...schedules.registry import generate
+from ...schedules.registry import ScheduleSpec
 from ...schedules.simulate import SimResult
 from .forward_backward import DualPipeForwardBackward
 
@@ -56,13 +56,14 @@ class StepRecorder:
 
     def __init__(
         self,
-        schedule: str,
+        schedule: ScheduleSpec,
         forward_backward: Callable[..., Any],
         model: Sequence[Any],
         config: Any,
         num_microbatches: int,
     ):
-        self.schedule_name = schedule
+        self.spec = schedule
+        self.schedule_name = schedule.name
         self.forward_backward = forward_backward
         self.model = list(model)
         self.config = config
@@ -85,7 +86,7 @@ class StepRecorder:
             return self
         chunks = len(self.model)
         options = {"chunks": chunks} if chunks > 1 else {}
-        self.schedule = generate(self.schedule_name, self.pp_size, self.num_microbatches, **options)
+        self.schedule = self.spec.generate(self.pp_size, self.num_microbatches, **options)
         start_barrier(self.group)
         device = next(self.model[0].parameters()).device
         self.timeline = RankTimeline(self.pp_rank, clock=clock_for(device))
@@ -213,7 +214,7 @@ class MeasuredForwardBackward:
     def __init__(
         self,
         forward_backward: Callable[..., Any],
-        schedule: str,
+        schedule: ScheduleSpec,
         *,
         iteration: Callable[[], int],
         skip: int = 1,
