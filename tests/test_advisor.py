@@ -13,7 +13,7 @@ import pytest
 
 from megatron_dualpipe.bench.catalog import SCHEDULES as CATALOG
 from megatron_dualpipe.planner.advisor import (
-    PipelineSetup,
+    ParallelSetup,
     advise,
     stages_for,
 )
@@ -124,7 +124,7 @@ def _shape(rng: random.Random) -> ModelShape:
 def test_the_proposal_is_never_slower_and_stays_within_the_cap(name: str, seed: int) -> None:
     rng = random.Random(seed)
     shape = _shape(rng)
-    setup = PipelineSetup(
+    setup = ParallelSetup(
         micro_batch_size=1,
         global_batch_size=12,
         pipeline_schedule=name,
@@ -136,7 +136,7 @@ def test_the_proposal_is_never_slower_and_stays_within_the_cap(name: str, seed: 
     assert advice.after.peak_memory <= advice.memory_cap == advice.before.peak_memory
     # What it proposes is what the config's keys give once set.
     stages = advice.schedule.placement.num_model_stages
-    proposed = PipelineSetup(**{**vars(setup), **advice.changes()})
+    proposed = ParallelSetup(**{**vars(setup), **advice.changes()})
     assert tuple(stages_for(shape, proposed, stages)) == advice.after.stages
 
 
@@ -149,7 +149,7 @@ def test_a_tighter_memory_cap_is_respected_or_refused_in_one_sentence() -> None:
         vocab_size=32000,
         mtp_num_layers=1,
     )
-    setup = PipelineSetup(
+    setup = ParallelSetup(
         micro_batch_size=1,
         global_batch_size=16,
         pipeline_schedule="dualpipev",
@@ -168,7 +168,7 @@ def test_progress_is_reported() -> None:
     shape = ModelShape(
         num_layers=10, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=4096
     )
-    setup = PipelineSetup(
+    setup = ParallelSetup(
         micro_batch_size=1,
         global_batch_size=8,
         pipeline_schedule="dualpipev",
@@ -200,7 +200,7 @@ def test_a_setup_the_advisor_cannot_use_is_one_sentence(overrides: dict, message
         **overrides,
     }
     with pytest.raises(ScheduleError, match=message):
-        advise(shape, PipelineSetup.from_values(values, "cfg.yaml"))
+        advise(shape, ParallelSetup.from_values(values, "cfg.yaml"))
 
 
 def test_the_config_split_keys_are_read_as_megatron_and_the_layout_exclusively() -> None:
@@ -218,16 +218,16 @@ def test_the_config_split_keys_are_read_as_megatron_and_the_layout_exclusively()
         pipeline_schedule="dualpipev",
         pipeline_model_parallel_size=2,
     )
-    uneven = PipelineSetup(
+    uneven = ParallelSetup(
         **base, decoder_first_pipeline_num_layers=2, decoder_last_pipeline_num_layers=2
     )
     assert stages_for(shape, uneven, 4) == ["Ett", "t", "t", "ttmL"]
-    layout = PipelineSetup(**base, pipeline_model_parallel_layout="Et|tt|ttt|mL")
+    layout = ParallelSetup(**base, pipeline_model_parallel_layout="Et|tt|ttt|mL")
     assert stages_for(shape, layout, 4) == ["Et", "tt", "ttt", "mL"]
-    standalone_mtp = PipelineSetup(**base, pipeline_model_parallel_layout="Ett|tt|tt|m|L")
+    standalone_mtp = ParallelSetup(**base, pipeline_model_parallel_layout="Ett|tt|tt|m|L")
     with pytest.raises(ScheduleError, match="MTP layers \\(m\\) and the loss \\(L\\) in the last"):
         stages_for(shape, standalone_mtp, 5)
-    both = PipelineSetup(**{**vars(layout), "decoder_first_pipeline_num_layers": 1})
+    both = ParallelSetup(**{**vars(layout), "decoder_first_pipeline_num_layers": 1})
     with pytest.raises(ScheduleError, match="cannot be combined with first/last"):
         stages_for(shape, both, 4)
 
@@ -266,7 +266,7 @@ def test_the_leanest_split_is_found_when_the_cap_allows_only_it(
     further where no single one does (these shapes: a descent on the peak, or on the
     memory over the cap alone, stopped short and refused)."""
     shape = _shape(random.Random(seed))
-    setup = PipelineSetup(
+    setup = ParallelSetup(
         micro_batch_size=1,
         global_batch_size=4 * pp,
         pipeline_schedule=name,

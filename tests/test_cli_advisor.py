@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from megatron_dualpipe.cli import main
-from megatron_dualpipe.planner.advisor import PipelineSetup, stages_for
+from megatron_dualpipe.planner.advisor import ParallelSetup, stages_for
 from megatron_dualpipe.planner.model_cost import ModelShape
 from megatron_dualpipe.schedules.config_values import read_values
 from megatron_dualpipe.schedules.layout import format_layout
@@ -52,7 +52,7 @@ def _with_pasted_lines(config: Path, text: str, tmp_path: Path) -> Path:
 def _stages(config: Path) -> list[str]:
     values = read_values(config)
     shape = ModelShape.from_values(values, str(config))
-    setup = PipelineSetup.from_values(values, str(config))
+    setup = ParallelSetup.from_values(values, str(config))
     from megatron_dualpipe.schedules.registry import spec
 
     found = spec(setup.pipeline_schedule)

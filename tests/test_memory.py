@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from megatron_dualpipe.planner.advisor import PipelineSetup, stages_for
+from megatron_dualpipe.planner.advisor import ParallelSetup, stages_for
 from megatron_dualpipe.planner.config_advice import MEGATRON_LM_UNSET
 from megatron_dualpipe.planner.memory import (
     GIB,
@@ -204,7 +204,7 @@ def test_bad_settings_are_one_sentence(settings: dict, message: str) -> None:
 def _deepseek_ranks(overrides: list[str]) -> list[Any]:
     values = {**MEGATRON_LM_UNSET, **read_values(DEEPSEEK, overrides)}
     shape = ModelShape.from_values(values, "deepseek")
-    setup = PipelineSetup.from_values(values, "deepseek")
+    setup = ParallelSetup.from_values(values, "deepseek")
     settings = MemorySettings.from_values(values, "deepseek")
     found = spec(setup.pipeline_schedule)
     schedule = found.generate(setup.pipeline_model_parallel_size, setup.num_microbatches)

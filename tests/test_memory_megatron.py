@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dualpipe.planner.advisor import PipelineSetup
+from megatron_dualpipe.planner.advisor import ParallelSetup
 from megatron_dualpipe.planner.memory import MemorySettings
 from megatron_dualpipe.planner.memory_bridge import TOLERANCE, bridges
 from megatron_dualpipe.planner.model_cost import ModelShape
@@ -109,11 +109,11 @@ def test_megatron_lms_formula_plus_the_named_steps_is_ours(
         assert abs(bridge["residual"]) <= TOLERANCE, bridge
 
 
-def _dense_gpt() -> tuple[ModelShape, PipelineSetup]:
+def _dense_gpt() -> tuple[ModelShape, ParallelSetup]:
     shape = ModelShape(
         num_layers=8, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=256
     )
-    setup = PipelineSetup(
+    setup = ParallelSetup(
         micro_batch_size=2,
         global_batch_size=32,
         pipeline_schedule="1f1b",

@@ -40,7 +40,7 @@ __all__ = [
     "SPLIT_KEYS",
     "Advice",
     "Candidate",
-    "PipelineSetup",
+    "ParallelSetup",
     "StageTiming",
     "advise",
     "config_split_lines",
@@ -67,7 +67,7 @@ FIT_EXPANSIONS = 64
 
 
 @dataclass(frozen=True)
-class PipelineSetup:
+class ParallelSetup:
     """The parallel and training settings that decide per-rank costs and memory, and the
     config's split settings (Megatron-LM's keys and defaults)."""
 
@@ -124,9 +124,9 @@ class PipelineSetup:
     @staticmethod
     def from_values(
         values: dict, source: str, origins: Mapping[str, str] | None = None
-    ) -> PipelineSetup:
+    ) -> ParallelSetup:
         """Read the settings from a config's values; :class:`ConfigValueError` naming the key."""
-        return read_fields(PipelineSetup, values, source, origins)
+        return read_fields(ParallelSetup, values, source, origins)
 
     @property
     def world(self) -> int:
@@ -287,7 +287,7 @@ class Advice:
 
 def advise(
     shape: ModelShape,
-    setup: PipelineSetup,
+    setup: ParallelSetup,
     *,
     schedule: str | None = None,
     microbatches: int | None = None,
@@ -378,7 +378,7 @@ def advise(
     )
 
 
-def stages_for(shape: ModelShape, setup: PipelineSetup, model_stages: int) -> list[str]:
+def stages_for(shape: ModelShape, setup: ParallelSetup, model_stages: int) -> list[str]:
     """The config's split as layout strings over ``model_stages`` stages in pipeline order
     (a layout string as given, with the MTP layers in the loss's stage as our schedules
     place them; first/last counts and accounting through
@@ -405,7 +405,7 @@ class _Search:
     def __init__(
         self,
         shape: ModelShape,
-        setup: PipelineSetup,
+        setup: ParallelSetup,
         schedule: Schedule,
         settings: MemorySettings,
         timing: StageTiming | None,
@@ -730,11 +730,11 @@ def _recompute_note(search: _Search) -> str:
     )
 
 
-def _has_split(setup: PipelineSetup) -> bool:
+def _has_split(setup: ParallelSetup) -> bool:
     return any(getattr(setup, key) not in (None, False) for key in SPLIT_KEYS)
 
 
-def config_split_lines(setup: PipelineSetup) -> dict[str, object]:
+def config_split_lines(setup: ParallelSetup) -> dict[str, object]:
     """The split keys the config sets (:data:`SPLIT_KEYS`), with their values."""
     return {k: getattr(setup, k) for k in SPLIT_KEYS if getattr(setup, k) not in (None, False)}
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..schedules.config_values import override_origins, read_values
-from .advisor import GIB, Advice, PipelineSetup, advise
+from .advisor import GIB, Advice, ParallelSetup, advise
 from .memory import MemorySettings
 from .model_cost import ModelShape
 from .nccl_memory import NcclBuffers
@@ -32,7 +32,7 @@ class ConfigModel:
     values: dict[str, Any]
     origins: dict[str, str]
     shape: ModelShape
-    setup: PipelineSetup
+    setup: ParallelSetup
 
     @staticmethod
     def read(config: str | Path, overrides: Iterable[str]) -> ConfigModel:
@@ -41,7 +41,7 @@ class ConfigModel:
         source, origins = override_origins(config, overrides)
         values = {**MEGATRON_LM_UNSET, **read_values(config, overrides)}
         shape = ModelShape.from_values(values, source, origins)
-        setup = PipelineSetup.from_values(values, source, origins)
+        setup = ParallelSetup.from_values(values, source, origins)
         return ConfigModel(source, values, origins, shape, setup)
 
     def memory_settings(self) -> MemorySettings:

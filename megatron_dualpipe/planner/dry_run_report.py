@@ -14,7 +14,7 @@ from typing import Any
 
 from ..schedules.ir import ScheduleError
 from ..schedules.registry import spec
-from .advisor import PipelineSetup, stages_for
+from .advisor import ParallelSetup, stages_for
 from .memory import GIB, MemoryModel, MemorySettings, RankMemory
 from .model_cost import ModelShape
 
@@ -34,7 +34,7 @@ def memory_of_ranks(values: Mapping[str, Any], notes: list[str]) -> list[RankMem
         return []
     try:
         shape = ModelShape.from_values(dict(values), "config")
-        setup = PipelineSetup.from_values(dict(values), "config")
+        setup = ParallelSetup.from_values(dict(values), "config")
         settings = MemorySettings.from_values(values, "config")
         pp = values["pipeline_model_parallel_size"]
         schedule = found.generate(pp, values["num_microbatches"])
@@ -158,7 +158,7 @@ def dry_run_lines(
     parameters counted once."""
     s = result.setup
     lines = [
-        f"dry run of {s.schedule} at PP={s.pipeline} TP={s.tensor} EP={s.expert} DP={s.data} "
+        f"dry run of {s.schedule.name} at PP={s.pipeline} TP={s.tensor} EP={s.expert} DP={s.data} "
         f"in a fake world of {s.world_size} ranks, {s.microbatches} micro-batches: model "
         "chunks on the meta device (nothing allocated)"
     ]

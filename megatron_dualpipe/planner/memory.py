@@ -323,7 +323,7 @@ class MemoryModel:
     def for_setup(
         cls, shape: ModelShape, setup: Any, schedule: Schedule, settings: MemorySettings
     ) -> MemoryModel:
-        """The model of a config: ``setup`` is the advisor's ``PipelineSetup`` (sizes,
+        """The model of a config: ``setup`` is the advisor's ``ParallelSetup`` (sizes,
         precision, optimizer), micro-batches of ``micro_batch_size`` sequences."""
         return cls(
             shape,

@@ -94,7 +94,7 @@ def bridges(
 ) -> list[Bridge]:
     """The two bridges (weights, gradients and optimizer states on the last rank, which
     holds the MTP block; activations on the first) for ``setup`` (the advisor's
-    ``PipelineSetup``, bf16 Adam, no sequence parallelism) under the 1F1B ``schedule`` with
+    ``ParallelSetup``, bf16 Adam, no sequence parallelism) under the 1F1B ``schedule`` with
     the config's ``stages``."""
     if schedule.name != "1f1b":
         raise ScheduleError("Megatron-LM's memory formula is for 1F1B: bridge a 1f1b schedule")

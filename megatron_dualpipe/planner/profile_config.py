@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from ..schedules.cost import CostModel
 from ..schedules.ir import Placement, ScheduleError
 from ..schedules.layer_split import stages_from_counts
-from .advisor import PipelineSetup, StageTiming, even_counts, stages_for
+from .advisor import ParallelSetup, StageTiming, even_counts, stages_for
 from .model_cost import ModelShape, stage_costs
 from .profile_trace import TraceCosts
 
@@ -42,7 +42,7 @@ class ConfigCosts:
         return self.split == "config's"
 
 
-def _options(setup: PipelineSetup, shape: ModelShape) -> dict:
+def _options(setup: ParallelSetup, shape: ModelShape) -> dict:
     return {
         "tokens": setup.micro_batch_size * shape.seq_length,
         "tensor_parallel": setup.tensor_model_parallel_size,
@@ -51,7 +51,7 @@ def _options(setup: PipelineSetup, shape: ModelShape) -> dict:
     }
 
 
-def profile_timing(profile: TraceCosts, shape: ModelShape, setup: PipelineSetup) -> StageTiming:
+def profile_timing(profile: TraceCosts, shape: ModelShape, setup: ParallelSetup) -> StageTiming:
     """The profile's ms per FLOP of each pass, found on one of the model's layers (the
     first MoE layer, else the first), with its pair overlap and all-to-all shares;
     :class:`ScheduleError` where the profile is not per layer."""
@@ -74,7 +74,7 @@ def profile_timing(profile: TraceCosts, shape: ModelShape, setup: PipelineSetup)
 def timed_costs(
     timing: StageTiming,
     shape: ModelShape,
-    setup: PipelineSetup,
+    setup: ParallelSetup,
     stages: Sequence[str],
     split: str,
     latency: float = 0.0,
@@ -90,7 +90,7 @@ def timed_costs(
 def config_costs(
     timing: StageTiming,
     shape: ModelShape,
-    setup: PipelineSetup,
+    setup: ParallelSetup,
     placement: Placement,
     latency: float = 0.0,
 ) -> ConfigCosts:

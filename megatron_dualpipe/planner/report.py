@@ -10,7 +10,7 @@ from ..schedules.ir import Schedule
 from ..schedules.layout import format_layout
 from ..schedules.nccl_rules import NcclReport
 from ..schedules.simulate import SimResult
-from .advisor import Advice, PipelineSetup
+from .advisor import Advice, ParallelSetup
 from .bound import StepBound, step_bound
 from .memory import MemorySettings, RankMemory
 from .nccl_memory import NcclBuffers, nccl_memory
@@ -309,7 +309,7 @@ def memory_table(ranks: Sequence[RankMemory], *, markdown: bool = False) -> str:
     return (markdown_table if markdown else text_table)(header, rows)
 
 
-def memory_report(advice: Advice, setup: PipelineSetup, settings: MemorySettings) -> str:
+def memory_report(advice: Advice, setup: ParallelSetup, settings: MemorySettings) -> str:
     """The memory of every rank under the config's split (``before``), part by part."""
     ranks = advice.rank_memory(advice.before)
     dp, ep = setup.data_parallel_size, setup.expert_model_parallel_size
