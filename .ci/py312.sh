@@ -5,7 +5,7 @@
 #   - on 0.19.2, every test marked megatron but slow, and the slow ones marked route (they
 #     run train: Megatron-LM's own loop, which only 0.19's wheel ships; leg 1 runs every
 #     other slow one on 0.16.1: both legs share two cores, and the slow ones twice kept CI
-#     over 30 minutes);
+#     over 30 minutes), half of those beside the rest;
 #   - smoke runs of 0.17.1 and 0.18.2: each wheel installed without dependencies into its
 #     own folder (.ci/megatron-core-X) put first on PYTHONPATH, no second torch: the
 #     version tests, every schedule against the non-pipelined reference through Megatron's
@@ -53,10 +53,24 @@ part() {  # part NAME COMMAND...
     results+=("py312.sh: $name: failed (exit $rc)"); failed=1; fi
   echo "${results[-1]}"
 }
+# Two runs side by side: the slow tests of Megatron-LM's own loop in files of ranks and
+# faults (half A, in the background: its output is printed when it ends), and every fast
+# megatron test then the other slow ones. Run one after the other, the slow ones took about
+# as long alone as beside leg 1: their time goes to starting ranks (each a Python importing
+# torch and megatron) and waiting on them, not to the cores.
+route_a=(tests/test_megatron_lm_loop.py tests/test_fault_orphans.py tests/test_fault_ranks.py
+  tests/test_megatron_lm_faults.py tests/test_slurm.py)
+python -m pytest -m "route and slow" -p no:cacheprovider "${route_a[@]}" > .ci/route-a.log 2>&1 &
+route_a_pid=$!
 part "megatron-core 0.19.2, every test marked megatron but slow" \
   python -m pytest -m "megatron and not slow"
-part "megatron-core 0.19.2, the slow tests of Megatron-LM's own loop" \
-  python -m pytest -m "route and slow" -p no:cacheprovider
+part "megatron-core 0.19.2, the slow tests of Megatron-LM's own loop, half B" \
+  python -m pytest -m "route and slow" -p no:cacheprovider "${route_a[@]/#/--ignore=}"
+route_a_rc=0
+wait "$route_a_pid" || route_a_rc=$?
+cat .ci/route-a.log
+part "megatron-core 0.19.2, the slow tests of Megatron-LM's own loop, half A" \
+  bash -c "exit $route_a_rc"
 
 for release in 0.17.1 0.18.2; do
   target=.ci/megatron-core-$release

@@ -29,6 +29,7 @@ from megatron_dualpipe.megatron.lm_args import (
     megatron_lm_argv,
 )
 from megatron_dualpipe.megatron.lm_launch import megatron_lm_run_argv
+from tests.multiproc import run_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny_gpt_cpu.yaml"
@@ -633,26 +634,21 @@ def _indexed_dataset(prefix: Path, documents: int) -> str:
     return str(prefix)
 
 
-@pytest.mark.megatron
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "case",
-    [
-        "no .idx",
-        "a split without tokens",
-        "split 0,0,0",
-        "a token beyond the vocabulary",
-        "a cache beside the data that cannot be written",
-    ],
-)
-@pytest.mark.route
-def test_data_files_that_cannot_train_are_refused_before_any_rank(
-    tmp_path: Path, case: str
-) -> None:
-    """Megatron-LM's GPTDataset loops for ever on a split without tokens (its legacy split,
-    969,30,1, gives the valid split of 3 documents none), and fails in every rank on a
-    missing file or a split it cannot read: one sentence first."""
-    prefix = _indexed_dataset(tmp_path / "data" / "c3_text_document", 3)
+#: Data files that cannot train, each with the ``--set`` items that give them to the tiny
+#: config (the dataset prefix is ``{prefix}``, a blend's config file ``{blend}``).
+DATA_CASES = {
+    "no .idx": [],
+    "a split without tokens": [],
+    "split 0,0,0": ["split=0,0,0"],
+    "a token beyond the vocabulary": ["split=1,0,0"],
+    "a cache beside the data that cannot be written": ["split=1,0,0"],
+}
+
+
+def _data_case(root: Path, case: str) -> tuple[str, list[str], str]:
+    """The config, its ``--set`` items and the dataset prefix of one of :data:`DATA_CASES`,
+    its files written under ``root``."""
+    prefix = _indexed_dataset(root / "data" / "c3_text_document", 3)
     if case == "no .idx":
         Path(f"{prefix}.idx").unlink()
     if case == "a cache beside the data that cannot be written":
@@ -661,13 +657,66 @@ def test_data_files_that_cannot_train_are_refused_before_any_rank(
     # Megatron-Core's NullTokenizer(4): ids 0 to 3 (3 its end of document); the data holds 5.
     vocab = 4 if case == "a token beyond the vocabulary" else 64
     sets = [f"data_path={prefix}", "tokenizer_type=NullTokenizer", f"vocab_size={vocab}"]
-    more = {
-        "split 0,0,0": ["split=0,0,0"],
-        "a token beyond the vocabulary": ["split=1,0,0"],
-        "a cache beside the data that cannot be written": ["split=1,0,0"],
-    }
-    said = _refused(*sets, *more.get(case, []))
-    assert said.startswith(f"megatron-dualpipe: error: {TINY} with --set train_iters=3 ")
+    return str(TINY), [*SETS, *sets, *DATA_CASES[case]], prefix
+
+
+def _blend_case(root: Path, weighted: bool) -> tuple[str, list[str], str]:
+    """Two datasets of 3 documents (9 tokens each) as one blend, weighted or not; the
+    first's prefix."""
+    a = _indexed_dataset(root / "data" / "a_text_document", 3)
+    b = _indexed_dataset(root / "data" / "b_text_document", 3)
+    config = root / "blend.yaml"
+    blend = [0.5, a, 0.5, b] if weighted else [a, b]
+    config.write_text(TINY.read_text() + f"data_path: {json.dumps(blend)}\nvocab_size: 64\n")
+    return str(config), list(SETS), a
+
+
+def _refusals(rank: int, world_size: int, cases: dict) -> dict[str, str | None]:
+    """One forked process (one import of Megatron-LM's training for every case): each
+    case's config through the checks ``train`` runs before any rank, in the patched
+    ``megatron.training`` it runs them in; the sentence it is refused with, or None."""
+    from megatron_dualpipe.megatron.lm_launch import checked_run_argv, megatron_lm_config
+
+    said: dict[str, str | None] = {}
+    first_config, first_sets, _ = next(iter(cases.values()))
+    # The first case's copy of megatron/training stays on the path throughout: what the
+    # checks import later resolves there.
+    with megatron_lm_config(Path(first_config), first_sets):
+        for name, (config, sets, _) in cases.items():
+            try:
+                with megatron_lm_config(Path(config), sets) as (settings, source):
+                    checked_run_argv(settings, source, on_cpu=True)
+                said[name] = None
+            except MegatronLMConfigError as err:
+                said[name] = str(err)
+    return said
+
+
+@pytest.fixture(scope="module")
+def data_refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str]]:
+    """Every data case's (refusal, dataset prefix): :data:`DATA_CASES` and the two blends."""
+    cases = {c: _data_case(tmp_path_factory.mktemp("data"), c) for c in DATA_CASES}
+    for weighted, name in ((False, "blend unweighted"), (True, "blend weighted")):
+        cases[name] = _blend_case(tmp_path_factory.mktemp("blend"), weighted)
+    (said,) = run_workers(_refusals, 1, args=(cases,), timeout_s=300.0)
+    return {name: (said[name], cases[name][2]) for name in cases}
+
+
+@pytest.mark.megatron
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(DATA_CASES))
+@pytest.mark.route
+def test_data_files_that_cannot_train_are_refused_before_any_rank(
+    data_refusals: dict, case: str
+) -> None:
+    """Megatron-LM's GPTDataset loops for ever on a split without tokens (its legacy split,
+    969,30,1, gives the valid split of 3 documents none), and fails in every rank on a
+    missing file or a split it cannot read: one sentence first (the checks ``train`` runs
+    before any rank; that ``train`` runs them: the test after this one)."""
+    said, prefix = data_refusals[case]
+    vocab = 4 if case == "a token beyond the vocabulary" else 64
+    assert said is not None and said.startswith(f"{TINY} with --set train_iters=3 "), said
     assert said.split(f" --set vocab_size={vocab}", 1)[1] == {
         "no .idx": f": data_path: {prefix}.idx does not exist: name each dataset by the prefix "
         "its .bin and .idx share (megatron-dualpipe preprocess --output-prefix P writes "
@@ -692,26 +741,35 @@ def test_data_files_that_cannot_train_are_refused_before_any_rank(
 
 @pytest.mark.megatron
 @pytest.mark.slow
+@pytest.mark.route
+def test_train_refuses_data_files_before_any_rank(tmp_path: Path) -> None:
+    """``train`` itself, on a split without tokens: exit 2, the sentence, nothing trained."""
+    _, sets, prefix = _data_case(tmp_path, "a split without tokens")
+    said = _refused(*sets[len(SETS) :])
+    assert said.startswith(f"megatron-dualpipe: error: {TINY} with --set train_iters=3 ")
+    assert said.endswith(
+        f"split: 969, 30, 1 gives the valid split 0 of the 3 documents of {prefix} (3.00% of "
+        "them, rounded by Megatron-Core to documents 3 to 3; 0 tokens), and Megatron-Core's "
+        "GPTDataset loops for ever on a split without tokens: set its weight to 0 (split: "
+        "969,0,1) and set eval_iters: 0, or a corpus of at least 1,001 documents"
+    ), said
+
+
+@pytest.mark.megatron
+@pytest.mark.multiproc
+@pytest.mark.slow
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 @pytest.mark.route
 def test_a_blend_whose_split_gets_no_token_says_what_megatron_core_does(
-    tmp_path: Path, weighted: bool
+    data_refusals: dict, weighted: bool
 ) -> None:
     """Two datasets of 3 documents (9 tokens) under the legacy split: the valid split gets
     none. An unweighted blend weighs each dataset by its samples (of seq_length + 1 = 17
     tokens), and Megatron-Core's BlendedDataset asserts every weight above 0 (rank 0
     stops): the train split already has none; a weighted one loops for ever on the valid
     split."""
-    a = _indexed_dataset(tmp_path / "data" / "a_text_document", 3)
-    b = _indexed_dataset(tmp_path / "data" / "b_text_document", 3)
-    config = tmp_path / "blend.yaml"
-    blend = [0.5, a, 0.5, b] if weighted else [a, b]
-    config.write_text(TINY.read_text() + f"data_path: {json.dumps(blend)}\nvocab_size: 64\n")
-    command = _command()
-    command[command.index(str(TINY))] = str(config)
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 2, done.stderr[-2000:]
-    said = done.stderr.splitlines()[-1]
+    said, a = data_refusals["blend weighted" if weighted else "blend unweighted"]
+    assert said is not None
     if weighted:  # the valid split: no token
         assert f"split: 969, 30, 1 gives the valid split 0 of the 3 documents of {a} " in said
         assert "and Megatron-Core's GPTDataset loops for ever on a split without tokens: " in said

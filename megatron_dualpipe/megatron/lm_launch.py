@@ -167,22 +167,9 @@ def _run(
 ) -> MeasuredStep | None:
     """The run of :func:`train_with_megatron_lm`, the patched copy first on the path."""
     from ..lifetime import forks_die_with_forker
-    from ..megatron_lm import check_load, unscheduled_flag
     from ..runtime.launch import run_ranks
 
-    parser = megatron_lm_parser()
-    argv, parsed = megatron_lm_run_argv(settings, parser, source, on_cpu=on_cpu)
-    unscheduled = unscheduled_flag(parsed)  # apply() would say it in each rank
-    if unscheduled is not None:
-        raise MegatronLMConfigError(
-            f"{source}: {unscheduled[0]} {unscheduled[1]}: give that schedule with "
-            "pipeline_schedule"
-        )
-    check_load(parsed)  # each rank checks again in apply()
-    _check_intervals(parsed, source)
-    _check_profile(parsed, source)
-    check_folders(parsed, source)
-    _check_data_files(parsed, source)
+    argv, parsed = checked_run_argv(settings, source, on_cpu=on_cpu)
     holder = env is None or env.rank == 0
     with _one_run_per_save(parsed, holder=holder):
         if env is not None:  # torchrun's or srun's rank: Megatron-LM reads torchrun's variables
@@ -203,6 +190,31 @@ def _run(
                 failure_as=lambda failure: PretrainExit(failure.cause),
             )[0]
     return measured if holder else None
+
+
+def checked_run_argv(
+    settings: Mapping[str, Any], source: str, *, on_cpu: bool
+) -> tuple[list[str], argparse.Namespace]:
+    """:func:`megatron_lm_run_argv` of ``settings`` with Megatron-LM's parser, and every
+    check ``train`` runs on it before any rank starts (our flags without a schedule, the
+    checkpoint to load, intervals, profile, folders, data files); raises
+    :class:`~.lm_args.MegatronLMConfigError`, one sentence naming ``source``. Call it
+    within :func:`megatron_lm_config`."""
+    from ..megatron_lm import check_load, unscheduled_flag
+
+    argv, parsed = megatron_lm_run_argv(settings, megatron_lm_parser(), source, on_cpu=on_cpu)
+    unscheduled = unscheduled_flag(parsed)  # apply() would say it in each rank
+    if unscheduled is not None:
+        raise MegatronLMConfigError(
+            f"{source}: {unscheduled[0]} {unscheduled[1]}: give that schedule with "
+            "pipeline_schedule"
+        )
+    check_load(parsed)  # each rank checks again in apply()
+    _check_intervals(parsed, source)
+    _check_profile(parsed, source)
+    check_folders(parsed, source)
+    _check_data_files(parsed, source)
+    return argv, parsed
 
 
 def _set_cuda_device_max_connections(settings: Mapping[str, Any]) -> None:
