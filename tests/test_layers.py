@@ -304,6 +304,12 @@ def test_the_optimiser_without_scipy_is_one_sentence() -> None:
         "assert main(['simulate', '--config', 'tests/data/tiny_deepseek_cpu.yaml']) == 0",
         "from megatron_dualpipe.planner.config_advice import ConfigModel\n"
         "ConfigModel.read('configs/tiny_gpt_cpu.yaml', ['pipeline_schedule=dualpipe'])",
+        # train reads its config, and refuses one that does not read, before torch loads
+        "from megatron_dualpipe.megatron.lm_launch import read_config\n"
+        "read_config('configs/tiny_gpt_cpu.yaml', ['pipeline_schedule=dualpipe'])\n"
+        "from megatron_dualpipe.cli import main\n"
+        "assert main(['train', '--config', 'no-such.yaml']) == 2\n"
+        "assert main(['train', '--config', 'configs/tiny_gpt_cpu.yaml', '--set', 'x']) == 2",
     ],
 )
 def test_torch_free_paths_load_with_torch_blocked(code: str) -> None:

@@ -84,11 +84,14 @@ def test_the_writer_queue_is_made_for_the_rank_s_own_torch_dist_saves_only() -> 
     --async-save's worker keeps a queue of its own, other formats none."""
     from megatron_dualpipe.megatron.lm_launch import _saves_torch_dist_here
 
-    assert _saves_torch_dist_here(["--save", "ck", "--save-interval", "2"])
-    assert _saves_torch_dist_here(["--save", "ck", "--ckpt-format", "torch_dist"])
-    assert not _saves_torch_dist_here(["--load", "ck"])
-    assert not _saves_torch_dist_here(["--save", "ck", "--ckpt-format", "torch"])
-    assert not _saves_torch_dist_here(["--save", "ck", "--async-save"])
+    def parsed(**given: object) -> argparse.Namespace:  # Megatron-LM 0.19's defaults
+        return argparse.Namespace(**{"save": None, "ckpt_format": "torch_dist",
+                                     "async_save": False, **given})  # fmt: skip
+
+    assert _saves_torch_dist_here(parsed(save="ck"))
+    assert not _saves_torch_dist_here(parsed(load="ck"))
+    assert not _saves_torch_dist_here(parsed(save="ck", ckpt_format="torch"))
+    assert not _saves_torch_dist_here(parsed(save="ck", async_save=True))
 
 
 def test_true_and_false_pick_the_flag_that_stores_them() -> None:
@@ -675,17 +678,17 @@ def _refusals(rank: int, world_size: int, cases: dict) -> dict[str, str | None]:
     """One forked process (one import of Megatron-LM's training for every case): each
     case's config through the checks ``train`` runs before any rank, in the patched
     ``megatron.training`` it runs them in; the sentence it is refused with, or None."""
-    from megatron_dualpipe.megatron.lm_launch import checked_run_argv, megatron_lm_config
+    from megatron_dualpipe.megatron.lm_launch import (
+        checked_run_argv,
+        patched_training,
+        read_config,
+    )
 
     said: dict[str, str | None] = {}
-    first_config, first_sets, _ = next(iter(cases.values()))
-    # The first case's copy of megatron/training stays on the path throughout: what the
-    # checks import later resolves there.
-    with megatron_lm_config(Path(first_config), first_sets):
+    with patched_training():
         for name, (config, sets, _) in cases.items():
             try:
-                with megatron_lm_config(Path(config), sets) as (settings, source):
-                    checked_run_argv(settings, source, on_cpu=True)
+                checked_run_argv(*read_config(Path(config), sets), on_cpu=True)
                 said[name] = None
             except MegatronLMConfigError as err:
                 said[name] = str(err)

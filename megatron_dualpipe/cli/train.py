@@ -58,23 +58,21 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from ..megatron.lm_args import MegatronLMConfigError
-    from ..schedules.config_values import read_values
+    from ..megatron.lm_launch import read_config, train_with_megatron_lm  # no torch yet
 
-    read_values(args.config, args.overrides)  # a file that does not read: before torch loads
+    if args.ranks is not None and not args.dry_run:
+        raise MegatronLMConfigError("--ranks chooses the ranks of a dry run: add --dry-run")
+    profiling = _PROFILING if args.profile and not args.dry_run else ()
+    settings, source = read_config(args.config, [*profiling, *args.overrides])  # read once
     if args.dry_run:
         from ..megatron.compat.known_warnings import silence_known_warnings
-        from ..megatron.lm_dry_run import dry_run_with_megatron_lm  # imports torch when run
+        from ..megatron.lm_dry_run import dry_run_with_megatron_lm  # imports torch
 
         silence_known_warnings()
-        _print_dry_run(dry_run_with_megatron_lm(args.config, args.overrides, args.ranks))
+        _print_dry_run(dry_run_with_megatron_lm(settings, source, args.ranks))
         return
-    if args.ranks is not None:
-        raise MegatronLMConfigError("--ranks chooses the ranks of a dry run: add --dry-run")
-    from ..megatron.lm_launch import train_with_megatron_lm  # imports torch when run
-
-    overrides = [*(_PROFILING if args.profile else []), *args.overrides]
     with unwind_on_stop_signals():
-        step = train_with_megatron_lm(args.config, overrides)
+        step = train_with_megatron_lm(settings, source)
     if step is None:
         return
     from ..planner.measured_step import report_measured_step

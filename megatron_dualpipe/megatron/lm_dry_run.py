@@ -28,14 +28,13 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from importlib.util import find_spec
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from .lm_launch import megatron_lm_config, megatron_lm_run_argv, model_parallel_size
+from .lm_launch import megatron_lm_run_argv, model_parallel_size, patched_training
 from .model.built import (
     BuiltSetup,
     DryRun,
@@ -57,14 +56,17 @@ _LEFT_OUT = (
 )  # fmt: skip
 
 
-def dry_run_with_megatron_lm(path: Path, overrides: Iterable[str], ranks: str | None) -> DryRun:
-    """Build the pipeline ranks ``ranks`` (``--ranks``; default every one) of the config at
-    ``path`` (with ``--set`` ``overrides``) as Megatron-LM's ``pretrain()`` would (see the
-    module docstring). Run it in a process with no process group."""
+def dry_run_with_megatron_lm(
+    settings: Mapping[str, Any], source: str, ranks: str | None
+) -> DryRun:
+    """Build the pipeline ranks ``ranks`` (``--ranks``; default every one) of a config's
+    ``settings`` (``lm_launch.read_config``, from ``source``) as Megatron-LM's
+    ``pretrain()`` would (see the module docstring). Run it in a process with no process
+    group."""
     from .lm_args import MegatronLMConfigError, megatron_lm_parser
 
     started = time.perf_counter()
-    with megatron_lm_config(path, overrides) as (settings, source):
+    with patched_training():
         settings, notes = _buildable(settings)
         on_cpu = not torch.cuda.is_available()
         argv, parsed = megatron_lm_run_argv(settings, megatron_lm_parser(), source, on_cpu=on_cpu)

@@ -37,12 +37,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DualPipeError
-from ..runtime.rank_env import RankEnv
 from ..schedules.config_values import override_origins, read_values
 from .lm_args import MegatronLMConfigError, megatron_lm_argv, megatron_lm_parser
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # both import torch: this module imports neither torch nor megatron
     from ..megatron_lm import MeasuredStep
+    from ..runtime.rank_env import RankEnv
 
 __all__ = [
     "CPU_SETTINGS",
@@ -50,9 +50,11 @@ __all__ = [
     "WRITTEN_FOLDERS",
     "PretrainExit",
     "check_folders",
-    "megatron_lm_config",
+    "checked_run_argv",
     "megatron_lm_run_argv",
     "model_parallel_size",
+    "patched_training",
+    "read_config",
     "train_with_megatron_lm",
 ]
 
@@ -104,16 +106,23 @@ def megatron_lm_run_argv(
     return argv, parsed
 
 
-def train_with_megatron_lm(path: Path, overrides: Iterable[str]) -> MeasuredStep | None:
-    """Train the config at ``path`` (with ``--set`` ``overrides``) with Megatron-LM's
+def read_config(path: Path, overrides: Iterable[str]) -> tuple[dict[str, Any], str]:
+    """The config at ``path`` with ``--set`` ``overrides``: its keys and values, and where
+    they come from (``path with --set ...``, for the refusals). A file that does not read
+    is a :class:`~..schedules.config_values.ConfigValueError`; nothing imports torch."""
+    overrides = list(overrides)
+    source, _ = override_origins(path, overrides)
+    return read_values(path, overrides), source
+
+
+def train_with_megatron_lm(settings: Mapping[str, Any], source: str) -> MeasuredStep | None:
+    """Train a config's ``settings`` (:func:`read_config`, from ``source``) with Megatron-LM's
     ``pretrain()``: here under torchrun or srun, else on the config's ``world_size`` forked
     CPU ranks. Returns, in the process of global rank 0 (or the one that forked the ranks),
     the step ``pipeline_timeline`` measured, else None. Raises
-    :class:`~.lm_args.MegatronLMConfigError` (or, for the file itself,
-    :class:`~..schedules.config_values.ConfigValueError`) before any rank starts."""
-    overrides = list(overrides)
-    _set_cuda_device_max_connections(read_values(path, overrides))  # before anything asks CUDA
-    with megatron_lm_config(path, overrides) as (settings, source):
+    :class:`~.lm_args.MegatronLMConfigError` before any rank starts."""
+    _set_cuda_device_max_connections(settings)  # before anything asks CUDA
+    with patched_training():
         import torch
 
         from ..runtime.rank_env import launcher_env
@@ -122,14 +131,11 @@ def train_with_megatron_lm(path: Path, overrides: Iterable[str]) -> MeasuredStep
 
 
 @contextlib.contextmanager
-def megatron_lm_config(
-    path: Path, overrides: Iterable[str]
-) -> Iterator[tuple[dict[str, Any], str]]:
-    """The config at ``path`` (with ``--set`` ``overrides``) as its keys and values, and
-    where it comes from, for the block, in which ``megatron.training`` is megatron-core
-    0.19's patched for ``--pipeline-schedule`` (a copy made for the block in a temporary
-    folder of this process, first on ``sys.path``; a ``kill -9`` leaves it to the next
-    launch to remove). Another megatron-core is refused in one sentence."""
+def patched_training() -> Iterator[None]:
+    """Within the block, ``megatron.training`` is megatron-core 0.19's patched for
+    ``--pipeline-schedule`` (a copy made for the block in a temporary folder of this
+    process, first on ``sys.path``; a ``kill -9`` leaves it to the next launch to remove).
+    Another megatron-core is refused in one sentence."""
     from ..runtime.launch import process_tmpdir
     from .compat.lm_patch import make_patched_training, unpatched_training_problem
     from .compat.version import (
@@ -138,8 +144,6 @@ def megatron_lm_config(
         route_training_installed,
     )
 
-    overrides = list(overrides)
-    source, _ = override_origins(path, overrides)
     if not route_training_installed():
         raise MegatronLMConfigError(
             f"train runs Megatron-LM's pretrain() from the megatron/training of megatron-core "
@@ -148,7 +152,6 @@ def megatron_lm_config(
             f"patches/megatron-lm-{megatron_lm_tag()}.patch to a Megatron-LM checkout at "
             f"{megatron_lm_tag()} and run its pretrain_gpt.py with --pipeline-schedule"
         )
-    settings = read_values(path, overrides)
     with process_tmpdir() as patched:
         folder = str(patched)
         make_patched_training(patched)
@@ -157,7 +160,7 @@ def megatron_lm_config(
             problem = unpatched_training_problem()  # the first import of megatron.training
             if problem is not None:
                 raise MegatronLMConfigError(problem)
-            yield settings, source
+            yield
         finally:
             sys.path.remove(folder)
 
@@ -170,20 +173,21 @@ def _run(
     from ..runtime.launch import run_ranks
 
     argv, parsed = checked_run_argv(settings, source, on_cpu=on_cpu)
+    queue = _saves_torch_dist_here(parsed)
     holder = env is None or env.rank == 0
     with _one_run_per_save(parsed, holder=holder):
         if env is not None:  # torchrun's or srun's rank: Megatron-LM reads torchrun's variables
             os.environ.update(env.torchrun_variables())
             forks_die_with_forker()  # a save's forked writers die with the rank (not
             # --use-persistent-ckpt-worker's: Megatron-LM spawns it; forked ranks: done)
-            measured = _pretrain(argv)
+            measured = _pretrain(argv, queue)
         else:
             world_size = int(settings.get("world_size") or model_parallel_size(settings))
             minutes = float(settings.get("distributed_timeout_minutes") or 10)
             measured = run_ranks(
                 _rank,
                 world_size,
-                args=(argv,),
+                args=(argv, queue),
                 timeout_s=None,
                 pg_timeout_s=60 * minutes,
                 plain_errors=(PretrainExit,),
@@ -199,7 +203,7 @@ def checked_run_argv(
     check ``train`` runs on it before any rank starts (our flags without a schedule, the
     checkpoint to load, intervals, profile, folders, data files); raises
     :class:`~.lm_args.MegatronLMConfigError`, one sentence naming ``source``. Call it
-    within :func:`megatron_lm_config`."""
+    within :func:`patched_training`."""
     from ..megatron_lm import check_load, unscheduled_flag
 
     argv, parsed = megatron_lm_run_argv(settings, megatron_lm_parser(), source, on_cpu=on_cpu)
@@ -493,21 +497,21 @@ def model_parallel_size(settings: Mapping[str, Any]) -> int:
     return size
 
 
-def _rank(rank: int, world_size: int, argv: list[str]) -> MeasuredStep | None:
+def _rank(rank: int, world_size: int, argv: list[str], queue: bool) -> MeasuredStep | None:
     """One forked rank: Megatron-LM's ``pretrain()`` (the default process group is up);
     rank 0 returns the measured step, if any."""
-    return _pretrain(argv)
+    return _pretrain(argv, queue)
 
 
-def _pretrain(argv: list[str]) -> MeasuredStep | None:
-    """``pretrain_gpt.main(argv)`` and what it returns (with ``--save``, the checkpoint
-    writer's queue made to die with the rank first:
-    :func:`~.checkpoint.writer_queue.writer_queue_dies_with_rank`); Megatron-LM's
+def _pretrain(argv: list[str], queue: bool) -> MeasuredStep | None:
+    """``pretrain_gpt.main(argv)`` and what it returns (where the rank saves ``torch_dist``
+    checkpoints itself, ``queue``, the checkpoint writer's queue made to die with the rank
+    first: :func:`~.checkpoint.writer_queue.writer_queue_dies_with_rank`); Megatron-LM's
     ``--exit-interval`` exit (code 0) ends it as a finished run (nothing measured
     returned), another exit is :class:`PretrainExit` (its error printed already)."""
     from .pretrain_gpt import main
 
-    if _saves_torch_dist_here(argv):  # its first save spawns a manager: made to die with us
+    if queue:  # its first save spawns a manager: made to die with us
         from .checkpoint.writer_queue import writer_queue_dies_with_rank
 
         writer_queue_dies_with_rank()
@@ -519,11 +523,15 @@ def _pretrain(argv: list[str]) -> MeasuredStep | None:
         return None
 
 
-def _saves_torch_dist_here(argv: list[str]) -> bool:
-    """Whether the run saves ``torch_dist`` checkpoints from the rank itself (``--save``, the
-    default ``--ckpt-format``, no ``--async-save``: whose worker keeps a queue of its own)."""
-    fmt = argv[argv.index("--ckpt-format") + 1] if "--ckpt-format" in argv else "torch_dist"
-    return "--save" in argv and fmt == "torch_dist" and "--async-save" not in argv
+def _saves_torch_dist_here(parsed: argparse.Namespace) -> bool:
+    """Whether the run (Megatron-LM's parsed arguments) saves ``torch_dist`` checkpoints from
+    the rank itself (``--save``, ``--ckpt-format torch_dist``, its default, and no
+    ``--async-save``: whose worker keeps a queue of its own)."""
+    return (
+        getattr(parsed, "save", None) is not None
+        and getattr(parsed, "ckpt_format", "torch_dist") == "torch_dist"
+        and not getattr(parsed, "async_save", False)
+    )
 
 
 def _exit_said(code: object) -> str:

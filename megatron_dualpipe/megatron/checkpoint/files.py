@@ -198,6 +198,11 @@ def damage(directory: Path) -> str | None:
     return None
 
 
+def _same_folder(one: str | Path | None, other: Path) -> bool:
+    """Whether ``one`` (None: no folder) names the folder ``other`` names, links resolved."""
+    return one is not None and Path(one).resolve() == other.resolve()
+
+
 def missing_load(
     load: str | None,
     *,
@@ -220,7 +225,7 @@ def missing_load(
             f"--load {load} is a file, not a checkpoint directory: point --load at the save "
             "folder of an earlier run, or drop it to train from scratch"
         )
-    if not path.exists() and not (save and Path(save).resolve() == path.resolve()):
+    if not path.exists() and not _same_folder(save, path):
         return (
             f"--load {load} does not exist: point --load at the save folder of an earlier "
             "run, or drop it to train from scratch (a run that loads and saves one folder may "
@@ -244,7 +249,7 @@ def check_fresh_save(save: str | Path | None, load: str | Path | None) -> None:
     if save is None:
         return
     root = Path(save)
-    if load is not None and Path(load).resolve() == root.resolve():
+    if _same_folder(load, root):
         return
     complete = complete_iterations(root)
     if not complete:
