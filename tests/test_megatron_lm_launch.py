@@ -810,7 +810,9 @@ def test_the_readme_data_config_trains_through_megatron_lm_s_loop(tmp_path: Path
     )  # fmt: skip
     assert prepared.returncode == 0, prepared.stderr[-2000:]
     train = [*command, "train", "--config", "configs/tiny_gpt_data.yaml"]
-    sets = ["distributed_timeout_minutes=1", "train_iters=6", "eval_interval=6", "eval_iters=1"]
+    # Megatron-Core builds the dataset's index on rank 0 while the other ranks wait for it at
+    # a barrier of distributed_timeout_minutes: a loaded machine gets three.
+    sets = ["distributed_timeout_minutes=3", "train_iters=6", "eval_interval=6", "eval_iters=1"]
     train += [arg for item in sets for arg in ("--set", item)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(train, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
