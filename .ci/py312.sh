@@ -62,6 +62,10 @@ route_a=(tests/test_megatron_lm_loop.py tests/test_fault_orphans.py tests/test_f
   tests/test_megatron_lm_faults.py tests/test_slurm.py)
 python -m pytest -m "route and slow" -p no:cacheprovider "${route_a[@]}" > .ci/route-a.log 2>&1 &
 route_a_pid=$!
+# Half A goes with the script however it ends (in the background it ignores Ctrl-C).
+trap 'kill "$route_a_pid" 2>/dev/null' EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 part "megatron-core 0.19.2, every test marked megatron but slow" \
   python -m pytest -m "megatron and not slow"
 part "megatron-core 0.19.2, the slow tests of Megatron-LM's own loop, half B" \

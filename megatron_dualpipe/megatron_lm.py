@@ -93,7 +93,7 @@ class _Run:
     need, after the checks), and its forward-backward function (None: Megatron's own,
     unwrapped; with ``--pipeline-timeline`` the measuring wrapper)."""
 
-    args: weakref.ref
+    args: Callable[[], Any]  # a weak reference to the run's args
     spec: ScheduleSpec | None
     setup: PipelineSetup | None = None
     func: Callable[..., Any] | None = None
@@ -184,14 +184,20 @@ _SPLIT_ARGS = {
 
 
 def _run(args: Any) -> _Run:
-    """This run's record, made (the schedule's name looked up) at its first call."""
-    key = id(args)
+    """This run's record, made (the schedule's name looked up) at its first call, and made
+    again where ``args`` now name another schedule. ``args`` that cannot be referenced
+    weakly (a ``SimpleNamespace``) get a record for the call only."""
+    key, schedule = id(args), _schedule(args)
     run = _RUNS.get(key)
-    if run is None or run.args() is not args:
-        schedule = _schedule(args)
-        found = None if schedule is None else schedule_spec(schedule)
-        run = _Run(weakref.ref(args, lambda _: _RUNS.pop(key, None)), found)
-        _RUNS[key] = run
+    named = None if run is None or run.spec is None else run.spec.name
+    if run is not None and run.args() is args and named == schedule:
+        return run
+    found = None if schedule is None else schedule_spec(schedule)
+    try:
+        held = weakref.ref(args, lambda _: _RUNS.pop(key, None))
+    except TypeError:
+        return _Run(lambda: args, found)
+    run = _RUNS[key] = _Run(held, found)
     return run
 
 

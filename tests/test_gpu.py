@@ -26,7 +26,9 @@ def _checks(command: list[str]) -> list[str]:
         capture_output=True,
         text=True,
         timeout=1800,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p
+        )},
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("CHECK ")]

@@ -193,8 +193,14 @@ def _name_lookups(path: Path) -> list[tuple[str, int]]:
             inner = function
             if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
                 inner = child.name
-            called = isinstance(child, ast.Call) and isinstance(child.func, ast.Name)
-            if called and child.func.id in _LOOKUPS:
+            func = child.func if isinstance(child, ast.Call) else None
+            if isinstance(func, ast.Name) and func.id in _LOOKUPS:
+                found.append((function, child.lineno))
+            # registry.spec(...), checks.schedule_spec(...): a module's lookup by attribute
+            # (``.generate`` on a resolved spec is not one)
+            if isinstance(func, ast.Attribute) and func.attr in _LOOKUPS[:-1]:
+                found.append((function, child.lineno))
+            if isinstance(func, ast.Attribute) and ast.unparse(func) == "SCHEDULES.get":
                 found.append((function, child.lineno))
             if isinstance(child, ast.Subscript) and ast.unparse(child.value) == "SCHEDULES":
                 found.append((function, child.lineno))
@@ -223,9 +229,13 @@ def test_the_core_looks_a_schedule_up_by_name_only_where_a_run_starts() -> None:
 
 def test_the_lookup_rule_sees_a_lookup_in_a_hook(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
-    probe.write_text("def hook(args):\n    return schedule_spec(args.pipeline_schedule).chunks\n")
+    probe.write_text(
+        "def hook(args):\n    return schedule_spec(args.pipeline_schedule).chunks\n"
+        "def other(name):\n    return registry.spec(name), SCHEDULES.get(name)\n"
+        "def fine(found, pp):\n    return found.generate(pp, 2 * pp)\n"
+    )
     found = _name_lookups(probe)
-    assert found == [("hook", 2)]
+    assert found == [("hook", 2), ("other", 4), ("other", 4)]
 
 
 def _prints(node: ast.AST) -> bool:

@@ -86,12 +86,17 @@ def test_the_writer_queue_is_made_for_the_rank_s_own_torch_dist_saves_only() -> 
 
     def parsed(**given: object) -> argparse.Namespace:  # Megatron-LM 0.19's defaults
         return argparse.Namespace(**{"save": None, "ckpt_format": "torch_dist",
-                                     "async_save": False, **given})  # fmt: skip
+                                     "async_save": False, "use_persistent_ckpt_worker": False,
+                                     **given})  # fmt: skip
 
     assert _saves_torch_dist_here(parsed(save="ck"))
     assert not _saves_torch_dist_here(parsed(load="ck"))
     assert not _saves_torch_dist_here(parsed(save="ck", ckpt_format="torch"))
-    assert not _saves_torch_dist_here(parsed(save="ck", async_save=True))
+    assert not _saves_torch_dist_here(
+        parsed(save="ck", async_save=True, use_persistent_ckpt_worker=True)
+    )
+    # validate_args turns --async-save off without the persistent worker: the rank saves
+    assert _saves_torch_dist_here(parsed(save="ck", async_save=True))
 
 
 def test_true_and_false_pick_the_flag_that_stores_them() -> None:

@@ -129,19 +129,19 @@ if not WHEEL_TRAINING.is_dir() or not installed_megatron_core().startswith("0.19
 @dataclass(frozen=True)
 class Combination:
     """Flags production runs use, run under every schedule against Megatron's 1F1B with
-    the same flags, from the shared checkpoint of the dense model, on ``world_size`` ranks;
-    or, where Megatron-LM forbids them, ``refused``: its one sentence, under every schedule.
-    (MoE at EP=2: the DeepSeek router's runs, with MTP and more.)"""
+    the same flags, from the shared checkpoint of its model, on ``world_size`` ranks; or,
+    where Megatron-LM forbids them, ``refused``: its one sentence, under every schedule."""
 
     name: str
     flags: tuple[str, ...]
     world_size: int = 2
+    moe: bool = False
     refused: str | None = None
 
     def argv(self, schedule: str, start: Path) -> list[str]:
         ours = [] if schedule == "1f1b" else ["--pipeline-schedule", schedule]
         sized = FOUR_RANKS if self.world_size == 4 else []
-        return [*sized, *self.flags, "--load", str(start), *ours]
+        return [*sized, *(MOE if self.moe else []), *self.flags, "--load", str(start), *ours]
 
 
 #: Without Apex or Transformer Engine (CPU), megatron-core's distributed optimizer cannot
@@ -165,6 +165,7 @@ COMBINATIONS = (
         4,
     ),  # fmt: skip
     Combination("bf16", ("--bf16", WEIGHTS_ONLY)),
+    Combination("moe-ep2", ("--expert-model-parallel-size", "2"), 4, moe=True),
     Combination(
         "recompute-full",
         ("--recompute-granularity", "full", "--recompute-method", "uniform",
@@ -379,9 +380,9 @@ def two_ranks(patched: Path, checkpoints: Checkpoints) -> dict[tuple[str, str], 
 def four_ranks(
     patched: Path, checkpoints: Checkpoints, two_ranks: dict, tmp_path_factory
 ) -> dict[tuple[str, str], Printed]:
-    """Every 4-rank run, in one set of ranks: the MoE model's shared checkpoint (for the
-    EP overlap runs), each 4-rank combination (PP=2 x DP=2) under each schedule (from the
-    2-rank checkpoint, which dist_checkpointing reshards over the data-parallel ranks); and at
+    """Every 4-rank run, in one set of ranks: the MoE model's shared checkpoint, then each
+    4-rank combination (PP=2 x DP=2) under each schedule (the dense ones from the 2-rank
+    checkpoint, which dist_checkpointing reshards over the data-parallel ranks); and at
     PP=4, a 1F1B checkpoint after one iteration and the first steps from it under 1F1B,
     dualpipev and dualpipe."""
     moe_start = tmp_path_factory.mktemp("moe") / "start"
@@ -404,8 +405,9 @@ def four_ranks(
         runs[("ep-overlap on", schedule)] = [*plain, "--overlap-moe-expert-parallel-comm"]
     for combination in COMBINATIONS:
         if combination.world_size == 4:
+            start = moe_start if combination.moe else checkpoints.start
             for schedule in SCHEDULES:
-                runs[(combination.name, schedule)] = combination.argv(schedule, checkpoints.start)
+                runs[(combination.name, schedule)] = combination.argv(schedule, start)
     found = dict(zip(runs, _pretrain(patched, 4, list(runs.values())), strict=True))
     for key, printed in found.items():
         print(f"\n{key}: {printed}")

@@ -525,12 +525,17 @@ def _pretrain(argv: list[str], queue: bool) -> MeasuredStep | None:
 
 def _saves_torch_dist_here(parsed: argparse.Namespace) -> bool:
     """Whether the run (Megatron-LM's parsed arguments) saves ``torch_dist`` checkpoints from
-    the rank itself (``--save``, ``--ckpt-format torch_dist``, its default, and no
-    ``--async-save``: whose worker keeps a queue of its own)."""
+    the rank itself: ``--save``, ``--ckpt-format torch_dist`` (its default), and not
+    ``--async-save``'s worker, which keeps a queue of its own (Megatron-LM 0.19's
+    ``validate_args`` turns ``--async-save`` off without ``--use-persistent-ckpt-worker``:
+    the rank saves then)."""
+    asynchronous = getattr(parsed, "async_save", False) and getattr(
+        parsed, "use_persistent_ckpt_worker", False
+    )
     return (
         getattr(parsed, "save", None) is not None
         and getattr(parsed, "ckpt_format", "torch_dist") == "torch_dist"
-        and not getattr(parsed, "async_save", False)
+        and not asynchronous
     )
 
 

@@ -54,15 +54,20 @@ class ChunkRole:
     post_process: bool
 
 
+def _need_layers(setup: PipelineSetup) -> tuple[int, ...]:
+    """``setup``'s layers per model stage; one sentence where it holds none."""
+    if not setup.stage_layers:
+        raise DualPipeConfigError(
+            f"placing {setup.name}'s chunks needs each model stage's layer count: make the "
+            "setup with the model's layers (pipeline_setup(name, pp, num_layers, ...))"
+        )
+    return setup.stage_layers
+
+
 def chunk_roles(setup: PipelineSetup, rank: int) -> list[ChunkRole]:
     """The chunks pipeline rank ``rank`` builds under ``setup`` (whose ``stage_layers``
     give each model stage's decoder layers), chunk 0 first."""
-    counts = setup.stage_layers
-    if not counts:
-        raise DualPipeConfigError(
-            f"the roles of {setup.name}'s chunks need each model stage's layer count: resolve "
-            "the setup with the model's layers"
-        )
+    counts = _need_layers(setup)
     p = setup.placement()
     roles = []
     for chunk in range(p.num_chunks):
@@ -103,6 +108,7 @@ class StagePlacementLayout(PipelineParallelLayerLayout):
     """
 
     def __init__(self, setup: PipelineSetup, mtp_num_layers: int | None = None):
+        _need_layers(setup)
         pipeline_size, p = setup.pipeline_size, setup.placement()
         contents = _stage_contents(setup.stage_layers, mtp_num_layers)
         self.stages = PipelineParallelLayerLayout(contents, p.num_model_stages)
