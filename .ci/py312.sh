@@ -53,17 +53,19 @@ part() {  # part NAME COMMAND...
     results+=("py312.sh: $name: failed (exit $rc)"); failed=1; fi
   echo "${results[-1]}"
 }
-# Two runs side by side: the slow tests of Megatron-LM's own loop in files of ranks and
-# faults (half A, in the background: its output is printed when it ends), and every fast
-# megatron test then the other slow ones. Run one after the other, the slow ones took about
-# as long alone as beside leg 1: their time goes to starting ranks (each a Python importing
-# torch and megatron) and waiting on them, not to the cores.
+# Two runs side by side: the slow tests of Megatron-LM's own loop in files of ranks,
+# faults, dry runs and patches (half A, in the background: its output is printed when it
+# ends), and every fast megatron test then the other slow ones (half B). Much of their time
+# goes to starting ranks (each a Python importing torch and megatron) and waiting on them,
+# which leaves the cores room: side by side CI's whole run took 1,326 s, one after the
+# other 1,522 s (docs/megatron-versions.md).
 route_a=(tests/test_megatron_lm_loop.py tests/test_fault_orphans.py tests/test_fault_ranks.py
-  tests/test_megatron_lm_faults.py tests/test_slurm.py)
+  tests/test_megatron_lm_faults.py tests/test_slurm.py tests/test_megatron_lm_dry_run.py
+  tests/test_megatron_lm_patch.py)
 python -m pytest -m "route and slow" -p no:cacheprovider "${route_a[@]}" > .ci/route-a.log 2>&1 &
 route_a_pid=$!
 # Half A goes with the script however it ends (in the background it ignores Ctrl-C).
-trap 'kill "$route_a_pid" 2>/dev/null' EXIT
+trap 'kill "$route_a_pid" 2>/dev/null || true' EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 part "megatron-core 0.19.2, every test marked megatron but slow" \
