@@ -108,9 +108,9 @@ class StagePlacementLayout(PipelineParallelLayerLayout):
     """
 
     def __init__(self, setup: PipelineSetup, mtp_num_layers: int | None = None):
-        _need_layers(setup)
+        counts = _need_layers(setup)
         pipeline_size, p = setup.pipeline_size, setup.placement()
-        contents = _stage_contents(setup.stage_layers, mtp_num_layers)
+        contents = _stage_contents(counts, mtp_num_layers)
         self.stages = PipelineParallelLayerLayout(contents, p.num_model_stages)
         # Megatron's 1-D order is chunk-major: entry c * P + r is rank r's chunk c.
         placed = [

@@ -63,7 +63,6 @@ class StepRecorder:
         num_microbatches: int,
     ):
         self.spec = schedule
-        self.schedule_name = schedule.name
         self.forward_backward = forward_backward
         self.model = list(model)
         self.config = config
@@ -138,7 +137,7 @@ class StepRecorder:
         if self._forward_chunks == expected:
             return None
         return (
-            f"{self.schedule_name} ran its forwards on chunks {self._forward_chunks} but the "
+            f"{self.spec.name} ran its forwards on chunks {self._forward_chunks} but the "
             f"generated schedule orders them {expected}: the timeline cannot be drawn"
         )
 
@@ -174,7 +173,7 @@ class _RecordingTimers:
         action: Action | None = next(self._next[kind], None)
         if action is None:  # said by gather() on every rank, not raised inside the step
             self.recorder.problem = (
-                f"{self.recorder.schedule_name} ran more {kind.value} actions than the "
+                f"{self.recorder.spec.name} ran more {kind.value} actions than the "
                 "generated schedule has: the timeline cannot be drawn"
             )
             self._started.pop(kind, None)
