@@ -73,6 +73,9 @@ def _main(argv: list[str] | None) -> int:
     except Terminated as stop:
         name = signal.Signals(stop.signum).name
         with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+            fault = _fault_before(stop)
+            if fault is not None:
+                print(f"megatron-dualpipe: error: {fault}", file=sys.stderr)
             print(f"megatron-dualpipe: {args.command} terminated ({name})", file=sys.stderr)
         return 128 + stop.signum
     except BrokenPipeError:  # the reader of our output went away (| head)
@@ -93,3 +96,12 @@ def _main(argv: list[str] | None) -> int:
         print(f"megatron-dualpipe: error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _fault_before(stop: Terminated) -> DualPipeError | None:
+    """The error this process was unwinding from when ``stop`` arrived, if one of ours: a
+    rank that lost its peer reports it, and then srun's SIGTERM to the whole step stops it."""
+    cause = stop.__context__
+    while cause is not None and not isinstance(cause, DualPipeError):
+        cause = cause.__context__
+    return cause

@@ -31,6 +31,12 @@ class Terminated(BaseException):
 
 
 def _terminate(signum: int, frame: object) -> None:
+    """Raise :class:`Terminated`; from here on a child's death is the stop's doing, not a
+    fault to report: SIGCHLD goes back to its default, for torch's DataLoader handler
+    (``torch.utils.data._utils.signal_handling._set_SIGCHLD_handler``) raises a
+    ``RuntimeError`` over the unwinding when srun's SIGTERM, which reaches every process of
+    a task, ends a worker."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     raise Terminated(signum)
 
 
