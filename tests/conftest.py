@@ -11,6 +11,7 @@ loop is ``python -m pytest -m "not slow"``):
 Both are session-scoped and autouse, so they run before any module-scoped fixture forks.
 A test marked ``route`` (it runs ``train``: Megatron-LM's loop) is skipped where the
 megatron-core installed does not ship the ``megatron/training`` it runs (0.16 to 0.18).
+``--write-golden`` makes the tests that compare with checked-in losses write them instead.
 """
 
 from __future__ import annotations
@@ -19,6 +20,15 @@ import gc
 
 import pytest
 import torch
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--write-golden",
+        action="store_true",
+        help="write the checked-in losses of tests/golden/ from this run instead of comparing "
+        "with them (review the diff before committing it)",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

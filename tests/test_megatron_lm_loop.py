@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import json
 import logging
 import re
 import shutil
@@ -58,6 +59,12 @@ PATCH = ROOT / "patches" / "megatron-lm-core_v0.19.0.patch"
 WHEEL_TRAINING = Path(megatron.core.__file__).resolve().parents[1] / "training"
 ITERATIONS = 5
 REL_TOL = 1e-6
+#: Megatron's own 1F1B runs against their checked-in losses (``--write-golden`` writes
+#: them): for the versions CI installs (megatron-core 0.19.2, torch 2.13.0 on CPU).
+GOLDEN = ROOT / "tests" / "golden" / "route_1f1b_losses.json"
+#: The golden losses' tolerance, relative: the printed seventh digit, and float32 sums
+#: that another CPU's kernels may add in another order.
+GOLDEN_REL_TOL = 1e-5
 SCHEDULES = ("1f1b", "zb1p", "dualpipev", "dualpipe")
 #: A tiny GPT at PP=2 (4 micro-batches: dualpipe and dualpipev need 2 x PP), fp32, no
 #: dropout, no clipping, no fused kernels; a validation every 2 iterations; batches read
@@ -547,3 +554,49 @@ def test_the_schedule_in_use_is_logged_once(two_ranks: dict, schedule: str) -> N
         else f"pipeline schedule: {schedule} (megatron-dualpipe's)"
     )
     assert two_ranks[("plain", schedule)].schedule_lines == [said]
+
+
+#: Runs left out of the golden losses: bf16's rounding depends on which of its kernels the
+#: CPU has (oneDNN's AVX512-BF16 and AMX paths, or emulation).
+NOT_GOLDEN = frozenset(c.name for c in COMBINATIONS if "--bf16" in c.flags)
+
+
+def _megatrons_losses(found: dict[tuple[str, str], Printed]) -> dict[str, dict[str, dict]]:
+    """Each fp32 Megatron 1F1B run that finished: its printed losses by kind and
+    iteration."""
+    return {
+        run: {
+            kind: {str(i): loss for i, loss in sorted(losses.items())}
+            for kind, losses in (
+                ("train", printed.train), ("validation", printed.validation), ("mtp", printed.mtp)
+            )
+        }
+        for (run, schedule), printed in found.items()
+        if schedule == "1f1b" and printed.error is None and run not in NOT_GOLDEN
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("ranks", ["two_ranks", "four_ranks"])
+def test_megatrons_own_1f1b_prints_the_checked_in_losses(
+    request: pytest.FixtureRequest, ranks: str
+) -> None:
+    """The reference every schedule above is held to, held itself: each 1F1B run of a world
+    size (the shared checkpoints' first iterations, the plain runs, every fp32 combination,
+    from scratch) prints the losses of tests/golden/route_1f1b_losses.json within
+    :data:`GOLDEN_REL_TOL`, so a change that moved Megatron's run and ours alike (the data,
+    the model's build, the seeds, the CPU compatibility layer) is caught too."""
+    found = _megatrons_losses(request.getfixturevalue(ranks))
+    if request.config.getoption("--write-golden"):
+        golden = json.loads(GOLDEN.read_text(encoding="utf-8")) if GOLDEN.exists() else {}
+        golden[ranks] = found
+        GOLDEN.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        pytest.skip(f"wrote {GOLDEN.name}[{ranks}]: review the diff")
+    golden = json.loads(GOLDEN.read_text(encoding="utf-8"))[ranks]
+    assert sorted(found) == sorted(golden)
+    for run, kinds in golden.items():
+        for kind, losses in kinds.items():
+            printed = found[run][kind]
+            assert sorted(printed) == sorted(losses), (run, kind)
+            for i, loss in losses.items():
+                off = abs(float(printed[i]) - float(loss))
+                assert off <= GOLDEN_REL_TOL * float(loss), (run, kind, i, printed[i], loss)
