@@ -82,9 +82,11 @@ def _bound_paragraph(rows: dict[int, list[dict]]) -> str:
         if v is not None:
             exposed = sum(v["exposed_a2a_ms"]) / len(v["exposed_a2a_ms"])
             idle = sum(v["idle_ms"]) / len(v["idle_ms"])
+            split = v["split_bound_ms"]
             rest = (
                 f"; dualpipev's rank waits on average {exposed:.0f} ms for all-to-all and "
-                f"idles {idle:.0f} ms"
+                f"idles {idle:.0f} ms; its split's bound {split:.0f} ms ({split / bound:.2f}x "
+                f"the even one), its step {v['step_ms'] / split:.2f}x that"
             )
         megatron = by_name.get("interleaved-1f1b-a2a")
         if v is not None and megatron is not None:
@@ -105,7 +107,11 @@ def _bound_paragraph(rows: dict[int, list[dict]]) -> str:
         "a pass outside an F&B pair waits for its own all-to-all (the `exposed a2a` "
         "column: the warm-up, the cool-down and the V's turn run lone passes), and ranks "
         "idle where the split cannot even out the embedding, the heads, the MTP block "
-        "and the loss at layer granularity within the memory cap (the idle ranges)."
+        "and the loss at layer granularity within the memory cap (the idle ranges). The "
+        "`split bound` columns separate the two: the busiest rank's compute on the split a "
+        "row runs, what no schedule beats on that split; a row's step over it is what its "
+        "schedule costs, the split's bound over the even bound what its split costs (in the "
+        "V, rank 0 holds the embedding, the MTP block, both heads and the losses)."
     )
 
 

@@ -6,6 +6,8 @@
   imbalance and hidden time, on uneven stages with all-to-all shares and overlapped pairs.
 - A lone pass exposes its whole all-to-all share; a pair hides what its overlap says, and
   nothing is hidden below compute unless the overlap claims it.
+- The split's bound is the busiest rank's compute: the even bound on equal stages, above
+  it on uneven ones, and no schedule's step under it.
 - Costs: the shares are read from ``--cost`` text and refused out of range.
 """
 
@@ -29,6 +31,23 @@ def test_the_bound_of_dualpipev_by_hand() -> None:
     assert bound.bound == 24.0
     assert [r.compute for r in bound.ranks] == [24.0] * 4
     assert bound.ratio == bound.step / 24.0 and bound.efficiency == 24.0 / bound.step
+    assert bound.split_bound == 24.0 and bound.split_ratio == bound.ratio
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_the_splits_bound_is_the_busiest_ranks_compute_and_no_step_beats_it(name: str) -> None:
+    """The first and last stages heavier (the embedding's, the head's and the loss's):
+    the busiest rank computes more than the even share, and the step, whatever the
+    schedule overlaps, is no shorter than that rank's compute."""
+    schedule = generate(name, 4, 12)
+    n = schedule.placement.num_model_stages
+    stages = tuple((1.0 + 2.0 * (s in (0, n - 1)), 1.5, 0.7) for s in range(n))
+    cost = CostModel(stage_costs=stages, overlap=0.53, a2a_f=0.63, a2a_b=0.48)
+    bound = step_bound(simulate(schedule, cost))
+    busiest = max(r.compute for r in bound.ranks)
+    assert bound.split_bound == busiest > bound.bound
+    assert bound.step >= busiest and bound.split_ratio == bound.step / busiest
+    assert bound.to_json()["split_bound"] == busiest
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
@@ -125,6 +144,10 @@ def test_simulate_prints_the_bound_and_each_ranks_split(capsys) -> None:
     assert main([*argv, "--cost", "F=2,B=2,W=1,a2a_f=0.5,a2a_b=0.5"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].startswith("compute bound 24.00: the step is ")
+    ratio = float(lines[1].split("the step is ")[1].split("x")[0])
+    assert lines[1].endswith(
+        f"the split's bound (its busiest rank's compute) 24.00: the step is {ratio:.3f}x it"
+    )
     header = lines[2].split()
     assert header[:6] == ["rank", "busy", "compute", "exposed", "a2a", "idle"]
     step = float(lines[0].split("makespan=")[1].split()[0])

@@ -238,6 +238,8 @@ def test_profile_beside_a_config_times_each_schedule_at_its_advised_split(
         if _peak(memory, before.stages) <= 74.5 * 2**30:  # else the advisor had to leave it
             assert row["step_ms"] <= simulate(built, before.cost).makespan * (1 + 1e-9)
     assert rows["dualpipev"]["split"] == "advised"  # the most even leaves rank 0 long
+    for row in rows.values():  # the split's bound: above the even one, under the step
+        assert row["compute_bound_ms"] <= row["split_bound_ms"] <= row["step_ms"], row
     # A middle stage of k MoE layers costs k profiled layers (F 0.5, dX 0.75, W 0.25 ms).
     stages = parse_layout(rows["dualpipe"]["layout"])
     middle = stages[len(stages) // 2]

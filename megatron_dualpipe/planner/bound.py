@@ -11,8 +11,14 @@ pass's whole share, a pair's time beyond its halves' compute) and its idle time;
 beyond the bound is, on every rank, ``exposed + idle + imbalance - hidden``, where
 ``imbalance`` is the rank's compute beyond the bound (negative on a rank with less than
 its share) and ``hidden`` a pair's time below its compute (only where a cost model's
-overlap claims more than the all-to-all's share: it is 0 for a profile's costs). Pure
-Python.
+overlap claims more than the all-to-all's share: it is 0 for a profile's costs).
+
+The split's bound is the busiest rank's compute: what no schedule beats on this split and
+placement, whatever it overlaps (unless a cost model's overlap claims to hide compute,
+``hidden`` above). Where layers come whole, it can sit well above the even
+bound (a rank holding the embedding, the heads and the loss, or one more layer than the
+rest): the step over the split's bound is what the schedule costs, the split's bound over
+the even one what the split costs. Pure Python.
 """
 
 from __future__ import annotations
@@ -67,11 +73,23 @@ class StepBound:
         """The bound over the step: the share of the bound reached."""
         return self.bound / self.step if self.step else 0.0
 
+    @property
+    def split_bound(self) -> float:
+        """The busiest rank's compute: the split's bound (see the module)."""
+        return max((r.compute for r in self.ranks), default=0.0)
+
+    @property
+    def split_ratio(self) -> float:
+        """The step over the split's bound (1.0: the schedule costs nothing on this split)."""
+        return self.step / self.split_bound if self.split_bound else float("inf")
+
     def to_json(self) -> dict:
         return {
             "step": self.step,
             "compute_bound": self.bound,
             "step_over_bound": self.ratio,
+            "split_bound": self.split_bound,
+            "step_over_split_bound": self.split_ratio,
             "ranks": [r.to_json() for r in self.ranks],
         }
 

@@ -30,8 +30,8 @@ PEERS = ("interleaved-1f1b-a2a", "torch-zbv", "torch-dualpipev")
 class ProfileRow:
     """One schedule's simulated step (ms) on the profile's costs; ``note`` where it does
     not apply. ``idle`` is each rank's idle time, ``exposed`` the all-to-all it waits for,
-    ``bound`` the step's compute bound (:mod:`.bound`), ``chunk`` a middle stage's
-    (F, B, W)."""
+    ``bound`` the step's compute bound and ``split_bound`` its split's (:mod:`.bound`),
+    ``chunk`` a middle stage's (F, B, W)."""
 
     schedule: str
     source: str
@@ -43,6 +43,7 @@ class ProfileRow:
     idle: tuple[float, ...] = ()
     exposed: tuple[float, ...] = ()
     bound: float | None = None
+    split_bound: float | None = None
     chunk: tuple[float, float, float] | None = None
     overlap: float | None = None
     note: str = ""
@@ -63,6 +64,7 @@ class ProfileRow:
             idle=tuple(r.idle for r in result.ranks),
             exposed=tuple(r.exposed for r in bound.ranks),
             bound=bound.bound,
+            split_bound=bound.split_bound,
             chunk=middle,
             overlap=costs.cost.overlap,
         )
@@ -80,16 +82,18 @@ class ProfileRow:
             "idle_ms": list(self.idle),
             "exposed_a2a_ms": list(self.exposed),
             "compute_bound_ms": self.bound,
+            "split_bound_ms": self.split_bound,
             "note": self.note,
         }
 
 
 def profile_table(rows: list[ProfileRow]) -> str:
-    """A markdown table: a row per schedule, its step, its step over its compute bound,
-    bubble, idle and exposed all-to-all per rank and its step over each of
-    :data:`PEERS`'."""
+    """A markdown table: a row per schedule, its step, its step over its compute bound
+    and over its split's, bubble, idle and exposed all-to-all per rank and its step over
+    each of :data:`PEERS`'."""
     steps = {r.schedule: r.step for r in rows if r.step is not None}
     header = ["schedule", "from", "stages", "split", "step (ms)", "bound (ms)", "vs bound"]
+    header += ["split bound (ms)", "vs split bound"]
     header += ["bubble", "idle/rank (ms)", "exposed a2a/rank (ms)"]
     header += [f"vs {p}" for p in PEERS if p in steps]
     body = []
@@ -103,6 +107,8 @@ def profile_table(rows: list[ProfileRow]) -> str:
         bound = r.bound or 0.0
         line = [r.schedule, r.source, str(r.stages), split, f"{r.step:.1f}", f"{bound:.1f}"]
         line += [f"{r.step / bound:.3f}" if bound else "-"]
+        split_bound = r.split_bound or 0.0
+        line += [f"{split_bound:.1f}", f"{r.step / split_bound:.3f}" if split_bound else "-"]
         line += [f"{100 * (r.bubble or 0.0):.1f}%", spread(r.idle, 0), spread(r.exposed, 0)]
         line += [f"{r.step / steps[p]:.3f}" for p in PEERS if p in steps]
         body.append(line)

@@ -74,7 +74,8 @@ def bound_line(bound: StepBound) -> str:
         f"compute bound {bound.bound:.2f}: the step is {bound.ratio:.3f}x it "
         f"({100 * bound.efficiency:.1f}% of the bound); per rank, exposed all-to-all "
         f"{spread(exposed)}, idle {spread(idle)}, compute beyond the bound (imbalance) "
-        f"{spread(imbalance)}"
+        f"{spread(imbalance)}; the split's bound (its busiest rank's compute) "
+        f"{bound.split_bound:.2f}: the step is {bound.split_ratio:.3f}x it"
     )
 
 
