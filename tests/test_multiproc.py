@@ -111,11 +111,19 @@ def test_a_stopped_rank_is_named_when_its_peers_give_up() -> None:
 
 
 def _verdict_late_on_rank_1(rank: int, world_size: int, pid_file: str) -> int:
-    """Every rank reaches one verdict; rank 1 is slow to report it (past the grace)."""
+    """Every rank reaches one verdict; rank 1 is slow to report it (past the grace). Rank 0
+    says it once rank 1 is in this function (its pid file written): leaving earlier, it
+    took down the store rank 1 may still have been setting its process group up with, and
+    rank 1 failed there (seen once in CI under load)."""
     if rank == 1:
-        with open(pid_file, "w") as f:
+        with open(f"{pid_file}.partial", "w") as f:
             f.write(str(os.getpid()))
+        os.replace(f"{pid_file}.partial", pid_file)
         time.sleep(3600)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(pid_file):
+        assert time.monotonic() < deadline, "rank 1 never reached the verdict"
+        time.sleep(0.01)
     raise DualPipeError("the verdict of one collective", every_rank=True)
 
 
