@@ -167,10 +167,15 @@ def section(trace: Path) -> str:
     chunk = f["chunk_ms"]
     idle = {m: x["simulated_idle_ms"] for m, x in formulas}
     parts.append(
-        "How to read it. Stages are timed by their FLOPs at the profiled layer's ms per FLOP "
-        "(a stage of four MoE layers is four profiled layers; the embedding, the output "
-        "layer, the MTP block and the loss at the same rate), with the profile's F&B "
-        "overlap. Each schedule runs the split the balance advisor finds for it on those "
+        "How to read it. Stages compute for their FLOPs at the profiled layer's compute ms "
+        "per FLOP (a stage of four MoE layers is four profiled layers; the embedding, the "
+        "output layer, the MTP block and the loss at the same rate), and their MoE layers "
+        "(the MTP block's included) exchange tokens for the profiled layer's all-to-all each: "
+        "a lone pass waits for its own, an F&B pair lasts as long as the busier of its "
+        "compute and its all-to-all (on the profiled pair: "
+        f"{max(per['F'] + per['B'] + per['W'], per['a2a_forward'] + per['a2a_backward']):.2f} "
+        f"ms against its measured {per['pair_wall']:.2f} ms). Each schedule runs the split "
+        "the balance advisor finds for it on those "
         "times (`split`: advised), within 74.5 GiB (80 GB) per rank by the memory model, "
         "Megatron's and torch's at the split found for them, each under its own order; the "
         "config's split (4 + 14 x 4 + 1 layers) where none is faster (`config's`). Megatron's "

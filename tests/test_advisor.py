@@ -92,6 +92,11 @@ def test_the_retimer_times_as_the_simulator_does(name: str, pp: int, microbatche
         ]
         expected = simulate(schedule, CostModel(stage_costs=tuple(costs))).makespan
         assert retimer.makespan(costs) == pytest.approx(expected, rel=1e-12)
+        # With each stage's all-to-all (some stages exchange none, as dense ones)
+        a2a = [(rng.choice([0.0, rng.random()]), rng.random()) for _ in costs]
+        streams = CostModel(stage_costs=tuple(costs), stage_a2a=tuple(a2a))
+        expected = simulate(schedule, streams).makespan
+        assert retimer.makespan(costs, a2a) == pytest.approx(expected, rel=1e-12)
 
 
 def _shape(rng: random.Random) -> ModelShape:

@@ -18,7 +18,7 @@ import pytest
 from megatron_dualpipe.cli import main
 from megatron_dualpipe.planner.bound import step_bound
 from megatron_dualpipe.schedules.cost import CostModel
-from megatron_dualpipe.schedules.ir import ScheduleError
+from megatron_dualpipe.schedules.ir import Action, Kind, ScheduleError
 from megatron_dualpipe.schedules.registry import SCHEDULES, generate
 from megatron_dualpipe.schedules.simulate import simulate
 
@@ -155,3 +155,48 @@ def test_simulate_prints_the_bound_and_each_ranks_split(capsys) -> None:
         busy, compute, exposed, idle = map(float, row.split()[1:5])
         assert compute == 24.0 and busy == pytest.approx(compute + exposed)
         assert busy + idle == pytest.approx(step)
+
+
+def test_per_stage_all_to_all_costs_a_lone_pass_both_and_a_pair_the_busier_stream() -> None:
+    """Two stages: a MoE one (F compute 9, all-to-all 15; dX 14.6 and 13.3; W 8.8, the
+    profiled layer's rounded) and a dense one that exchanges nothing. A lone pass waits for
+    its all-to-all; a pair lasts as long as the busier of its compute streams and its
+    communication stream; the compute bound counts compute only."""
+    cost = CostModel(
+        stage_costs=((9.0, 14.6, 8.8), (9.0, 14.6, 8.8)), stage_a2a=((15.0, 13.3), (0.0, 0.0))
+    )
+
+    def same(stage: int) -> int:  # each stage its own model stage
+        return stage
+
+    forward, backward = Action(Kind.F, 0, 0), Action(Kind.BW, 0, 0)
+    assert cost.duration(forward, 0, same) == pytest.approx(24.0)
+    assert cost.duration(backward, 0, same) == pytest.approx(14.6 + 8.8 + 13.3)
+    assert cost.compute(forward, 0, same) == 9.0
+    pair = Action.overlapped(forward, backward)
+    assert cost.duration(pair, 0, same) == pytest.approx(max(9 + 14.6 + 8.8, 15 + 13.3))
+    # Compute the busier: a MoE forward beside a dense stage's full backward; all-to-all
+    # the busier: small compute, long exchanges.
+    beside_dense = Action.overlapped(forward, Action(Kind.BW, 1, 0))
+    assert cost.duration(beside_dense, 0, same) == pytest.approx(9 + 14.6 + 8.8)
+    heavy = CostModel(stage_costs=((1.0, 1.0, 0.5),), stage_a2a=((3.0, 2.0),))
+    one = Action.overlapped(Action(Kind.F, 0, 0), Action(Kind.B, 0, 1))
+    assert heavy.duration(one, 0, same) == 5.0
+    # A dense stage's lone pass waits for nothing.
+    assert cost.duration(Action(Kind.F, 1, 0), 0, same) == 9.0
+
+
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [
+        ({"stage_a2a": ((1.0, 1.0),)}, "need per-stage compute costs"),
+        ({"stage_costs": ((1, 1, 1),), "stage_a2a": ((1.0, 1.0), (1.0, 1.0))}, "same length"),
+        ({"stage_costs": ((1, 1, 1),), "stage_a2a": ((1.0, 1.0),), "a2a_f": 0.5}, "shares"),
+        ({"stage_costs": ((1, 1, 1),), "stage_a2a": ((1.0, 1.0),), "overlap": 0.5}, "overlap"),
+        ({"stage_costs": ((1, 1, 1),), "stage_a2a": ((1.0, -1.0),)}, "two times"),
+    ],
+)
+def test_per_stage_all_to_all_that_cannot_be_used_is_one_sentence(fields, said) -> None:
+    with pytest.raises(ScheduleError, match=said) as raised:
+        CostModel(**fields)
+    assert "\n" not in str(raised.value)

@@ -21,10 +21,11 @@ from megatron_dualpipe.bench.profiled import twin_schedule
 from megatron_dualpipe.cli import main
 from megatron_dualpipe.planner.config_advice import ConfigModel
 from megatron_dualpipe.planner.memory import MemoryModel
-from megatron_dualpipe.planner.profile_config import config_costs, profile_timing
+from megatron_dualpipe.planner.profile_config import config_costs, profile_timing, timed_costs
 from megatron_dualpipe.planner.profile_report import ProfileRow, deepseek_bubble
 from megatron_dualpipe.planner.profile_trace import read_profile
 from megatron_dualpipe.schedules import CostModel, ScheduleError, generate, simulate
+from megatron_dualpipe.schedules.ir import Action, Kind
 from megatron_dualpipe.schedules.layout import parse_layout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,11 +175,39 @@ def test_deepseeks_dualpipe_formula_is_the_simulated_bubble_where_it_holds() -> 
         step=result.makespan,
         idle=tuple(r.idle for r in result.ranks),
         chunk=(1.0, 1.0, 1.0),
-        overlap=1.0,
+        pair=3.0,
     )
     formula = deepseek_bubble([row], pp)
     assert formula["formula_ms"] == pytest.approx((pp / 2 - 1) * (3 + 2 - 3))
     assert formula["simulated_idle_ms"]["max"] == pytest.approx(formula["formula_ms"])
+
+
+def test_over_a_config_only_moe_layers_wait_for_an_all_to_all(tmp_path: Path) -> None:
+    """DeepSeek-V3's config (its first three layers dense) over the profile: a stage of the
+    embedding and the dense layers exchanges nothing, a stage of two MoE layers twice the
+    profiled layer's all-to-all, the MTP layer (MoE) once beside the heads; a lone pass
+    waits for its own, and a one-layer pair by its streams lasts the profiled pair's wall
+    time (the compute stream is the busier)."""
+    profile = read_profile(_write(tmp_path / "t.json", _trace()))
+    model = ConfigModel.read(ROOT / "configs" / "deepseek_v3_pp16.yaml", [])
+    timing = profile_timing(profile, model.shape, model.setup)
+    stages = ("Ettt", "tt", "t", "mL")
+    cost = timed_costs(timing, model.shape, model.setup, stages, "test").cost
+    a2a = (profile.a2a_forward, profile.a2a_backward)
+    assert cost.stage_a2a[0] == (0.0, 0.0)
+    assert cost.stage_a2a[1] == pytest.approx((2 * a2a[0], 2 * a2a[1]))
+    assert cost.stage_a2a[2] == pytest.approx(a2a) == cost.stage_a2a[3]
+    assert cost.stage_costs[2] == pytest.approx((profile.f, profile.b, profile.w))
+
+    def same(stage: int) -> int:
+        return stage
+
+    lone = cost.duration(Action(Kind.F, 2, 0), 0, same)
+    assert lone == pytest.approx(profile.f + profile.a2a_forward)
+    dense = cost.duration(Action(Kind.F, 0, 0), 0, same)
+    assert dense == pytest.approx(cost.stage_costs[0][0])
+    pair = Action.overlapped(Action(Kind.F, 2, 0), Action(Kind.BW, 2, 1))
+    assert cost.duration(pair, 0, same) == pytest.approx(profile.pair_wall)
 
 
 @pytest.mark.parametrize(

@@ -49,6 +49,9 @@ TORCH_PEERS = {
 
 #: (placement, profile) pairs of the fast loop; the other combinations are marked slow.
 FAST = {("v", "equal"), ("v", "overlap"), ("loop2", "latency"), ("mirror", "slow-rank")}
+#: A profile laid over a split (``CostModel.stage_a2a``): every other model stage a MoE
+#: one whose all-to-all a lone pass waits for and a pair hides behind compute.
+STREAMS = "streams"
 
 
 def _sampled(combos):
@@ -58,11 +61,15 @@ def _sampled(combos):
     ]
 
 
-ALL = [(w, p) for w in PLACEMENTS for p in PROFILES]
+ALL = [(w, p) for w in PLACEMENTS for p in [*PROFILES, STREAMS]]
 
 
 def _cost(profile: str, placement: Placement) -> CostModel:
-    return PROFILES[profile].per_stage(placement.num_ranks, placement.num_model_stages)
+    n = placement.num_model_stages
+    if profile == STREAMS:
+        a2a = tuple((0.8, 0.6) if s % 2 else (0.0, 0.0) for s in range(n))
+        return CostModel(stage_costs=((0.5, 0.6, 0.4),) * n, stage_a2a=a2a)
+    return PROFILES[profile].per_stage(placement.num_ranks, n)
 
 
 def _work(schedule) -> set[tuple[int, int]]:

@@ -103,7 +103,7 @@ def _plan_lines(rows: list[ProfileRow], model: ConfigModel, microbatches: int) -
     keys |= split_changes(layout, config_split_lines(setup))
     if setup.virtual_pipeline_model_parallel_size is not None:
         keys["virtual_pipeline_model_parallel_size"] = None  # the layout says it
-    overlapped = best.source == "megatron" or (best.overlap or 1.0) < 1.0
+    overlapped = best.source == "megatron" or best.overlaps
     if overlapped:
         keys["overlap_moe_expert_parallel_comm"] = True
     if microbatches != setup.num_microbatches:

@@ -15,7 +15,7 @@ import heapq
 import json
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import yaml
@@ -145,24 +145,29 @@ class ParallelSetup:
 
 @dataclass(frozen=True)
 class StageTiming:
-    """FLOPs made milliseconds: each pass's ms per FLOP (F, B, W, as a profile measured
-    them), the FB pair's overlap and the all-to-all's share of F and of B (a profile's):
-    the advisor then searches on time, not FLOPs."""
+    """FLOPs made milliseconds, as a profile measured them: each pass's compute per FLOP
+    (F, B, W) and the all-to-all's milliseconds per FLOP of a MoE layer's F and of its B
+    (a stage's all-to-all is its MoE layers' FLOPs at those rates: dense layers, the
+    embedding, the heads and the loss exchange no tokens). The advisor then searches on
+    time, not FLOPs, and the simulator costs a pair by its streams
+    (:class:`~..schedules.cost.CostModel`'s ``stage_a2a``)."""
 
     rates: tuple[float, float, float]
-    overlap: float = 1.0
-    a2a_f: float = 0.0
-    a2a_b: float = 0.0
+    a2a_rates: tuple[float, float] = (0.0, 0.0)
 
     def timed(self, cost: StageCost) -> StageCost:
-        """``cost`` with its work in milliseconds."""
+        """``cost`` with its work (compute) and its all-to-all in milliseconds."""
         rf, rb, rw = self.rates
-        return replace(cost, work=Work(cost.f * rf, cost.b * rb, cost.w * rw))
+        af, ab = self.a2a_rates
+        work = Work(cost.f * rf, cost.b * rb, cost.w * rw)
+        return replace(cost, work=work, a2a=(cost.moe.f * af, cost.moe.b * ab))
 
-    def cost_model(self, stage_ms: tuple[tuple[float, float, float], ...]) -> CostModel:
-        """The simulator's costs of stages timed so."""
+    @staticmethod
+    def cost_model(costs: Sequence[StageCost]) -> CostModel:
+        """The simulator's costs of stages timed so (:meth:`timed`)."""
         return CostModel(
-            stage_costs=stage_ms, overlap=self.overlap, a2a_f=self.a2a_f, a2a_b=self.a2a_b
+            stage_costs=tuple((c.f, c.b, c.w) for c in costs),
+            stage_a2a=tuple(c.a2a for c in costs),
         )
 
 
@@ -196,10 +201,9 @@ class Candidate:
     @property
     def cost_model(self) -> CostModel:
         """The simulator's cost model of this split."""
-        stage_costs = tuple((c.f, c.b, c.w) for c in self.costs)
         if self.timing is not None:
-            return self.timing.cost_model(stage_costs)
-        return CostModel(stage_costs=stage_costs)
+            return self.timing.cost_model(self.costs)
+        return CostModel(stage_costs=tuple((c.f, c.b, c.w) for c in self.costs))
 
 
 @dataclass
@@ -413,8 +417,6 @@ class _Search:
         self.shape, self.setup, self.schedule = shape, setup, schedule
         self.settings, self.timing = settings, timing
         self.splits_backward = any(a.kind is Kind.W for acts in schedule.ranks for a in acts)
-        #: No action takes less than this share of its parts (an FB pair's overlap).
-        self.least_share = min(1.0, timing.overlap) if timing is not None else 1.0
         p = schedule.placement
         self.placement = p
         self.stages = p.num_model_stages
@@ -433,7 +435,7 @@ class _Search:
             (q, None if q is None else p.model_stage(q))
             for q in map(p.prev_stage, range(p.num_stages))
         ]
-        self.retimer = Retimer(schedule, timing.overlap if timing is not None else 1.0)
+        self.retimer = Retimer(schedule)
 
     # -- splits ---------------------------------------------------------------------------
     def config_stages(self) -> tuple[str, ...]:
@@ -647,8 +649,8 @@ class _Search:
     def lower_bound(self, stages: tuple[str, ...]) -> float:
         """No step is shorter: for each rank, its compute time, after the forwards that
         must run before its first (the stages upstream of one it holds), and, where its
-        last work is a full backward, before the backwards that must follow it (an FB
-        pair's overlap shortens the compute at most by its factor)."""
+        last work is a full backward, before the backwards that must follow it (no pass,
+        alone or in a pair, takes less than its compute)."""
         costs = self.costs(stages)
         p = self.placement
         head = [0.0] * p.num_stages  # forward time upstream of each stage
@@ -659,7 +661,7 @@ class _Search:
                 tail[stage] = tail[prev] + costs[model].b + costs[model].w
         if self.splits_backward:
             tail = [0.0] * p.num_stages
-        share = self.least_share * self.passes
+        share = self.passes  # no pass, alone or paired, takes less than its compute
         return max(
             min(head[s] for s in held)
             + share * sum(costs[p.model_stage(s)].work.total for s in held)
@@ -679,7 +681,8 @@ class _Search:
         cand = self.seen.get(stages)
         if cand is None:
             costs = self.costs(stages)
-            makespan = self.retimer.makespan([(c.f, c.b, c.w) for c in costs])
+            a2a = [c.a2a for c in costs] if self.timing is not None else None
+            makespan = self.retimer.makespan([(c.f, c.b, c.w) for c in costs], a2a)
             busy = [
                 self.passes * sum(costs[s].work.total for s in held) for held in self.rank_stages
             ]

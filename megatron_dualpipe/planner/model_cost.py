@@ -378,7 +378,9 @@ class StageCost:
     """One model stage for one micro-batch on one rank: ``work`` in FLOPs, ``activations``
     saved in bytes, parameters (``dense_params``; ``expert_params`` are split over expert
     parallelism) and which shared matrices it needs (the embedding table, the output
-    layer: a tied pair on one rank is stored once)."""
+    layer: a tied pair on one rank is stored once). ``moe``: the FLOPs of its MoE layers
+    (MTP's included), which its all-to-all scales with; ``a2a``: that all-to-all's
+    milliseconds in F and in B, once a profile timed the stage (else 0)."""
 
     work: Work
     activations: float
@@ -388,6 +390,8 @@ class StageCost:
     output_layer: bool
     first_layer: int
     layers: int
+    moe: Work = Work()
+    a2a: tuple[float, float] = (0.0, 0.0)
 
     @property
     def f(self) -> float:
@@ -424,13 +428,15 @@ def stage_costs(
     out: list[StageCost] = []
     layer = 0
     for stage in stages:
-        work, dense, expert, act = Work(), 0.0, 0.0, 0.0
+        work, moe, dense, expert, act = Work(), Work(), 0.0, 0.0, 0.0
         first = layer
         recomputed, _ = recompute.full_layers(stage.count(DECODER))
         for index, part in enumerate(stage):
             if part in (DECODER, MTP):
                 lw, ld, le, rep, shard, fp32 = shape.decoder_layer(layer)
                 work += lw
+                if shape.is_moe(layer):
+                    moe += lw
                 dense += ld
                 expert += le
                 if part == DECODER and stage[:index].count(DECODER) < recomputed:
@@ -464,6 +470,7 @@ def stage_costs(
                 output_layer=LOSS in stage,
                 first_layer=first,
                 layers=layer - first,
+                moe=moe * (tokens / tp),
             )
         )
     return out

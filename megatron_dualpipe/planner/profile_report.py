@@ -14,6 +14,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from ..schedules.ir import Action, Kind
 from ..schedules.layout import format_layout
 from ..schedules.simulate import SimResult
 from .bound import step_bound
@@ -31,7 +32,8 @@ class ProfileRow:
     """One schedule's simulated step (ms) on the profile's costs; ``note`` where it does
     not apply. ``idle`` is each rank's idle time, ``exposed`` the all-to-all it waits for,
     ``bound`` the step's compute bound and ``split_bound`` its split's (:mod:`.bound`),
-    ``chunk`` a middle stage's (F, B, W)."""
+    ``chunk`` a middle stage's lone F, dX and W and ``pair`` its F&B pair (forward and full
+    backward), as the cost model times them."""
 
     schedule: str
     source: str
@@ -45,13 +47,22 @@ class ProfileRow:
     bound: float | None = None
     split_bound: float | None = None
     chunk: tuple[float, float, float] | None = None
-    overlap: float | None = None
+    pair: float | None = None
     note: str = ""
 
     @staticmethod
     def of(name: str, source: str, result: SimResult, costs: ConfigCosts) -> ProfileRow:
-        stage_costs = costs.cost.stage_costs or ()
-        middle = stage_costs[len(stage_costs) // 2] if stage_costs else None
+        stages = len(costs.cost.stage_costs or ())
+        chunk = pair = None
+        if stages:
+            middle = stages // 2
+
+            def timed(action: Action) -> float:
+                return costs.cost.duration(action, 0, lambda stage: stage)
+
+            f, b, w = (Action(kind, middle, 0) for kind in (Kind.F, Kind.B, Kind.W))
+            chunk = (timed(f), timed(b), timed(w))
+            pair = timed(Action.overlapped(f, Action(Kind.BW, middle, 0)))
         bound = step_bound(result)
         return ProfileRow(
             name,
@@ -65,9 +76,14 @@ class ProfileRow:
             exposed=tuple(r.exposed for r in bound.ranks),
             bound=bound.bound,
             split_bound=bound.split_bound,
-            chunk=middle,
-            overlap=costs.cost.overlap,
+            chunk=chunk,
+            pair=pair,
         )
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether its F&B pair is shorter than its halves one after the other."""
+        return self.pair is not None and self.chunk is not None and self.pair < sum(self.chunk)
 
     def to_json(self) -> dict:
         return {
@@ -123,11 +139,11 @@ def deepseek_bubble(rows: list[ProfileRow], pp: int) -> dict | None:
     """DualPipe's bubble by DeepSeek's formula on a middle chunk's costs, beside its
     simulated idle per rank; None without a simulated dualpipe row."""
     row = next((r for r in rows if r.schedule == "dualpipe" and r.step is not None), None)
-    if row is None or row.chunk is None:
+    if row is None or row.chunk is None or row.pair is None:
         return None
     f, b, w = row.chunk
     full = b + w  # the paper's B is the full backward
-    pair = (row.overlap or 1.0) * (f + full)
+    pair = row.pair
     formula = (pp / 2 - 1) * (pair + full - 3 * w)
     mean = statistics.fmean(row.idle)
     line = (

@@ -6,13 +6,15 @@ for every candidate; :class:`Retimer` pays it once: it records each compute acti
 inputs (the action on the same rank before it, and the actions on other ranks whose
 messages it waits for) in an order that respects them, and then times the schedule in
 one pass per cost. Same semantics as the simulator with no latency: an action starts when
-its rank is free and its inputs have been sent, and an FB pair lasts ``overlap`` times the
-sum of its halves.
+its rank is free and its inputs have been sent, and an FB pair lasts the sum of its
+halves, or, given each stage's all-to-all, as long as the busier of its halves' compute
+and their all-to-all (a lone pass: the two one after the other).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 from ..schedules.ir import Action, Kind, Schedule, ScheduleError
 
@@ -24,11 +26,11 @@ _PARTS = {Kind.F: (0,), Kind.B: (1,), Kind.W: (2,), Kind.BW: (1, 2)}
 class Retimer:
     """Times a compute-only ``schedule`` for per-model-stage costs ``(f, b, w)``."""
 
-    def __init__(self, schedule: Schedule, overlap: float = 1.0):
+    def __init__(self, schedule: Schedule):
         if schedule.is_lowered:
             schedule = schedule.compute_only()
         p = schedule.placement
-        self.num_ranks, self.overlap = p.num_ranks, overlap
+        self.num_ranks = p.num_ranks
         where: dict[tuple[str, int, int], int] = {}  # (F or B, stage, micro-batch) -> node
         nodes: list[tuple[int, Action]] = []
         for rank, actions in enumerate(schedule.ranks):
@@ -72,14 +74,24 @@ class Retimer:
         self.kinds = list(kinds)
         self.steps = [(i, tuple(preds[i]), self.kind[i]) for i in self.order]
 
-    def makespan(self, costs: list[tuple[float, float, float]]) -> float:
-        """The simulated step under ``costs`` (one ``(f, b, w)`` per model stage)."""
+    def makespan(
+        self,
+        costs: Sequence[tuple[float, float, float]],
+        a2a: Sequence[tuple[float, float]] | None = None,
+    ) -> float:
+        """The simulated step under ``costs`` (one ``(f, b, w)`` per model stage; with
+        ``a2a``, each stage's F and B all-to-all, as :class:`~..schedules.cost.CostModel`'s
+        ``stage_a2a``: ``costs`` are then compute only)."""
         flat = [x for triple in costs for x in triple]
-        overlap = self.overlap
-        table = [
-            (overlap if paired else 1.0) * sum(flat[t] for t in terms)
-            for paired, *terms in self.kinds
-        ]
+        if a2a is None:
+            table = [sum(flat[t] for t in terms) for _, *terms in self.kinds]
+        else:
+            exchanged = [x for pair in a2a for x in pair]
+            table = []
+            for paired, *terms in self.kinds:  # a term t is part t % 3 (F, B, W) of t // 3
+                compute = sum(flat[t] for t in terms)
+                comm = sum(exchanged[2 * (t // 3) + t % 3] for t in terms if t % 3 < 2)
+                table.append(max(compute, comm) if paired else compute + comm)
         end = [0.0] * len(self.kind)
         for i, preds, kind in self.steps:
             start = 0.0

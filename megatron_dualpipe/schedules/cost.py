@@ -21,6 +21,11 @@ def _in_range(value: float) -> bool:
     return math.isfinite(value) and 0 <= value <= MAX_COST
 
 
+def _malformed(entries: tuple[tuple[float, ...], ...], size: int) -> bool:
+    """Whether an entry of ``entries`` is not ``size`` numbers in range."""
+    return any(len(entry) != size or not all(map(_in_range, entry)) for entry in entries)
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Durations in arbitrary time units.
@@ -38,6 +43,13 @@ class CostModel:
     lone pass waits for it; an FB pair may hide it): the rest, and all of W, is compute,
     what the compute bound counts (:mod:`megatron_dualpipe.planner.bound`). 0 (the
     default): all compute.
+
+    ``stage_a2a`` gives each model stage its own all-to-all times instead, ``(F's, B's)``
+    beside ``stage_costs``, which then hold compute only (a profile laid over a model's
+    split: only its MoE layers exchange tokens). A lone pass takes its compute and its
+    all-to-all one after the other; an FB pair runs its halves' compute on the compute
+    streams and their all-to-all on the communication stream, and lasts as long as the
+    busier of the two (DeepSeek's profiled pair: within 0.5% of its wall time).
     """
 
     f: float = 1.0
@@ -51,6 +63,7 @@ class CostModel:
     stage_costs: tuple[tuple[float, float, float], ...] | None = None
     a2a_f: float = 0.0
     a2a_b: float = 0.0
+    stage_a2a: tuple[tuple[float, float], ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("a2a_f", "a2a_b"):
@@ -79,11 +92,30 @@ class CostModel:
                     "per-stage costs cannot be combined with FB or stage_scale: give the "
                     "overlap factor instead of FB, and fold the scales into the stage costs"
                 )
-            if any(len(c) != 3 or not all(map(_in_range, c)) for c in self.stage_costs):
+            if _malformed(self.stage_costs, 3):
                 raise ScheduleError(
                     f"each per-stage cost must be three times F, B, W, finite numbers from 0 "
                     f"to {MAX_COST:g}"
                 )
+        if self.stage_a2a is not None:
+            self._check_stage_a2a()
+
+    def _check_stage_a2a(self) -> None:
+        if self.stage_costs is None or len(self.stage_a2a) != len(self.stage_costs):
+            raise ScheduleError(
+                "per-stage all-to-all times need per-stage compute costs, one pair (F's, "
+                "B's) per stage: give stage_costs of the same length"
+            )
+        if self.a2a_f or self.a2a_b or self.overlap != 1.0:
+            raise ScheduleError(
+                "per-stage all-to-all times cost a pair by its streams: give them without "
+                "the all-to-all shares (a2a_f, a2a_b) and the overlap factor"
+            )
+        if _malformed(self.stage_a2a, 2):
+            raise ScheduleError(
+                f"each per-stage all-to-all must be two times, F's and B's, from 0 to "
+                f"{MAX_COST:g}"
+            )
 
     @staticmethod
     def parse(text: str, latency: float = 0.0) -> CostModel:
@@ -130,12 +162,17 @@ class CostModel:
         """How long a compute action takes on ``rank``; ``model_stage`` maps a stage to the
         part of the model it runs (for ``stage_scale``)."""
         if action.kind is Kind.FB:
+            if self.stage_a2a is not None:  # the compute streams against the all-to-all's
+                compute = sum(self.compute(h, rank, model_stage) for h in action.sub)
+                return max(compute, sum(self._a2a(h, rank, model_stage) for h in action.sub))
             if self.fb is not None:
                 return self.fb * self._scale(model_stage(action.stage), rank)
             return self.overlap * sum(self.duration(h, rank, model_stage) for h in action.sub)
         if action.kind not in _PARTS:
             return 0.0
         stage = model_stage(action.stage)
+        if self.stage_a2a is not None:
+            return self.compute(action, rank, model_stage) + self._a2a(action, rank, model_stage)
         if self.stage_costs is not None:
             costs, scale = self.stage_costs[stage], self._scale(stage, rank)
             return sum(costs[i] for i in _PARTS[action.kind]) * scale
@@ -154,9 +191,17 @@ class CostModel:
             parts = self.stage_costs[stage]
         else:
             parts = (self.f, self.b, self.w)
-        compute = (1.0 - self.a2a_f, 1.0 - self.a2a_b, 1.0)
+        compute = (1.0 - self.a2a_f, 1.0 - self.a2a_b, 1.0)  # (1, 1, 1) with stage_a2a
         own = sum(parts[i] * compute[i] for i in _PARTS[action.kind])
         return own * self._scale(stage, rank)
+
+    def _a2a(self, action: Action, rank: int, model_stage: Callable[[int], int]) -> float:
+        """A plain F, B or BW's all-to-all under ``stage_a2a`` (W and others: none)."""
+        side = 0 if action.kind is Kind.F else 1 if action.kind in (Kind.B, Kind.BW) else None
+        if side is None:
+            return 0.0
+        stage = model_stage(action.stage)
+        return self.stage_a2a[stage][side] * self._scale(stage, rank)
 
     def check_fits(self, num_model_stages: int, num_ranks: int) -> None:
         """Raise if the per-stage or per-rank scales do not match the schedule."""
