@@ -14,6 +14,8 @@ import pytest
 from megatron_dualpipe.bench.catalog import SCHEDULES as CATALOG
 from megatron_dualpipe.planner.advisor import (
     ParallelSetup,
+    StageTiming,
+    _Search,
     advise,
     stages_for,
 )
@@ -143,6 +145,35 @@ def test_the_proposal_is_never_slower_and_stays_within_the_cap(name: str, seed: 
     stages = advice.schedule.placement.num_model_stages
     proposed = ParallelSetup(**{**vars(setup), **advice.changes()})
     assert tuple(stages_for(shape, proposed, stages)) == advice.after.stages
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("name", ["dualpipe", "dualpipev"])
+def test_on_a_profiles_time_the_search_times_as_the_simulator_and_bounds_below(
+    name: str, seed: int
+) -> None:
+    """Timed by a profile (compute rates, all-to-all on MoE layers only): the chosen split's
+    step and bubble are the simulator's under the stream cost model, and the search's lower
+    bound never exceeds the step of any split it timed (it prunes with it)."""
+    rng = random.Random(seed)
+    shape = _shape(rng)
+    setup = ParallelSetup(
+        micro_batch_size=1,
+        global_batch_size=12,
+        pipeline_schedule=name,
+        pipeline_model_parallel_size=rng.choice([2, 4]),
+        bf16=True,
+    )
+    timing = StageTiming((1e-9, 1.6e-9, 1e-9), (1.7e-9, 0.9e-9))
+    advice = advise(shape, setup, timing=timing)
+    for found in (advice.before, advice.after):
+        result = simulate(advice.schedule, found.cost_model)
+        assert found.cost_model.stage_a2a is not None
+        assert found.makespan == pytest.approx(result.makespan, rel=1e-12)
+        assert found.bubble == pytest.approx(result.bubble_ratio, rel=1e-9, abs=1e-12)
+    search = _Search(shape, setup, advice.schedule, MemorySettings(), timing)
+    for stages in {advice.before.stages, advice.after.stages}:
+        assert search.lower_bound(stages) <= search.evaluate(stages).makespan * (1 + 1e-12)
 
 
 def test_a_tighter_memory_cap_is_respected_or_refused_in_one_sentence() -> None:

@@ -182,8 +182,11 @@ def test_per_stage_all_to_all_costs_a_lone_pass_both_and_a_pair_the_busier_strea
     heavy = CostModel(stage_costs=((1.0, 1.0, 0.5),), stage_a2a=((3.0, 2.0),))
     one = Action.overlapped(Action(Kind.F, 0, 0), Action(Kind.B, 0, 1))
     assert heavy.duration(one, 0, same) == 5.0
-    # A dense stage's lone pass waits for nothing.
+    # A dense stage's lone pass waits for nothing; a slow rank computes slower, its
+    # all-to-all is the same.
     assert cost.duration(Action(Kind.F, 1, 0), 0, same) == 9.0
+    slow = CostModel(stage_costs=cost.stage_costs, stage_a2a=cost.stage_a2a, rank_scale=(2.0,))
+    assert slow.duration(forward, 0, same) == pytest.approx(2 * 9.0 + 15.0)
 
 
 @pytest.mark.parametrize(

@@ -182,6 +182,14 @@ def test_deepseeks_dualpipe_formula_is_the_simulated_bubble_where_it_holds() -> 
     assert formula["simulated_idle_ms"]["max"] == pytest.approx(formula["formula_ms"])
 
 
+def test_a_pair_overlaps_only_where_it_is_shorter_than_its_halves() -> None:
+    """What decides the plan's overlap flag: a stage without all-to-all hides nothing, even
+    where its parts' sum rounds above the pair's time."""
+    assert not ProfileRow("dualpipe", "ours", chunk=(0.1, 0.2, 0.3), pair=0.6).overlaps
+    assert ProfileRow("dualpipe", "ours", chunk=(24.3, 27.9, 8.8), pair=32.4).overlaps
+    assert not ProfileRow("dualpipe", "ours").overlaps
+
+
 def test_over_a_config_only_moe_layers_wait_for_an_all_to_all(tmp_path: Path) -> None:
     """DeepSeek-V3's config (its first three layers dense) over the profile: a stage of the
     embedding and the dense layers exchanges nothing, a stage of two MoE layers twice the

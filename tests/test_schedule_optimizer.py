@@ -49,6 +49,7 @@ TORCH_PEERS = {
 
 #: (placement, profile) pairs of the fast loop; the other combinations are marked slow.
 FAST = {("v", "equal"), ("v", "overlap"), ("loop2", "latency"), ("mirror", "slow-rank")}
+FAST |= {("v", "streams")}
 #: A profile laid over a split (``CostModel.stage_a2a``): every other model stage a MoE
 #: one whose all-to-all a lone pass waits for and a pair hides behind compute.
 STREAMS = "streams"

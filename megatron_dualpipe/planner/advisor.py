@@ -174,7 +174,8 @@ class StageTiming:
 @dataclass
 class Candidate:
     """One split: its stages (layout strings in pipeline order) with their costs, the
-    simulated step and each rank's busy time (in FLOPs of one rank), and each rank's memory
+    simulated step and each rank's busy time (its actions' times summed, as the simulator's
+    ranks have it; in FLOPs of one rank), and each rank's memory
     (parameters with their gradients and optimizer state, plus the peak of saved
     activations, in bytes); in milliseconds where the search was ``timing``'s."""
 
@@ -267,6 +268,7 @@ class Advice:
                 "bubble_ratio": c.bubble,
                 "memory_per_rank": c.memory,
                 "stage_costs": [[x.f, x.b, x.w] for x in c.costs],
+                "stage_a2a": [list(x.a2a) for x in c.costs],
             }
 
         return {
@@ -682,10 +684,7 @@ class _Search:
         if cand is None:
             costs = self.costs(stages)
             a2a = [c.a2a for c in costs] if self.timing is not None else None
-            makespan = self.retimer.makespan([(c.f, c.b, c.w) for c in costs], a2a)
-            busy = [
-                self.passes * sum(costs[s].work.total for s in held) for held in self.rank_stages
-            ]
+            makespan, busy = self.retimer.timed([(c.f, c.b, c.w) for c in costs], a2a)
             cand = Candidate(stages, costs, makespan, busy, self.memory(stages), self.timing)
             self.seen[stages] = cand
         return cand

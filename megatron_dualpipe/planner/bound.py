@@ -2,10 +2,11 @@
 
 The compute bound of a step is its compute shared evenly over the ranks: every F, B and W
 of every stage and micro-batch without their all-to-all (the cost model's ``a2a_f`` and
-``a2a_b`` shares), summed and divided by the ranks, as if every all-to-all were hidden, no
-rank ever waited and the split were perfect. It depends on the model and the costs only
-(with ranks of equal speed; a cost model's ``rank_scale`` makes it depend on which stages
-the slow ranks hold): no schedule and no split is faster. Per rank the step splits into
+``a2a_b`` shares, or each stage's own, ``stage_a2a``), summed and divided by the ranks,
+as if every all-to-all were hidden, no rank ever waited and the split were perfect. It
+depends on the model and the costs only (with ranks of equal speed; a cost model's
+``rank_scale`` makes it depend on which stages the slow ranks hold): no schedule and no
+split is faster. Per rank the step splits into
 its compute, the all-to-all it waits for (its passes' time beyond their compute: a lone
 pass's whole share, a pair's time beyond its halves' compute) and its idle time; the step
 beyond the bound is, on every rank, ``exposed + idle + imbalance - hidden``, where

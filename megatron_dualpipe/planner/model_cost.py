@@ -379,8 +379,9 @@ class StageCost:
     saved in bytes, parameters (``dense_params``; ``expert_params`` are split over expert
     parallelism) and which shared matrices it needs (the embedding table, the output
     layer: a tied pair on one rank is stored once). ``moe``: the FLOPs of its MoE layers
-    (MTP's included), which its all-to-all scales with; ``a2a``: that all-to-all's
-    milliseconds in F and in B, once a profile timed the stage (else 0)."""
+    (MTP's included), which its all-to-all scales with (not the forward that full
+    recomputation runs again in B: a profile's timing takes no recomputation); ``a2a``:
+    that all-to-all's milliseconds in F and in B, once a profile timed the stage (else 0)."""
 
     work: Work
     activations: float

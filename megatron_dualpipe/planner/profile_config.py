@@ -33,13 +33,11 @@ __all__ = ["ConfigCosts", "config_costs", "profile_timing", "timed_costs"]
 @dataclass(frozen=True)
 class ConfigCosts:
     """A schedule's per-stage costs in ms: the split used (layout strings) and which it
-    is (``split``: "config's", "most even" or "advised"), the cost model, and the rates
-    (ms per GFLOP of F, B, W)."""
+    is (``split``: "config's", "most even" or "advised"), and the cost model."""
 
     stages: tuple[str, ...]
     split: str
     cost: CostModel
-    rates: tuple[float, float, float]
 
     @property
     def config_split(self) -> bool:
@@ -92,8 +90,7 @@ def timed_costs(
     """``stages`` (layout strings in pipeline order) timed by ``timing``."""
     costs = [timing.timed(c) for c in stage_costs(shape, list(stages), **_options(setup, shape))]
     cost = replace(timing.cost_model(costs), latency=latency)
-    rf, rb, rw = timing.rates
-    return ConfigCosts(tuple(stages), split, cost, (rf * 1e9, rb * 1e9, rw * 1e9))
+    return ConfigCosts(tuple(stages), split, cost)
 
 
 def config_costs(

@@ -82,8 +82,11 @@ class ProfileRow:
 
     @property
     def overlaps(self) -> bool:
-        """Whether its F&B pair is shorter than its halves one after the other."""
-        return self.pair is not None and self.chunk is not None and self.pair < sum(self.chunk)
+        """Whether its middle stage's F&B pair is shorter than its halves one after the
+        other (by more than float rounding: a stage without all-to-all hides nothing)."""
+        if self.pair is None or self.chunk is None:
+            return False
+        return self.pair < sum(self.chunk) * (1 - 1e-9)
 
     def to_json(self) -> dict:
         return {

@@ -73,6 +73,7 @@ class Retimer:
             self.kind.append(kinds.setdefault((bool(action.sub), *terms), len(kinds)))
         self.kinds = list(kinds)
         self.steps = [(i, tuple(preds[i]), self.kind[i]) for i in self.order]
+        self.rank = [rank for rank, _ in nodes]
 
     def makespan(
         self,
@@ -82,6 +83,15 @@ class Retimer:
         """The simulated step under ``costs`` (one ``(f, b, w)`` per model stage; with
         ``a2a``, each stage's F and B all-to-all, as :class:`~..schedules.cost.CostModel`'s
         ``stage_a2a``: ``costs`` are then compute only)."""
+        return self.timed(costs, a2a)[0]
+
+    def timed(
+        self,
+        costs: Sequence[tuple[float, float, float]],
+        a2a: Sequence[tuple[float, float]] | None = None,
+    ) -> tuple[float, list[float]]:
+        """:meth:`makespan` and each rank's busy time (the sum of its actions' times, as
+        :class:`~..schedules.simulate.SimResult`'s ranks have it)."""
         flat = [x for triple in costs for x in triple]
         if a2a is None:
             table = [sum(flat[t] for t in terms) for _, *terms in self.kinds]
@@ -93,13 +103,15 @@ class Retimer:
                 comm = sum(exchanged[2 * (t // 3) + t % 3] for t in terms if t % 3 < 2)
                 table.append(max(compute, comm) if paired else compute + comm)
         end = [0.0] * len(self.kind)
+        busy = [0.0] * self.num_ranks
         for i, preds, kind in self.steps:
             start = 0.0
             for j in preds:
                 if end[j] > start:
                     start = end[j]
             end[i] = start + table[kind]
-        return max(end, default=0.0)
+            busy[self.rank[i]] += table[kind]
+        return max(end, default=0.0), busy
 
 
 def _topological(preds: list[list[int]]) -> list[int]:

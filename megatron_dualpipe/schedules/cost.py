@@ -49,7 +49,8 @@ class CostModel:
     split: only its MoE layers exchange tokens). A lone pass takes its compute and its
     all-to-all one after the other; an FB pair runs its halves' compute on the compute
     streams and their all-to-all on the communication stream, and lasts as long as the
-    busier of the two (DeepSeek's profiled pair: within 0.5% of its wall time).
+    busier of the two (DeepSeek's profiled pair: within 0.5% of its wall time). A slow
+    rank's ``rank_scale`` scales its compute, not its all-to-all.
     """
 
     f: float = 1.0
@@ -164,7 +165,7 @@ class CostModel:
         if action.kind is Kind.FB:
             if self.stage_a2a is not None:  # the compute streams against the all-to-all's
                 compute = sum(self.compute(h, rank, model_stage) for h in action.sub)
-                return max(compute, sum(self._a2a(h, rank, model_stage) for h in action.sub))
+                return max(compute, sum(self._a2a(h, model_stage) for h in action.sub))
             if self.fb is not None:
                 return self.fb * self._scale(model_stage(action.stage), rank)
             return self.overlap * sum(self.duration(h, rank, model_stage) for h in action.sub)
@@ -172,7 +173,7 @@ class CostModel:
             return 0.0
         stage = model_stage(action.stage)
         if self.stage_a2a is not None:
-            return self.compute(action, rank, model_stage) + self._a2a(action, rank, model_stage)
+            return self.compute(action, rank, model_stage) + self._a2a(action, model_stage)
         if self.stage_costs is not None:
             costs, scale = self.stage_costs[stage], self._scale(stage, rank)
             return sum(costs[i] for i in _PARTS[action.kind]) * scale
@@ -195,13 +196,13 @@ class CostModel:
         own = sum(parts[i] * compute[i] for i in _PARTS[action.kind])
         return own * self._scale(stage, rank)
 
-    def _a2a(self, action: Action, rank: int, model_stage: Callable[[int], int]) -> float:
-        """A plain F, B or BW's all-to-all under ``stage_a2a`` (W and others: none)."""
+    def _a2a(self, action: Action, model_stage: Callable[[int], int]) -> float:
+        """A plain F, B or BW's all-to-all under ``stage_a2a`` (W and others: none); the
+        scales, which slow a rank's compute, leave it as it is."""
         side = 0 if action.kind is Kind.F else 1 if action.kind in (Kind.B, Kind.BW) else None
         if side is None:
             return 0.0
-        stage = model_stage(action.stage)
-        return self.stage_a2a[stage][side] * self._scale(stage, rank)
+        return self.stage_a2a[model_stage(action.stage)][side]
 
     def check_fits(self, num_model_stages: int, num_ranks: int) -> None:
         """Raise if the per-stage or per-rank scales do not match the schedule."""

@@ -184,20 +184,15 @@ def _variants(cost: CostModel) -> list[tuple[str, CostModel]]:
         out.append(("double-latency", replace(cost, latency=2 * cost.latency)))
     uneven = cost.stage_scale is not None or cost.rank_scale is not None
     if uneven or cost.stage_costs is not None:
-        even = replace(cost, stage_scale=None, rank_scale=None, stage_costs=None, stage_a2a=None)
+        even = replace(cost, stage_scale=None, rank_scale=None)
         if cost.stage_costs is not None:  # every stage at the mean of the given ones
             n = len(cost.stage_costs)
-            f, b, w = (sum(c[i] for c in cost.stage_costs) / n for i in range(3))
-            even = replace(even, f=f, b=b, w=w)
-        if cost.stage_a2a is not None:  # the mean all-to-all, as its share of F and of B
-            af, ab = (sum(a[i] for a in cost.stage_a2a) / n for i in range(2))
-            even = replace(
-                even,
-                f=f + af,
-                b=b + ab,
-                a2a_f=af / (f + af) if f + af else 0.0,
-                a2a_b=ab / (b + ab) if b + ab else 0.0,
-            )
+            mean = tuple(sum(c[i] for c in cost.stage_costs) / n for i in range(3))
+            if cost.stage_a2a is None:
+                even = replace(even, stage_costs=None, f=mean[0], b=mean[1], w=mean[2])
+            else:  # and the mean all-to-all: pairs still cost by their streams
+                a2a = tuple(sum(a[i] for a in cost.stage_a2a) / n for i in range(2))
+                even = replace(even, stage_costs=(mean,) * n, stage_a2a=(a2a,) * n)
         out.append(("even-stage", even))
         if cost.latency:
             out.append(("nominal", replace(even, latency=0.0)))
