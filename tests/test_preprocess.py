@@ -335,3 +335,37 @@ def test_sigterm_exits_cleanly_removing_the_partial_files_and_the_workers(
     while _processes_naming(str(out)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _processes_naming(str(out)) == []
+
+
+def _stuck_with_stop_signals_held(ready: object) -> None:
+    """A worker stuck before its loop unholds the stop signals: SIGTERM never reaches it."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    ready.set()
+    while True:
+        time.sleep(3600)
+
+
+def test_a_worker_that_cannot_see_sigterm_is_killed_when_the_workers_end(monkeypatch) -> None:
+    """Leaving the workers' block ends a worker that holds SIGTERM (SIGKILL after
+    ``_END_S``) instead of waiting for it forever (CI once saw `preprocess` not exit within
+    60 s of SIGTERM)."""
+    import multiprocessing
+
+    from megatron_dualpipe.megatron.data import preprocess as module
+
+    monkeypatch.setattr(module, "_END_S", 0.2)
+    context = multiprocessing.get_context("fork")
+    ready = context.Event()
+    stuck = context.Process(target=_stuck_with_stop_signals_held, args=(ready,), daemon=True)
+    stuck.start()
+    try:
+        assert ready.wait(60)
+        workers = object.__new__(module._Workers)
+        workers.processes = [stuck]
+        workers.tasks, workers.results = context.Queue(), context.Queue()
+        workers.__exit__(None, None, None)
+        assert stuck.exitcode == -signal.SIGKILL
+    finally:
+        if stuck.is_alive():
+            stuck.kill()
+            stuck.join()

@@ -88,6 +88,10 @@ POLL_S = 0.5
 #: Signals held back while the finished files are renamed and while workers are forked
 #: (what ends a run as an exception).
 _HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+#: How long a worker has to end after SIGTERM before it is killed: one forked with the stop
+#: signals held (see :class:`_Workers`) and stuck before its loop unholds them never sees
+#: SIGTERM.
+_END_S = 5.0
 
 
 class PreprocessError(TokenizerError):
@@ -316,7 +320,10 @@ class _Workers:
         for process in started:
             process.terminate()
         for process in started:
-            process.join()
+            process.join(_END_S)
+            if process.exitcode is None:
+                process.kill()
+                process.join()
         if self.processes:
             for channel in (self.tasks, self.results):
                 channel.cancel_join_thread()
