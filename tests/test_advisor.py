@@ -92,13 +92,15 @@ def test_the_retimer_times_as_the_simulator_does(name: str, pp: int, microbatche
             (rng.random(), rng.random(), rng.random())
             for _ in range(schedule.placement.num_model_stages)
         ]
-        expected = simulate(schedule, CostModel(stage_costs=tuple(costs))).makespan
-        assert retimer.makespan(costs) == pytest.approx(expected, rel=1e-12)
-        # With each stage's all-to-all (some stages exchange none, as dense ones)
         a2a = [(rng.choice([0.0, rng.random()]), rng.random()) for _ in costs]
+        plain = CostModel(stage_costs=tuple(costs))
+        # and with each stage's all-to-all (some stages exchange none, as dense ones)
         streams = CostModel(stage_costs=tuple(costs), stage_a2a=tuple(a2a))
-        expected = simulate(schedule, streams).makespan
-        assert retimer.makespan(costs, a2a) == pytest.approx(expected, rel=1e-12)
+        for cost, exchanged in ((plain, None), (streams, a2a)):
+            expected = simulate(schedule, cost)
+            makespan, busy = retimer.timed(costs, exchanged)
+            assert makespan == pytest.approx(expected.makespan, rel=1e-12)
+            assert busy == pytest.approx([r.busy for r in expected.ranks], rel=1e-12)
 
 
 def _shape(rng: random.Random) -> ModelShape:
@@ -126,9 +128,8 @@ def _shape(rng: random.Random) -> ModelShape:
     )
 
 
-@pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("name", ["1f1b", "zb1p", "dualpipe", "dualpipev"])
-def test_the_proposal_is_never_slower_and_stays_within_the_cap(name: str, seed: int) -> None:
+def _random_case(name: str, seed: int) -> tuple[ModelShape, ParallelSetup]:
+    """A random model (:func:`_shape`) and a bf16 setup of ``name`` at PP 2 or 4."""
     rng = random.Random(seed)
     shape = _shape(rng)
     setup = ParallelSetup(
@@ -138,6 +139,13 @@ def test_the_proposal_is_never_slower_and_stays_within_the_cap(name: str, seed: 
         pipeline_model_parallel_size=rng.choice([2, 4]),
         bf16=True,
     )
+    return shape, setup
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("name", ["1f1b", "zb1p", "dualpipe", "dualpipev"])
+def test_the_proposal_is_never_slower_and_stays_within_the_cap(name: str, seed: int) -> None:
+    shape, setup = _random_case(name, seed)
     advice = advise(shape, setup)
     assert advice.after.makespan <= advice.before.makespan
     assert advice.after.peak_memory <= advice.memory_cap == advice.before.peak_memory
@@ -155,15 +163,7 @@ def test_on_a_profiles_time_the_search_times_as_the_simulator_and_bounds_below(
     """Timed by a profile (compute rates, all-to-all on MoE layers only): the chosen split's
     step and bubble are the simulator's under the stream cost model, and the search's lower
     bound never exceeds the step of any split it timed (it prunes with it)."""
-    rng = random.Random(seed)
-    shape = _shape(rng)
-    setup = ParallelSetup(
-        micro_batch_size=1,
-        global_batch_size=12,
-        pipeline_schedule=name,
-        pipeline_model_parallel_size=rng.choice([2, 4]),
-        bf16=True,
-    )
+    shape, setup = _random_case(name, seed)
     timing = StageTiming((1e-9, 1.6e-9, 1e-9), (1.7e-9, 0.9e-9))
     advice = advise(shape, setup, timing=timing)
     for found in (advice.before, advice.after):

@@ -75,23 +75,16 @@ class Retimer:
         self.steps = [(i, tuple(preds[i]), self.kind[i]) for i in self.order]
         self.rank = [rank for rank, _ in nodes]
 
-    def makespan(
-        self,
-        costs: Sequence[tuple[float, float, float]],
-        a2a: Sequence[tuple[float, float]] | None = None,
-    ) -> float:
-        """The simulated step under ``costs`` (one ``(f, b, w)`` per model stage; with
-        ``a2a``, each stage's F and B all-to-all, as :class:`~..schedules.cost.CostModel`'s
-        ``stage_a2a``: ``costs`` are then compute only)."""
-        return self.timed(costs, a2a)[0]
-
     def timed(
         self,
         costs: Sequence[tuple[float, float, float]],
         a2a: Sequence[tuple[float, float]] | None = None,
     ) -> tuple[float, list[float]]:
-        """:meth:`makespan` and each rank's busy time (the sum of its actions' times, as
-        :class:`~..schedules.simulate.SimResult`'s ranks have it)."""
+        """The simulated step under ``costs`` (one ``(f, b, w)`` per model stage; with
+        ``a2a``, each stage's F and B all-to-all, as :class:`~..schedules.cost.CostModel`'s
+        ``stage_a2a``: ``costs`` are then compute only), and each rank's busy time (the sum
+        of its actions' times, as :class:`~..schedules.simulate.SimResult`'s ranks have
+        it)."""
         flat = [x for triple in costs for x in triple]
         if a2a is None:
             table = [sum(flat[t] for t in terms) for _, *terms in self.kinds]
