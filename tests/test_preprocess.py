@@ -11,12 +11,14 @@ The read-only and full file systems are real: a tmpfs mounted in a private mount
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -310,10 +312,34 @@ def _processes_naming(text: str) -> list[int]:
     return found
 
 
+def _hang_report(proc: subprocess.Popen, naming: str) -> str:
+    """What a preprocess that did not exit was doing: each of its processes' state and
+    kernel wait, then every thread's Python stack (faulthandler's, on SIGABRT)."""
+    pids = _processes_naming(naming)
+    states = {}
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            states[pid] = f"{stat[0]} ppid {stat[1]} in {Path(f'/proc/{pid}/wchan').read_text()}"
+        except OSError as err:
+            states[pid] = str(err)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGABRT)
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        for pid in _processes_naming(naming):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        err = "(its stderr stayed open)"
+    return f"preprocess did not exit 60 s after SIGTERM: {states}\n{err[-8000:]}"
+
+
 @pytest.mark.slow
 def test_sigterm_exits_cleanly_removing_the_partial_files_and_the_workers(
-    tokenizer: Path, big_corpus: Path, tmp_path: Path
+    tokenizer: Path, big_corpus: Path, tmp_path: Path, monkeypatch
 ) -> None:
+    monkeypatch.setenv("PYTHONFAULTHANDLER", "1")  # a hang's report shows every stack
     out = tmp_path / "sigterm-out"
     proc = _cli(
         "--input", str(big_corpus), "--tokenizer", str(tokenizer),
@@ -325,7 +351,10 @@ def test_sigterm_exits_cleanly_removing_the_partial_files_and_the_workers(
             assert time.monotonic() < deadline, "no partial file appeared"
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(_hang_report(proc, str(out)))
     finally:
         proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, err
@@ -335,6 +364,38 @@ def test_sigterm_exits_cleanly_removing_the_partial_files_and_the_workers(
     while _processes_naming(str(out)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _processes_naming(str(out)) == []
+
+
+def test_a_stop_during_the_forks_ends_the_started_workers(monkeypatch) -> None:
+    """A stop signal that comes while the workers are forked (held until the last is
+    started) ends every started worker before it leaves ``_Workers``: none is left to run
+    unjoined after the unwinding."""
+    from multiprocessing.context import ForkProcess
+
+    from megatron_dualpipe.cli.common import Terminated, unwind_on_stop_signals
+    from megatron_dualpipe.megatron.data import preprocess as module
+
+    started: list[ForkProcess] = []
+    fork = ForkProcess.start
+
+    def start_then_stop(process: ForkProcess) -> None:
+        fork(process)
+        started.append(process)
+        # To the thread that holds it (to the process, another thread could take it).
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+
+    monkeypatch.setattr(ForkProcess, "start", start_then_stop)
+    try:
+        with unwind_on_stop_signals(), pytest.raises(Terminated):
+            module._Workers(encoder=object(), workers=2)
+        assert len(started) == 2
+        ended = {-signal.SIGTERM, -signal.SIGKILL}  # SIGKILL: not at its loop within _END_S
+        assert [process.exitcode in ended for process in started] == [True, True]
+    finally:
+        for process in started:
+            if process.is_alive():
+                process.kill()
+                process.join()
 
 
 def _stuck_with_stop_signals_held(ready: object) -> None:

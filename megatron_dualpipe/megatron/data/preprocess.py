@@ -301,11 +301,14 @@ class _Workers:
                 for rank in range(workers)
             ]
             # A stop signal during a fork would be raised in the middle of it (or lost in
-            # an after-fork hook): it waits until every worker is started.
+            # an after-fork hook): it waits until every worker is started, and is raised by
+            # the unblocking inside the try, so that the workers it stops are ended (raised
+            # from the finally, it left __init__ with the workers running and unjoined).
             held = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
             try:
                 for process in self.processes:
                     process.start()
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
             except BaseException:
                 self.__exit__(None, None, None)
                 raise
