@@ -67,9 +67,11 @@ RUN_TIMEOUT_S = 60.0
 CORES = max(1, os.cpu_count() or 1)
 #: Megatron DDP's bucket size in the tests (elements) and the most bytes one exchange of
 #: dualpipe's mirror sum moves: both small, so that a tiny model's chunks fill several
-#: buckets and slices, and a rank's two dualpipe stages different numbers of them.
+#: buckets and slices, and a rank's two dualpipe stages different numbers of them (16 KiB:
+#: the DeepSeek-shaped test model's stages are 59 and 48 slices, partial ones among them; at
+#: 1 KiB they were 764 and 930 exchanges a step: one dualpipe case took 26 s, not 18).
 BUCKET_ELEMENTS = 4096
-MIRROR_SLICE_BYTES = 1024
+MIRROR_SLICE_BYTES = 16 * 1024
 # Optimizer check: SGD keeps the update linear in the gradient, so the 1e-5 bound on
 # gradients carries over; the step moves every weight tensor by 1e-4 (layer norms) to
 # 0.4 of its size, so a wrong update (unclipped, wrong group, missed parameter) shows
