@@ -506,3 +506,47 @@ def test_the_plan_under_the_table_trains_the_fastest_schedule_at_the_split_it_wa
     _, timed = profile_comparison(profile, again, schedule=name, **unset)
     (row,) = timed["schedules"]
     assert row["step_ms"] == pytest.approx(best["step_ms"], rel=1e-9)
+
+
+def test_a_schedule_with_no_split_within_the_memory_cap_is_named_never_planned(
+    tmp_path: Path,
+) -> None:
+    """Under a cap only dualpipe (two copies of the model) exceeds, its row is timed at the
+    config's own split (here the most even) but the plan trains the fastest schedule that
+    fits, naming dualpipe as faster but over the cap (it planned dualpipe, at DeepSeek-V3's
+    PP=8 split that needs 85.3 GiB under a 74.5 GiB cap); under a cap none fits, the plan
+    says so in one sentence."""
+    from megatron_dualpipe.bench.profiled import profile_comparison
+
+    profile = read_profile(_write(tmp_path / "t.json", _trace()))
+    model = ConfigModel.read(ROOT / "configs" / "tiny_deepseek_cpu.yaml", [])
+
+    def compare(cap: float) -> tuple[str, dict[str, dict]]:
+        lines, figures = profile_comparison(
+            profile, model, schedule="all", microbatches=8, latency=0.0, memory_cap_gib=cap
+        )
+        plan = [line for line in lines if line.startswith("\nplan: ")]
+        return "".join(plan), {r["schedule"]: r for r in figures["schedules"]}
+
+    _, lean = compare(1e-12)  # every row's note: what its leanest split needs
+    needs = {
+        name: float(re.search(r"the leanest needs ([\d.e-]+) GiB", r["note"]).group(1))
+        for name, r in lean.items()
+        if r["source"] != "torch"
+    }
+    others = max(need for name, need in needs.items() if name != "dualpipe")
+    assert needs["dualpipe"] > others
+    plan, rows = compare((needs["dualpipe"] + others) / 2)
+    assert not rows["dualpipe"]["fits"]
+    fitting = [r for r in rows.values() if r["source"] != "torch" and r["fits"]]
+    best = min(fitting, key=lambda r: r["step_ms"])
+    assert rows["dualpipe"]["step_ms"] < best["step_ms"]  # faster, yet not planned
+    assert plan.startswith(f"\nplan: {best['schedule']} at the {best['split']} split ")
+    faster = "(faster, but with no split found within the memory cap: dualpipe ("
+    assert faster in plan
+    plan, rows = compare(1e-12)
+    assert not any(r["fits"] for r in rows.values())
+    assert plan == (
+        "\nplan: none: no schedule here has a split found within the memory cap (each row's "
+        "note says what its leanest needs): raise --memory-cap"
+    )

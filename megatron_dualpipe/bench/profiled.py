@@ -89,13 +89,18 @@ _OVERLAP_NEEDS = (
 
 def _plan_lines(rows: list[ProfileRow], model: ConfigModel, microbatches: int) -> list[str]:
     """The fastest row that trains on Megatron (ours or Megatron's own; torch's do not)
-    against Megatron's interleaved-1f1b-a2a at its fastest, and the config lines and
+    within the memory cap (faster ones over it are named, never planned) against Megatron's
+    interleaved-1f1b-a2a at its fastest, and the config lines and
     Megatron-LM flags that train it as it was timed: the schedule, the split (the config's
     other split keys and virtual stages cleared), the all-to-all overlap the profile's F&B
     pairs had, the micro-batch count."""
-    trained = [r for r in rows if r.source != "torch" and r.step is not None]
+    timed = [r for r in rows if r.source != "torch" and r.step is not None]
+    trained = [r for r in timed if r.fits]
     if not trained:
-        return []
+        return [
+            "\nplan: none: no schedule here has a split found within the memory cap (each "
+            "row's note says what its leanest needs): raise --memory-cap"
+        ] * bool(timed)
     best = min(trained, key=lambda r: r.step)
     setup = model.setup
     keys = dict(_TRAINED_AS.get(best.schedule, {"pipeline_schedule": best.schedule}))
@@ -119,6 +124,10 @@ def _plan_lines(rows: list[ProfileRow], model: ConfigModel, microbatches: int) -
         )
     elif megatron is not None:
         lines[0] += ": none of megatron-dualpipe's schedules is ahead of it at these costs"
+    over = [r for r in timed if not r.fits and r.step < best.step]
+    if over:
+        said = ", ".join(f"{r.schedule} ({r.step:.1f} ms)" for r in over)
+        lines[0] += f" (faster, but with no split found within the memory cap: {said})"
     lines[0] += f"; to train it, set in {model.source}:"
     lines += [f"  {line}" for line in yaml_lines(keys)]
     flags = [
@@ -160,7 +169,9 @@ def _row(
     if advised is not None and advised.stages != costs.stages:
         costs = advised
     result = simulate(built, costs.cost)
-    return replace(ProfileRow.of(name, source, result, costs), note=note)
+    # Without advice under a cap, the config's split is timed but not known to fit it.
+    fits = advised is not None or cap is None
+    return replace(ProfileRow.of(name, source, result, costs), note=note, fits=fits)
 
 
 def _fastest(rows: list[ProfileRow], labels: list[str]) -> ProfileRow:

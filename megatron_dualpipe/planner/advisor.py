@@ -66,6 +66,12 @@ SIMPLER_BY = 0.005
 FIT_EXPANSIONS = 64
 
 
+def _gib(nbytes: float) -> str:
+    """Bytes in GiB as a sentence gives them: a tenth, or two digits below one."""
+    gib = nbytes / GIB
+    return f"{gib:.1f}" if gib >= 0.1 else f"{gib:.2g}"
+
+
 @dataclass(frozen=True)
 class ParallelSetup:
     """The parallel and training settings that decide per-rank costs and memory, and the
@@ -355,8 +361,8 @@ def advise(
     if after is None:
         leanest = min(search.seen.values(), key=lambda c: c.peak_memory)
         raise ScheduleError(
-            f"no split found fits the memory cap of {cap / GIB:.1f} GiB per rank (the leanest "
-            f"needs {leanest.peak_memory / GIB:.1f} GiB): raise --memory-cap"
+            f"no split found fits the memory cap of {_gib(cap)} GiB per rank (the leanest "
+            f"needs {_gib(leanest.peak_memory)} GiB): raise --memory-cap"
         )
     lines: dict[str, object] | None = _layout_lines(after.stages)
     if first_last is not None and first_last.makespan <= after.makespan * (1 + SIMPLER_BY):

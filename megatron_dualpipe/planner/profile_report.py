@@ -33,7 +33,8 @@ class ProfileRow:
     not apply. ``idle`` is each rank's idle time, ``exposed`` the all-to-all it waits for,
     ``bound`` the step's compute bound and ``split_bound`` its split's (:mod:`.bound`),
     ``chunk`` a middle stage's lone F, dX and W and ``pair`` its F&B pair (forward and full
-    backward), as the cost model times them."""
+    backward), as the cost model times them; ``fits``: its split is known to be within the
+    memory cap (or none was given)."""
 
     schedule: str
     source: str
@@ -49,6 +50,7 @@ class ProfileRow:
     chunk: tuple[float, float, float] | None = None
     pair: float | None = None
     note: str = ""
+    fits: bool = True
 
     @staticmethod
     def of(name: str, source: str, result: SimResult, costs: ConfigCosts) -> ProfileRow:
@@ -102,6 +104,7 @@ class ProfileRow:
             "exposed_a2a_ms": list(self.exposed),
             "compute_bound_ms": self.bound,
             "split_bound_ms": self.split_bound,
+            "fits": self.fits,
             "note": self.note,
         }
 
