@@ -312,6 +312,22 @@ def _processes_naming(text: str) -> list[int]:
     return found
 
 
+def _mid_run(tokenizer: Path, big_corpus: Path, out: Path) -> subprocess.Popen:
+    """``preprocess --workers 2`` into ``out``, once its partial file is there (run in
+    ``out``'s parent, where a hang report's SIGABRT may leave a core file)."""
+    proc = _cli(
+        "--input", str(big_corpus), "--tokenizer", str(tokenizer),
+        "--output-prefix", str(out / "c"), "--workers", "2", cwd=out.parent,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not list(out.glob("*.incomplete-*")) and proc.poll() is None:
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("no partial file appeared in 120 s")
+        time.sleep(0.05)
+    return proc
+
+
 def _hang_report(proc: subprocess.Popen, naming: str) -> str:
     """What a preprocess that did not exit was doing: each of its processes' state and
     kernel wait, then every thread's Python stack (faulthandler's, on SIGABRT)."""
@@ -341,16 +357,8 @@ def test_sigterm_exits_cleanly_removing_the_partial_files_and_the_workers(
 ) -> None:
     monkeypatch.setenv("PYTHONFAULTHANDLER", "1")  # a hang's report shows every stack
     out = tmp_path / "sigterm-out"
-    proc = _cli(
-        "--input", str(big_corpus), "--tokenizer", str(tokenizer),
-        "--output-prefix", str(out / "c"), "--workers", "2",
-        cwd=tmp_path,  # where a hang report's SIGABRT may leave a core file
-    )  # fmt: skip
+    proc = _mid_run(tokenizer, big_corpus, out)
     try:
-        deadline = time.monotonic() + 120
-        while not list(out.glob("*.incomplete-*")) and proc.poll() is None:
-            assert time.monotonic() < deadline, "no partial file appeared"
-            time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         try:
             _, err = proc.communicate(timeout=60)
@@ -397,6 +405,84 @@ def test_a_stop_during_the_forks_ends_the_started_workers(monkeypatch) -> None:
             if process.is_alive():
                 process.kill()
                 process.join()
+
+
+def test_a_stop_while_a_chunk_is_queued_leaves_the_queue_free(monkeypatch) -> None:
+    """SIGTERM landing in ``Queue.put`` just after its condition's lock is taken (inside
+    ``Condition.__enter__``, before the ``with`` holds it) is raised once the put is done:
+    the lock is free, and closing the queue does not wait on it for ever."""
+    import multiprocessing
+
+    from megatron_dualpipe.cli.common import Terminated, unwind_on_stop_signals
+    from megatron_dualpipe.megatron.data import preprocess as module
+
+    tasks = multiprocessing.get_context("fork").Queue()
+    enter = threading.Condition.__enter__
+
+    stopped: list[bool] = []
+
+    def enter_then_stop(condition: threading.Condition) -> bool:
+        taken = enter(condition)
+        if condition is tasks._notempty and not stopped:  # the put's, once
+            stopped.append(True)
+            signal.raise_signal(signal.SIGTERM)  # handled at the next bytecode: here
+        return taken
+
+    monkeypatch.setattr(threading.Condition, "__enter__", enter_then_stop)
+    workers = object.__new__(module._Workers)
+    workers.processes, workers.tasks, workers.workers = [object()], tasks, 1
+    workers.results = multiprocessing.get_context("fork").Queue()
+    chunks = iter([module._Chunk(0, 1, [b"{}\n"])])
+    with unwind_on_stop_signals(), pytest.raises(Terminated):
+        next(workers.encoded(chunks))
+    taken = tasks._notempty._lock.locked()
+    if taken:  # released here so that a failure does not hang pytest's exit
+        tasks._notempty._lock.release()
+    tasks.cancel_join_thread()
+    tasks.close()  # waits for ever on a lock the stop left taken
+    assert not taken
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("killed", [1, 2])
+def test_workers_that_die_are_one_sentence_and_leave_nothing(
+    tokenizer: Path, big_corpus: Path, tmp_path: Path, killed: int
+) -> None:
+    """One or both workers killed mid-run (the OOM killer, say): the parent says so in one
+    sentence; no partial file and no worker is left."""
+    import multiprocessing
+
+    def progress(done: int, total: int) -> None:
+        workers = [c for c in multiprocessing.active_children() if c.name.startswith("preprocess")]
+        for child in workers[:killed]:
+            os.kill(child.pid, signal.SIGKILL)
+
+    out = tmp_path / "died"
+    message = r"--workers: tokenizing worker preprocess-worker-\d died \(exit code -9, "
+    with pytest.raises(PreprocessError, match=message):
+        preprocess(big_corpus, tokenizer, str(out / "c"), workers=2, progress=progress)
+    assert not list(out.iterdir())
+    assert not [c for c in multiprocessing.active_children() if c.name.startswith("preprocess")]
+
+
+@pytest.mark.slow
+def test_the_workers_die_with_a_parent_killed_mid_run(
+    tokenizer: Path, big_corpus: Path, tmp_path: Path
+) -> None:
+    """``kill -9`` of preprocess mid-run: its workers go too (the kernel's parent-death
+    signal; a worker reading a chunk its parent was writing would otherwise wait for ever)."""
+    out = tmp_path / "killed-out"
+    proc = _mid_run(tokenizer, big_corpus, out)
+    try:
+        assert len(_processes_naming(str(out))) == 3  # the parent and its two workers
+        proc.kill()
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    deadline = time.monotonic() + 30
+    while _processes_naming(str(out)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_naming(str(out)) == []
 
 
 def _stuck_with_stop_signals_held(ready: object) -> None:

@@ -58,6 +58,7 @@ from typing import Any
 
 import numpy
 
+from ...lifetime import die_with_parent
 from .hf_tokenizer import (
     TokenizerError,
     check_huggingface_dir,
@@ -252,13 +253,38 @@ def _chunks(
 # Workers.
 
 
+@contextlib.contextmanager
+def _stops_deferred() -> Iterator[None]:
+    """Within the block a stop signal whose handler is Python's (the one that raises, as
+    ``train`` and ``preprocess`` install) is noted, not raised; leaving the block, the
+    first one noted goes to that handler. For ``multiprocessing.Queue.put``: it takes a
+    ``threading.Condition``, whose ``__enter__`` is Python code, so a stop raised just
+    after it takes its lock (before the ``with`` holds it) leaves the lock taken, and the
+    queue's close, ours or the one at exit, then waits on it for ever (likely why
+    ``preprocess`` twice did not end after SIGTERM in CI)."""
+    noted: list[int] = []
+    handlers = {s: signal.getsignal(s) for s in _HELD_SIGNALS}
+    raising = {s: h for s, h in handlers.items() if callable(h)}
+    for signum in raising:
+        signal.signal(signum, lambda signum, frame: noted.append(signum))
+    try:
+        yield
+    finally:
+        for signum, handler in raising.items():
+            signal.signal(signum, handler)
+        if noted:
+            raising[noted[0]](noted[0], None)
+
+
 def _work(encoder: _Encoder, tasks: Any, results: Any, parent: int) -> None:
     """A worker's loop: encode each chunk from ``tasks`` into ``results`` (a PreprocessError
-    as its message, anything else as its traceback); exit on None or when the parent is
-    gone. Stop signals are the parent's to handle: Ctrl-C reaches the whole process group,
-    and the parent ends its workers itself. The tokenizers library's own threads are off
-    in a worker: the workers are the parallelism (with both, N workers ran slower than one
-    on two cores)."""
+    as its message, anything else as its traceback). It dies with the parent (the kernel
+    kills it, even mid-read of a chunk the parent was writing when it died; elsewhere it
+    returns when it sees the parent gone). Stop signals are the parent's to handle:
+    Ctrl-C reaches the whole process group, and the parent ends its workers itself. The
+    tokenizers library's own threads are off in a worker: the workers are the parallelism
+    (with both, N workers ran slower than one on two cores)."""
+    die_with_parent(parent)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -269,10 +295,9 @@ def _work(encoder: _Encoder, tasks: Any, results: Any, parent: int) -> None:
             chunk = tasks.get(timeout=POLL_S)
         except queue.Empty:
             if os.getppid() != parent:
+                results.cancel_join_thread()  # nobody reads what it still holds
                 return
             continue
-        if chunk is None:
-            return
         try:
             results.put((chunk.index, encoder.encode(chunk)))
         except PreprocessError as err:
@@ -347,7 +372,8 @@ class _Workers:
                 if chunk is None:
                     exhausted = True
                 else:
-                    self.tasks.put(chunk)
+                    with _stops_deferred():
+                        self.tasks.put(chunk)
                     sent += 1
             if exhausted and done == sent:
                 return
