@@ -97,10 +97,12 @@ def _plan_lines(rows: list[ProfileRow], model: ConfigModel, microbatches: int) -
     timed = [r for r in rows if r.source != "torch" and r.step is not None]
     trained = [r for r in timed if r.fits]
     if not trained:
+        if not timed:
+            return []
         return [
             "\nplan: none: no schedule here has a split found within the memory cap (each "
             "row's note says what its leanest needs): raise --memory-cap"
-        ] * bool(timed)
+        ]
     best = min(trained, key=lambda r: r.step)
     setup = model.setup
     keys = dict(_TRAINED_AS.get(best.schedule, {"pipeline_schedule": best.schedule}))
