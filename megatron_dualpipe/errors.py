@@ -12,12 +12,4 @@ __all__ = ["DualPipeError"]
 
 
 class DualPipeError(Exception):
-    """A megatron-dualpipe error; the message says what is wrong and what to do.
-
-    ``every_rank``: the error is a verdict that every rank of a run reaches together (one
-    collective decided it) and words alike, so a launcher says it once, without a rank,
-    even when a peer reports it late."""
-
-    def __init__(self, *args: object, every_rank: bool = False) -> None:
-        super().__init__(*args)
-        self.every_rank = every_rank
+    """A megatron-dualpipe error; the message says what is wrong and what to do."""

@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_dualpipe.errors import DualPipeError
 from megatron_dualpipe.runtime.launch import LaunchFailure, TempDirTooLong, run_ranks
 from tests.multiproc import WorkerTimeoutError, run_workers
 
@@ -108,38 +107,6 @@ def test_a_stopped_rank_is_named_when_its_peers_give_up() -> None:
     assert failure.first.endswith(
         "(rank 1 was stopped, by SIGSTOP or a debugger, and never answered)"
     )
-
-
-def _verdict_late_on_rank_1(rank: int, world_size: int, pid_file: str) -> int:
-    """Every rank reaches one verdict; rank 1 is slow to report it (past the grace). Rank 0
-    says it once rank 1 is in this function (its pid file written): leaving earlier, it
-    took down the store rank 1 may still have been setting its process group up with, and
-    rank 1 failed there (seen once in CI under load)."""
-    if rank == 1:
-        with open(f"{pid_file}.partial", "w") as f:
-            f.write(str(os.getpid()))
-        os.replace(f"{pid_file}.partial", pid_file)
-        time.sleep(3600)
-    deadline = time.monotonic() + 120
-    while not os.path.exists(pid_file):
-        assert time.monotonic() < deadline, "rank 1 never reached the verdict"
-        time.sleep(0.01)
-    raise DualPipeError("the verdict of one collective", every_rank=True)
-
-
-@pytest.mark.slow
-def test_a_verdict_every_rank_reaches_is_said_without_a_rank_when_a_peer_is_late(
-    tmp_path,
-) -> None:
-    with pytest.raises(LaunchFailure) as info:
-        run_ranks(
-            _verdict_late_on_rank_1, 2, args=(str(tmp_path / "pid"),), plain_errors=(DualPipeError,)
-        )
-    assert info.value.unfinished == [1]
-    assert info.value.first == "the verdict of one collective"
-    with pytest.raises(LaunchFailure) as info:  # the same error without the flag: rank 0's
-        run_ranks(_fail_on_rank, 2, args=(0,), plain_errors=(ValueError,))
-    assert info.value.first.startswith("rank 0 of 2 failed: deliberate failure on rank 0")
 
 
 class _Stopped(Exception):

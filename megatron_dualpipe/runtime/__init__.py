@@ -5,8 +5,8 @@
   Stages take and return a tensor or a tuple of tensors (:class:`TensorSpec` per element).
 - :class:`WeightGradStore`, :class:`DeferrableLinear`, :func:`make_deferrable`: the dX/dW
   split; :class:`DeferrableLayer` is the protocol other layers follow to join it.
-- :func:`copy_mirror_params`, :func:`sync_mirror_grads`, :class:`MirrorPair`: DualPipe's
-  two model copies (a pair's exchanges on a group of its own).
+- :class:`MirrorPair`, :func:`sync_mirror_grads`: DualPipe's two model copies, made equal
+  and their gradients summed over the pipeline group.
 - :func:`gather_timeline`: measured timelines in the simulator's result format;
   :func:`p2p_latency_s`: the one-way latency between two ranks, by ping-pong.
 - :func:`~.launch.run_ranks` (in :mod:`.launch`): fork N CPU+gloo ranks and collect results.
@@ -18,7 +18,7 @@ prints: the entry point that runs it decides what users see.
 from .deferrable import DeferrableLayer, DeferrableLinear, make_deferrable
 from .executor import Activation, PipelineExecutor, StageSpec, StepResult
 from .latency import p2p_latency_s
-from .mirror import MirrorPair, copy_mirror_params, sync_mirror_grads
+from .mirror import MirrorPair, sync_mirror_grads
 from .p2p import TensorSpec
 from .planned import PlannedStage
 from .timeline import RankTimeline, gather_timeline
@@ -41,7 +41,6 @@ __all__ = [
     "TensorSpec",
     "WeightGradStore",
     "active_store",
-    "copy_mirror_params",
     "gather_timeline",
     "make_deferrable",
     "p2p_latency_s",

@@ -251,8 +251,9 @@ class PipelineExecutor:
     differ in shape (specs then give only the number of dimensions and the dtype).
     ``free_outputs`` (Megatron's ``deallocate_pipeline_outputs``)
     frees each sent output's storage once it is sent, and then refuses outputs that are
-    views. ``record_spans`` (settable between steps) puts each compute action in a profiler
-    span, ``F stage=S mb=M`` and so on, one per action and FB half. ``watch_paused``: while
+    views. The attribute ``record_spans`` (off by default; set it between steps) puts each
+    compute action in a profiler span, ``F stage=S mb=M`` and so on, one per action and FB
+    half. ``watch_paused``: while
     it returns True the hang monitor polls nothing (e.g. Megatron's ``is_graph_capturing``:
     a CUDA graph captured in global mode forbids the event queries of another thread).
 
@@ -280,7 +281,6 @@ class PipelineExecutor:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         variable_shapes: bool = False,
         free_outputs: bool = True,
-        record_spans: bool = False,
         graph_safe: bool = False,
         watch_paused: Callable[[], bool] | None = None,
     ):
@@ -311,7 +311,7 @@ class PipelineExecutor:
         self.free_outputs = free_outputs
         #: Run each compute action in a ``torch.profiler.record_function`` span (for
         #: ``train --profile``); off, the executor makes no profiler call.
-        self.record_spans = record_spans
+        self.record_spans = False
         self.graph_safe = graph_safe
         self.watch_paused = watch_paused
         self.store = WeightGradStore()

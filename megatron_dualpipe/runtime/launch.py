@@ -130,8 +130,7 @@ class LaunchFailure(DualPipeError, RuntimeError):
     """Some ranks failed or overran the deadline (and were killed).
 
     ``errors`` are (rank, kind, text), kind "setup" (before ``fn`` ran), "died" (exited
-    without reporting), "agreed" (a :class:`DualPipeError` with ``every_rank``: a verdict
-    all ranks reached together) or "error": ranks that died first (their peers' errors follow from
+    without reporting) or "error": ranks that died first (their peers' errors follow from
     the death), then in the order the ranks failed, so the root cause comes first;
     ``unfinished`` are the ranks killed at the deadline or after the first failure, and
     ``stopped`` those of them that were stopped (SIGSTOP, a debugger) when killed;
@@ -169,16 +168,13 @@ class LaunchFailure(DualPipeError, RuntimeError):
 
     @property
     def first(self) -> str:
-        """One line for the root cause: ``rank R of N failed: <its text>`` (the text alone
-        for a verdict every rank reached), or the ranks that overran the deadline, or the
-        guard's death."""
+        """One line for the root cause: ``rank R of N failed: <its text>``, or the ranks that
+        overran the deadline, or the guard's death."""
         if self.guard is not None:
             return self.guard
         if not self.errors:
             return str(self) + self._stopped_note()
-        rank, kind, text = self.errors[0]
-        if kind == "agreed":
-            return text
+        rank, _, text = self.errors[0]
         return f"rank {rank} of {self.world_size} failed: {text}{self._stopped_note()}"
 
     @property
@@ -638,8 +634,7 @@ def _rank_main(
             try:
                 result = fn(rank, world_size, *args)
             except plain_errors as err:
-                agreed = isinstance(err, DualPipeError) and err.every_rank
-                _report(conn, "agreed" if agreed else "error", str(err))
+                _report(conn, "error", str(err))
             except BaseException as err:
                 _report(conn, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
             else:

@@ -49,8 +49,6 @@ __all__ = [
     "IN_FLIGHT",
     "Buckets",
     "MirrorPair",
-    "check_mirror_layouts",
-    "copy_mirror_params",
     "param_buckets",
     "sync_mirror_grads",
 ]
@@ -216,8 +214,8 @@ class MirrorPair:
             )
 
     def copy_params(self, modules: Sequence[nn.Module]) -> None:
-        """Make this rank's chunk 1 a copy of the partner's chunk 0 (see
-        :func:`copy_mirror_params`)."""
+        """Make this rank's chunk 1 a copy of the partner's chunk 0 (direction 0's copy of
+        each stage is the original), received in place. Collective over the pair's group."""
         _check_pair(modules, self.placement)
         mine = [param_buckets(m, lambda p: p.data, self.bucket_bytes) for m in modules]
         self.check_layouts([_layout(c) for c in mine], _device(mine))
@@ -297,37 +295,6 @@ def _decode(flat: list[int]) -> list[list[list[int]]]:
     return chunks
 
 
-def check_mirror_layouts(
-    layouts: Sequence[list[list[int]]],
-    placement: Placement,
-    rank: int,
-    *,
-    group: dist.ProcessGroup | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    device: torch.device | None = None,
-) -> None:
-    """:meth:`MirrorPair.check_layouts` on a pair made for this call: raise ValueError
-    unless this rank's chunk 0 is laid out as its mirror rank's chunk 1 and the other way
-    round. Collective over the pipeline ``group``; the layouts travel on ``device`` (the
-    gradients' device: CPU for gloo, CUDA for NCCL)."""
-    pair = MirrorPair(placement, rank, group=group, timeout_s=timeout_s)
-    pair.check_layouts(layouts, device or torch.device("cpu"))
-
-
-def copy_mirror_params(
-    modules: Sequence[nn.Module],
-    placement: Placement,
-    rank: int,
-    *,
-    group: dist.ProcessGroup | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> None:
-    """Make this rank's chunk 1 a copy of its mirror rank's chunk 0 (direction 0's copy of
-    each stage is the original), received in place, on a pair made for this call.
-    Collective over the pipeline ``group``."""
-    MirrorPair(placement, rank, group=group, timeout_s=timeout_s).copy_params(modules)
-
-
 def sync_mirror_grads(
     modules: Sequence[nn.Module],
     placement: Placement,
@@ -337,20 +304,16 @@ def sync_mirror_grads(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     grad_of: Callable[[nn.Parameter], torch.Tensor] = param_grad,
     buckets: Callable[[nn.Module], Buckets] | None = None,
-    check_layout: bool = True,
-    pair: MirrorPair | None = None,
 ) -> None:
-    """Sum each model stage's gradients over its two copies, in place, on both.
+    """Sum each model stage's gradients over its two copies, in place, on both, on a
+    :class:`MirrorPair` made for this call (hold a pair across steps instead:
+    :meth:`MirrorPair.sync_grads`).
 
     ``modules`` are this rank's two chunk modules (as given to the executor). A chunk's
     gradients are exchanged in ``buckets(chunk)`` (default: ``grad_of`` of its parameters,
     in buckets of :data:`BUCKET_BYTES`); the partner's chunk 1 must be bucketed as this
-    rank's chunk 0, which is checked first unless ``check_layout`` is off (a caller that
-    checked once, see :func:`check_mirror_layouts`). Call it on every rank of the pipeline
-    ``group`` after the step and before the optimizer. ``pair``: the :class:`MirrorPair`
-    of ``placement``'s ``rank`` to exchange on (hold one across steps; ``group`` and
-    ``timeout_s`` are then its own); without it one is made for this call (its group too,
-    collective over ``group``).
+    rank's chunk 0, which is checked first. Call it on every rank of the pipeline ``group``
+    after the step and before the optimizer.
     """
-    pair = pair or MirrorPair(placement, rank, group=group, timeout_s=timeout_s)
-    pair.sync_grads(modules, grad_of=grad_of, buckets=buckets, check_layout=check_layout)
+    pair = MirrorPair(placement, rank, group=group, timeout_s=timeout_s)
+    pair.sync_grads(modules, grad_of=grad_of, buckets=buckets)

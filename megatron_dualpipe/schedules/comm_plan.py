@@ -230,7 +230,6 @@ def comm_plan(
     *,
     variable_shapes: bool = False,
     message_bytes: Sizes = None,
-    eager_init: bool = True,
     forward_only: bool = False,
 ) -> CommPlan:
     """The communication plan of ``schedule`` (lowered here if it is not yet).
@@ -239,8 +238,8 @@ def comm_plan(
     (:func:`~.exchange.exchange_points`; a lowered schedule's own send and receive
     positions are not used): one Issue of the point's sends and receives, then a Wait for
     all of them. ``message_bytes`` gives each message's size (a number for all, or a
-    function of the message key); ``eager_init`` puts an Init of every communicator a rank
-    is a member of, in the shared set-up order, before its first step.
+    function of the message key). Each rank's plan starts with an Init of every communicator
+    it is a member of, in the shared set-up order.
     """
     lowered = schedule if schedule.is_lowered else lower(schedule)
     computes = [_computes(actions, forward_only) for actions in lowered.ranks]
@@ -251,8 +250,7 @@ def comm_plan(
         for boundaries, actions in zip(points, computes, strict=True)
     ]
     plan = CommPlan(lowered, ranks, variable_shapes, forward_only)
-    if eager_init:
-        comms = plan.comms
-        for rank, steps in enumerate(ranks):
-            steps[:0] = [Init(c) for c in comms if rank in c.ranks]
+    comms = plan.comms
+    for rank, steps in enumerate(ranks):
+        steps[:0] = [Init(c) for c in comms if rank in c.ranks]
     return plan

@@ -20,7 +20,6 @@ from .generators.zb1p import zb1p
 from .ir import Schedule, ScheduleError
 
 __all__ = [
-    "MEGATRON_SCHEDULES",
     "OUR_SCHEDULES",
     "SCHEDULES",
     "Runner",
@@ -199,9 +198,6 @@ SCHEDULES: dict[str, ScheduleSpec] = {
 #: Schedules this project's runtime runs.
 OUR_SCHEDULES = tuple(n for n, s in SCHEDULES.items() if s.runs_ours)
 #: Schedules that select Megatron-Core's own forward-backward functions.
-MEGATRON_SCHEDULES = tuple(n for n, s in SCHEDULES.items() if not s.runs_ours)
-
-
 def spec(name: str) -> ScheduleSpec:
     """The spec of schedule ``name``; :class:`ScheduleError` naming the choices if unknown."""
     try:

@@ -171,13 +171,11 @@ class DualPipeForwardBackward:
     our runtime runs: zb1p, dualpipe, dualpipev; a name is resolved to its spec here, once).
 
     ``timeout_s`` bounds every pipeline wait (messages, mirror exchanges) and defaults to
-    Megatron-LM's ``--distributed-timeout-minutes`` default; ``timeline_sink``, when set,
-    receives every training step's recorded timeline (see :meth:`recording`).
-    ``graph_safe`` builds every executor in its graph-safe mode
-    (:class:`~..runtime.PipelineExecutor`'s ``graph_safe``), so that a step can be captured
-    whole by Megatron's ``FullCudaGraphWrapper`` (``cuda_graph_impl: full_iteration``,
-    :mod:`.full_iteration`): no host synchronisation inside the step, static shapes, no
-    timeline; the losses it returns are device tensors, read after the step.
+    Megatron-LM's ``--distributed-timeout-minutes`` default. ``graph_safe`` builds every
+    executor in its graph-safe mode (:class:`~..runtime.PipelineExecutor`'s ``graph_safe``),
+    so that a step can be captured whole by Megatron's ``FullCudaGraphWrapper``
+    (``cuda_graph_impl: full_iteration``): no host synchronisation inside the step, static
+    shapes, no timeline; the losses it returns are device tensors, read after the step.
     ``mirror_slice_bytes`` is the most bytes one exchange of dualpipe's mirror sum moves.
     """
 
@@ -186,7 +184,6 @@ class DualPipeForwardBackward:
         schedule: ScheduleSpec | str,
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
-        timeline_sink: TimelineSink | None = None,
         graph_safe: bool = False,
         mirror_slice_bytes: int = SLICE_BYTES,
     ):
@@ -196,10 +193,9 @@ class DualPipeForwardBackward:
                 f"{self.spec.name} is Megatron-Core's own schedule: use Megatron's "
                 "get_forward_backward_func for it"
             )
-        if graph_safe and timeline_sink is not None:
-            raise DualPipeConfigError(_NO_TIMELINE)
         self.timeout_s = timeout_s
-        self.timeline_sink = timeline_sink
+        #: Receives every training step's recorded timeline (see :meth:`recording`).
+        self.timeline_sink: TimelineSink | None = None
         self.graph_safe = graph_safe
         self.mirror_slice_bytes = mirror_slice_bytes
         # Keyed by the first model chunk, held weakly: a dropped model drops its executor.
@@ -209,7 +205,8 @@ class DualPipeForwardBackward:
         self.schedule: Schedule | None = None
         #: FB overlap in the last training step (None before one).
         self.last_overlap: OverlapReport | None = None
-        #: Put every action of a step in a profiler span (see :meth:`profiling`).
+        #: Put every action of a step in a ``torch.profiler`` span (``F stage=S mb=M``, ...);
+        #: off, the executors make no profiler call.
         self.record_spans = False
 
     @property
@@ -232,17 +229,6 @@ class DualPipeForwardBackward:
             yield
         finally:
             self.timeline_sink = previous
-
-    @contextlib.contextmanager
-    def profiling(self) -> Iterator[None]:
-        """Within the block, every step runs each action in a ``torch.profiler``
-        ``record_function`` span (``F stage=S mb=M``, ...) for a profiler to record;
-        outside it the executors make no profiler call."""
-        previous, self.record_spans = self.record_spans, True
-        try:
-            yield
-        finally:
-            self.record_spans = previous
 
     def use_schedule(self, schedule: Schedule | None) -> None:
         """Run ``schedule`` (a reordering of the generated schedule's work, such as an
