@@ -1,47 +1,11 @@
 """The per-rank executor: run one rank's actions of a lowered schedule with torch.
 
-Contracts:
-
-- Each stage is a module; the executor holds one module per local chunk. A stage returns
-  a tensor or a tuple of tensors, and the next stage is called with them as its positional
-  arguments (``module(*elements)``, as DeepSeek's DualPipe and torch's pipelining call
-  theirs). Data enters (``inputs[microbatch]``, a tensor or a tuple) at the first stage of
-  a micro-batch's path; ``loss_fn(output, microbatch)`` gets the last stage's output as it
-  was returned, and its result is backpropagated as is: scale it (e.g. by 1 /
-  micro-batches) in ``loss_fn`` if you want Megatron's averaging.
-- Gradients: every floating-point (or complex) element a stage receives gets a gradient,
-  sent back to the stage that produced it (zeros where the receiver did not use it); that
-  stage backpropagates it from the element if the element requires grad, and drops it if
-  not. Other elements (integer masks, indices) are forwarded and carry no gradient.
-- F runs a stage; B computes the input gradient (dX) with every deferrable layer's weight
-  gradient queued in the executor's :class:`WeightGradStore`; W runs the oldest queued
-  entry of its stage, which must be its own; BW is an ordinary backward. With ``defer_weight_grads``
-  off, B is an ordinary backward too and W only marks the end of the activations' life.
-  Gradients accumulate into ``.grad`` and are the same either way.
-- A stage module that implements :class:`~.planned.PlannedStage` (and plans this step)
-  runs its own forwards and backwards; an FB whose two halves are on planned stages runs
-  interleaved by the forward half's stage, every other FB as its forward half, then its
-  backward half (and a recorded timeline holds those two). :attr:`StepResult.overlapped`
-  counts the interleaved ones.
-- With ``free_outputs`` (Megatron's ``deallocate_pipeline_outputs``), each element a stage
-  computed (one with a ``grad_fn``) is freed as soon as it has been sent: its storage is
-  replaced by a one-element stand-in and its autograd graph stays valid, as Megatron's
-  ``deallocate_output_tensor`` does. An element that is a view of another tensor is sent
-  as a view-less alias of the same storage (Megatron's ``make_viewless_tensor``), so that
-  freeing it releases the storage.
-  Sent tensors are made contiguous first. A micro-batch's saved activations are
-  released at its W or BW. Live activations are *measured*: each (stage, micro-batch)
-  carries a token held by its saved tensors and its deferred work, and counts as live
-  until the token is garbage; the peak is comparable with the simulator's.
-- Devices and dtypes come from the modules, the inputs and the :class:`TensorSpec` s; a
-  stage that receives several tensors from another rank has a tuple of TensorSpecs.
-- With ``graph_safe`` a step synchronises nothing with the host, so that a CUDA graph
-  (Megatron's ``full_iteration``) can capture it: every wait is a plain ``work.wait()``
-  (on NCCL the compute stream waits; no deadline on the host, no hang monitor or send
-  reaper polling ``is_completed()``: a hang ends at the process group's own timeout), no
-  timeline, no measured activation bytes, static shapes only. Losses and gradients are the
-  same as without it.
-- After an error the executor and its process group must not be reused.
+:class:`PipelineExecutor` holds one module per local chunk and runs this rank's F, B, W, BW
+and FB actions, exchanging tensors and their gradients with the other ranks by the
+schedule's communication plan. A B computes dX and queues the deferrable layers' dW in the
+executor's :class:`WeightGradStore`; a W runs its stage's oldest entry. The contracts on
+stages, gradients, memory and ``graph_safe``: docs/runtime.md (and docs/megatron.md, "CUDA
+graphs"). After an error the executor and its process group must not be reused.
 """
 
 from __future__ import annotations

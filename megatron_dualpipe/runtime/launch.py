@@ -1,41 +1,12 @@
 """Run a function on N forked CPU+gloo ranks and collect what each returns.
 
-Forked, not spawned: the caller imports torch (and whatever the ranks need, megatron
-included) once, and every rank starts from that state in about a second. Rank 0 hosts the
-rendezvous store on a port the parent picked (never handed out twice in one process): the
-parent must not host it, since forking while its server thread runs deadlocks a child now
-and then. A rare loss of that port between pick and bind shows up as a failure before
-``fn`` starts, and the launch is retried on a fresh port.
-
-A call never hangs and leaves nothing behind: after the first failure the other ranks get
-a short grace to report (usually a broken connection; shorter after a death, whose cause is
-already known), then every rank still running is killed with SIGKILL together with its
-process group; so it is at ``timeout_s``. A rank that dies without reporting (SIGKILL, the
-OOM killer, a crash) counts as failed the moment it dies: the parent watches each rank's
-process through a pidfd (polling where there is none), not only its result pipe, whose
-write end a child forked by the rank may still hold open.
-
-Nothing outlives the parent either, whatever ends it (``kill -9``, SIGHUP): every rank and
-everything it starts (dist_checkpointing's forked writers, the result-queue manager and the
-resource tracker multiprocessing spawns) live in one process group of their own, led by a
-small guard process forked first. The guard only waits for the parent to exit; then it
-removes the run's temporary directory (where multiprocessing puts its ``pymp-*``
-directories, which SIGKILLed processes cannot remove) and kills the group, itself included.
-The ranks also die with the parent through the parent-death signal, and what a rank forks
-with the rank (a writer forked while everything is killed at once would otherwise run on
-under PID 1 until its write ends). Rank 0's rendezvous
-store listens on the loopback address alone. The guard's own death (killed alone, by a
-``kill -9`` or the out-of-memory killer) fails the launch at once, naming the guard: the
-parent watches it as it watches the ranks, and kills the ranks, since nothing would clean
-up after them any more.
-
-When everything is killed at once (``pkill -9 -f``: the parent, the guard and the ranks
-together) nobody is left to remove the temporary directory; its name carries the parent's
-pid, and the next launch by the same user removes every such directory whose parent is gone.
-
-The parent's OpenMP worker pool is released before the ranks are forked
-(:mod:`.openmp`): with libgomp, a rank forked from a process that had run a parallel
-region would hang in its own first one.
+:func:`run_ranks` forks the ranks (the caller's imports are paid once); rank 0 hosts the
+rendezvous store on the loopback address. A call never hangs and leaves nothing behind: a
+rank that fails or dies is named (:class:`LaunchFailure`), and after it, or at
+``timeout_s``, every rank still running is killed with its process group; a guard process
+kills that group if the parent dies, however it ends. The parent's OpenMP pool is released
+before the fork (:mod:`.openmp`). How, and the faults tested: docs/runtime.md ("Starting
+ranks"), docs/reliability.md ("Processes that die").
 """
 
 from __future__ import annotations
@@ -89,7 +60,7 @@ _POLL_S = 0.2
 #: How long to wait for a rank whose result pipe closed to exit.
 _EXIT_WAIT_S = 1.0
 _LAUNCH_ATTEMPTS = 3
-#: The process name of a launch's guard (see the module docstring), as ``ps`` shows it.
+#: The process name of a launch's guard (:class:`_RunGroup`), as ``ps`` shows it.
 GUARD_NAME = "dualpipe-guard"
 #: The run's temporary directory: this, the parent's pid, a dash, a random tail.
 _TMPDIR_PREFIX = "megatron-dualpipe-run-"
@@ -327,7 +298,7 @@ def _stop_signals_held() -> Iterator[None]:
 class _RunGroup:
     """The process group of one launch: a guard process forked here leads it, every rank
     joins it, and what the ranks start inherits it. :meth:`kill` ends all of it; if this
-    process dies first, the guard does (see the module docstring)."""
+    process dies first, the guard does (docs/reliability.md)."""
 
     def __init__(self) -> None:
         parent = os.getpid()

@@ -1,59 +1,12 @@
 """Run megatron-core (0.16.1 to 0.19.x) on CPU + gloo, for tests and the demo.
 
-``apply_cpu_compat()`` removes the CUDA assumptions that stop megatron-core from
-running on a machine without a GPU: GPTModel with the local layer spec (dense, and
-MoE with the alltoall or allgather token dispatcher), ``parallel_state`` over gloo,
-``p2p_communication``, Megatron's three built-in schedules, its
-DistributedDataParallel and its (non-distributed, fp32) optimizer.
-
-Every patch is module-scoped: it rebinds a name inside the megatron module that uses
-it and leaves ``torch`` itself alone. Most sites only need a device: the name ``torch``
-inside each module in ``_TORCH_ON_CPU_SITES`` is rebound to a view of torch whose
-``torch.cuda`` reports the CPU as current device, makes synchronize/empty_cache
-no-ops, offers stand-in streams and events, and whose tensor factories map
-``device="cuda"`` to the CPU. Everything else in that view is the real torch.
-
-The remaining patches, each against the megatron-core code it addresses (read in 0.16.1,
-0.17.1, 0.18.2 and 0.19.2: every site is in each; docs/megatron-on-cpu.md lists per release
-what each module assumes):
-
-- ``CudaRNGStatesTracker.add`` and ``.fork`` (tensor_parallel/random.py), reached from
-  ``DotProductAttention.forward`` and ``_initialize_affine_weight_gpu``
-  (tensor_parallel/layers.py): the RNG tracker keeps CUDA generator states. Its class
-  is replaced by one that keeps CPU generator states and swaps them into torch's default
-  CPU generator inside ``fork()``, so dropout inside forked regions stays reproducible.
-- ``LanguageModule.setup_embeddings_and_output_layer``
-  (models/common/language_module/language_module.py): ``weight.data.cuda()`` for tied
-  embeddings with PP > 1; ``Tensor.cuda`` is the identity while it runs.
-- ``RouterGatingLinearFunction.forward`` (transformer/moe/moe_utils.py, via
-  ``Router.gating``): ``te_general_gemm`` is only defined when Transformer Engine
-  imports; it is defined as None otherwise.
-- ``MLASelfAttention.__init__`` (transformer/multi_latent_attention.py): without Transformer
-  Engine the module still imports TE's names (the extension's stand-ins), sets ``HAVE_TE``
-  and then calls ``isinstance`` with a stand-in; its ``HAVE_TE`` is set to False.
-- ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize``
-  (transformer/moe/token_dispatcher.py) -> ``moe_utils.maybe_move_tensor_to_cpu``: split
-  sizes become numpy only for CUDA tensors and gloo's all_to_all_single rejects tensors;
-  the dispatcher's ``maybe_move_tensor_to_cpu`` always gives numpy when asked.
-- ``clip_grad_by_total_norm_fp32`` (optimizer/clip_grads.py; called from
-  ``MegatronOptimizer.clip_grad_norm`` and ``ChainedOptimizer.step``) asserts
-  ``param.grad.type() == 'torch.cuda.FloatTensor'``; the optimizer module's
-  ``clip_grad_by_total_norm_fp32`` is one that asserts fp32 on any device.
-- ``DistributedOptimizer._build_model_and_main_param_groups``
-  (optimizer/distrib_optimizer.py) sorts parameters by ``type() ==
-  'torch.cuda.FloatTensor'``: while it builds its groups, CPU tensors report CUDA type
-  names.
-
-Megatron-LM's training loop (``megatron.training``, in the wheels of 0.17 and newer) needs
-more: :mod:`.cpu_compat_training`. docs/megatron-on-cpu.md explains each patch,
-the traps left (batched P2P at PP=2 with two chunks) and what runs on CPU.
-
-- ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` (tensor_parallel/random.py), which
-  activation recomputation's ``CheckpointFunction`` calls to replay the CUDA generator around
-  a recomputed forward: on CPU there is no CUDA generator (the CPU generator and the
-  tracker's CPU states, saved beside it, are replayed as they are).
-
-Not covered: fp16/bf16 optimizers, TE layers, CUDA graphs.
+:func:`apply_cpu_compat` (idempotent; a no-op with CUDA) removes the CUDA assumptions that
+stop megatron-core from running without a GPU. Every patch is module-scoped and ``torch``
+itself is left alone: the name ``torch`` inside each module of ``_TORCH_ON_CPU_SITES`` is
+rebound to a CPU view of torch (``torch.cuda`` reports the CPU, streams and events are
+stand-ins, ``device="cuda"`` factories make CPU tensors), and a few functions are replaced
+or run under a mode. Megatron-LM's training loop needs more: :mod:`.cpu_compat_training`.
+Each site and patch, per release, and what is not covered: docs/megatron-on-cpu.md.
 """
 
 from __future__ import annotations
@@ -78,114 +31,30 @@ __all__ = [
 
 _CPU = torch.device("cpu")
 
-# Megatron modules whose global name ``torch`` is rebound to the CPU view, and the
-# functions in each that need it (0.16.1; docs/megatron-on-cpu.md: what later releases add).
-_TORCH_ON_CPU_SITES: tuple[tuple[str, str], ...] = (
-    (
-        "megatron.core.utils",
-        "GlobalMemoryBuffer.get_tensor (the attention-score buffer of "
-        "DotProductAttention.forward) on torch.cuda.current_device(); "
-        "local_multi_tensor_l2_norm (grad-norm fallback kernel) on device='cuda'",
-    ),
-    (
-        "megatron.core.models.common.embeddings.rotary_pos_embedding",
-        "RotaryEmbedding.get_emb moves inv_freq to torch.cuda.current_device()",
-    ),
-    (
-        "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
-        "YarnRotaryEmbedding.__init__ makes inv_freq on torch.cuda.current_device() unless "
-        "use_cpu_initialization, which MLASelfAttention does not pass (rope_type yarn); "
-        "forward moves it there",
-    ),
-    (
-        "megatron.core.transformer.utils",
-        "get_default_causal_mask and get_sliding_window_causal_mask on device='cuda' "
-        "(FusedScaleMaskSoftmax.forward_torch_softmax when no attention mask is passed)",
-    ),
-    (
-        "megatron.core.tensor_parallel.layers",
-        "VocabParallelEmbedding, ColumnParallelLinear and RowParallelLinear.__init__ put "
-        "parameters on torch.cuda.current_device() unless use_cpu_initialization; "
-        "LinearWithGradAccumulationAndAsyncCommunication.backward all-gathers there",
-    ),
-    (
-        "megatron.core.tensor_parallel.mappings",
-        "_gather_along_last_dim, _gather_along_first_dim, _reduce_scatter_along_first_dim "
-        "and _AllToAll.forward make outputs on torch.cuda.current_device() "
-        "(allgather dispatcher, EP)",
-    ),
-    (
-        "megatron.core.pipeline_parallel.p2p_communication",
-        "P2PCommunicator._communicate_shapes and _communicate make receive buffers on "
-        "torch.cuda.current_device() and call torch.cuda.synchronize()",
-    ),
-    (
-        "megatron.core.pipeline_parallel.schedules",
-        "forward_backward_no_pipelining, forward_backward_pipelining_with_interleaving and "
-        "_without_interleaving count tokens in torch.zeros([], dtype=torch.int, device='cuda')",
-    ),
-    (
-        "megatron.core.transformer.moe.router",
-        "Router.gating moves the gate to torch.cuda.current_device(); TopKRouter.__init__ "
-        "puts its aux-loss tensors there",
-    ),
-    (
-        "megatron.core.transformer.moe.token_dispatcher",
-        "MoEAlltoAllTokenDispatcher.__init__ makes a torch.cuda.Stream(); "
-        "_maybe_dtoh_and_synchronize uses current_stream, stream and record_event",
-    ),
-    (
-        "megatron.core.distributed.param_and_grad_buffer",
-        "_ParamAndGradBuffer.__init__ puts DDP param/grad buffers on "
-        "torch.cuda.current_device()",
-    ),
-    (
-        "megatron.core.optimizer.optimizer",
-        "FP32Optimizer.__init__ puts its scale on device='cuda' "
-        "(MixedPrecisionOptimizer.__init__ too, for fp16/bf16)",
-    ),
-    (
-        "megatron.core.optimizer.clip_grads",
-        "get_grad_norm_fp32 makes its norm tensors on device='cuda'",
-    ),
-    (
-        "megatron.core.optimizer.distrib_optimizer",
-        "DistributedOptimizer.load_state_dict and get_parameter_state_dp_zero make buffers "
-        "on torch.cuda.current_device()",
-    ),
-    (
-        "megatron.core.pipeline_parallel.utils",
-        "set_streams makes a torch.cuda.Stream; ScheduleNode waits on and records events "
-        "(MoE all-to-all overlap: overlap_moe_expert_parallel_comm)",
-    ),
-    (
-        "megatron.core.models.common.model_chunk_schedule_plan",
-        "TransformerModelChunkSchedulePlan makes a torch.cuda.Event and uses current_stream and "
-        "torch.cuda.nvtx ranges",
-    ),
-    (
-        "megatron.core.pipeline_parallel.combined_1f1b",
-        "combined_forward_backward_step wraps the loss function in a ScheduleNode on "
-        "torch.cuda.current_stream()",
-    ),
-    (
-        "megatron.core.models.gpt.fine_grained_callables",
-        "the layer nodes' backward_dw uses torch.cuda.nvtx.range",
-    ),
-    (
-        "megatron.core.dist_checkpointing.strategies.filesystem_async",
-        "FileSystemWriterAsync.preload_tensors calls torch.cuda.synchronize() after staging "
-        "tensors to the host",
-    ),
-    (
-        "megatron.core.dist_checkpointing.strategies.state_dict_saver",
-        "save_state_dict_async_finalize puts a failure flag on torch.cuda.current_device()",
-    ),
-    (
-        "megatron.core.transformer.multi_token_prediction",
-        "MTPLossLoggingHelper.save_loss_to_tracker keeps the MTP losses on "
-        "torch.cuda.current_device() (GPTModel._postprocess, in training)",
-    ),
+# Megatron modules whose global name ``torch`` is rebound to the CPU view; what each assumes
+# of CUDA: docs/megatron-on-cpu.md's table of the sites (and what later releases add).
+_TORCH_ON_CPU_SITES: tuple[str, ...] = (
+    "megatron.core.utils",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
+    "megatron.core.transformer.utils",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.pipeline_parallel.utils",
+    "megatron.core.models.common.model_chunk_schedule_plan",
+    "megatron.core.pipeline_parallel.combined_1f1b",
+    "megatron.core.models.gpt.fine_grained_callables",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.transformer.multi_token_prediction",
 )
 
 # Tensor factories whose ``device="cuda"`` the CPU view maps to the CPU.
@@ -223,7 +92,7 @@ def apply_cpu_compat() -> None:
         return
     if _applied:
         return
-    for module_name, _why in _TORCH_ON_CPU_SITES:
+    for module_name in _TORCH_ON_CPU_SITES:
         importlib.import_module(module_name).torch = _TORCH_ON_CPU
     _install_cpu_rng_tracker()
     _patch_recompute_rng()

@@ -46,39 +46,14 @@ __all__ = [
 ]
 
 #: Modules of megatron.training (and the megatron-core ones only it reaches) whose ``torch``
-#: becomes the CPU view, with what each assumes of CUDA (megatron-core 0.19).
-TRAINING_SITES: tuple[tuple[str, str], ...] = (
-    (
-        "megatron.training.training",
-        "pretrain all-reduces start times on device='cuda'; get_model makes a "
-        "torch.cuda.Stream for DDP; train_step, evaluate and training_log keep loss sums and "
-        "flags on device='cuda'; torch.cuda.empty_cache and synchronize",
-    ),
-    (
-        "megatron.training.utils.common_utils",
-        "reduce_max_stat_across_model_parallel_group and the loss and memory reports use "
-        "device='cuda' tensors",
-    ),
-    (
-        "megatron.training.checkpointing",
-        "the RNG state of a checkpoint (torch.cuda.get_rng_state) and its all-gathers on "
-        "torch.cuda.current_device()",
-    ),
-    (
-        "megatron.training.models.dist_utils",
-        "prepare_existing_model_chunks_for_distributed_training moves chunks to "
-        "torch.cuda.current_device() and makes a DDP stream",
-    ),
-    (
-        "megatron.core.rerun_state_machine",
-        "RerunStateMachine._save_state and _restore_state keep torch.cuda.get_rng_state() "
-        "(train_step runs every step through should_run_forward_backward)",
-    ),
-    (
-        "megatron.core.timers",
-        "Timer.start/stop synchronize CUDA; Timers._get_elapsed_time_all_ranks gathers on "
-        "torch.cuda.current_device()",
-    ),
+#: becomes the CPU view; what each assumes of CUDA (0.19): docs/megatron-on-cpu.md's table.
+TRAINING_SITES: tuple[str, ...] = (
+    "megatron.training.training",
+    "megatron.training.utils.common_utils",
+    "megatron.training.checkpointing",
+    "megatron.training.models.dist_utils",
+    "megatron.core.rerun_state_machine",
+    "megatron.core.timers",
 )
 
 
@@ -147,7 +122,7 @@ def megatron_training_on_cpu() -> Iterator[None]:
         yield
         return
     apply_cpu_compat()
-    for module_name, _why in TRAINING_SITES:
+    for module_name in TRAINING_SITES:
         importlib.import_module(module_name).torch = _TORCH_ON_CPU
     importlib.import_module("megatron.training.initialize").torch = _TORCH_AS_ONE_DEVICE
     with _tensor_cuda_is_identity(), _record_stream_is_no_op(), eager_on_cpu():

@@ -1,45 +1,13 @@
 """The megatron-core releases this adapter supports, and every difference between them.
 
-Supported: megatron-core ``>=0.16.1,<0.20`` (:data:`SUPPORTED_MEGATRON_CORE`); each minor
-release is tested (:data:`TESTED_MEGATRON_CORE`). Importing the adapter
-(``megatron_dualpipe.megatron``) with another release installed raises
-:class:`MegatronVersionError`, one sentence naming the installed and the supported releases,
-before any of the adapter's code meets megatron-core (:func:`refuse_unsupported_at_import`).
-
-Every difference between the supported releases that this package's code meets lives
-here, as a gate named by what differs; the module that needs one calls it and contains no
-release check of its own (docs/megatron-versions.md: the same list, with what each
-difference broke before it was gated):
-
-- 0.17: an MTP layer's transformer layer became ``mtp_model_layer`` (was
-  ``transformer_layer``), in parameter names too: :func:`mtp_inner_layer_name`;
-- 0.17: ``MultiTokenPredictionBlock`` asserts it is built on the last virtual pipeline
-  stage, and dualpipe puts it on chunk 0 of the last rank: :func:`mtp_block_on_any_chunk`;
-- 0.19: the layer schedule plan's attention node became ``pre_dispatch_computation`` (was
-  ``attn``): :func:`layer_plan_attention_node`, :func:`layer_plan_nodes`;
-- 0.19: Megatron's MTP tracker became ``save_metrics_to_tracker`` /
-  ``clean_metrics_in_tracker`` / ``tracker["loss_values"]`` with acceptance counts:
-  :func:`mtp_tracker_fields`, :func:`save_mtp_metrics`, :func:`clean_mtp_tracker`;
-- 0.19: dist_checkpointing keeps the common state inside the DCP shards, no ``common.pt``:
-  :func:`common_state_in_dcp`;
-- 0.18: ``cuda_graph_impl`` gained ``full_iteration`` (before: ``local`` with the scope
-  ``full_iteration``) and ``cuda_graph_scope`` became ``cuda_graph_modules`` (the old name
-  kept as an alias, ``--cuda-graph-scope`` too): :func:`cuda_graph_setting`;
-- each minor release has its Megatron-LM tag and patch: :func:`megatron_lm_tag`.
-
-Differences the code takes in its stride, without a gate (listed so that reading the next
-release starts from them): ``_forward_impl`` of Megatron's linear layers passes
-``gtp_remat_size=`` (0.19; the deferrable linear takes it and refuses a sharded weight); a
-layer spec's MLP is a ``functools.partial`` (0.18; the deferrable spec looks inside);
-``get_forward_backward_func`` takes ``schedule_pg_collection=`` (0.19; ours passes
-Megatron's keywords through); ``TECudaGraphHelper`` takes ``pg_collection=`` and reads the
-pipeline size from it (0.19; was ``parallel_state``), while ``_get_cuda_graph_input_data``
-hands ``_get_sample_arguments(order, chunk_id_list)`` the very list it passes TE as
-``_order`` in 0.16.1 and 0.19.2 alike (``megatron.schedule.te_graphs`` overrides that one method and
-passes the constructor's arguments through); ``set_streams`` lost ``comp_stream`` (0.17);
-the checkpoint writer raises a failing worker as its exception class and logs the error
-(0.17). The CPU compatibility layer's sites per
-release: docs/megatron-on-cpu.md.
+Supported: megatron-core ``>=0.16.1,<0.20`` (:data:`SUPPORTED_MEGATRON_CORE`; tested:
+:data:`TESTED_MEGATRON_CORE`). Importing the adapter with another release raises
+:class:`MegatronVersionError` before any of its code meets megatron-core
+(:func:`refuse_unsupported_at_import`). Every difference between the supported releases
+that this package meets is a gate here, named by what differs (e.g.
+:func:`mtp_inner_layer_name`, :func:`cuda_graph_setting`, :func:`megatron_lm_tag`); the
+module that needs one calls it and holds no release check of its own. The list, what each
+difference broke, and the differences taken without a gate: docs/megatron-versions.md.
 """
 
 from __future__ import annotations

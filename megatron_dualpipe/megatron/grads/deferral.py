@@ -1,94 +1,15 @@
 """Weight-gradient (dW) deferral on Megatron-Core's own linear layers and on TE layers.
 
-The runtime splits a backward into B (dX only) and W (dW) through its
-:class:`~megatron_dualpipe.runtime.WeightGradStore`: a forward runs under
-``store.active()``, a B's backward under ``store.capture(key)``, and ``store.run(key)`` is
-the W. This module makes Megatron's layers follow that protocol.
-
-Local layers (``ColumnParallelLinear``, ``RowParallelLinear``, and through them the experts
-of ``SequentialMLP``) become :class:`DeferrableColumnParallelLinear` /
-:class:`DeferrableRowParallelLinear`, preferably by building the model from
-:func:`deferrable_layer_spec` (Megatron's own layer spec with those classes in place of
-Megatron's), else by :func:`enable_weight_grad_deferral`, which switches the class of every
-exact ``ColumnParallelLinear`` / ``RowParallelLinear`` still left, in place: the layers a
-spec does not reach (GPTModel's output layer) and models built elsewhere.
-Their ``_forward_impl`` runs an autograd Function with the forward and backward of
-Megatron's ``linear_with_grad_accumulation_and_async_allreduce`` (tensor_parallel/layers.py,
-the same in every supported release, 0.16.1 to 0.19.x: 0.18 changed only its Megatron-FSDP
-branch, which is refused here, and 0.19 added GTP-sharded weights, refused too): input
-all-gather under sequence parallelism, dgrad all-reduce (``allreduce_dgrad``) or
-reduce-scatter (sequence parallelism), bias gradient with dX, and
-``gradient_accumulation_fusion`` (dW added into ``param.main_grad`` by Megatron's fused
-kernel and ``param.grad_added_to_main_grad`` set; on CPU fusion is off and dW goes to
-``.grad``). The only difference is where dW is computed and by whom:
-
-- while the store captures (a B), dW becomes deferred work and ``.grad`` / ``main_grad`` of
-  the weight stay untouched until the W;
-- otherwise (a full backward BW, or no store at all) dW is computed at once.
-
-In both cases the layer itself accumulates dW into the weight (autograd's accumulation
-rule: assign when ``.grad`` is None, else add in place) and then fires the hooks registered
-with ``register_wgrad_accumulation_and_reduce_hooks``; autograd never sees a weight
-gradient from these layers (so ``register_post_accumulate_grad_hook`` hooks and
-``torch.autograd.grad`` with respect to their weights see none). Bias gradients go through
-autograd as in Megatron.
-
-Megatron DistributedDataParallel (``DistributedDataParallel.__init__`` registers its
-backward hooks, the same in every supported release): for a parameter with
-``skip_backward_post_hook=True`` and ``ddp_config.delay_wgrad_compute=True``, DDP registers
-its grad-ready hook through the owning module's
-``register_wgrad_accumulation_and_reduce_hooks`` instead of the parameter's AccumulateGrad
-node. Converted layers mark their weight that way and fire those hooks after every
-accumulation, so DDP (``overlap_grad_reduce`` off or on) sees each deferred weight ready
-exactly when its dW is in. Order requirement: call :func:`enable_weight_grad_deferral`
-*before* wrapping the model in DDP, and build DDP with :func:`ddp_config_for_deferral`. Both
-mistakes are refused with a clear error rather than giving unreduced gradients.
-
-With ``overlap_grad_reduce`` DDP counts grad-ready hooks per parameter in the last
-micro-batch (outside ``no_sync``) and learns the expected counts in the first step: a
-schedule must place its W actions the same way in every step (it does: schedules are
-static); a W may run outside the ``no_sync`` of its micro-batch's B.
-
-Transformer Engine layers (``TELinear`` and its column/row subclasses,
-``TELayerNormColumnParallelLinear``, ``TEGroupedLinear``) built with
-``config.delay_wgrad_compute=True`` (TE >= 2.7; see :func:`with_delay_wgrad_compute`)
-already defer dW inside TE: every backward of a TE module puts one entry into the module's
-FIFO ``wgrad_store`` and ``module.backward_dw()`` pops the oldest. For them the deferred work
-of a B is one ``backward_dw()`` call per TE-module backward that ran in it, in order; in a
-BW (or without a store) ``backward_dw()`` runs at once (it pops the oldest entry, which may
-be an earlier B's: the sum over the step is the same). TE itself marks its parameters with
-``skip_backward_post_hook`` and fires DDP's hooks from ``backward_dw()``, so the same DDP
-order requirement holds. Each call goes through :func:`.te_wgrad.exact_backward_dw`, which
-gives it autograd's accumulation rule on every TE release and with the two entries
-DualPipe keeps outstanding (TE 2.7 drops, TE 2.8+ overwrites an unconsumed ``.grad``; FP8
-biases; fused accumulation). With ``overlap_moe_expert_parallel_comm`` Megatron's schedule
-plan calls ``backward_dw()`` itself, so TE layers are only marked
-(:func:`te_layers_left_to_plan`), and a run that cannot use the plan is refused.
-transformer_engine is never imported by this module: TE layers are recognised only when
-Megatron's TE extension module has already been imported (by building a TE model).
-
-Not supported, refused with an error: Megatron's ``defer_embedding_wgrad_compute``,
-Megatron-FSDP parameters, GTP-sharded weights (``gtp_remat_size`` > 1, 0.19),
-gradient-accumulation fusion without ``main_grad`` or without its CUDA kernel, Megatron DDP
-built without ``delay_wgrad_compute``, enabling after DDP wrapping, TE < 2.7, TE layers
-built without ``delay_wgrad_compute`` and TE layers whose input does not require grad.
-Left as they are (correct, just not deferred): subclasses of the two layer classes (e.g.
-``ColumnParallelLinearGathered``), layers without their own weight (an output layer fed
-the tied embedding weight at call time) and frozen weights.
-
-Activation recomputation (Megatron's ``recompute_granularity`` full or selective): a
-recomputed layer runs its forward a second time inside the backward of the B that needs it
-(``tensor_parallel.checkpoint``), where no store is active (and, on GPUs, on autograd's own
-thread, which sees no context variable of the caller). Every deferring layer therefore keeps
-a weak reference to the store its last forward saw, and a forward that finds no active
-store while that store captures a backward is such a recomputation: it takes that store, so
-the recomputed layer's dW is deferred to the W like any other, holding only what dW needs
-(the layer's input and output gradient; the rest of the recomputed activations are freed
-when the B ends).
-
-Memory: a deferred local layer keeps its input and output gradient until its W; under
-sequence parallelism it keeps the all-gathered input (the all-gather is done in B so that
-W needs no communication).
+Makes Megatron's layers follow the protocol of the runtime's
+:class:`~megatron_dualpipe.runtime.WeightGradStore`: while the store captures (a B) a layer's
+dW becomes deferred work that the W runs; otherwise (a BW, or no store) it is computed at
+once, and either way the layer accumulates it as autograd would and fires Megatron DDP's
+wgrad hooks. Local layers become :class:`DeferrableColumnParallelLinear` /
+:class:`DeferrableRowParallelLinear` (:func:`deferrable_layer_spec`, else
+:func:`enable_weight_grad_deferral` before DDP wrapping, DDP built from
+:func:`ddp_config_for_deferral`); TE layers built from :func:`with_delay_wgrad_compute` defer
+their ``backward_dw()``. What is not supported raises :class:`WeightGradDeferralError`.
+(docs/megatron.md, "Deferring dW"; recomputation: docs/training.md)
 """
 
 from __future__ import annotations
@@ -154,7 +75,7 @@ def ddp_config_for_deferral(**kwargs: Any) -> DistributedDataParallelConfig:
     """A ``DistributedDataParallelConfig`` for models with deferred weight gradients.
 
     Sets ``delay_wgrad_compute=True``, which makes Megatron's DDP hook deferred weights
-    through their layer (see the module docstring); every other field comes from
+    through their layer (docs/megatron.md, "Deferring dW"); every other field comes from
     ``kwargs``. Megatron-FSDP is refused: its hooks do not take that path.
     """
     if kwargs.get("delay_wgrad_compute") is False:
@@ -203,7 +124,7 @@ class _Plan:
 def _store_for_forward(module: nn.Module) -> WeightGradStore | None:
     """The store a deferring ``module``'s forward runs under: the active one (remembered on
     the module), else the one its last forward saw while that one captures a backward (a
-    forward recomputed inside a B; see the module docstring), else None."""
+    forward recomputed inside a B; docs/training.md), else None."""
     store = active_store()
     if store is not None:
         module._dualpipe_last_store = weakref.ref(store)
@@ -637,7 +558,7 @@ def enable_weight_grad_deferral(model_chunks: nn.Module | Iterable[nn.Module]) -
 
     Converted: every exact ``ColumnParallelLinear`` / ``RowParallelLinear`` with a trainable
     weight of its own (attention, MLP, MoE experts of SequentialMLP, output layer), and
-    every TE linear layer when the model uses TE (see the module docstring). Must run
+    every TE linear layer when the model uses TE (docs/megatron.md). Must run
     before the chunks are wrapped in Megatron DDP, which must then be built with
     :func:`ddp_config_for_deferral`. Raises :class:`WeightGradDeferralError` for what is
     not supported, before changing anything in the offending layer.

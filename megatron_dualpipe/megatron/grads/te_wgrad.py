@@ -1,40 +1,12 @@
 """Transformer Engine's deferred weight gradient, exact on every supported TE release and
 under DualPipe's order of work.
 
-A TE linear layer built with ``delay_wgrad_compute=True`` (Megatron's ``TELinear``,
-``TELayerNormColumnParallelLinear``, ``TEGroupedLinear``) puts one entry per backward into
-its FIFO ``wgrad_store`` and computes the oldest in ``backward_dw()``, which then fires the
-hooks registered with ``register_wgrad_accumulation_and_reduce_hooks`` (Megatron DDP's
-grad-ready hooks). What that call does to ``.grad`` differs between releases and depends on
-how many entries are outstanding (TE's ``TransformerEngineBaseModule.backward_dw`` in
-``pytorch/module/base.py`` and ``GroupedLinear.backward_dw`` in ``grouped_linear.py``):
-
-- TE 2.7 is the first release with ``register_wgrad_accumulation_and_reduce_hooks``, the
-  only way Megatron DDP sees a deferred gradient: the minimum (:data:`TE_MIN_VERSION`).
-- Weights (unfused): TE 2.7 sets ``.grad`` only when it is None, so a dW meeting an
-  earlier, unconsumed ``.grad`` is dropped; TE 2.8 and later (TE PR #2142) set it always,
-  so the earlier one is overwritten. Biases: set only when None, in every release.
-- TE marks weights and biases ``skip_backward_post_hook``, so Megatron DDP hooks both
-  through the module: their hooks fire at every ``backward_dw()``, and under
-  ``overlap_grad_reduce`` each asserts that ``.grad`` is not None.
-- FP8: a bias gradient is computed in the main backward (autograd accumulates it into the
-  bias's ``.grad``) and the entry carries ``bgrad=None``; ``backward_dw()`` finding the
-  bias's ``.grad`` None calls ``None.to(...)`` and fails.
-- Fused accumulation (``fuse_wgrad_accumulation``): dW goes into ``main_grad`` inside the
-  GEMM and the main backward hands autograd a placeholder ``.grad`` marked
-  ``grad_added_to_main_grad`` (TE 2.7's ``GroupedLinear`` hands None), which DDP's hook drops.
-
-Megatron calls ``backward_dw()`` right after each backward: one entry outstanding, so
-whatever the main backward left in ``.grad`` is there for the hook. DualPipe runs B0, B1,
-W0, W1: two entries are outstanding, W0's hooks consume what both main backwards left, and
-W1 finds None (FP8 bias: the failure above; fused weight: DDP's assertion).
-:func:`exact_backward_dw` makes every call behave like autograd's accumulation rule
-instead: an earlier ``.grad`` that no hook consumed is set aside and added back after the
-call (so neither release drops nor overwrites it), an FP8 bias or a fused weight whose
-``.grad`` was consumed gets a zero one (adds nothing, satisfies the hook; a fused weight's
-is one zero element expanded to its shape, not a weight-sized buffer per call). The per-layer
-FP8 state is TE's own ``module.fp8`` (set by every forward; Megatron keeps a layer in or
-out of FP8 for the whole run).
+:func:`exact_backward_dw` runs one ``backward_dw()`` of a TE linear layer built with
+``delay_wgrad_compute=True`` (TE >= :data:`TE_MIN_VERSION`) by autograd's accumulation rule,
+whatever the release and however many entries are outstanding: an earlier ``.grad`` that no
+hook consumed is set aside and added back after the call, and an FP8 bias or a fused weight
+whose ``.grad`` a hook consumed gets a zero one for DDP's hook. What each release does, and
+why DualPipe's B0, B1, W0, W1 needs this: docs/megatron.md, "Transformer Engine layers".
 """
 
 from __future__ import annotations
@@ -141,7 +113,7 @@ def _prepare(module: nn.Module) -> list[tuple[nn.Parameter, torch.Tensor]]:
 @contextlib.contextmanager
 def exactly(modules: Iterable[nn.Module]) -> Iterator[None]:
     """Run the block's ``backward_dw()`` calls of the TE layers ``modules`` (one each) with
-    autograd's accumulation rule on every TE release (module docstring)."""
+    autograd's accumulation rule on every TE release (docs/megatron.md)."""
     kept = [pair for module in modules for pair in _prepare(module)]
     try:
         yield

@@ -1,45 +1,14 @@
 """The forward-backward function of our schedules, with Megatron-Core's exact signature.
 
 ``DualPipeForwardBackward("dualpipev")`` is a callable that Megatron's training loop can
-call where it calls ``forward_backward_pipelining_without_interleaving``. It runs this
+call where it calls ``forward_backward_pipelining_without_interleaving``: it runs this
 rank's part of the schedule with the runtime executor, each local model chunk wrapped as a
-:class:`~.stage.MegatronStage`, and honours the config hooks Megatron's schedules honour:
-``no_sync_func``, ``finalize_model_grads_func``, ``grad_scale_func``, ``timers``,
-``variable_seq_lengths``, ``calculate_per_token_loss`` (``grad_sync_func`` and
-``param_sync_func``: see below).
-
-The object owns everything that lives longer than one step: an executor per model (held
-through weak references, so a dropped model is freed), dualpipe's mirror pair, the
-timeout of every pipeline wait and an optional timeline sink. Keep one object per
-training run: it checks the configuration once, when it first sees a model, and reuses
-that executor every step.
-
-Process groups: as Megatron's own schedules, either pass neither ``p2p_communicator`` nor
-``pg_collection`` (the groups come from ``parallel_state``) or both; then the pipeline
-group is the communicator's (``pg_collection.pp`` must be the same group) and tensor and
-context parallel sizes come from ``pg_collection``. Messages go through this project's
-communication plan on that pipeline group itself, on every backend (no group is made:
-docs/runtime.md says why), never through the communicator's own send/receive calls.
-
-Gradient synchronisation with deferred dW: a parameter's gradient is complete after its
-chunk's last backward (parameters computed with dX, e.g. norms) or after its chunk's last W
-(deferred weights). Gradient sync is enabled for exactly those two actions of each chunk, so
-that DDP's grad-ready hooks (with ``overlap_grad_reduce``) see each parameter once, when
-its gradient is final, and launch each bucket's reduction as soon as it is complete.
-``grad_sync_func`` (Megatron-LM sets DDP's ``start_grad_sync`` there under
-``--overlap-grad-reduce``) is therefore never called: Megatron's schedules call it only for
-the chunks whose last backward ran with grad sync disabled (1F1B's first stage, whose last
-backward runs with it enabled, does not call it either), and a second ``start_grad_sync`` on
-a bucket its hooks launched fails DDP's "multiple communication calls outstanding" check.
-In DDP's first step the hooks only count the gradients; ``finish_grad_sync`` (through
-``finalize_model_grads_func``) launches that step's reductions.
-
-``param_sync_func`` (Megatron-LM sets DDP's ``start_param_sync`` there under
-``--overlap-param-gather`` with aligned gathers) is called in a training step once per
-chunk, with its parameters, every chunk at the step's start, as Megatron's interleaved
-schedule launches its first two chunks' gathers (ours have at most two chunks), so that
-each gather overlaps the work before its chunk's first forward (not in forward-only steps,
-where Megatron does not either); DDP's forward pre-hooks wait for the gathers.
+:class:`~.stage.MegatronStage`, and honours the config hooks Megatron's schedules honour
+(``grad_sync_func`` is never called; ``param_sync_func`` once per chunk at a step's start).
+Keep one object per training run: it owns the executors, dualpipe's mirror pair, the wait
+timeout and the timeline sink, and checks the configuration once. Process groups, gradient
+sync and what is refused: docs/megatron.md ("Selecting a schedule", "What the function
+honours, and what it refuses"); the communication plan: docs/runtime.md.
 """
 
 from __future__ import annotations
@@ -451,7 +420,7 @@ class DualPipeForwardBackward:
     ) -> None:
         """What Megatron's schedules do after the last backward: finalize (data parallel
         reduction, layer-norm and embedding sync, expert-bias update; the reductions were
-        launched by DDP's hooks, see the module docstring); then the sums over the copies of
+        launched by DDP's hooks: docs/megatron.md); then the sums over the copies of
         a parameter on this rank (:mod:`.tied`) and over dualpipe's two copies of every stage
         (whose expert-bias token counts are summed before finalize)."""
         pair = self._mirror_pair(groups.pipeline) if schedule.placement.kind == "mirror" else None
