@@ -151,11 +151,11 @@ def _position_cases() -> list:
 @pytest.mark.parametrize("case", _position_cases())
 def test_positions_and_mtp_match_the_unpipelined_run(case: tuple) -> None:
     """Learned absolute and rotary positions, with and without an MTP layer, under every
-    schedule: five Adam steps equal to the one-process run's (losses, MTP losses, the
+    schedule: three Adam steps equal to the one-process run's (losses, MTP losses, the
     first step's gradients, the MTP block's copy of the position table included)."""
     schedule, positions, mtp = case
     model = Model(mtp=mtp, rope=positions == "rope", num_layers=8)
     vp = 2 if schedule == "interleaved-1f1b" else None
     ours = None if schedule in ("1f1b", "interleaved-1f1b") else schedule  # None: Megatron's
-    worst = check_training(model, Layout(pp=2, vp=vp, schedule=ours))
+    worst = check_training(model, Layout(pp=2, vp=vp, schedule=ours), steps=3)
     assert worst["grad"] <= 1e-5
