@@ -2,34 +2,12 @@
 
 ``patches/megatron-lm-<tag>.patch`` (one per Megatron-LM tag, core_v0.16.1 to core_v0.19.0)
 wires these hooks into Megatron-LM's ``pretrain_gpt.py`` and ``megatron/training``:
-
-- :func:`add_arguments`: the ``extra_args_provider`` part that adds ``--pipeline-schedule``
-  and ``--pipeline-schedule-file`` (an order saved by ``simulate --optimize --save``);
-- :func:`apply`: right after Megatron validated its arguments, before any process-group
-  work: checks the combination (one sentence saying what to change; a schedule file against
-  the run, :func:`~.schedules.saved.saved_schedule_problem`) and reads the checkpoint to
-  load without running code from it (:func:`check_load`);
-- :func:`forward_backward_func`: where Megatron-LM's ``train`` and ``evaluate`` ask for
-  their forward-backward function, ours for our schedules (one object per run, kept with
-  the run's ``args``; nothing is patched);
-- :func:`cuda_graph_helper`: what Megatron-LM's ``train`` builds its ``TECudaGraphHelper``
-  with under ``--cuda-graph-impl transformer_engine``: for our schedules a subclass
-  capturing TE's graphs in the order the schedule runs them (:mod:`.megatron.schedule.te_graphs`),
-  else Megatron's class;
-- :func:`build_model_chunks` / :func:`prepare_model`: ``get_model``'s chunks for zb1p,
-  dualpipe and dualpipev, built as ``train`` builds them (chunk 0 and chunk 1 in the
-  schedule's placement: V for dualpipev, mirrored copies for dualpipe; split as
-  ``--decoder-first/last-pipeline-num-layers``, the embedding/loss accounting or (dualpipe)
-  ``--pipeline-model-parallel-layout`` say, read over the model stages in pipeline order;
-  copies of the embedding on one rank made one parameter; every linear layer deferring its
-  weight gradient, TE's through ``delay_wgrad_compute``), and :func:`ddp_config`, the DDP
-  config those deferred gradients need;
-- :func:`embedding_ranks`: ``pretrain_gpt.get_embedding_ranks`` for our placements (the
-  embedding group is the first rank alone: its copies share a rank and are tied locally);
-- :func:`full_batch_on_this_rank`: a rank that holds both an embedding and a loss needs the
-  whole batch broadcast over tensor parallelism;
-- :func:`losses_on_last_stage`: Megatron reports the loss (and the MTP loss) from the last
-  pipeline stage; dualpipev computes it on rank 0 (dualpipe on the first and the last rank).
+:func:`add_arguments` (the flags), :func:`apply` (the checks after Megatron's, before any
+process group), :func:`forward_backward_func`, :func:`cuda_graph_helper`,
+:func:`build_model_chunks`, :func:`prepare_model` and :func:`ddp_config` (``get_model``'s
+chunks in our placements), :func:`embedding_ranks`, :func:`full_batch_on_this_rank` and
+:func:`losses_on_last_stage`. What each does: docs/megatron-versions.md, "Megatron-LM's
+patches".
 
 Importing this module imports neither torch nor megatron; the hooks import them when called.
 """

@@ -2,29 +2,13 @@
 same sleep-op model (:mod:`.sleep_model`), the same data and the same forked CPU+gloo
 ranks, interleaved step by step in one run of several launches.
 
-Per launch every rank builds every schedule once (Megatron's need ``parallel_state`` and
-a :class:`SleepMegatronStage` per chunk; torch's are :mod:`.peers`'s stages; ours are
-:class:`~megatron_dualpipe.runtime.PipelineExecutor` s with dW deferral on), then runs
-``warmup + steps`` rounds; a round runs each schedule once, behind a barrier, starting at
-a different schedule each round. Per schedule and step: the step time (first start to
-last end over the ranks, one monotonic clock for the whole machine), each rank's busy time
-(the time its sleeps took) and CPU time, and, for ours, each rank's measured peak of live
-activations (``StepResult.peak_activations``). Ratios to the baseline are taken per
-round (the baseline ran in the same round, seconds apart), then the median is quoted.
-
-Costs: a rank's share of the model is ``layers_per_share`` layers whose F, dX and dW each
-sleep ``share_ms / layers_per_share``; a schedule with ``S`` model stages over ``R`` ranks
-gives each stage ``layers_per_share * R / S`` of them (V shapes and interleaving: half).
-DualPipe keeps two copies of every stage (twice the parameters) and its step includes the
-gradient swap between the copies (:meth:`~megatron_dualpipe.runtime.MirrorPair.sync_grads`,
-on a pair group made once).
-
-Simulated counterparts use the same costs and ``latency_ms`` per hop: ours are the
-schedules the executors ran; Megatron's are our IR's ``1f1b`` and ``interleaved-1f1b``
-(the same orders Megatron's schedule functions follow, as a model); torch's are the
-imported schedules as torch runs them (``bench.torch_schedules.as_torch_runs``).
-
-Tables and plain statements of the results: :mod:`.measured_report`.
+Per launch every rank builds every schedule once, then runs ``warmup + steps`` rounds, each
+schedule once a round behind a barrier, starting at a different schedule each round. Per
+schedule and step it records the step time, each rank's busy and CPU time and, for ours,
+the peak of live activations; ratios to the baseline are taken per round, and medians
+quoted. Each schedule is also simulated with the same costs and ``latency_ms`` per hop.
+Tables and plain statements of the results: :mod:`.measured_report`; the method, and why:
+docs/benchmark-method.md.
 """
 
 from __future__ import annotations

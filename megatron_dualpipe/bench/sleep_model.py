@@ -1,32 +1,13 @@
 """A model whose compute is timed sleeps, for measuring pipeline schedules on a few cores.
 
-Sleeping processes do not compete for cores, so P ranks on a 2-core machine can run "in
-parallel" while their point-to-point traffic stays real. Each :class:`SleepLinear` is a
-real linear map (``y = x W^T + b``, real gradients) built from two autograd nodes, as a
-Linear's backward really is two GEMMs:
-
-- the *input node* sleeps ``f`` in forward and ``b`` in backward, where it returns the
-  input gradient ``g W`` (``W`` enters it detached, so it gives no weight gradient);
-- the *weight node* takes a detached copy of the input, adds the bias in forward (no
-  sleep) and in backward sleeps ``w`` and returns the weight and bias gradients.
-
-So a pass that asks autograd for the input gradient only (a zero-bubble ``B`` / ``I``, as
-torch.distributed.pipelining does) runs, and sleeps in, the input nodes only, and a later
-pass for the weights (``W``) runs the weight nodes only; a full backward runs both. (One
-fused autograd Function cannot do this: ``ctx.needs_input_grad`` is fixed at forward
-time, so it would sleep in both passes.)
-
-The layer also follows our runtime's deferral protocol (:mod:`..runtime.deferrable`): when
-its forward ran under an active :class:`WeightGradStore` and its backward runs while that
-store captures (our executor's ``B``: one full backward), the weight node sleeps nothing
-then and hands the store the work "sleep ``w``, accumulate the weight and bias gradients
-into ``.grad``", which the executor's ``W`` runs.
-
-:class:`SleepStage` stacks such layers behind a zero entry parameter added to its input,
-so that every stage, the first included, has a node for an input-gradient pass.
-
-Every sleep is timed on a :class:`SleepClock` (busy time, and optionally each sleep's
-start and end), so a harness can report each rank's busy time next to the step time.
+Sleeping ranks hold no core, so P of them run side by side on two cores while their
+point-to-point traffic stays real. :class:`SleepLinear` is a real linear map whose input
+node sleeps ``f`` in forward and ``b`` in backward and whose weight node sleeps ``w``, so
+an input-gradient pass (``B`` / ``I``) and a later weight pass (``W``) each sleep only for
+their own work; under an active :class:`WeightGradStore` it defers its weight work to the
+store (:mod:`..runtime.deferrable`). :class:`SleepStage` stacks such layers behind a zero
+entry parameter, so every stage has an input gradient; every sleep is timed on a
+:class:`SleepClock`. Why sleeps, and why two nodes: docs/benchmark-method.md.
 """
 
 from __future__ import annotations

@@ -2,27 +2,15 @@
 runs.
 
 The config's keys become Megatron-LM's flags (:mod:`.lm_args`); the run is
-:func:`~megatron_dualpipe.megatron.pretrain_gpt.main` (this project's ``pretrain_gpt.py``)
-with the installed wheel's ``megatron/training`` patched for ``--pipeline-schedule`` (a copy
-made for the run in a temporary folder of this process, which the next launch removes
-where a ``kill -9`` left it: :func:`~.compat.lm_patch.make_patched_training`,
-:func:`~..runtime.launch.process_tmpdir`).
-Under torchrun or srun (:func:`~..runtime.rank_env.launcher_env`; srun's variables are
-handed to Megatron-LM as torchrun's) this process is one rank; otherwise it forks the
-config's ``world_size`` ranks on CPU over gloo (:func:`~..runtime.launch.run_ranks`: no
-process outlives the command). On a machine without CUDA the keys of
-:data:`CPU_SETTINGS` are added (a key the config sets wins); without a data key the run
-takes Megatron's mock data, and ``max_position_embeddings`` defaults to ``seq_length``.
-
-Everything that can be refused is refused before the first rank starts, in one sentence: a
-key Megatron-LM has no argument for, a value its parser rejects, another megatron-core than
-0.19, a checkpoint to load that is damaged or would run code
-(:func:`~..megatron_lm.check_load`), a save folder another run holds or whose complete
-checkpoints this run does not load (one run per save folder: the lock is held while the
-run lives), a folder it would write to that cannot be written (:func:`check_folders`), data
-files that are missing, do not belong together or leave a split without a token
-(:func:`_check_data_files`). What only validated arguments show (Megatron-LM's own
-checks, our schedule's) each rank prints, and the command ends with one line per rank.
+:func:`~megatron_dualpipe.megatron.pretrain_gpt.main` with the wheel's ``megatron/training``
+patched for ``--pipeline-schedule`` (:func:`~.compat.lm_patch.make_patched_training`, in
+:func:`~..runtime.launch.process_tmpdir`). Under torchrun or srun
+(:func:`~..runtime.rank_env.launcher_env`) this process is one rank; otherwise it forks the
+config's ``world_size`` ranks on CPU over gloo (:func:`~..runtime.launch.run_ranks`). On a
+machine without CUDA the keys of :data:`CPU_SETTINGS` are added. Everything that can be
+refused is refused before the first rank starts, in one sentence (:func:`check_folders`,
+:func:`_check_data_files`, :func:`~..megatron_lm.check_load`). What it runs and refuses:
+docs/training.md, "Where the ranks come from".
 """
 
 from __future__ import annotations

@@ -1,33 +1,13 @@
 """Gradient sync of DualPipe's two model copies, in place, one bucket at a time.
 
 In the ``mirror`` placement model stage s lives twice: as chunk 0 of rank s (direction 0)
-and as chunk 1 of rank R-1-s (direction 1). Each copy sees half the micro-batches, so the
-stage's gradient is the sum of both copies' gradients. Partner ranks r and R-1-r hold the
-same two stages the other way round, and :meth:`MirrorPair.sync_grads` sums them bucket by
-bucket:
-
-1. each rank sends its chunk 0's bucket and adds the partner's (the other copy of its
-   chunk 1's stage) into its chunk 1, which is then final;
-2. each rank sends its chunk 1's (final) bucket, which the partner receives straight into
-   its chunk 0.
-
-Both copies end bit-identical (the sum is formed once, on the chunk-1 side, and copied), so
-they stay identical after any deterministic optimizer step. Each exchange is one batch of a
-rank's sends and receives to its partner, the same batches in the same order on both. A
-rank's two chunks are two different model stages (r and R-1-r), so they need not have as
-many buckets: exchange i sends this rank's bucket i where it has one and receives the
-partner's bucket i where the partner has one (the partner's chunk 0 is laid out as this
-rank's chunk 1), max(n0, n1) exchanges on both ranks.
-
-The exchanges run on the pipeline group itself (no group is made for a pair), with at most
-:data:`IN_FLIGHT` exchanges issued and not yet waited: the rank waits for the oldest before
-it issues a third. Waits never block the host with a timeout: ``work.wait()``, which on
-NCCL only makes the current stream wait (so on the GPU, too, an exchange starts only once
-the one two before it completed: the communicator's stream waits for the current stream
-when it issues). A :class:`~.watchdog.HangMonitor` watches every exchange from the moment
-the rank waits on it; one pending past the timeout becomes a
-:class:`~.watchdog.PipelineWaitError` naming both ranks, and the pair's group is aborted.
-The memory taken is at most :data:`IN_FLIGHT` buckets' receive buffers.
+and as chunk 1 of rank R-1-s (direction 1). :meth:`MirrorPair.copy_params` makes the
+second copy equal to the first; :meth:`MirrorPair.sync_grads` sums the two copies'
+gradients bucket by bucket between partner ranks r and R-1-r, leaving both bit-identical.
+The exchanges run on the pipeline group, at most :data:`IN_FLIGHT` issued and not yet
+waited; no wait blocks the host with a timeout, and a :class:`~.watchdog.HangMonitor`
+turns one pending past the timeout into a :class:`~.watchdog.PipelineWaitError` naming
+both ranks. How and why: docs/runtime.md, "Compute" ("Mirrors").
 """
 
 from __future__ import annotations
@@ -107,7 +87,7 @@ def _check_pair(modules: Sequence[nn.Module], placement: Placement) -> None:
 class MirrorPair:
     """Pipeline rank ``rank`` and its mirror rank (R-1-r), exchanging on the pipeline
     ``group`` (default: the world). Hold one for repeated exchanges; ``timeout_s`` bounds
-    each wait (see the module docstring); ``bucket_bytes`` is the most bytes a bucket of
+    each wait (see docs/runtime.md, "Mirrors"); ``bucket_bytes`` is the most bytes a bucket of
     :func:`param_buckets` holds where the caller gives no buckets of its own;
     ``watch_paused``: the hang monitor's ``paused`` (:class:`~.watchdog.HangMonitor`)."""
 
@@ -248,7 +228,7 @@ class MirrorPair:
 def _paired(sent: Buckets, received: Buckets) -> Iterable[tuple[list, list]]:
     """Exchange i's sends (``sent[i]``) and receive buffers (``received[i]``, laid out as
     the partner's ``sent[i]``): as many exchanges as the longer list, an empty side where
-    one list has ended (module docstring)."""
+    one list has ended (docs/runtime.md, "Mirrors")."""
     return zip_longest(sent, received, fillvalue=[])
 
 

@@ -1,28 +1,14 @@
 """Where the lock-step plan exchanges each message: a round per message, one timeline.
 
-A rank's *exchange points* are the boundaries around its computes: boundary ``a`` comes
-right before its compute ``a`` (boundary ``n``, after the last of its ``n`` computes, ends
-the step). The lock-step plan (:mod:`.comm_plan`) hands the backend one batch at each
-exchange point and waits for it before the next compute, so nothing is pending while a
-rank computes.
-
-Each message gets a *round* ``t``: a time of one timeline of the schedule (every compute
-run as soon as its inputs allow, F = B = W = 1, no latency; :func:`.simulate.simulate`)
-between the end of its producer and the start of its consumer. Both ends exchange it at
-their first boundary whose next compute starts at or after ``t``. That boundary comes after
-the producer on the sender (a compute starts before it ends) and no later than the
-consumer on the receiver (the consumer starts at or after ``t``), and it moves forward
-with ``t`` on every rank. So every rank meets the rounds in one global order, and a plan
-built this way finishes under NCCL's rules with every send waiting for its receive and
-all of a rank's communicators on one stream: by induction over the rounds, once every
-batch holding only earlier rounds has completed, every rank's batch holding round ``t``
-is at the head of its stream (the computes before it needed only earlier rounds), so each
-round-``t`` send meets its receive there. Several rounds at one boundary share its batch
-(that batch stays at the head from its first round to its last).
-
-Which ``t``: the earliest time from the producer's end at which both ranks sit between two
-computes in that timeline, if there is one before the consumer starts (then neither waits
-for the other there); otherwise the time that makes them wait least.
+A rank's *exchange points* are the boundaries around its computes (boundary ``a`` right
+before its compute ``a``, boundary ``n`` after the last); the lock-step plan
+(:mod:`.comm_plan`) hands the backend one batch at each and waits for it before the next
+compute. Each message gets a *round* ``t`` in one timeline of the schedule
+(:func:`.simulate.simulate`, F = B = W = 1, no latency) between its producer's end and its
+consumer's start, and both ends exchange it at their first boundary whose next compute
+starts at or after ``t``; such a plan finishes under NCCL's rules with every send waiting
+for its receive and a rank's communicators on one stream. The choice of ``t`` and the
+proof: docs/runtime.md, "Communication on NCCL".
 """
 
 from __future__ import annotations
@@ -70,8 +56,8 @@ class _Gaps:
 
 
 def _round(sender: _Gaps, receiver: _Gaps, produced: float, consumed: float) -> float:
-    """The round of a message made at ``produced`` and needed at ``consumed`` (see the
-    module docstring)."""
+    """The round of a message made at ``produced`` and needed at ``consumed`` (see
+    docs/runtime.md, "Communication on NCCL")."""
     best, least = produced, math.inf
     t = produced
     while t <= consumed:

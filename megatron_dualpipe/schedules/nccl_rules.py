@@ -1,40 +1,15 @@
 """A model of NCCL's ordering rules, run over a communication plan.
 
-The rules (those of PyTorch's ``ProcessGroupNCCL`` over NCCL):
-
-- every operation of one communicator runs on that communicator's stream, per rank, in the
-  order the host issued it; a batch (one ``batch_isend_irecv``) is one NCCL group: its
-  operations progress together, and the stream moves on once all of them completed;
-- that stream is not the communicator's own: PyTorch draws it from a per-device pool
-  that every other stream of the process draws from too, so several communicators of a
-  rank may share one, their batches then queued in one order. ``streams`` says which:
-  ``"shared"`` (every communicator of a rank on one stream: the worst case, the default),
-  ``"distinct"`` (a stream each), or a mapping of (rank, communicator) to a stream label
-  (communicators left out get a stream each);
-- a collective of another group (data- or expert-parallel, see :mod:`.step_collectives`)
-  runs on its rank's stream like a batch and completes once it reaches that stream's
-  head: its other members are the same pipeline rank of the other pipelines, which run
-  the same plan and reach it at the same point;
-- messages between two ranks on one communicator match in issue order (tags are ignored);
-- a receive completes once its matching send has reached the head of the sender's stream
-  of that communicator (for a small send, once that send has completed into the
-  receiver's buffer);
-- a send larger than ``eager_limit`` bytes (NCCL's buffer; of unknown size: assumed
-  large) completes only together with its matching receive, both at the heads of their
-  streams (rendezvous); a smaller one completes once it reaches its stream's head (eager);
-- a ``Wait`` blocks its rank's host until the batches holding its messages completed (a
-  batch gives one work for all its operations; on NCCL the host may run ahead, but
-  everything it issues later is ordered after that point by the compute stream, which is
-  the same for deadlock);
-- setting a communicator up (``Init``, or its first use where there is none) blocks each
-  member's host until every member has reached it.
-
-:func:`check_nccl` runs a plan under these rules and raises :class:`CommDeadlockError`
-naming the cycle (ranks, communicators, messages) where it cannot finish, and
-:class:`ScheduleError` where two ranks would match different messages.
-:func:`inflight_bound` is the most sends a rank can have in flight at any of its steps,
-for any timing: a send is surely complete once its receiver's Wait for it is known to
-have returned, through the messages that have reached the sender since.
+:func:`check_nccl` runs a plan as PyTorch's ``ProcessGroupNCCL`` over NCCL would: each
+communicator's batches in issue order on a stream drawn from a pool, so that several may
+share one (``streams``: ``"shared"``, the default and worst case, ``"distinct"``, or a
+mapping of (rank, communicator) to a stream label), messages matched in issue order, sends
+above ``eager_limit`` held until their receive runs, the step's collectives of other groups
+(:mod:`.step_collectives`) on each rank's stream. It raises :class:`CommDeadlockError`
+naming the cycle where the plan cannot finish, and :class:`ScheduleError` where two ranks
+would match different messages. :func:`inflight_bound` is the most sends a rank can have
+in flight at any of its steps, for any timing. The rules, and what the model assumes:
+docs/runtime.md, "Communication on NCCL".
 """
 
 from __future__ import annotations
@@ -61,7 +36,7 @@ __all__ = [
 EAGER_LIMIT = 4 * 2**20
 #: The named stream assignments: every communicator of a rank on one stream, or one each.
 STREAMS = ("shared", "distinct")
-#: Which communicators of each rank share a stream (see the module docstring).
+#: Which communicators of each rank share a stream (docs/runtime.md, "Communication on NCCL").
 Streams = str | Mapping[tuple[int, Comm], Hashable]
 
 

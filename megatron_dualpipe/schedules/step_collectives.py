@@ -1,34 +1,14 @@
 """The collectives a training step issues on other groups, where Megatron issues them.
 
-A rank's data- and expert-parallel communicators take their streams from the same pool
-as the pipeline's (see :mod:`.nccl_rules`): in the worst case all of them share one
-stream, and a collective queued there behind a pipeline receive waits for it. The NCCL
-model therefore runs a plan with these collectives put in at the points of the step where
-Megatron-Core (0.16 to 0.19) issues them:
-
-- ``dp-reduce-scatter`` (``overlap_grad_reduce``): DDP's backward hook marks each
-  parameter's gradient ready outside ``no_sync`` only (``register_grad_ready``); once a
-  bucket group is complete, ``start_grad_sync`` issues its reduce-scatter (an all-reduce
-  without the distributed optimizer) without waiting. The Megatron adapter leaves
-  ``no_sync`` only around a chunk's grad-final actions (:func:`grad_final_points`), so:
-  issued in those computes, waited after the step (``finish_grad_sync``, from
-  ``finalize_model_grads``).
-- ``dp-all-gather`` (``overlap_param_gather`` with the distributed optimizer): in a
-  training step the adapter calls ``param_sync_func`` (DDP's ``start_param_sync``) for
-  every chunk at the step's start, as Megatron's interleaved schedule launches its first
-  two chunks'; the forward pre-hook waits for the all-gather of the parameters it meets
-  (``finish_param_sync``): issued at the start, in chunk order, waited in each chunk's
-  first forward. In a forward-only step nobody launches it, and the pre-hook dispatches
-  it itself: issued and waited in each chunk's first forward.
-- ``ep-all-to-all``: the token dispatcher's dispatch and combine all-to-alls, issued and
-  waited within every forward and backward of a MoE layer (under F&B overlap, combined
-  1F1B's ``TransformerLayerSchedulePlan.run`` issues them on its communication stream
-  inside the FB pair, the compute stream waiting through events): in every F, B, BW and
-  FB (a W runs none).
-
-Each is an operation on its rank's stream (:class:`~.comm_plan.CommOp` of kind
-``collective``) of the communicator ``DP`` or ``EP``; the model completes it once it
-reaches the head of that stream.
+A rank's data- and expert-parallel communicators may share a stream with the pipeline's
+(:mod:`.nccl_rules`), where a collective queued behind a pipeline receive waits for it, so
+the NCCL model runs a plan with them put in (:func:`with_collectives`) at the points of the
+step where Megatron-Core issues them: ``dp-reduce-scatter`` in a chunk's grad-final
+computes (:func:`grad_final_points`), waited after the step; ``dp-all-gather`` at the
+step's start, waited in each chunk's first forward; ``ep-all-to-all`` within every F, B, BW
+and FB. Each is an operation of kind ``collective`` (:class:`~.comm_plan.CommOp`) of the
+communicator ``DP`` or ``EP``, complete once it reaches the head of its rank's stream.
+Where and why Megatron issues each: docs/runtime.md, "Communication on NCCL".
 """
 
 from __future__ import annotations
@@ -104,8 +84,9 @@ def _rank_steps(rank: int, steps: list[Step], kinds: Sequence[str], training: bo
 
 
 def with_collectives(plan: CommPlan, kinds: Sequence[str] = COLLECTIVES) -> CommPlan:
-    """``plan`` with the collectives ``kinds`` put in where the step issues them (see the
-    module docstring); for the NCCL model only: the executor never issues them."""
+    """``plan`` with the collectives ``kinds`` put in where the step issues them (see
+    docs/runtime.md, "Communication on NCCL"); for the NCCL model only: the executor
+    never issues them."""
     unknown = sorted(set(kinds) - set(COLLECTIVES))
     if unknown:
         raise ScheduleError(

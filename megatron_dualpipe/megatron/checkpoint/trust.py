@@ -1,27 +1,13 @@
 """Read what a checkpoint pickles without running code from it.
 
-A ``torch_dist`` checkpoint holds three kinds of pickles, and a crafted file of any kind
-would run its code when read with plain ``pickle``:
-
-- ``.metadata``: torch.distributed.checkpoint's index of the shards, which torch's own
-  ``FileSystemReader.read_metadata`` reads with ``pickle.load``. :func:`read_metadata`
-  reads it with an unpickler that admits only the classes torch writes there: those of
-  ``torch.distributed.checkpoint.metadata`` and the storage record of ``filesystem``
-  (``_StorageInfo``, ``_StoragePrefix``), the save plans Megatron-Core adds
-  (``all_local_plans``: ``torch.distributed.checkpoint.planner``'s plan records), and the
-  torch values they hold (``torch.Size``, dtypes, layouts by name, and the path
-  ``StorageMeta.checkpoint_id`` may be).
-- ``common.pt``: read with ``torch.load(weights_only=True)`` (:func:`load_weights_only`).
-- the non-tensor objects in the shards (``BytesStorageMetadata`` entries: the RNG states,
-  the layers' extra state, Megatron-Core's rerun state machine's state), which torch's
-  loader reads with ``torch.load(weights_only=False)``; :func:`load_weights_only` reads each
-  one first, with numpy's array pieces added to torch's allow-list for the RNG states and
-  the rerun state machine's records for its state (after a NaN it holds the calls that saw
-  it: ``Call`` and ``Caller``, named tuples of a message and two numbers, beside the enums
-  Megatron-Core itself admits).
-
-Anything else is refused with :class:`UntrustedPickle`, whose message names what the
-file refers to. The tensors themselves torch reads with ``weights_only=True``.
+A ``torch_dist`` checkpoint holds three kinds of pickles, each of which would run a crafted
+file's code under plain ``pickle``: :func:`read_metadata` reads ``.metadata`` with an
+unpickler that admits only the classes torch and Megatron-Core write there, and
+:func:`load_weights_only` reads ``common.pt`` and the shards' non-tensor objects with
+``torch.load(weights_only=True)`` (numpy's array pieces and the rerun state machine's
+records allowed). Anything else is refused with :class:`UntrustedPickle`, whose message
+names what the file refers to. What each admits: docs/reliability.md, "What is safe to
+load".
 """
 
 from __future__ import annotations

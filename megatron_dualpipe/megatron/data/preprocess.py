@@ -1,41 +1,13 @@
 """``megatron-dualpipe preprocess``: a jsonl corpus into Megatron's indexed dataset.
 
 What Megatron-LM's ``tools/preprocess_data.py`` does at document level, through
-Megatron-Core's own parts: each line of the input is a JSON object; for every key of
-``json_keys`` (Megatron-LM's ``--json-keys``, default ``text``) its string is one document,
-Megatron-Core's ``huggingface`` tokenizer (:mod:`.hf_tokenizer`) turns it into ids, the
-tokenizer's end-of-document id is appended, and Megatron-Core's ``IndexedDatasetBuilder``
-writes ``<prefix>_<key>_document.bin`` and ``.idx`` (token dtype as
-``DType.optimal_dtype`` picks it for the vocabulary): one dataset per key, as Megatron-LM
-names them. ``data_path: <prefix>_text_document`` then trains on it.
-
-``workers`` > 1 tokenizes in that many forked processes (Megatron-LM's ``--workers``):
-the parent reads the corpus in chunks of lines, the workers encode them with the same
-function a single worker runs in-process, and the parent writes the chunks in input order,
-so the files are byte for byte those of ``workers=1``. Workers are forked, not spawned: they
-share the tokenizer and modules already loaded and start at once. Python 3.12 warns (a
-DeprecationWarning, hidden by default) that forking a process with threads may deadlock
-the child; a worker takes no lock those threads hold (the ``tokenizers`` library's own
-thread pool is off in it). At most a few chunks per worker are
-in flight (memory stays bounded whatever the corpus size); a worker that dies is reported,
-and a worker whose parent died exits.
-
-Every problem is one sentence naming the file and, for the corpus, the line (counted from
-1, blank lines included): a missing or unreadable input, a line that is not UTF-8 or not
-JSON, an object without a string for a key, a document longer than
-``max_document_chars`` (tokenizing one takes about 200 bytes of memory a character, so a
-40 MB line would take 8 GB), a corpus without documents, a tokenizer directory without
-``tokenizer.json`` (or without an end-of-document token); for the output, a folder that
-cannot be made or written (read-only, a file in the way, no permission, a full disk),
-named by the dataset, never by the temporary file.
-
-Writing is safe against interruption and against a second run: each dataset's prefix is
-locked (``fcntl.flock`` on ``<prefix>.lock``, removed at the end) before anything is
-written, so a second run onto it is refused; both files are written under temporary names
-and, when every dataset is complete, flushed to disk and renamed as a pair (the old
-``.idx`` removed first, signals held back meanwhile), so no ``.bin`` is ever beside
-another run's ``.idx``. Whatever stops a run (an error, a full disk, Ctrl-C, SIGTERM
-raised as an exception by the command line) removes what it began.
+Megatron-Core's own parts: the string of each key of ``json_keys`` in each JSON line is one
+document, tokenized by Megatron-Core's ``huggingface`` tokenizer (:mod:`.hf_tokenizer`) with
+the end-of-document id appended; ``IndexedDatasetBuilder`` writes
+``<prefix>_<key>_document.bin`` and ``.idx``, one dataset per key. ``workers`` > 1
+tokenizes in that many forked processes and writes the same bytes as one. Every problem is
+one sentence naming the file (and the corpus's line); a prefix's two files appear complete,
+together, or not at all. How and why: docs/training.md, "Your own data".
 """
 
 from __future__ import annotations

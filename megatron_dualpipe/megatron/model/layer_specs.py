@@ -2,30 +2,13 @@
 ``transformer_impl`` (Megatron-LM's ``--transformer-impl``).
 
 :func:`gpt_chunk_specs` gives what ``GPTModel(transformer_layer_spec=, mtp_block_spec=)``
-takes for one chunk: ``get_gpt_decoder_block_spec`` (dense or MoE layers as
-``moe_layer_freq`` says, MLA or standard attention, RMSNorm or LayerNorm; the chunk's layers
-found through ``config.pipeline_model_parallel_layout``) and ``get_gpt_mtp_block_spec`` (the
-MTP block where the layout puts MTP layers, else None), with
-``use_transformer_engine=True`` for ``transformer_engine``:
-
-- ``transformer_engine``: Megatron's TE spec as Megatron-LM builds it (``gpt_builders``):
-  TE norms and linears (``TELayerNormColumnParallelLinear``, ``TERowParallelLinear``),
-  flash or fused attention (``TEDotProductAttention``, MLA included), grouped GEMM experts
-  (``TEGroupedMLP`` when ``config.moe_grouped_gemm``). Its linears defer dW through TE's
-  ``delay_wgrad_compute`` (:mod:`.deferral`), so the spec is used as Megatron gives it.
-  Needs CUDA and Transformer Engine.
-- ``local``: Megatron's own modules (CPU-runnable), with ``deferrable`` the linear layers
-  Megatron's deferrable ones (:mod:`.deferral`), except MLA's two down projections:
-  ``MLASelfAttention`` accepts only Megatron's own classes there (it picks their arguments
-  by class), so they are built as Megatron's and converted in place afterwards
-  (``enable_weight_grad_deferral``).
-
-One repair, for multi-latent attention on the local spec: megatron-core 0.16.1's local spec
-gives MLA Megatron's ``DotProductAttention``, which takes neither the ``k_channels`` nor the
-``v_channels`` that ``MLASelfAttention`` passes (query/key heads of ``qk_head_dim +
-qk_pos_emb_head_dim``, value heads of ``v_head_dim``), so building fails. The local spec
-here uses :class:`MLADotProductAttention`, the same attention with the value head size taken
-from ``v_channels``. (``TEDotProductAttention`` takes both.)
+takes for one chunk: ``get_gpt_decoder_block_spec`` and ``get_gpt_mtp_block_spec`` over the
+chunk's layers of ``config.pipeline_model_parallel_layout`` (the MTP spec None where the
+chunk has no MTP layer), with Transformer Engine's modules for ``transformer_engine`` and
+Megatron's own for ``local``, whose linear layers can be Megatron's deferrable ones
+(:mod:`.deferral`). :class:`MLADotProductAttention` repairs MLA on megatron-core 0.16.1's
+local spec. Which modules each builds, and the repair: docs/megatron.md, "DeepSeek-V3's
+shape, and which layers build it".
 """
 
 from __future__ import annotations
@@ -125,7 +108,7 @@ def gpt_chunk_specs(
     deferrable: bool = False,
 ) -> tuple[TransformerBlockSubmodules, Any]:
     """(decoder block spec, MTP block spec or None) of the chunk ``vp_stage`` of this
-    pipeline rank, from Megatron's ``transformer_impl`` modules (see the module docstring;
+    pipeline rank, from Megatron's ``transformer_impl`` modules (see docs/megatron.md;
     ``deferrable`` applies to the local modules, TE layers defer through their config)."""
     if transformer_impl not in TRANSFORMER_IMPLS:
         raise ValueError(

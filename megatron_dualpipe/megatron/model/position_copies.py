@@ -1,27 +1,13 @@
 """The MTP block's copy of the learned absolute position table, kept one parameter across
 pipeline ranks.
 
-Megatron-Core builds the MTP block's embedding (word and position tables) in the chunk
-that holds the MTP layers. Under Megatron's own placement (1f1b, interleaved-1f1b, zb1p)
-that chunk is on the last pipeline rank and the embedding's originals on the first. Megatron
-keeps the word table one parameter (``LanguageModule.setup_embeddings_and_output_layer``
-marks the copy ``shared``, ``finalize_model_grads`` all-reduces its gradient over the
-embedding group of first and last rank, ``GPTModel.sharded_state_dict`` saves it as a
-replica), but not the position table: its gradient goes to the position-embedding group,
-the first rank alone by default (and ``_allreduce_position_embedding_grads`` looks for
-``position_embeddings`` on the GPTModel itself, so a wider group is no fix in 0.16.1). The
-copy then trains on the MTP loss alone, the original without it, and a save fails on two
-main replicas of one key.
-
-Here the copy is treated as Megatron treats the word table's: marked ``shared`` (left out
-of the gradient norm, which counts the original; under every placement, dualpipe's
-included, where each rank holds a copy next to the mirror of the embedding) and
-``shared_embedding`` (DDP gives it its own bucket), :func:`finalize_model_grads`
-all-reduces both tables' gradients over the embedding group after Megatron's own finalize,
-and :func:`mark_position_copy_replica` makes the copy a replica in the checkpoint. Both
-start equal because our initialisation is by global name. Under dualpipev and dualpipe the
-embedding group has the first rank alone (the copies there are summed by :mod:`.tied` and
-:mod:`.mirror`), so nothing here communicates.
+Megatron-Core keeps the MTP block's copy of the word table one parameter but not its copy
+of the position table. Here that copy is treated as Megatron treats the word table's:
+marked ``shared`` and ``shared_embedding`` (:func:`mark_position_copies`), its gradient
+all-reduced with the original's over the embedding group after Megatron's own finalize
+(:func:`finalize_model_grads`), and saved as a replica (:func:`mark_position_copy_replica`).
+Under dualpipev and dualpipe the copies share a rank and nothing here communicates. Why:
+docs/megatron.md, "MTP (``mtp_num_layers``)".
 """
 
 from __future__ import annotations

@@ -1,29 +1,15 @@
 """Megatron-Core's fine-grained schedule plan, driven for one model chunk at a time.
 
 With ``overlap_moe_expert_parallel_comm`` a GPTModel builds a
-``TransformerModelChunkSchedulePlan`` per micro-batch (``build_schedule_plan``): the chunk's
-layers split into nodes (attention, MoE dispatch, MLP/experts, MoE combine; compute and
-communication streams). ``TransformerModelChunkSchedulePlan.run(f_plan, b_plan, b_grad)``
-runs one micro-batch's forward interleaved with another's backward, layer by layer, so the
-all-to-all of one hides behind the compute of the other. This module drives those plans as
-Megatron's ``combined_1f1b.combined_forward_backward_step`` does, with one difference: the
-stage's place in the pipeline (does it end in a loss?) is given, not read from
-``parallel_state``, because our placements put the loss where Megatron's stage numbering
-does not expect it.
-
-A micro-batch forwarded through a plan is backwarded through it too: the plan's nodes are
-autograd islands, so a plain ``backward`` from the output would stop at the last node.
-
-Contexts, as ``combined_forward_backward_step`` enters them (megatron-core 0.16.1 and
-0.19): the plan is built under ``torch.autocast`` when ``config.enable_autocast``, and the
-pair runs under it and, with FP8's delayed recipe, under one outer ``get_fp8_context`` for
-the whole pass (other recipes enter theirs per layer inside the plan). Megatron writes the
-run's two as ``with autocast and fp8:``, which enters only the second; here both are
-entered, as in Megatron's plain ``forward_step``, so a layer runs in the same precision
-with the overlap on and off.
-
-Transformer Engine's ``backward_dw()`` calls of the plan's W nodes go through
-:func:`~.te_wgrad.exactly` (exact on every TE release and with entries outstanding).
+``TransformerModelChunkSchedulePlan`` per micro-batch, and
+``TransformerModelChunkSchedulePlan.run(f_plan, b_plan, b_grad)`` runs one micro-batch's
+forward interleaved with another's backward, layer by layer. This module drives those
+plans as Megatron's ``combined_1f1b.combined_forward_backward_step`` does (its autocast and
+FP8 contexts included), except that whether the stage ends in a loss is given, not read
+from ``parallel_state``. A micro-batch forwarded through a plan is backwarded through it
+too. TE's ``backward_dw()`` calls of the plan's W nodes go through :func:`~.te_wgrad.exactly`.
+How and why: docs/megatron.md, "F&B overlap: MoE all-to-all hidden behind the other
+micro-batch".
 """
 
 from __future__ import annotations

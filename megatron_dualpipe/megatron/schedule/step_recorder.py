@@ -1,28 +1,15 @@
 """Measure one training step's timeline on every pipeline rank, under any schedule.
 
-- Our schedules (zb1p, dualpipe, dualpipev): the runtime executor records the step itself
-  (every F, B, W, BW and FB with its start and end), asked through the forward-backward
-  object's :meth:`~..forward_backward.DualPipeForwardBackward.recording`.
-- Megatron's own schedules (1f1b, interleaved-1f1b): through Megatron's own timing hook,
-  ``config.timers``. For the step, a recording stand-in takes the place of the config's
-  timers (passing every call on to them): each ``forward-compute`` interval is an F and
-  each ``backward-compute`` interval a BW (dX and dW together), taken in this rank's
-  order of the generated schedule (our generators reproduce Megatron's orders). The
-  forward-step function is wrapped to note which chunk each forward ran on, and a step
-  whose chunks do not follow the generated order is refused rather than misdrawn. The
-  ranks start after a barrier, as the executor does.
-
-:meth:`StepRecorder.gather` collects the ranks' timelines on pipeline rank 0 as a
-SimResult (times in ms; the runtime's ``gather_timeline``), so the simulator's exports
-draw it, and the simulator's prediction for the same order with the measured mean
-action durations can be put beside it. Both draw what ran: an FB pair that ran
-interleaved as a pair, one that ran as its forward half and then its backward half as
-those two.
-
-:class:`MeasuredForwardBackward` wraps a run's forward-backward function (ours or
-Megatron's) to measure one training step so, for Megatron-LM's loop
-(``--pipeline-timeline``): the first training step passes (it warms up), the next is
-recorded and gathered, and the rest run unrecorded.
+Our schedules (zb1p, dualpipe, dualpipev) are recorded by the runtime executor, through
+:meth:`~..forward_backward.DualPipeForwardBackward.recording`; Megatron's own (1f1b,
+interleaved-1f1b) through a recording stand-in for ``config.timers``, each
+``forward-compute`` an F and each ``backward-compute`` a BW in the rank's order of the
+generated schedule (a step whose chunks do not follow it is refused).
+:meth:`StepRecorder.gather` collects the timelines on pipeline rank 0 as a SimResult (ms),
+which the simulator's exports draw. :class:`MeasuredForwardBackward` wraps a run's
+forward-backward function for Megatron-LM's loop (``--pipeline-timeline``): the first
+step warms up, the next is recorded and gathered, the rest run unrecorded. How and why:
+docs/training.md, "The timeline: ``pipeline_timeline``".
 """
 
 from __future__ import annotations

@@ -1,34 +1,13 @@
 """``cuda_graph_impl: transformer_engine`` under our schedules: Megatron-Core's
 ``TECudaGraphHelper`` capturing TE's per-layer graphs in the order the rank runs them.
 
-Megatron's helper (``megatron/core/transformer/cuda_graphs.py``) builds the ``_order`` it
-hands TE's ``make_graphed_callables`` inside ``_get_cuda_graph_input_data``, from
-Megatron's interleaved table (``convert_schedule_table_to_order``), and passes that same
-list to ``_get_sample_arguments`` (which lays out the static input buffers by it) and as
-``_order`` to TE. :class:`ScheduleTECudaGraphHelper` overrides ``_get_sample_arguments``
-alone: it puts the schedule's order (:func:`~..schedules.cuda_graph_order`) into that list
-before Megatron lays out the buffers, so TE captures, and the buffers follow, our order
-(the same in megatron-core 0.16.1 and 0.19.2; :mod:`.version` lists what differs around
-it, all passed through).
-
-Replay picks a layer's graph by ``current_microbatch``, which ``MegatronStage`` sets to
-the chunk's own forward count (``set_current_microbatch`` through Megatron's
-``forward_step``): TE's k-th graph of a chunk is captured for the chunk's k-th forward
-and k-th backward, first in, first out, as every schedule here runs a chunk's
-micro-batches.
-
-The helper also overrides ``_get_cuda_graph_input_data`` to leave out
-``_reuse_graph_input_output_buffers``, which Megatron passes for TE 2.7 and later. With it
-TE hands a graph's static outputs back to the graph pool once the graph's backward is
-captured, and its static input gradients once the chunk's next backward graph is: it
-assumes whatever reads them has finished by then (true where a W follows its B at once).
-Our schedules defer a layer's W past other backwards, and a deferred W keeps what it
-read: an ungraphed layer before the graph keeps the graph's input gradient as its
-``grad_output`` (attention's ``linear_proj`` before a ``moe_router`` graph), one after it
-keeps the graph's output as its input (the shared expert under
-``moe_shared_expert_overlap``). Left in the pool, those buffers would be written by other
-graphs before the W reads them. Without the keyword TE keeps every graph's buffers: the
-memory Megatron saves with it (each graph's outputs and input gradients) is spent again.
+:class:`ScheduleTECudaGraphHelper` overrides ``_get_sample_arguments`` to put the
+schedule's order (:func:`~..schedules.cuda_graph_order`) into the ``_order`` list Megatron
+lays the static input buffers out by and hands TE's ``make_graphed_callables``, so TE
+captures, and the buffers follow, our order; replay picks a chunk's graph by the
+``current_microbatch`` ``MegatronStage`` sets. It also drops the keyword
+``_reuse_graph_input_output_buffers`` Megatron hands TE: a deferred W may read a graph's
+buffers after later graphs ran. How and why: docs/megatron.md, "CUDA graphs".
 """
 
 from __future__ import annotations
@@ -88,7 +67,8 @@ def schedule_te_cuda_graph_helper(
 
         def _get_cuda_graph_input_data(self) -> tuple[Any, dict[str, Any]]:
             """Megatron's sample arguments and TE keywords, without TE's reuse of graph
-            buffers (module docstring): a deferred W may read them after later graphs ran."""
+            buffers (docs/megatron.md, "CUDA graphs"): a deferred W may read them after
+            later graphs ran."""
             sample_args, kwargs = super()._get_cuda_graph_input_data()
             kwargs.pop("_reuse_graph_input_output_buffers", None)
             return sample_args, kwargs
