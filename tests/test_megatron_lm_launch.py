@@ -171,6 +171,43 @@ def test_a_profile_megatron_lm_would_not_write_is_one_sentence(given: dict, said
     _check_profile(argparse.Namespace(**{**args, "profile": False}), "x.yaml")
 
 
+def test_an_asynchronous_save_that_cannot_run_on_cpu_ranks_is_one_sentence() -> None:
+    """The persistent checkpoint worker selects a CUDA device as it starts: on CPU ranks it
+    died and the first save waited on it for ever (a run killed at its 300 s timeout).
+    Without the worker Megatron-LM saves from the rank, and that is left alone."""
+    from megatron_dualpipe.megatron.lm_launch import _check_async_save
+
+    args = dict(async_save=True, use_persistent_ckpt_worker=True, async_strategy="mcore")
+    with pytest.raises(MegatronLMConfigError) as refused:
+        _check_async_save(argparse.Namespace(**args), "x.yaml", on_cpu=True)
+    assert str(refused.value) == (
+        "x.yaml: async_save with use_persistent_ckpt_worker cannot run on CPU ranks: "
+        "Megatron-Core's persistent checkpoint worker selects a CUDA device as it starts, "
+        "fails without one, and the ranks would wait on it for ever: set async_save: false "
+        "here (saves are then synchronous)"
+    )
+    for given in ({"use_persistent_ckpt_worker": False}, {"async_save": False}):
+        _check_async_save(argparse.Namespace(**{**args, **given}), "x.yaml", on_cpu=True)
+    _check_async_save(argparse.Namespace(**args), "x.yaml", on_cpu=False)  # mcore: runs
+
+
+@pytest.mark.megatron
+@pytest.mark.route
+def test_an_asynchronous_save_without_nvidia_resiliency_ext_is_one_sentence() -> None:
+    """Megatron-LM's default ``async_strategy`` (nvrx) needs nvidia-resiliency-ext, which
+    0.19's wheel does not bring (every rank stopped in a traceback)."""
+    from megatron_dualpipe.megatron.lm_launch import _check_async_save
+
+    args = dict(async_save=True, use_persistent_ckpt_worker=True, async_strategy="nvrx")
+    with pytest.raises(MegatronLMConfigError) as refused:
+        _check_async_save(argparse.Namespace(**args), "x.yaml", on_cpu=False)
+    assert str(refused.value) == (
+        "x.yaml: async_save with async_strategy nvrx (Megatron-LM's default) needs "
+        "nvidia-resiliency-ext's asynchronous checkpointing, which is not installed: "
+        "pip install nvidia-resiliency-ext, or set async_strategy: mcore"
+    )
+
+
 def test_the_intervals_megatron_lm_needs_are_one_sentence() -> None:
     """Megatron-LM 0.19 asserts a save_interval with save (a bare AssertionError on every
     rank), and divides the iterations by eval_interval (a TypeError, or a ZeroDivisionError,
@@ -464,6 +501,23 @@ def test_a_key_of_megatron_dualpipe_s_own_loop_is_refused_before_any_rank() -> N
         "distributed_timeout_minutes=1 --set output_dir=runs: output_dir is not an argument "
         "of Megatron-LM's pretrain: write a Megatron-LM flag in snake case, or remove it"
     )
+
+
+@pytest.mark.megatron
+@pytest.mark.slow
+@pytest.mark.route
+def test_an_asynchronous_save_on_cpu_ranks_is_refused_before_any_rank(tmp_path: Path) -> None:
+    said = _refused(
+        f"save={tmp_path / 'ckpt'}", "save_interval=2", "async_save=true",
+        "use_persistent_ckpt_worker=true", "async_strategy=mcore",
+    )  # fmt: skip
+    assert said.endswith(
+        "async_save with use_persistent_ckpt_worker cannot run on CPU ranks: Megatron-Core's "
+        "persistent checkpoint worker selects a CUDA device as it starts, fails without one, "
+        "and the ranks would wait on it for ever: set async_save: false here (saves are then "
+        "synchronous)"
+    ), said
+    assert not (tmp_path / "ckpt").exists()
 
 
 @pytest.mark.megatron

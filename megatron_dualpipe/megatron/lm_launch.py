@@ -204,6 +204,7 @@ def checked_run_argv(
     check_load(parsed)  # each rank checks again in apply()
     _check_intervals(parsed, source)
     _check_profile(parsed, source)
+    _check_async_save(parsed, source, on_cpu=on_cpu)
     check_folders(parsed, source)
     _check_data_files(parsed, source)
     return argv, parsed
@@ -303,6 +304,36 @@ def _check_intervals(parsed: argparse.Namespace, source: str) -> None:
             "every rank): set eval_interval above 0, e.g. to train_iters (eval_iters: 0 "
             "validates nothing)"
         )
+
+
+def _check_async_save(parsed: argparse.Namespace, source: str, *, on_cpu: bool) -> None:
+    """``--async-save`` with ``--use-persistent-ckpt-worker`` (Megatron-LM 0.19 turns
+    ``--async-save`` off without it): its worker, which ``initialize_megatron`` starts,
+    selects a CUDA device first (``PersistentAsyncCaller.async_loop``), so on CPU ranks it
+    dies at once and the first save waits on it for ever; and under ``--async-strategy
+    nvrx``, Megatron-LM's default, it needs nvidia-resiliency-ext (Megatron-Core's
+    ``has_nvrx_async_support``), or every rank stops in a traceback."""
+    if not (
+        getattr(parsed, "async_save", False)
+        and getattr(parsed, "use_persistent_ckpt_worker", False)
+    ):
+        return
+    if on_cpu:
+        raise MegatronLMConfigError(
+            f"{source}: async_save with use_persistent_ckpt_worker cannot run on CPU ranks: "
+            "Megatron-Core's persistent checkpoint worker selects a CUDA device as it starts, "
+            "fails without one, and the ranks would wait on it for ever: set async_save: "
+            "false here (saves are then synchronous)"
+        )
+    if getattr(parsed, "async_strategy", "nvrx") == "nvrx":
+        from megatron.core.dist_checkpointing.strategies.nvrx import has_nvrx_async_support
+
+        if not has_nvrx_async_support():
+            raise MegatronLMConfigError(
+                f"{source}: async_save with async_strategy nvrx (Megatron-LM's default) needs "
+                "nvidia-resiliency-ext's asynchronous checkpointing, which is not installed: "
+                "pip install nvidia-resiliency-ext, or set async_strategy: mcore"
+            )
 
 
 def _check_profile(parsed: argparse.Namespace, source: str) -> None:
