@@ -1,19 +1,9 @@
 """Processes that die with the process that started them.
 
-:func:`die_with_parent` is called first thing in a child this package starts (a forked
-rank, the checkpoint writer's queue manager): on Linux it asks the kernel to SIGKILL the
-calling process when its parent goes, for whatever reason (``kill -9`` included), then
-checks that the parent is still the one it was started by (a parent that died before the
-request took effect would never send the signal). Elsewhere only that check runs.
-
-:func:`forks_die_with_forker` does the same for the children a process forks without us
-(dist_checkpointing's checkpoint writers, a forked DataLoader's workers): from the call on,
-every child its main thread forks runs :func:`die_with_parent` first thing (Python's
-``os.register_at_fork``; a child inherits the registration, so its own forks die with it).
-A fork from another thread is left alone: the kernel's parent-death signal follows the
-thread that forked, and a thread that ends would take its child with it.
-
-Standard library only, so a spawned interpreter that runs it imports nothing heavy.
+:func:`die_with_parent`, called first thing in a child this package starts, has the kernel
+SIGKILL it when its parent goes (on Linux), and exits at once if the parent already has.
+:func:`forks_die_with_forker` makes every child the calling process's main thread forks do
+the same. Standard library only. Why and how: docs/reliability.md, "Processes that die".
 """
 
 from __future__ import annotations

@@ -2,22 +2,12 @@
 config built the way Megatron-LM's ``pretrain()`` builds it, at full size, without a
 cluster and without allocating it.
 
-For each chosen pipeline rank (default: all, at tensor-, data- and expert-parallel
-coordinate 0) this process parses and validates the config's flags as that rank of the
-config's world with Megatron-LM's ``--fake-process-group`` (our checks run in validation as
-in a run), runs Megatron-LM's ``initialize_megatron`` (the fake world and Megatron's groups,
-as ``pretrain`` makes them), and builds the rank's model chunks on the meta device with the
-builders the patched ``get_model`` calls (:func:`~..megatron_lm.build_model_chunks` for our
-schedules, else the model provider per virtual stage as ``get_model`` does), wrapped in
-Megatron's ``Float16Module`` (ours for our placements) with bf16 or fp16. Megatron's global
-state is reset between ranks (``unset_global_variables``, ``destroy_model_parallel``).
-
-The report per rank is :class:`~.model.built.RankReport`, the whole
-:class:`~.model.built.DryRun`; the entry point puts the memory model beside it. Without
-Transformer Engine the chunks are built from Megatron-Core's local layers without FP8 (the
-same parameters), and a note says so; with it, TE's layers through Megatron-LM's
-``--init-model-with-meta-device`` (modelled from ``_get_extra_te_kwargs``; not run on a
-machine with TE yet). What a run would write, load or start is left out (:data:`_LEFT_OUT`).
+For each chosen rank this process validates the config's flags as that rank under
+Megatron-LM's ``--fake-process-group``, runs ``initialize_megatron`` and builds the rank's
+model chunks on the meta device with the builders the patched ``get_model`` calls, then
+resets Megatron's global state. The report per rank is :class:`~.model.built.RankReport`,
+the whole :class:`~.model.built.DryRun`; what a run would write, load or start is left
+out (:data:`_LEFT_OUT`). How and why: docs/memory.md, "Every rank built: the dry run".
 """
 
 from __future__ import annotations
@@ -61,7 +51,7 @@ def dry_run_with_megatron_lm(
 ) -> DryRun:
     """Build the pipeline ranks ``ranks`` (``--ranks``; default every one) of a config's
     ``settings`` (``lm_launch.read_config``, from ``source``) as Megatron-LM's
-    ``pretrain()`` would (see the module docstring). Run it in a process with no process
+    ``pretrain()`` would (docs/memory.md). Run it in a process with no process
     group."""
     from .lm_args import MegatronLMConfigError, megatron_lm_parser
 

@@ -2,23 +2,11 @@
 with megatron-dualpipe's ``--pipeline-schedule``.
 
 This project's equivalent of Megatron-LM's ``pretrain_gpt.py``, which the megatron-core
-wheel does not ship: the model provider (GPTModel from Megatron's layer specs), the batch,
-the loss and the datasets (Megatron's ``GPTDataset``, or ``MockGPTDataset`` with
-``--mock-data``), for megatron-core 0.19's ``megatron/training`` patched with the
-``megatron/training`` hunks of ``patches/megatron-lm-core_v0.19.0.patch`` (an unpatched
-one is refused in one sentence). Every flag is Megatron-LM's (its ``arguments.py``; 0.19's
-``--help`` fails on a bare % in one help text); ``--pipeline-schedule`` is ours.
-
-    megatron-dualpipe patch-megatron-lm --out megatron-lm-patched
-    PYTHONPATH=$PWD/megatron-lm-patched torchrun --nproc-per-node 8 \\
-        scripts/pretrain_gpt_megatron_lm.py --pipeline-schedule dualpipev \\
-        --pipeline-model-parallel-size 8 ... --mock-data --tokenizer-type NullTokenizer \\
-        --vocab-size 32000
-
-``scripts/pretrain_gpt_megatron_lm.py`` runs :func:`main` (torchrun starts it); on a machine
-without a GPU it runs on CPU ranks (``--distributed-backend gloo``; the README has the
-command). ``megatron-dualpipe train`` runs it with a YAML config's flags
-(:mod:`.lm_launch`), and tests/test_megatron_lm_loop.py on forked CPU ranks.
+wheel does not ship: the model provider, the batch, the loss and the datasets, for 0.19's
+patched ``megatron/training`` (an unpatched one is refused in one sentence). Every flag is
+Megatron-LM's; ``--pipeline-schedule`` is ours. ``scripts/pretrain_gpt_megatron_lm.py`` and
+``megatron-dualpipe train`` (:mod:`.lm_launch`) run :func:`main`. How to run it:
+docs/training.md, "Where the ranks come from".
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """A simulated step against its compute bound, and where each rank's rest of the step goes.
 
-The compute bound of a step is its compute shared evenly over the ranks: every F, B and W
-of every stage and micro-batch without their all-to-all (the cost model's ``a2a_f`` and
-``a2a_b`` shares, or each stage's own, ``stage_a2a``), summed and divided by the ranks,
-as if every all-to-all were hidden, no rank ever waited and the split were perfect. It
-depends on the model and the costs only (with ranks of equal speed; a cost model's
-``rank_scale`` makes it depend on which stages the slow ranks hold): no schedule and no
-split is faster. Per rank the step splits into
-its compute, the all-to-all it waits for (its passes' time beyond their compute: a lone
-pass's whole share, a pair's time beyond its halves' compute) and its idle time; the step
-beyond the bound is, on every rank, ``exposed + idle + imbalance - hidden``, where
-``imbalance`` is the rank's compute beyond the bound (negative on a rank with less than
-its share) and ``hidden`` a pair's time below its compute (only where a cost model's
-overlap claims more than the all-to-all's share: it is 0 for a profile's costs).
-
-The split's bound is the busiest rank's compute: what no schedule beats on this split and
-placement, whatever it overlaps (unless a cost model's overlap claims to hide compute,
-``hidden`` above). Where layers come whole, it can sit well above the even
-bound (a rank holding the embedding, the heads and the loss, or one more layer than the
-rest): the step over the split's bound is what the schedule costs, the split's bound over
-the even one what the split costs. Pure Python.
+:func:`step_bound` sets a step against its compute bound (every F, B and W of every stage
+and micro-batch without its all-to-all, shared evenly over the ranks) and splits each
+rank's step into its compute, the all-to-all it waits for (``exposed``), ``idle``,
+``imbalance`` (its compute beyond the bound) and ``hidden``, so that on every rank the step
+beyond the bound is ``exposed + idle + imbalance - hidden``; the split's bound is the
+busiest rank's compute. Pure Python. What each term means, and why: docs/schedules.md,
+"The simulator" (the compute bound).
 """
 
 from __future__ import annotations
@@ -36,7 +23,7 @@ __all__ = ["RankShare", "StepBound", "step_bound"]
 @dataclass(frozen=True)
 class RankShare:
     """One rank's step, split: ``compute``, ``exposed`` all-to-all, ``idle``,
-    ``imbalance`` (its compute minus the bound) and ``hidden`` (see the module)."""
+    ``imbalance`` (its compute minus the bound) and ``hidden`` (docs/schedules.md)."""
 
     rank: int
     compute: float
@@ -76,7 +63,7 @@ class StepBound:
 
     @property
     def split_bound(self) -> float:
-        """The busiest rank's compute: the split's bound (see the module)."""
+        """The busiest rank's compute: the split's bound (docs/schedules.md)."""
         return max((r.compute for r in self.ranks), default=0.0)
 
     @property

@@ -1,34 +1,12 @@
 """Per-rank memory of a training run, before booking a cluster: what one GPU holds for each
 pipeline rank of a config under its schedule, part by part, in bytes. Pure Python.
 
-- **weights**: every parameter the rank's chunks hold, each copy counted (dualpipe's
-  mirrored stages; an embedding table in every chunk that has the embedding or an MTP
-  block, an output table in every chunk with the loss unless tied to that chunk's
-  embedding, the final norm with the loss or, with MTP layers, with the last decoder
-  layer, as Megatron-Core builds them), 2 bytes (bf16) or 4.
-- **gradients**: Megatron DDP's ``main_grad`` buffer, fp32 (4 bytes: ``train`` reduces
-  bf16 gradients in fp32).
-- **optimizer states**: the fp32 master copy (bf16 only) and Adam's two fp32 moments (SGD:
-  one), divided over the data-parallel ranks by the distributed optimizer (expert
-  parameters over the expert data-parallel ranks); both settings are reported.
-- **activations**: the peak, over the rank's order of work in the schedule, of what
-  micro-batches hold: from a stage's F until its B the tensors it saves for the backward
-  (less what recomputation drops), from its B until its W what the deferred weight
-  gradients need (each linear layer's input and output gradient); a full backward (BW)
-  frees at once. An FB pair's forward allocates before its backward frees.
-- **recompute**: with recomputation, the largest layer's dropped tensors, rebuilt inside a B.
-
-Saved tensors per token are :mod:`.model_cost`'s (the test checks they sum to its
-activations); recomputation follows Megatron-Core's ``recompute_granularity``:
-``full`` keeps each recomputed layer's input only (``uniform``: one input per group of
-``recompute_num_layers``; ``block``: the first ``recompute_num_layers`` layers of each
-stage), ``selective`` drops what each of ``recompute_modules`` rebuilds: ``layernorm`` the
-two norms' outputs, ``mla_up_proj`` MLA's query, key and value, ``moe_act`` the experts'
-activation outputs, ``moe`` / ``mlp`` the whole MoE or MLP block but its input,
-``shared_experts`` the shared expert's; ``core_attn`` saves nothing with flash attention.
-Not modelled: FP8 activation storage, temporary buffers (all-to-all, the loss's logits
-before the softmax), the CUDA context and allocator fragmentation: leave headroom. NCCL's
-connection buffers per communicator are estimated apart, by :mod:`.nccl_memory`.
+The parts are weights, gradients, optimizer states (with and without the distributed
+optimizer), activations (the peak over the rank's order of work in the schedule, from each
+F to its B, and from B to W for the deferred weight gradients) and what recomputation
+rebuilds inside a B, following Megatron-Core's ``recompute_granularity``. Temporary
+buffers, the CUDA context and fragmentation are not counted; NCCL's buffers are
+:mod:`.nccl_memory`'s. What each part counts: docs/memory.md, "Memory per rank".
 """
 
 from __future__ import annotations
@@ -207,7 +185,7 @@ class StageMemory:
 
 @dataclass(frozen=True)
 class RankMemory:
-    """One rank's bytes, part by part (see the module docstring); ``weights`` includes
+    """One rank's bytes, part by part (docs/memory.md); ``weights`` includes
     Transformer Engine's cached FP8 copies of the linear weights under FP8; the optimizer
     states with the distributed optimizer and without, ``distributed`` the config's."""
 

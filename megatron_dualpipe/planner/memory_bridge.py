@@ -1,21 +1,12 @@
 """Our per-rank memory beside Megatron-LM's own estimate, term by term. Pure Python.
 
-Megatron-LM's ``megatron/training/theoretical_memory_usage.py`` estimates, for 1F1B, the
-weights, gradients and optimizer states of the most loaded rank
-(``compute_weight_and_optimizer_memory``: the average ``num_layers / PP`` decoder layers,
-the MTP block and one vocabulary table, at 18 bytes per parameter or 6 + 12/d with the
-distributed optimizer) and the activations of the first stage (here its path without
-sequence parallelism, ``compute_activation_memory_without_sp``: ``P`` micro-batches in
-flight of ``num_layers / P`` dense layers each, ``sbh(10 + 24/t)`` bytes per layer after
-Korthikanti et al. with flash attention, plus the embedding's inputs, times 1.05).
-
-:func:`bridges` takes Megatron's two figures for a config under 1F1B and walks from each
-to ours (:mod:`.memory`) in named steps, each computed from our model: what the formula
-assumes that this config does not (its average layer, dropout masks, token ids, the 5%
-allowance, a dense multi-head layer with a 4h MLP) and what it leaves out (MTP's own
-parameters and embedding copy, the softmax statistics, MLA and MoE, recomputation, FP8).
-What remains, ``residual``, is where the two disagree on the same quantity; the tests run
-Megatron-LM's formula from its wheel and hold it under :data:`TOLERANCE`.
+:func:`bridges` takes the two figures of Megatron-LM's ``theoretical_memory_usage.py`` for a
+config under 1F1B (the most loaded rank's weights, gradients and optimizer states; the
+first stage's activations) and walks from each to ours (:mod:`.memory`) in named steps,
+each computed from our model: what the formula assumes that this config does not, and what
+it leaves out. What remains, ``residual``, is where the two disagree on the same quantity;
+the tests hold it under :data:`TOLERANCE`. The steps, and a worked example:
+docs/memory.md, "Beside Megatron-LM's own formula".
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """Per-stage costs of a GPT model, from its shape: FLOPs of forward (F), input gradient
 (B, dX) and weight gradient (W, dW), parameters and saved activations. Pure Python.
 
-Counting (docs/advisor.md states it in full): a GEMM of an (m x k) and a (k x n) matrix is
-``2mkn`` FLOPs, and its dX and its dW each cost as much again; attention's score and value
-products hold no weights, so their backward is all dX, twice the forward; causal attention
-computes half the scores (as Megatron-LM's ``num_floating_point_operations`` counts).
-Summed over a model these are Megatron-LM's totals plus the router and the loss, which it
-leaves out. Elementwise work (norms, activations, rotary embedding) is not counted.
-Activations are the tensors each part saves for its backward (flash attention: Q, K, V,
-the output and the softmax statistics, no score matrix), in ``bf16`` or fp32.
-
-Activation recomputation (:class:`Recompute`, Megatron-Core's keys) moves work into B,
-per stage as Megatron-Core applies it per transformer block: the B of a ``full``-recomputed
-layer (``uniform``: every layer of the stage; ``block``: the first
-``recompute_num_layers``) also runs the layer's forward; ``selective`` ``mlp`` / ``moe``
-add the MLP or MoE block's forward, ``core_attn`` the attention products' forward;
-``layernorm``, ``shared_experts``, ``mla_up_proj`` and ``moe_act`` add work not counted
-here (norms and activations are elementwise, the others small). What recomputation takes
-from memory is :mod:`.memory`'s (``activations`` here are the tensors saved without it).
+A GEMM of an (m x k) and a (k x n) matrix is ``2mkn`` FLOPs, and its dX and its dW each
+cost as much again, as Megatron-LM's ``num_floating_point_operations`` counts;
+elementwise work is not counted. Activation recomputation (:class:`Recompute`,
+Megatron-Core's keys) adds its forward work to B; what it takes off memory is
+:mod:`.memory`'s. The counting in full: docs/advisor.md, "Costs from the model's shape".
 """
 
 from __future__ import annotations
@@ -420,7 +408,7 @@ def stage_costs(
 ) -> list[StageCost]:
     """Costs of each stage of a layout (:mod:`.layout`'s strings, in pipeline order) for a
     micro-batch of ``tokens`` tokens on one rank of a ``tensor_parallel`` group, with
-    ``recompute``'s extra forward in B (module docstring); ``activations``: what each stage
+    ``recompute``'s extra forward in B (docs/advisor.md); ``activations``: what each stage
     saves without recomputation."""
     tp, h, v = tensor_parallel, shape.hidden_size, shape.vocab_size
     replicated_share = 1 / tp if sequence_parallel else 1.0

@@ -1,29 +1,12 @@
 """NCCL's device memory per communicator and per rank: an *estimate* from NCCL's buffer
 rules, not a measurement. Pure Python.
 
-What a rank's communicators hold on its GPU is mostly connection buffers. NCCL connects a
-rank to a peer per *channel* and per direction; a receive connection holds one buffer per
-protocol (Simple: ``NCCL_BUFFSIZE``, 4 MiB by default; LL: 512 KiB; LL128: about 4.7 MiB),
-a send connection a small control block, each allocation rounded up to CUDA's IPC
-granularity (2 MiB). With P2P read (NVLink on recent GPUs) the Simple buffer sits on the
-sender instead, which leaves the total of a pair that exchanges both ways the same: 12 MiB
-per channel with the defaults. Point-to-point traffic to one peer uses a fixed number of
-channels (``channels_per_peer``; 2 for a peer over the network by NCCL's default,
-``NCCL_NCHANNELS_PER_NET_PEER``, at most ``NCCL_MAX_P2P_NCHANNELS``; a peer in the same
-node over NVLink can get more). Connections are made at first use: a communicator that
-only ever sends and receives holds buffers for the peers it talks to and nothing else
-(since NCCL 2.22 the collective algorithms' connections are made at first use too,
-``NCCL_RUNTIME_CONNECT=1``; with ``0`` or an older NCCL they are made when the
-communicator is created, and this estimate does not count them).
-
-The communicator our plan uses on a rank: the pipeline group's (one per pipeline, the
-pipeline group itself: under Megatron, Megatron's); its peers are the ranks the schedule
-exchanges messages with (the executor's set-up connects each both ways) and, for the
-mirror placement (dualpipe), the partner rank ``R-1-r`` of the mirror gradient sum, a
-connection of its own only where the partner is not already a peer (listed apart, as
-``mirror``). Not counted: Megatron-Core's other groups (tensor-, data-,
-expert-parallel), NCCL's fixed per-communicator structures, and any sharing of network
-buffers (``NCCL_NET_SHARED_BUFFERS``).
+Counts the connection buffers of the one communicator our plan uses on a rank, the
+pipeline group's: per peer the schedule exchanges messages with (and, under dualpipe, the
+mirror partner where it is not already a peer), per channel and direction, each protocol's
+buffer rounded up to CUDA's IPC granularity, with NCCL's sizes and channel counts read from
+the environment. Megatron-Core's other groups and NCCL's fixed structures are not counted.
+The rules and what is left out: docs/memory.md, "NCCL buffers per communicator".
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """A profile's per-layer costs laid over a training config's split (``simulate --profile
 --config``). Pure Python.
 
-Each model stage's F, B and W compute is its work in FLOPs (:func:`.model_cost.stage_costs`,
-without recomputation: the profiled B already holds whatever the profiled run recomputed)
-times the profile's compute milliseconds per FLOP of the same pass, found on one of the
-model's layers (the first MoE layer, else the first): a stage of four MoE layers computes
-as four profiled layers, and the embedding, the output layer, the loss and the MTP block
-their FLOPs at the layer's rate. Its all-to-all is its MoE layers' FLOPs at the profiled
-MoE layer's all-to-all milliseconds per FLOP, in F and in B: a dense layer, the embedding,
-the heads and the loss exchange no tokens, so they do not wait for any, and a pair of them
-hides nothing. The simulator then costs a pair by its streams (the busier of its compute
-and its all-to-all), which on the profiled pair gives its wall time within 0.5%. Where the
-config's split has no form over the schedule's number of model stages (first/last counts
-made for PP stages, asked of 2 PP), the split is the most even one, as the advisor's.
+Each model stage's F, B and W compute is its FLOPs (:func:`.model_cost.stage_costs`,
+without recomputation) at the profile's compute milliseconds per FLOP of the same pass,
+found on one of the model's layers; its all-to-all is its MoE layers' FLOPs at that layer's
+all-to-all milliseconds per FLOP. How, and why: docs/schedules.md, "The simulator" (costs
+from a profile).
 """
 
 from __future__ import annotations

@@ -1,34 +1,12 @@
 """Schedule costs from a PyTorch profiler trace (Chrome trace JSON, plain or gzipped).
 Pure Python: reading a trace needs neither torch nor a GPU.
 
-What is read. The phases are the trace's ``record_function`` spans (category
-``user_annotation``; the profiler's own ``ProfilerStep#N`` spans are left out). A phase's GPU
-time is the time of the GPU work its launches started: each CUDA runtime or driver call made
-on the span's process inside the span (``cudaLaunchKernel``, ``cudaMemcpyAsync``, ...) is
-matched to its kernel, copy or memset by the ``correlation`` id in both events' ``args``,
-and that work's time is summed stream by stream (its ``args["stream"]``). A span counts the
-work of every launch inside it, nested spans' included. A trace with no GPU work (a CPU run)
-has no kernels: then a phase's time is its spans' own (CPU) duration, and the figures say so.
-
-Two spellings of phases are understood (:func:`read_profile` refuses others in one
-sentence):
-
-- DeepSeek's (github deepseek-ai/profile-data ``train.json``): ``attn(F)``, ``attn(B)``,
-  ``attn(W)``, ``mlp(F)``, ... with the pass in parentheses; ``dispatch`` and ``combine``
-  (and names holding ``a2a`` or ``all_to_all``) are the MoE all-to-all, the rest compute.
-  One occurrence of ``attn(F)`` is one layer's forward. The span that holds both forward
-  and backward phases (DeepSeek's ``1F1B``) is an overlapped F&B pair: its wall time is
-  from its first GPU work's start to its last's end.
-- this project's executor's (``train --profile``): one span per action, ``F stage=S mb=M``,
-  ``B ...``, ``W ...``, ``BW ...``, ``FB stage=S mb=M + stage=S' mb=M'`` for an overlapped
-  pair, and ``FB/F ...``, ``FB/BW ...`` for a pair's halves where they run one after the
-  other. One action is one stage's share of the model; there is no all-to-all phase.
-
-The cost model (:meth:`TraceCosts.cost_model`, in milliseconds per layer, or per stage for
-the executor's traces): F is the forward's compute plus its all-to-all (a lone forward
-waits for its own), B the input gradient's plus its all-to-all, W the weight gradient's,
-and an F&B pair takes ``overlap`` x (F + B + W), the pair's wall time over the sum of its
-parts (the schedules' pairs are a forward and a full backward).
+:func:`read_profile` reads the trace's ``record_function`` spans as phases, each timed by
+the GPU work its launches started (matched by ``correlation`` id, stream by stream), or by
+the spans' own duration in a trace without GPU work. It understands DeepSeek's phase names
+and this project's executor's, and refuses others in one sentence.
+:meth:`TraceCosts.cost_model` turns them into F, B, W and an F&B pair's ``overlap``. What
+is read and how: docs/schedules.md, "The simulator" (costs from a profile).
 """
 
 from __future__ import annotations

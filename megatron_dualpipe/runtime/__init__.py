@@ -1,18 +1,10 @@
 """Layer 2: execute a lowered schedule on one rank with torch (CPU+gloo or CUDA+NCCL).
 
-- :class:`PipelineExecutor` runs one rank's actions: F, B (dX), W (dW), BW, FB and the
-  point-to-point messages between them (:mod:`.p2p`), with a watchdog on every wait.
-  Stages take and return a tensor or a tuple of tensors (:class:`TensorSpec` per element).
-- :class:`WeightGradStore`, :class:`DeferrableLinear`, :func:`make_deferrable`: the dX/dW
-  split; :class:`DeferrableLayer` is the protocol other layers follow to join it.
-- :class:`MirrorPair`, :func:`sync_mirror_grads`: DualPipe's two model copies, made equal
-  and their gradients summed over the pipeline group.
-- :func:`gather_timeline`: measured timelines in the simulator's result format;
-  :func:`p2p_latency_s`: the one-way latency between two ranks, by ping-pong.
-- :func:`~.launch.run_ranks` (in :mod:`.launch`): fork N CPU+gloo ranks and collect results.
-
-The runtime reports through :mod:`logging` (loggers named after its modules) and never
-prints: the entry point that runs it decides what users see.
+:class:`PipelineExecutor` runs one rank's actions and the point-to-point messages between
+them (:mod:`.p2p`), with a watchdog on every wait; :class:`WeightGradStore` and
+:class:`DeferrableLinear` split dX from dW; :class:`MirrorPair` keeps DualPipe's two model
+copies equal; :func:`gather_timeline` measures a step. The runtime logs and never prints.
+What each part does: docs/runtime.md; its modules: docs/architecture.md.
 """
 
 from .deferrable import DeferrableLayer, DeferrableLinear, make_deferrable

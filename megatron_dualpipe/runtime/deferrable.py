@@ -1,18 +1,10 @@
 """Layers whose weight gradient (dW) can be deferred to a W action.
 
-The protocol a layer follows to join the dX/dW split:
-
-1. in ``forward``, read :func:`~.weight_grad_store.active_store` and keep it with the
-   autograd context;
-2. in ``backward``, compute the input gradient (and the gradient of every parameter it
-   does not defer) at once; then, if that store is not None and ``store.capturing``, pass
-   the weight-gradient work to ``store.defer(work)``, else do it now. ``work`` must
-   accumulate into the parameters' ``.grad`` exactly as autograd would;
-3. say which parameters it defers (:class:`DeferrableLayer`).
-
-:class:`DeferrableLinear` does this for ``torch.nn.Linear``; the bias gradient is cheap and
-is computed with dX. Note: deferred gradients are written straight into ``.grad``, so
-hooks registered with ``register_post_accumulate_grad_hook`` do not fire for them.
+:class:`DeferrableLayer` is the protocol a layer follows to join the dX/dW split: its
+backward computes dX at once and, while the store its forward saw captures, hands the
+weight-gradient work to ``store.defer(work)``, which accumulates into ``.grad`` as autograd
+would. :class:`DeferrableLinear` does this for ``torch.nn.Linear``. The protocol step by
+step, and its one caveat: docs/runtime.md, "Compute".
 """
 
 from __future__ import annotations

@@ -4,21 +4,9 @@
 :class:`~megatron_dualpipe.schedules.comm_plan.CommPlan` through a
 :class:`~.transport.Transport`, and nothing else: what is sent and received, on which
 communicator, in which batch and when the rank waits all come from the plan. A message is
-a tuple of tensors (its *elements*), each one backend operation, issued in index order on
-both sides; every element has its own tag (gloo matches by tag; NCCL ignores tags and
-matches the messages between two ranks in issue order, which the plan keeps the same on
-both ends).
-
-Receive buffers take shape and dtype from the :class:`TensorSpec` of each element. With
-variable shapes a message is preceded by one small int64 message holding every element's
-shape, and the spec gives only each element's number of dimensions and dtype.
-
-Sent tensors must be contiguous and stay untouched until their send completes; a send's
-tensors are released as soon as it is known to be complete (at every step the rank polls
-its pending sends; gloo's works learn of their completion only when waited on, so there
-they go at the plan's wait for them). ``peak_sends`` is the most sends held at once.
-Where the transport's waits do not block the host with a timeout (NCCL), a
-:class:`~.watchdog.HangMonitor` watches every operation from a side thread.
+a tuple of tensors, one backend operation each; receive buffers follow each element's
+:class:`TensorSpec`. Sent tensors are released once their send is known complete
+(``peak_sends``). Tags, shapes and hang watching: docs/runtime.md, "Communication".
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """Measured timelines: record one rank's actions, gather all ranks' on rank 0.
 
 The gathered result is a :class:`~megatron_dualpipe.schedules.simulate.SimResult`, so the
-simulator's exports (text grid, Chrome trace, PNG) draw a measured step exactly as they
-draw a simulated one, and the two can be put side by side. Times are milliseconds since
-the earliest rank started recording (the executor starts right after a barrier). Each
-rank measures from an origin; ranks that measure on one host's monotonic clock (Linux's
-CLOCK_MONOTONIC is one clock for every process of a host, known by its boot id) align on
-those origins exactly. Otherwise each rank also reads its origin on the wall clock, which
-aligns the ranks to the hosts' clock sync (NTP: about a millisecond), give or take the
-moment between the two reads (a rank descheduled there is off by that long). The result's
-cost model is fitted from the measurement: the mean duration of each kind of action.
-
-What a rank measures with (:func:`clock_for`): on CPU the host's monotonic clock; on a GPU
-CUDA events recorded on the current stream and read once the step is over, so a duration
-is the kernels' time, not the time the host took to launch them (the host runs ahead).
+simulator's exports draw a measured step exactly as a simulated one, side by side with it.
+A rank measures with :func:`clock_for`'s clock (the host's monotonic clock on CPU, CUDA
+events on a GPU), from an origin the ranks align on. How the ranks' clocks are aligned, and
+how well: docs/runtime.md, "Compute" (timeline).
 """
 
 from __future__ import annotations
@@ -88,7 +79,7 @@ class DeviceClock:
 
 
 def clock_for(device: torch.device | None, event: Callable[[], Any] | None = None) -> Clock:
-    """The clock a rank whose work runs on ``device`` measures with (see the module)."""
+    """The clock a rank whose work runs on ``device`` measures with (docs/runtime.md)."""
     if device is not None and device.type == "cuda":
         return DeviceClock(event)
     return HostClock()

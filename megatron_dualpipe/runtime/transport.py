@@ -1,23 +1,11 @@
 """How the batches of a communication plan reach a torch.distributed backend.
 
 A :class:`Transport` takes one :class:`~megatron_dualpipe.schedules.comm_plan.Issue` at a
-time, as element operations (a message of several tensors is one operation per tensor,
-in order), and returns one handle per operation. Handles have ``wait()`` and
-``is_completed()``; :attr:`Transport.host_waits` says how the executor waits on them:
-
-- ``"timed"`` (tensors on the CPU, gloo): the host is the only stream there is, so a
-  wait blocks it, with the watchdog's deadline;
-- ``"stream"`` (tensors on a device, NCCL; or a transport whose own threads run the
-  operations, as the tests' NCCL-rules emulation does): ``wait()`` without a timeout (on
-  NCCL it only makes the compute stream wait, so the host runs ahead of the GPU), and a
-  side thread watches ``is_completed()`` for hangs (:class:`~.watchdog.HangMonitor`).
-
-That wait is the only thing :class:`GroupTransport` does differently by device: on every
-backend it runs the lock-step plan's one communicator on the pipeline group it is given
-(Megatron's own under the adapter: no group is made here), each batch one
-``batch_isend_irecv`` with each element's tag (gloo matches by tag; NCCL ignores tags and
-matches the messages between two ranks in issue order, which the plan keeps the same on
-both ends), after the same set-up probes.
+time, as element operations, and returns one handle per operation (``wait()``,
+``is_completed()``); :attr:`Transport.host_waits` (``"timed"`` or ``"stream"``) says how
+the executor waits on them. :class:`GroupTransport` runs the plan's one communicator on the
+pipeline group it is given, each batch one ``batch_isend_irecv``; only its waits differ by
+device. Why, and the tags: docs/runtime.md, "Communication".
 """
 
 from __future__ import annotations
@@ -66,7 +54,7 @@ class Handle(Protocol):
 
 
 class Transport(Protocol):
-    """Hands a plan's batches to a backend (see the module docstring)."""
+    """Hands a plan's batches to a backend (docs/runtime.md, "Communication")."""
 
     host_waits: str  # "timed" or "stream"
 

@@ -1,24 +1,12 @@
 """The communication plan: what each rank hands the backend, and when it waits, as data.
 
 :func:`comm_plan` turns a schedule into, per rank, the ordered steps the runtime executor
-performs: ``Compute(action)``, ``Issue(ops)`` (one batch handed to the backend at once, all
-on one communicator; the host goes on at once) and ``Wait(keys)`` (the host blocks until
-the batches holding those messages completed), plus the ``Init(comm)`` steps that set
-communicators up before the first step. The executor runs exactly this plan and nothing
-else; :mod:`.nccl_rules` checks it under NCCL's ordering rules.
-
-One communicator over the pipeline's ranks and, as in DeepSeek's DualPipe, one batch at
-each exchange point (before each compute and after the last) of every message due there,
-sends and receives together, waited before the next compute: nothing is pending while a
-rank computes. Which exchange point each message goes to is :mod:`.exchange`'s round;
-with it the plan finishes under NCCL's rules with all of a rank's communicators on one
-stream (docs/runtime.md says why the two-rank-communicator designs before it did not).
-:class:`CommPlan` also holds hand-made plans (the NCCL model's tests use channels, a
-two-rank communicator per direction).
-
-Messages are named by their receive key (``(RECV_F | RECV_B, stage, micro-batch)``, as in
-:mod:`.lowering`); with variable shapes each message is preceded by a small shape message
-whose key adds ``"shape"``.
+performs: ``Compute(action)``, ``Issue(ops)`` (one batch on one communicator; the host goes
+on), ``Wait(keys)`` (the host blocks until those messages' batches completed) and the
+``Init(comm)`` steps before the first. The plan is lock-step: one communicator over the
+pipeline's ranks, and at each exchange point (:mod:`.exchange`'s rounds) one batch of every
+message due there, waited before the next compute. The executor runs exactly this plan;
+:mod:`.nccl_rules` checks it. Why this design: docs/runtime.md, "Communication on NCCL".
 """
 
 from __future__ import annotations

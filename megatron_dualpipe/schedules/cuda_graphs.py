@@ -1,25 +1,13 @@
 """CUDA graphs under the pipeline schedules: which implementation may graph what, and the
 order Transformer Engine captures per-layer graphs in (pure Python, no torch).
 
-Megatron-Core offers three implementations (``cuda_graph_impl``; megatron-core 0.18 added
-``full_iteration`` as an implementation of its own, before it was ``local`` with the scope
-``full_iteration``; ``megatron/compat/version.py`` spells each release's names):
-
-- ``local``: each layer's ``CudaGraphManager`` records the layer's (or the scope's part of
-  it) forward and backward and replays them; the backward graph accumulates the weight
-  gradients of the graphed part inside it, so a dW cannot be deferred out of it. Allowed
-  where the graphed part defers no dW (:func:`cuda_graph_problem`).
-- ``transformer_engine``: ``TECudaGraphHelper`` hands TE's ``make_graphed_callables`` an
-  ``_order`` built from Megatron's own interleaved table; ``megatron.schedule.te_graphs`` puts
-  :func:`cuda_graph_order` (that ``_order`` for any schedule of the IR) in its place, and
-  :func:`check_cuda_graph_order` holds it to the rules of TE's
-  ``transformer_engine/pytorch/graph.py`` (``_make_graphed_callables``). Allowed where the
-  graphed part defers no dW, as ``local``.
-- ``full_iteration``: ``FullCudaGraphWrapper`` captures the whole forward-backward function
-  once; it needs a step without host synchronisation (the executor's ``graph_safe`` mode).
-
-The modules a per-layer graph covers (``cuda_graph_modules``, 0.16/0.17:
-``cuda_graph_scope``) are :data:`CUDA_GRAPH_MODULES`; none listed: the whole layer.
+:func:`cuda_graph_problem` says, in one sentence, why a schedule cannot run under a
+``cuda_graph_impl`` (``local``, ``transformer_engine`` or ``full_iteration``) with the
+graphed modules (:data:`CUDA_GRAPH_MODULES`; none listed: the whole layer): a per-layer
+graph may not cover a part that defers its dW. :func:`cuda_graph_order` is the ``_order``
+TE's ``make_graphed_callables`` takes, for any schedule of the IR, and
+:func:`check_cuda_graph_order` holds it to TE's rules. Each implementation, and why:
+docs/megatron.md, "CUDA graphs".
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """What a checkpoint directory holds on disk, read without any process group.
 
-Megatron-LM's layout: ``<root>/iter_0000005/`` per saved iteration and
-``<root>/latest_checkpointed_iteration.txt`` naming the newest complete one (written after
-every rank saved, atomically). An iteration directory of dist_checkpointing's
-``torch_dist`` format is complete when its ``metadata.json`` names that format, its common
-state and ``.metadata`` can be read, every shard file ``.metadata`` indexes is there at its
-full length, and the shards' objects other than tensors load. The common state is
-``common.pt`` where megatron-core writes one (before 0.19; 0.19 reads it still) and a
-ShardedObject inside the shards otherwise (:func:`~..compat.version.common_state_in_dcp`).
-Nothing is read in a way that could run code from the files (:mod:`.trust`):
-the shards' objects and the index are checked before megatron-core's reader reads a common
-state kept among them, and a storage file the index names outside the directory (absolute,
-with ``..``, or a symlink out) is refused before anything is read from it. Shards with the
-right length but damaged tensors are only found when the ranks read them.
-
-Every problem is one :class:`CheckpointError` sentence naming the directory, the file,
-what is wrong and what to do (load an earlier iteration with ``ckpt_step``, Megatron-LM's
-key, naming the complete ones).
+Whether an iteration directory of Megatron-LM's layout (dist_checkpointing's ``torch_dist``
+format) is complete: its ``metadata.json``, common state and ``.metadata`` read, every shard
+the index names is there at its full length and inside the directory, and the shards'
+objects other than tensors load, all without running code from the files (:mod:`.trust`).
+Every problem is one :class:`CheckpointError` sentence naming the directory, the file, what
+is wrong and what to do (``ckpt_step`` with a complete iteration). Why and what is left to
+Megatron-LM: docs/reliability.md, "Checkpoints".
 """
 
 from __future__ import annotations

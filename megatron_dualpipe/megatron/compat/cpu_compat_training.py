@@ -1,22 +1,11 @@
 """Megatron-LM's training loop (``megatron.training``: ``pretrain``, ``get_model``,
-``train_step``, checkpointing) on CPU + gloo: ``scripts/pretrain_gpt_megatron_lm.py``
-enters it around ``pretrain`` on a machine without a GPU (the README's CPU command, and
-the tests of Megatron-LM's loop).
+``train_step``, checkpointing) on CPU + gloo, for a machine without a GPU.
 
-megatron-core 0.17 and newer ship ``megatron/training`` in the wheel. On a machine without
-a GPU, :func:`megatron_training_on_cpu` runs it on CPU ranks: with the compatibility layer
-of :mod:`.cpu_compat` applied first, it rebinds the global name ``torch`` of each module in
-:data:`TRAINING_SITES` to the same CPU view of torch (``torch.cuda.current_device()`` is
-the CPU, ``device="cuda"`` tensor factories make CPU tensors, streams and events are
-stand-ins), and while its block runs, ``Tensor.cuda()`` returns the tensor itself and
-``Tensor.record_stream`` does nothing (``get_model`` moves every chunk with
-``module.cuda()``, ``get_batch`` every batch). ``megatron.training.initialize`` sees one
-device: it asserts CUDA, seeds Megatron's RNG tracker only when a device is counted, and
-sets the device of each rank; ``set_device`` and ``set_stream`` do nothing there.
-
-Enter the block once ``megatron.training`` resolves to the copy to run (a patched one first
-on ``sys.path``): it imports those modules (0.19's layout of megatron/training).
-docs/megatron-on-cpu.md lists the sites.
+:func:`megatron_training_on_cpu` applies :mod:`.cpu_compat`, gives each module of
+:data:`TRAINING_SITES` (and ``megatron.training.initialize``, which sees one device) the CPU
+view of torch, and while its block runs makes ``Tensor.cuda()`` the identity and
+``Tensor.record_stream`` a no-op. Enter it once ``megatron.training`` resolves to the copy
+to run. The sites and why: docs/megatron-on-cpu.md, "Megatron-LM's training loop on CPU".
 """
 
 from __future__ import annotations
@@ -116,7 +105,7 @@ def eager_on_cpu() -> contextlib.AbstractContextManager[None]:
 
 @contextlib.contextmanager
 def megatron_training_on_cpu() -> Iterator[None]:
-    """Within this block Megatron-LM's training loop runs on CPU (see the module docstring);
+    """Within this block Megatron-LM's training loop runs on CPU (docs/megatron-on-cpu.md);
     a no-op context with CUDA. The module rebindings stay (forked ranks inherit them)."""
     if torch.cuda.is_available():
         yield

@@ -1,19 +1,11 @@
 """The patched ``megatron/training`` of an installed megatron-core wheel, and the check that
 the one a run imports is patched.
 
-megatron-core 0.17 and newer ship Megatron-LM's ``megatron/training`` in the wheel.
-:func:`make_patched_training` copies it to ``<out>/megatron/training`` and applies the
-``megatron/training`` hunks of the patch of the release's Megatron-LM tag
-(``patches/megatron-lm-<tag>.patch``); with ``<out>`` first on ``PYTHONPATH``,
-``megatron.training`` resolves to the copy (``megatron`` is a namespace package) and
-``megatron.core`` to the wheel. ``megatron-dualpipe patch-megatron-lm`` runs it.
-
-:func:`unpatched_training_problem` is what ``scripts/pretrain_gpt_megatron_lm.py`` asks
-before parsing: an unpatched ``megatron.training`` would train Megatron's own schedule
-whatever ``--pipeline-schedule`` says.
-
-Nothing here imports megatron until :func:`unpatched_training_problem` is called; the
-wheel is found and its release read from files (:mod:`.version`).
+:func:`make_patched_training` copies the wheel's ``megatron/training`` (0.17 and newer ship
+it) to ``<out>/megatron/training`` and applies the ``megatron/training`` hunks of the
+release's tag's patch; :func:`unpatched_training_problem` says, in one sentence, when the
+``megatron.training`` a run imports is not patched. Nothing imports megatron until that
+check runs. How and why: docs/megatron-versions.md, "Megatron-LM's patches".
 """
 
 from __future__ import annotations

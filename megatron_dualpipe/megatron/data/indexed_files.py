@@ -1,22 +1,12 @@
 """Megatron-Core's indexed dataset (a ``.bin`` of tokens and its ``.idx``) checked on disk,
 and the documents each split of ``split`` takes from it, before any rank starts.
 
-The ``.idx`` layout is the one Megatron-Core's ``indexed_dataset._IndexWriter`` writes and
-``_IndexReader`` reads: the magic ``MMIDIDX\\x00\\x00``, a little-endian u64 version (1), a
-u8 token dtype code (``DType``), u64 sequence and document-index counts, then the int32
-sequence lengths, the int64 byte offsets of the sequences in the ``.bin`` and the int64
-document index (0, then the sequence count at each document's end); a multimodal index
-adds an int8 mode per sequence. :func:`read_index` checks all of it against the ``.bin``
-(every token the index counts is there, at the offset the index gives it, and nothing
-more), so a ``.bin`` paired with another corpus's ``.idx``, or a truncated or random file,
-is one :class:`NotAnIndexedDataset` clause. Megatron-Core itself checks the magic and the
-version with bare asserts and reads the rest unchecked.
-
-:func:`split_ranges` reproduces Megatron-Core's split arithmetic (``split`` normalised by
-``parse_and_normalize_split``, book-ended by ``convert_split_vector_to_split_matrix``, and
-each end rounded to a sequence as ``BlendedMegatronDatasetBuilder.
-_build_megatron_dataset_splits`` rounds it), so a split that gets no tokens is known before
-Megatron-Core's ``GPTDataset._get_num_epochs`` would loop for ever on it.
+:func:`read_index` checks every part of the ``.idx`` against the ``.bin`` (each token the
+index counts there, at its offset, and nothing more); a mismatch is one
+:class:`NotAnIndexedDataset` clause. :func:`split_ranges` reproduces Megatron-Core's split
+arithmetic, so a split that gets no tokens is known before Megatron-Core would loop for
+ever on it. The layout and what Megatron-Core checks itself: docs/reliability.md, "Data
+files".
 """
 
 from __future__ import annotations
@@ -64,7 +54,7 @@ class IndexedFiles:
 
 
 def read_index(prefix: str) -> IndexedFiles:
-    """``prefix.idx`` read and checked against ``prefix.bin`` (see the module docstring);
+    """``prefix.idx`` read and checked against ``prefix.bin`` (docs/reliability.md);
     :class:`NotAnIndexedDataset` naming the first mismatch."""
     idx, binary = Path(prefix + ".idx"), Path(prefix + ".bin")
     size = idx.stat().st_size

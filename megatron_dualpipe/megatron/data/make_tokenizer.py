@@ -1,20 +1,11 @@
 """``megatron-dualpipe make-tokenizer``: an offline BPE tokenizer for ``preprocess`` and
 ``train``.
 
-The recipe GPT-2 uses, with the ``tokenizers`` library: a byte-level BPE (``ByteLevel``
-pre-tokenizer and decoder, the 256 byte symbols as its initial alphabet, so any text
-round-trips) trained on the corpus's documents up to ``vocab_size`` tokens, with ``eod``
-as its only special token; saved with transformers' ``PreTrainedTokenizerFast``
-``save_pretrained`` (``tokenizer.json``, ``tokenizer_config.json`` naming ``eod`` as the
-end-of-document ``eos_token``), the directory ``preprocess --tokenizer`` and ``train``'s
-``tokenizer_model`` load through Megatron-Core's ``HuggingFaceTokenizer``. Nothing is
-downloaded.
-
-The corpus is the one ``preprocess`` reads (jsonl, the documents under ``json_keys``,
-each line checked as it checks it) or, for a ``.txt`` file, plain text, a document a
-line. Every problem is one sentence: a missing corpus, a bad line (by its number), a
-corpus without documents, a ``vocab_size`` below the byte alphabet plus ``eod``, an
-output directory already holding a tokenizer (nothing is overwritten).
+:func:`make_tokenizer` trains GPT-2's recipe, a byte-level BPE with the ``tokenizers``
+library, on a ``preprocess`` corpus (jsonl, or a ``.txt`` file with a document a line) up
+to ``vocab_size`` tokens, with ``eod`` as its only special token, and saves the directory
+Megatron-Core's ``HuggingFaceTokenizer`` loads. Nothing is downloaded or overwritten; every
+problem is one sentence. The recipe and its checks: docs/training.md, "Your own data".
 """
 
 from __future__ import annotations
@@ -59,8 +50,8 @@ def make_tokenizer(
     eod: str = EOD,
     min_frequency: int = 0,
 ) -> MadeTokenizer:
-    """Train a byte-level BPE of ``vocab_size`` tokens on ``corpus`` (see the module
-    docstring) and save it to ``output``; ``min_frequency``: the fewest occurrences of a
+    """Train a byte-level BPE of ``vocab_size`` tokens on ``corpus`` (docs/training.md)
+    and save it to ``output``; ``min_frequency``: the fewest occurrences of a
     pair merged (0: the ``tokenizers`` default). Raises PreprocessError (before training)."""
     source, directory = Path(corpus), Path(output)
     keys = check_options(json_keys, 1, DEFAULT_MAX_DOCUMENT_CHARS)

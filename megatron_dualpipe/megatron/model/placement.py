@@ -1,22 +1,12 @@
 """Placement hook: which model chunks a pipeline rank builds under each schedule.
 
-Our schedules decide where stages live (``schedules.ir.Placement``); this module turns
-that into Megatron terms: for each local chunk its pre/post-process flags and its
-*global* layer range, and a :class:`StagePlacementLayout` that Megatron's layer builders
-consult (``config.pipeline_model_parallel_layout``), so that layer numbers, and hence
-parameter and checkpoint names, match a standard run.
-
-- dualpipev: rank r holds stage r (chunk 0) and stage 2P-1-r (chunk 1) of a model cut into
-  2P stages; embedding, output layer, MTP block and loss are all on rank 0.
-- dualpipe: rank r holds model stage r (chunk 0, direction 0) and model stage P-1-r
-  (chunk 1, direction 1) of a model cut into P stages: two copies of every stage, whose
-  gradients are summed (see :mod:`.mirror`). The last model stage (output layer, MTP block,
-  loss) is on rank P-1 (direction 0) and rank 0 (direction 1).
-- zb1p: the standard one-stage-per-rank split.
-
-How many decoder layers each model stage holds is Megatron's own choice, read over the
-model stages in pipeline order (:func:`~.checks.stage_layers`): even, first/last stage
-counts, embedding/loss accounting, or a layout string.
+Turns the schedule's placement (``schedules.ir.Placement``) into Megatron's terms: for each
+local chunk its pre/post-process flags and its *global* layer range, and a
+:class:`StagePlacementLayout` that Megatron's layer builders consult
+(``config.pipeline_model_parallel_layout``), so layer, parameter and checkpoint names match
+a standard run. Each model stage's layer count is Megatron's own split, read over the model
+stages in pipeline order (:func:`~..schedule.checks.stage_layers`). Where each schedule
+puts the stages: docs/megatron.md, "Building the model chunks (the placement hook)".
 """
 
 from __future__ import annotations

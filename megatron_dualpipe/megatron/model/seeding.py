@@ -1,20 +1,11 @@
 """dualpipev's chunks given the initial values Megatron-LM's 1F1B gives their layers, so
 that two fresh runs, one under 1F1B and one under dualpipev, print the same digits.
 
-Megatron-LM seeds pipeline rank k with ``seed + 100 k`` (``_set_random_seed``) and then
-builds that rank's modules in order (embedding, decoder layers, final norm, MTP block,
-output layer), each drawing its initial values from the stream where the previous one left
-it. dualpipev's V cuts the model into 2 x PP stages and puts two of them on each rank, so a
-chunk's layers were drawn on another rank, after other modules, under 1F1B.
-
-:func:`values_as_1f1b` gives each chunk those values: for every 1F1B rank whose layers a
-chunk holds, it seeds as Megatron-LM seeds that rank, builds that rank's modules as 1F1B
-builds them (the chunk's own builder, with a layout that builds 1F1B's rank k here:
-:class:`AsRank`), copies the parameters the chunk holds by global name and drops the rest;
-then it puts back the random state it found. It applies where 1F1B's split is Megatron's
-even one and every chunk's layers lie within one 1F1B rank's (an even V split does), and
-returns False otherwise (a fresh run then starts from other values: load a 1F1B
-checkpoint to compare). The build costs, for a moment, up to two 1F1B ranks' modules more.
+:func:`values_as_1f1b` builds, for every 1F1B rank whose layers a chunk holds, that rank's
+modules as 1F1B seeds and builds them (:class:`AsRank`), copies the parameters the chunk
+holds by global name and puts back the random state it found. It applies where 1F1B's split
+is Megatron's even one and each chunk's layers lie within one 1F1B rank's, and returns False
+otherwise. Why and how: docs/training.md, "The same losses: exactly what is equal".
 """
 
 from __future__ import annotations
@@ -134,7 +125,7 @@ def values_as_1f1b(
     seed_as: Callable[[int], None],
 ) -> bool:
     """Give this rank's ``chunks`` of a dualpipev ``setup`` the values 1F1B gives their
-    parameters (see the module docstring). ``build(config, pre_process, post_process)``
+    parameters (docs/training.md). ``build(config, pre_process, post_process)``
     builds one chunk as the run builds its chunks; ``seed_as(k)`` seeds every generator as
     Megatron-LM seeds pipeline rank k. False (nothing changed) where the split does not
     allow it."""

@@ -1,23 +1,12 @@
 """Parameters one pipeline rank holds in two of its chunks, kept as one.
 
-Under dualpipev the embedding (chunk 0, stage 0) and the output layer, loss and MTP block
-(chunk 1, the last stage) are on the same rank; under dualpipe ranks 0 and P-1 hold the
-first and the last model stage. Megatron-Core builds each chunk as its own GPTModel, so a
-chunk that needs the word embedding without holding stage 0 keeps a copy of it: the output
-layer of tied embeddings (``share_embeddings_and_output_weights``) and the MTP block's
-embedding (``mtp_block_spec``; with learned absolute positions, their table too). Megatron
-keeps such copies equal with an all-reduce of their gradients over its embedding group
-(first and last pipeline rank). Here the copies are on one rank: their gradients are summed
-locally instead (no communication), and that group is left with one rank
-(:func:`~.placement.embedding_ranks`), so Megatron's all-reduce does nothing.
-
-Which parameters are copies of one another: those with the same global name
-(:mod:`.names`) in different chunks of the rank. The chunk that holds the first model stage
-(the embedding proper) holds the original, else the chunk listed first: under dualpipe the
-last rank's chunk 0 is the last stage, whose output layer Megatron builds zeroed. The
-copies are marked ``shared`` (counted once in the gradient norm, as Megatron marks its
-copies) and every member ``shared_embedding`` (Megatron's DDP then gives each its own bucket,
-so the distributed optimizer shards the copies alike).
+Under dualpipev and dualpipe, the word embedding and its copies (a tied output layer, the
+MTP block's embedding) can sit in two chunks of one rank: the parameters with the same
+global name (:mod:`.names`) in different chunks are tied, their gradients summed locally,
+the copies marked ``shared`` and every member ``shared_embedding``, as Megatron marks its
+own copies. Megatron's embedding group is left with one rank
+(:func:`~.placement.embedding_ranks`). Which copy is the original, and why: docs/megatron.md,
+"Tied embeddings".
 """
 
 from __future__ import annotations

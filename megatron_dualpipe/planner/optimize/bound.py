@@ -1,22 +1,12 @@
 """A proven lower bound on the makespan of any schedule of an instance.
 
-Every action a gets a *head* r(a), a time before which it cannot start in any schedule
-(the chain of predecessors on other ranks at their least durations, plus one latency per
-hop), and a *tail* q(a), a time that must pass after it ends before the step can end (its
-chain of successors). Then each rank alone is relaxed to one machine that may interrupt
-and resume work at will, must respect the heads and tails, and ignores the memory cap and
-everything else the other ranks do. Its least makespan is a lower bound for the real one:
-any real schedule is a feasible schedule of each relaxation.
-
-- Where no FB pair is shorter than its halves, a rank's relaxation is solved exactly by
-  Jackson's preemptive rule (run the released work with the longest tail).
-- Where pairs pay, the relaxation also chooses how much work to pair: a linear program
-  over the time windows between heads and tails (HiGHS, via scipy.optimize.linprog) with
-  one variable per (window, unpaired action kind) and per (window, pair kind). A pair
-  needs a forward and a backward both released and not yet due in its window, so the
-  fill before a rank's first backward and the drain after its last forward stay unpaired.
-
-The bound ignores the memory cap: where the cap binds, the optimum lies above it.
+Every action gets a *head* (a time before which it cannot start in any schedule) and a
+*tail* (a time that must pass after it ends before the step can end); each rank alone is
+then relaxed to one preemptive machine that respects them and ignores the memory cap and
+the other ranks, solved by Jackson's rule where no FB pair pays, else by a linear program
+(HiGHS, via scipy.optimize.linprog). Any real schedule is feasible for each relaxation, so
+their least makespans bound it. Why it holds: docs/optimizer.md, "The lower bound, and why
+it holds".
 """
 
 from __future__ import annotations

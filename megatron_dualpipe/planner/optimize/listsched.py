@@ -1,18 +1,11 @@
 """A list scheduler: builds every rank's compute order by running the pipeline forward in
 time and, whenever a rank is free, choosing what it does next by a :class:`Policy`.
 
-Its timeline is exactly the simulator's (an action starts when its rank is free and its
-inputs have arrived), so its makespan is the schedule's simulated makespan. It keeps
-three rules that make the result valid (and, where each channel carries one stage's
-messages and the reservation below is on, deadlock-free):
-
-- each stage runs its forwards, its backwards and its W in micro-batch order, and where
-  one channel carries messages of two stages the receiver takes them in sending order;
-- a forward is admitted only while the rank's live activations stay within its cap, and a
-  forward whose micro-batch will come back to this rank (the V's first half, a loop's
-  earlier chunk) leaves one more unit free (``Policy.reserve``), so the oldest micro-batch
-  in flight can always finish its forward and free memory through its backward;
-- a W runs only after its B; a rank with nothing else to do and W pending runs a W.
+Its timeline is the simulator's, so its makespan is the schedule's simulated makespan.
+Each stage runs its work in micro-batch order, a forward is admitted only within the
+rank's activation cap (with one more unit kept free for a micro-batch that comes back,
+``Policy.reserve``), and a W runs only after its B. The rules, and why they keep an order
+valid and deadlock-free: docs/optimizer.md, "Method" (list scheduling).
 """
 
 from __future__ import annotations

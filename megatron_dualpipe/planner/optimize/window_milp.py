@@ -1,22 +1,11 @@
 """The end of the schedule reordered exactly by mixed-integer programming (SciPy's HiGHS,
 ``scipy.optimize.milp``).
 
-The window is every op that starts at or after a time T, T chosen so that the window
-holds at most ``limit`` ops. Ops that start before T depend only on ops that end before
-T, so they stay as they are; the window is each rank's suffix. Inside it every rank may
-run its ops in any order that keeps their dependencies and each stage's forwards,
-backwards and W in micro-batch order (so every channel keeps its message order):
-
-- ``s_j`` (continuous): the start of window op j; C: the makespan (minimised);
-- ``y_ij`` (binary), for two ops of one rank whose order is not already fixed: 1 if i
-  runs first; then ``s_j >= s_i + d_i - M (1 - y_ij)`` and ``s_i >= s_j + d_j - M y_ij``;
-- an op starts after its rank's fixed prefix and after its inputs arrive (one latency
-  per hop); the live activations before each forward, counted from the y, stay within
-  the cap.
-
-The solution is re-timed as soon as possible in its order (at least as fast) and kept by
-the caller only if it is better. This is exact for the window: the best end of the step
-given everything before T.
+:func:`reorder_window` takes every op that starts at or after a time T (at most ``limit``
+ops: each rank's suffix) and finds the order of it with the least makespan, keeping
+dependencies, each stage's micro-batch order and the memory cap, given everything before
+T. The solution is re-timed as soon as possible in its order; the caller keeps it only if
+it is better. The formulation: docs/optimizer.md, "Method" (window MILP).
 """
 
 from __future__ import annotations
