@@ -6,9 +6,10 @@ at expert-parallel size 2 (DP 2), multi-latent attention, RMSNorm, SwiGLU, one M
 with and without tied embeddings; the layers split unevenly over the schedule's model
 stages by Megatron's first/last counts or by a layout string (read over the model stages in
 pipeline order; "E|tt|..." leaves stage 0 with the embedding alone). fp32 on CPU+gloo:
-five Adam iterations with Megatron's DDP give every iteration's loss and MTP loss to 7
-significant digits, and the first iteration's gradient of every parameter (by global name)
-within 1e-5 relative, as Megatron's no-pipelining schedule in one process does.
+five Adam iterations (three for the positions and MTP cases) with Megatron's DDP give
+every iteration's loss and MTP loss to 7 significant digits, and the first iteration's
+gradient of every parameter (by global name) within 1e-5 relative, as Megatron's
+no-pipelining schedule in one process does.
 """
 
 from __future__ import annotations

@@ -306,17 +306,30 @@ def _check_intervals(parsed: argparse.Namespace, source: str) -> None:
         )
 
 
+#: The checkpoint formats Megatron-LM 0.19's ``save_checkpoint`` saves asynchronously.
+ASYNC_SAVE_FORMATS = ("torch_dist", "torch_dcp", "fsdp_dtensor")
+
+
 def _check_async_save(parsed: argparse.Namespace, source: str, *, on_cpu: bool) -> None:
-    """``--async-save`` with ``--use-persistent-ckpt-worker`` (Megatron-LM 0.19 turns
-    ``--async-save`` off without it): its worker, which ``initialize_megatron`` starts,
-    selects a CUDA device first (``PersistentAsyncCaller.async_loop``), so on CPU ranks it
-    dies at once and the first save waits on it for ever; and under ``--async-strategy
-    nvrx``, Megatron-LM's default, it needs nvidia-resiliency-ext (Megatron-Core's
-    ``has_nvrx_async_support``), or every rank stops in a traceback."""
-    if not (
-        getattr(parsed, "async_save", False)
-        and getattr(parsed, "use_persistent_ckpt_worker", False)
-    ):
+    """``--async-save`` where Megatron-LM 0.19 keeps it on (``validate_args`` turns it off
+    for a distributed format without ``--use-persistent-ckpt-worker``, and the rank saves):
+    the legacy format ``torch``, which ``save_checkpoint`` cannot save so (it raises at the
+    first save, on every rank); the persistent worker, which ``initialize_megatron``
+    starts, on CPU ranks (it selects a CUDA device first, ``PersistentAsyncCaller.
+    async_loop``, dies, and the first save waits on it for ever); the worker under
+    ``--async-strategy nvrx``, Megatron-LM's default, without nvidia-resiliency-ext
+    (Megatron-Core's ``has_nvrx_async_support``: a traceback on every rank)."""
+    persistent = getattr(parsed, "use_persistent_ckpt_worker", False)
+    form = getattr(parsed, "ckpt_format", "torch_dist")
+    if not getattr(parsed, "async_save", False) or (form != "torch" and not persistent):
+        return
+    if form not in ASYNC_SAVE_FORMATS and getattr(parsed, "save", None) is not None:
+        raise MegatronLMConfigError(
+            f"{source}: async_save cannot save ckpt_format {form} (Megatron-LM's "
+            "save_checkpoint refuses it at the first save, on every rank): set ckpt_format "
+            f"to one of {', '.join(ASYNC_SAVE_FORMATS)}, or async_save: false"
+        )
+    if not persistent:
         return
     if on_cpu:
         raise MegatronLMConfigError(

@@ -197,7 +197,8 @@ SCHEDULES: dict[str, ScheduleSpec] = {
 
 #: Schedules this project's runtime runs.
 OUR_SCHEDULES = tuple(n for n, s in SCHEDULES.items() if s.runs_ours)
-#: Schedules that select Megatron-Core's own forward-backward functions.
+
+
 def spec(name: str) -> ScheduleSpec:
     """The spec of schedule ``name``; :class:`ScheduleError` naming the choices if unknown."""
     try:

@@ -6,7 +6,7 @@ takes for one chunk: ``get_gpt_decoder_block_spec`` and ``get_gpt_mtp_block_spec
 chunk's layers of ``config.pipeline_model_parallel_layout`` (the MTP spec None where the
 chunk has no MTP layer), with Transformer Engine's modules for ``transformer_engine`` and
 Megatron's own for ``local``, whose linear layers can be Megatron's deferrable ones
-(:mod:`.deferral`). :class:`MLADotProductAttention` repairs MLA on megatron-core 0.16.1's
+(:mod:`..grads.deferral`). :class:`MLADotProductAttention` repairs MLA on megatron-core 0.16.1's
 local spec. Which modules each builds, and the repair: docs/megatron.md, "DeepSeek-V3's
 shape, and which layers build it".
 """

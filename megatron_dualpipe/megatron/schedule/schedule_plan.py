@@ -7,7 +7,8 @@ forward interleaved with another's backward, layer by layer. This module drives 
 plans as Megatron's ``combined_1f1b.combined_forward_backward_step`` does (its autocast and
 FP8 contexts included), except that whether the stage ends in a loss is given, not read
 from ``parallel_state``. A micro-batch forwarded through a plan is backwarded through it
-too. TE's ``backward_dw()`` calls of the plan's W nodes go through :func:`~.te_wgrad.exactly`.
+too. TE's ``backward_dw()`` calls of the plan's W nodes go through
+:func:`~..grads.te_wgrad.exactly`.
 How and why: docs/megatron.md, "F&B overlap: MoE all-to-all hidden behind the other
 micro-batch".
 """
@@ -168,7 +169,7 @@ def _exact_dw(node: Any, backward_dw: Callable[[], None]) -> None:
 
 def _route_weight_grads(handle: PlanHandle) -> None:
     """The backward plan's W nodes (its layers' ``backward_dw``, which run Transformer
-    Engine's deferred dW) made exact on every TE release (:func:`~.te_wgrad.exactly`) and,
+    Engine's deferred dW) made exact on every TE release (:func:`~..grads.te_wgrad.exactly`) and,
     while the handle's store captures (a B action), deferred into the store in the order
     the plan issues them."""
     store = handle.store

@@ -1,7 +1,7 @@
 """Measure one training step's timeline on every pipeline rank, under any schedule.
 
 Our schedules (zb1p, dualpipe, dualpipev) are recorded by the runtime executor, through
-:meth:`~..forward_backward.DualPipeForwardBackward.recording`; Megatron's own (1f1b,
+:meth:`~.forward_backward.DualPipeForwardBackward.recording`; Megatron's own (1f1b,
 interleaved-1f1b) through a recording stand-in for ``config.timers``, each
 ``forward-compute`` an F and each ``backward-compute`` a BW in the rank's order of the
 generated schedule (a step whose chunks do not follow it is refused).

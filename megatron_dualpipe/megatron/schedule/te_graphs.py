@@ -1,8 +1,8 @@
 """``cuda_graph_impl: transformer_engine`` under our schedules: Megatron-Core's
 ``TECudaGraphHelper`` capturing TE's per-layer graphs in the order the rank runs them.
 
-:class:`ScheduleTECudaGraphHelper` overrides ``_get_sample_arguments`` to put the
-schedule's order (:func:`~..schedules.cuda_graph_order`) into the ``_order`` list Megatron
+``ScheduleTECudaGraphHelper`` overrides ``_get_sample_arguments`` to put the schedule's
+order (:func:`~...schedules.cuda_graphs.cuda_graph_order`) into the ``_order`` list Megatron
 lays the static input buffers out by and hands TE's ``make_graphed_callables``, so TE
 captures, and the buffers follow, our order; replay picks a chunk's graph by the
 ``current_microbatch`` ``MegatronStage`` sets. It also drops the keyword
