@@ -156,6 +156,7 @@ def test_a_key_the_route_does_another_way_is_left_out_when_off() -> None:
         ({"profile_step_start": 3, "profile_step_end": 3}, "profile_step_end 3 is not after "),
         ({"train_iters": 4, "profile_step_end": 6}, "profile_step_end 6 is past train_iters 4"),
         ({"tensorboard_dir": None}, "profile with use_pytorch_profiler writes its traces into "),
+        ({"use_pytorch_profiler": False}, "profile without use_pytorch_profiler starts CUDA's "),
     ],
 )
 def test_a_profile_megatron_lm_would_not_write_is_one_sentence(given: dict, said: str) -> None:
@@ -166,9 +167,11 @@ def test_a_profile_megatron_lm_would_not_write_is_one_sentence(given: dict, said
     args = dict(profile=True, use_pytorch_profiler=True, profile_step_start=1)
     args |= dict(profile_step_end=2, train_iters=10, tensorboard_dir="tb") | given
     with pytest.raises(MegatronLMConfigError, match=f"^x.yaml: {re.escape(said)}") as refused:
-        _check_profile(argparse.Namespace(**args), "x.yaml")
+        _check_profile(argparse.Namespace(**args), "x.yaml", on_cpu=True)
     assert str(refused.value).count(": ") >= 2  # what is wrong: what to change
-    _check_profile(argparse.Namespace(**{**args, "profile": False}), "x.yaml")
+    _check_profile(argparse.Namespace(**{**args, "profile": False}), "x.yaml", on_cpu=True)
+    if "use_pytorch_profiler" in given:  # nsys's profiler where CUDA is
+        _check_profile(argparse.Namespace(**args), "x.yaml", on_cpu=False)
 
 
 #: A run saving asynchronously with the persistent worker and Megatron-Core's own strategy.

@@ -203,7 +203,7 @@ def checked_run_argv(
         )
     check_load(parsed)  # each rank checks again in apply()
     _check_intervals(parsed, source)
-    _check_profile(parsed, source)
+    _check_profile(parsed, source, on_cpu=on_cpu)
     _check_async_save(parsed, source, on_cpu=on_cpu)
     check_folders(parsed, source)
     _check_data_files(parsed, source)
@@ -349,12 +349,13 @@ def _check_async_save(parsed: argparse.Namespace, source: str, *, on_cpu: bool) 
             )
 
 
-def _check_profile(parsed: argparse.Namespace, source: str) -> None:
+def _check_profile(parsed: argparse.Namespace, source: str, *, on_cpu: bool) -> None:
     """Megatron-LM's ``--profile``: its steps in order and within the run (it stops the
     profiler at iteration ``profile_step_end`` only; ``torch.profiler.schedule`` refuses an
     empty window when ``train()`` starts); with ``--use-pytorch-profiler`` each profiled
     rank's Chrome trace goes into ``<tensorboard_dir>/../torch_profile`` (``train``'s
-    trace handler), so a ``--tensorboard-dir``."""
+    trace handler), so a ``--tensorboard-dir``; without it ``train_step`` starts CUDA's
+    profiler for nsys (``cudaProfilerStart``), which CPU ranks have not."""
     if not parsed.profile:
         return
     start, end = parsed.profile_step_start, parsed.profile_step_end
@@ -368,6 +369,12 @@ def _check_profile(parsed: argparse.Namespace, source: str) -> None:
             f"{source}: profile_step_end {end} is past train_iters {parsed.train_iters}, and "
             "Megatron-LM stops the profiler (and writes its trace) at that iteration only: "
             "lower profile_step_end or raise train_iters"
+        )
+    if on_cpu and not parsed.use_pytorch_profiler:
+        raise MegatronLMConfigError(
+            f"{source}: profile without use_pytorch_profiler starts CUDA's profiler for nsys, "
+            "which CPU ranks have not (every rank failed at profile_step_start): set "
+            "use_pytorch_profiler: true and a tensorboard_dir, beside which its traces go"
         )
     if parsed.use_pytorch_profiler and not parsed.tensorboard_dir:
         raise MegatronLMConfigError(
