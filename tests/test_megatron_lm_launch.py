@@ -174,6 +174,23 @@ def test_a_profile_megatron_lm_would_not_write_is_one_sentence(given: dict, said
         _check_profile(argparse.Namespace(**args), "x.yaml", on_cpu=False)
 
 
+@pytest.mark.megatron
+@pytest.mark.route
+def test_cuda_s_memory_statistics_on_cpu_ranks_are_refused_before_any_rank() -> None:
+    """Megatron-LM's training_log reads torch.cuda.memory_stats() for TensorBoard: on CPU
+    ranks a rank failed with KeyError: 'reserved_bytes.all.current'."""
+    from megatron_dualpipe.megatron.lm_launch import checked_run_argv, patched_training
+
+    settings = {"train_iters": 3, "eval_interval": 3, "log_memory_to_tensorboard": True}
+    with patched_training(), pytest.raises(MegatronLMConfigError) as refused:
+        checked_run_argv(settings, "x.yaml", on_cpu=True)
+    assert str(refused.value) == (
+        "x.yaml: log_memory_to_tensorboard logs CUDA's memory statistics "
+        "(torch.cuda.memory_stats), which CPU ranks have not (a rank failed at its first log "
+        "line): set log_memory_to_tensorboard: false here"
+    )
+
+
 #: A run saving asynchronously with the persistent worker and Megatron-Core's own strategy.
 ASYNC = dict(async_save=True, use_persistent_ckpt_worker=True, async_strategy="mcore")
 

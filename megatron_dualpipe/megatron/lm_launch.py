@@ -204,6 +204,12 @@ def checked_run_argv(
     check_load(parsed)  # each rank checks again in apply()
     _check_intervals(parsed, source)
     _check_profile(parsed, source, on_cpu=on_cpu)
+    if on_cpu and getattr(parsed, "log_memory_to_tensorboard", False):
+        raise MegatronLMConfigError(
+            f"{source}: log_memory_to_tensorboard logs CUDA's memory statistics "
+            "(torch.cuda.memory_stats), which CPU ranks have not (a rank failed at its first "
+            "log line): set log_memory_to_tensorboard: false here"
+        )
     _check_async_save(parsed, source, on_cpu=on_cpu)
     check_folders(parsed, source)
     _check_data_files(parsed, source)
