@@ -43,14 +43,14 @@ def test_train_sets_it_before_any_rank_and_keeps_an_exported_value(
     from megatron_dualpipe.megatron import lm_launch
 
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-    lm_launch._set_cuda_device_max_connections({"tensor_model_parallel_size": 2})
+    lm_launch.set_cuda_device_max_connections({"tensor_model_parallel_size": 2})
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
     for fsdp in ({"use_torch_fsdp2": True}, {"pipeline_model_parallel_comm_backend": "ucc"}):
-        lm_launch._set_cuda_device_max_connections({"tensor_model_parallel_size": 2, **fsdp})
+        lm_launch.set_cuda_device_max_connections({"tensor_model_parallel_size": 2, **fsdp})
         assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ  # Megatron asserts it is not 1
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     with caplog.at_level(logging.WARNING, logger=lm_launch.__name__):
-        lm_launch._set_cuda_device_max_connections({"overlap_moe_expert_parallel_comm": True})
+        lm_launch.set_cuda_device_max_connections({"overlap_moe_expert_parallel_comm": True})
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"  # the shell's, kept
     assert "cannot run beside compute" in caplog.text

@@ -522,6 +522,28 @@ def test_the_tiny_config_trains_as_1f1b_under_every_schedule() -> None:
 @pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.route
+def test_tensor_parallel_ranks_train_as_1f1b() -> None:
+    """TP=2 x PP=2 on four CPU ranks, from scratch: dualpipev prints 1F1B's digits, and
+    ``--dry-run`` builds the parameters Megatron-LM's ``get_model`` built. Megatron-LM's
+    validate_args asks the device's architecture with TP > 1: on CPU ranks that was torch's
+    "Cannot re-initialize CUDA in forked subprocess" on every rank (the dry run: "Found no
+    NVIDIA driver")."""
+    printed = {}
+    for schedule in ("1f1b", "dualpipev"):
+        sets = (f"pipeline_schedule={schedule}", "tensor_model_parallel_size=2", "world_size=4")
+        done = _train(*sets)
+        assert done.returncode == 0, done.stderr[-3000:]
+        printed[schedule] = dict(LOSS.findall(done.stdout))
+        built = {int(r): int(n) for r, n in PRETRAIN_BUILT.findall(done.stdout)}
+        assert built == _dry_run_built(*sets), schedule
+    assert sorted(printed["1f1b"]) == ["1", "2", "3"], printed
+    assert printed["dualpipev"] == printed["1f1b"]
+
+
+@pytest.mark.megatron
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.route
 def test_the_readme_s_main_job_runs_megatron_lm_s_loop_where_0_19_is_installed() -> None:
     """``train --config configs/tiny_gpt_cpu.yaml`` (shortened): Megatron-LM's
     ``pretrain()`` builds the model, dualpipev runs it, and it learns."""

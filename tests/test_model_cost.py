@@ -229,6 +229,16 @@ def test_a_bad_shape_is_one_sentence_naming_the_key(values: dict, message: str) 
     assert "\n" not in str(err.value)
 
 
+def test_query_groups_count_only_with_group_query_attention() -> None:
+    """Megatron-LM builds ``num_query_groups`` only under ``group_query_attention``
+    (``core_transformer_config_from_args``); without it every head is its own group, and
+    the shape says so (configs/dense_70b_dualpipe.yaml gave 8 to a model built with 64)."""
+    values = {**SMALL, "num_attention_heads": 4, "num_query_groups": 2}
+    assert ModelShape.from_values(values, "cfg.yaml").num_query_groups is None
+    gqa = {**values, "group_query_attention": True}
+    assert ModelShape.from_values(gqa, "cfg.yaml").num_query_groups == 2
+
+
 def _megatron_parameter_counts(rank: int, world_size: int) -> dict[str, int]:
     """Parameters of a small GQA model with dense-then-MoE layers, a shared expert and MTP,
     as Megatron-Core's local spec builds it, summed per part."""

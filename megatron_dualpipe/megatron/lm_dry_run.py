@@ -24,7 +24,12 @@ from typing import Any
 
 import torch
 
-from .lm_launch import megatron_lm_run_argv, model_parallel_size, patched_training
+from .lm_launch import (
+    megatron_lm_run_argv,
+    model_parallel_size,
+    patched_training,
+    set_cuda_device_max_connections,
+)
 from .model.built import (
     BuiltSetup,
     DryRun,
@@ -56,6 +61,7 @@ def dry_run_with_megatron_lm(
     from .lm_args import MegatronLMConfigError, megatron_lm_parser
 
     started = time.perf_counter()
+    set_cuda_device_max_connections(settings)  # validate_args asserts it, as in train
     with patched_training():
         settings, notes = _buildable(settings)
         on_cpu = not torch.cuda.is_available()
@@ -102,6 +108,11 @@ def _buildable(settings: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
                 "built without FP8: TE's FP8 weight copies are not parameters; the memory "
                 "model counts them in the weights"
             )
+        if out.pop("sequence_parallel", None):  # torch's LayerNorm refuses it in Megatron
+            notes.append(
+                "built without sequence parallelism (Megatron-Core's local norms refuse it): "
+                "it splits activations, not parameters"
+            )
     if te:
         # TE's layers take the meta device from Megatron's --init-model-with-meta-device
         # (_get_extra_te_kwargs); Megatron-Core's own layers of the model (the embedding, the
@@ -128,6 +139,7 @@ def _as_rank(argv: list[str], rank: int, world: int) -> Iterator[Any]:
     from megatron.training.global_vars import unset_global_variables
 
     from ..megatron_lm import add_arguments
+    from .compat.cpu_compat_training import megatron_training_on_cpu
 
     variables = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0"}
     saved_env = {k: os.environ.get(k) for k in variables}
@@ -138,7 +150,8 @@ def _as_rank(argv: list[str], rank: int, world: int) -> Iterator[Any]:
     sys.argv = ["pretrain", *argv]
     megatrons.setLevel(logging.ERROR)
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
+        # validate_args asks the device's architecture with TP or CP > 1
+        with megatron_training_on_cpu(), contextlib.redirect_stdout(io.StringIO()):
             args = parse_and_validate_args(
                 extra_args_provider=add_arguments,
                 args_defaults={"tokenizer_type": "NullTokenizer"},

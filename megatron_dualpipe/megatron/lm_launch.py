@@ -109,7 +109,7 @@ def train_with_megatron_lm(settings: Mapping[str, Any], source: str) -> Measured
     CPU ranks. Returns, in the process of global rank 0 (or the one that forked the ranks),
     the step ``pipeline_timeline`` measured, else None. Raises
     :class:`~.lm_args.MegatronLMConfigError` before any rank starts."""
-    _set_cuda_device_max_connections(settings)  # before anything asks CUDA
+    set_cuda_device_max_connections(settings)  # before anything asks CUDA
     with patched_training():
         import torch
 
@@ -216,7 +216,7 @@ def checked_run_argv(
     return argv, parsed
 
 
-def _set_cuda_device_max_connections(settings: Mapping[str, Any]) -> None:
+def set_cuda_device_max_connections(settings: Mapping[str, Any]) -> None:
     """``CUDA_DEVICE_MAX_CONNECTIONS`` for this process and the ranks, where the launching
     shell left it unset, by the rule Megatron-LM's ``validate_args`` asserts (1 with tensor
     or context parallelism before Blackwell, not 1 with the MoE all-to-all overlap, FSDP or

@@ -254,27 +254,28 @@ def main(argv: Sequence[str] | None = None) -> dualpipe_lm.MeasuredStep | None:
         skip_compiling_shipped_dataset_helpers,
     )
 
-    saved = sys.argv
-    sys.argv = [saved[0], *(saved[1:] if argv is None else argv)]
-    try:
-        args = parse_and_validate_args(
-            extra_args_provider=dualpipe_lm.add_arguments,
-            args_defaults={"tokenizer_type": "NullTokenizer"},
-        )
-    finally:
-        sys.argv = saved
-    if args.transformer_impl == "transformer_engine" and find_spec("transformer_engine") is None:
-        _refuse(
-            "--transformer-impl transformer_engine (Megatron-LM's default) needs Transformer "
-            "Engine, which is not installed: pip install -e '.[te]' on a machine with CUDA, or "
-            "pass --transformer-impl local"
-        )
-    with warnings.catch_warnings():
-        # "use a ModelConfig instead of a model provider": the placement needs the provider
-        warnings.filterwarnings("ignore", message=r"\s*It is recommended to use a ModelConfig")
-        cfg = pretrain_cfg_container_from_args(args)
-    skip_compiling_shipped_dataset_helpers()  # the wheel's helpers are built already
-    with megatron_training_on_cpu():  # a no-op with CUDA
+    with megatron_training_on_cpu():  # a no-op with CUDA; validate_args asks the device too
+        saved = sys.argv
+        sys.argv = [saved[0], *(saved[1:] if argv is None else argv)]
+        try:
+            args = parse_and_validate_args(
+                extra_args_provider=dualpipe_lm.add_arguments,
+                args_defaults={"tokenizer_type": "NullTokenizer"},
+            )
+        finally:
+            sys.argv = saved
+        no_te = find_spec("transformer_engine") is None
+        if args.transformer_impl == "transformer_engine" and no_te:
+            _refuse(
+                "--transformer-impl transformer_engine (Megatron-LM's default) needs Transformer "
+                "Engine, which is not installed: pip install -e '.[te]' on a machine with CUDA, "
+                "or pass --transformer-impl local"
+            )
+        with warnings.catch_warnings():
+            # "use a ModelConfig instead of a model provider": the placement needs the provider
+            warnings.filterwarnings("ignore", message=r"\s*It is recommended to use a ModelConfig")
+            cfg = pretrain_cfg_container_from_args(args)
+        skip_compiling_shipped_dataset_helpers()  # the wheel's helpers are built already
         pretrain(
             cfg,
             train_valid_test_datasets_provider,

@@ -227,7 +227,11 @@ class ModelShape:
     def from_values(
         values: dict, source: str, origins: Mapping[str, str] | None = None
     ) -> ModelShape:
-        """Read the shape from a config's values; :class:`ConfigValueError` naming the key."""
+        """Read the shape from a config's values; :class:`ConfigValueError` naming the key.
+        ``num_query_groups`` counts only with ``group_query_attention``, as Megatron-LM's
+        ``core_transformer_config_from_args`` reads it (without, every head its own group)."""
+        if not values.get("group_query_attention"):
+            values = {**values, "num_query_groups": None}
         return read_fields(ModelShape, values, source, origins)
 
     def summary(self) -> str:

@@ -187,6 +187,15 @@ def _stream(stream: Any) -> contextlib.AbstractContextManager[None]:
     return contextlib.nullcontext()
 
 
+#: What the CPU view says of "the device": compute capability 9.0 (Hopper, the GPUs this
+#: project's figures are of), so Megatron's checks by architecture take the H100 path.
+_DEVICE_PROPERTIES = types.SimpleNamespace(name="cpu", major=9, minor=0, total_memory=0)
+
+
+def _device_properties(device: Any = None) -> types.SimpleNamespace:
+    return _DEVICE_PROPERTIES
+
+
 class _CudaOnCpu(types.ModuleType):
     """``torch.cuda`` as seen by a patched megatron module."""
 
@@ -200,6 +209,7 @@ class _CudaOnCpu(types.ModuleType):
         self.current_stream = _current_stream
         self.default_stream = _current_stream
         self.stream = _stream
+        self.get_device_properties = _device_properties
         # The device's generator is the CPU's (rerun state machine, checkpoint RNG state).
         self.get_rng_state = torch.get_rng_state
         self.set_rng_state = torch.set_rng_state
