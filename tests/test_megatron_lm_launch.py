@@ -174,21 +174,42 @@ def test_a_profile_megatron_lm_would_not_write_is_one_sentence(given: dict, said
         _check_profile(argparse.Namespace(**args), "x.yaml", on_cpu=False)
 
 
+@pytest.mark.parametrize(
+    "given",
+    [{"name": key} for key in ("log_memory_to_tensorboard", "moe_grouped_gemm",
+     "moe_permute_fusion", "tp_comm_overlap", "use_torch_fsdp2", "use_megatron_fsdp")]
+    + [{"moe_token_dispatcher_type": "flex"}],
+    ids=lambda given: given.get("name") or "flex",
+)  # fmt: skip
+def test_what_needs_cuda_is_refused_on_cpu_ranks_in_one_sentence(given: dict) -> None:
+    """Each failed on every CPU rank (a KeyError from torch.cuda.memory_stats(), torch's
+    "Cannot re-initialize CUDA in forked subprocess", "install TE >= 2.1.0", "DeepEP is not
+    installed", Megatron-FSDP's format assertion)."""
+    from megatron_dualpipe.megatron.lm_launch import CUDA_ONLY, _check_cuda_only
+
+    name = given.get("name")
+    args = argparse.Namespace(**({name: True} if name else given))
+    with pytest.raises(MegatronLMConfigError) as refused:
+        _check_cuda_only(args, "x.yaml")
+    if name:
+        assert str(refused.value) == (
+            f"x.yaml: {name} needs {CUDA_ONLY[name]}, which CPU ranks have not: set {name}: "
+            "false here"
+        )
+    else:
+        assert str(refused.value).endswith("use alltoall or allgather here")
+    _check_cuda_only(argparse.Namespace(moe_token_dispatcher_type="alltoall"), "x.yaml")
+
+
 @pytest.mark.megatron
 @pytest.mark.route
 def test_cuda_s_memory_statistics_on_cpu_ranks_are_refused_before_any_rank() -> None:
-    """Megatron-LM's training_log reads torch.cuda.memory_stats() for TensorBoard: on CPU
-    ranks a rank failed with KeyError: 'reserved_bytes.all.current'."""
+    """Through :func:`checked_run_argv` (Megatron-LM's parser): before any rank."""
     from megatron_dualpipe.megatron.lm_launch import checked_run_argv, patched_training
 
     settings = {"train_iters": 3, "eval_interval": 3, "log_memory_to_tensorboard": True}
-    with patched_training(), pytest.raises(MegatronLMConfigError) as refused:
+    with patched_training(), pytest.raises(MegatronLMConfigError, match="^x.yaml: log_memory"):
         checked_run_argv(settings, "x.yaml", on_cpu=True)
-    assert str(refused.value) == (
-        "x.yaml: log_memory_to_tensorboard logs CUDA's memory statistics "
-        "(torch.cuda.memory_stats), which CPU ranks have not (a rank failed at its first log "
-        "line): set log_memory_to_tensorboard: false here"
-    )
 
 
 #: A run saving asynchronously with the persistent worker and Megatron-Core's own strategy.

@@ -204,12 +204,8 @@ def checked_run_argv(
     check_load(parsed)  # each rank checks again in apply()
     _check_intervals(parsed, source)
     _check_profile(parsed, source, on_cpu=on_cpu)
-    if on_cpu and getattr(parsed, "log_memory_to_tensorboard", False):
-        raise MegatronLMConfigError(
-            f"{source}: log_memory_to_tensorboard logs CUDA's memory statistics "
-            "(torch.cuda.memory_stats), which CPU ranks have not (a rank failed at its first "
-            "log line): set log_memory_to_tensorboard: false here"
-        )
+    if on_cpu:
+        _check_cuda_only(parsed, source)
     _check_async_save(parsed, source, on_cpu=on_cpu)
     check_folders(parsed, source)
     _check_data_files(parsed, source)
@@ -309,6 +305,33 @@ def _check_intervals(parsed: argparse.Namespace, source: str) -> None:
             "divides the training iterations by it to size the validation data (an error on "
             "every rank): set eval_interval above 0, e.g. to train_iters (eval_iters: 0 "
             "validates nothing)"
+        )
+
+
+#: Megatron-LM switches that need what CPU ranks have not, and what (each failed on every
+#: CPU rank, in a traceback or an error about CUDA, before it was refused here).
+CUDA_ONLY = {
+    "log_memory_to_tensorboard": "CUDA's memory statistics (torch.cuda.memory_stats)",
+    "moe_grouped_gemm": "grouped-GEMM kernels (validate_args asks the GPU's capability)",
+    "moe_permute_fusion": "Transformer Engine's fused permutation",
+    "tp_comm_overlap": "Transformer Engine's userbuffers",
+    "use_torch_fsdp2": "torch's fully_shard over CUDA devices",
+    "use_megatron_fsdp": "Megatron-FSDP's CUDA buffers",
+}
+
+
+def _check_cuda_only(parsed: argparse.Namespace, source: str) -> None:
+    """On CPU ranks: a switch of :data:`CUDA_ONLY` on, or the ``flex`` token dispatcher
+    (DeepEP's or HybridEP's GPU kernels), is one sentence before any rank."""
+    for key, needs in CUDA_ONLY.items():
+        if getattr(parsed, key, False):
+            raise MegatronLMConfigError(
+                f"{source}: {key} needs {needs}, which CPU ranks have not: set {key}: false here"
+            )
+    if getattr(parsed, "moe_token_dispatcher_type", None) == "flex":
+        raise MegatronLMConfigError(
+            f"{source}: moe_token_dispatcher_type flex needs DeepEP's or HybridEP's GPU "
+            "kernels, which CPU ranks have not: use alltoall or allgather here"
         )
 
 

@@ -46,6 +46,7 @@ _TORCH_ON_CPU_SITES: tuple[str, ...] = (
     "megatron.core.transformer.moe.token_dispatcher",
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.grad_scaler",
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.pipeline_parallel.utils",
