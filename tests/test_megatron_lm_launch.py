@@ -176,29 +176,37 @@ def test_a_profile_megatron_lm_would_not_write_is_one_sentence(given: dict, said
 
 @pytest.mark.parametrize(
     "given",
-    [{"name": key} for key in ("log_memory_to_tensorboard", "moe_grouped_gemm",
-     "moe_permute_fusion", "tp_comm_overlap", "use_torch_fsdp2", "use_megatron_fsdp")]
-    + [{"moe_token_dispatcher_type": "flex"}],
-    ids=lambda given: given.get("name") or "flex",
+    [{"name": key} for key in ("moe_grouped_gemm", "moe_permute_fusion", "tp_comm_overlap",
+     "use_torch_fsdp2", "use_megatron_fsdp")]
+    + [{"moe_token_dispatcher_type": "flex"},
+       {"sequence_parallel": True, "tensor_model_parallel_size": 2},
+       {"log_memory_to_tensorboard": True, "tensorboard_dir": "tb"}],
+    ids=lambda given: given.get("name") or next(iter(given)),
 )  # fmt: skip
 def test_what_needs_cuda_is_refused_on_cpu_ranks_in_one_sentence(given: dict) -> None:
-    """Each failed on every CPU rank (a KeyError from torch.cuda.memory_stats(), torch's
-    "Cannot re-initialize CUDA in forked subprocess", "install TE >= 2.1.0", "DeepEP is not
-    installed", Megatron-FSDP's format assertion)."""
+    """Each failed on CPU ranks ("Cannot re-initialize CUDA in forked subprocess", "install
+    TE >= 2.1.0", "DeepEP is not installed", "sequence parallel not supported by torch
+    LayerNorm", a KeyError from torch.cuda.memory_stats() on the TensorBoard writer's rank,
+    Megatron-FSDP's CUDA device)."""
     from megatron_dualpipe.megatron.lm_launch import CUDA_ONLY, _check_cuda_only
 
     name = given.get("name")
     args = argparse.Namespace(**({name: True} if name else given))
     with pytest.raises(MegatronLMConfigError) as refused:
         _check_cuda_only(args, "x.yaml")
+    said = str(refused.value)
     if name:
-        assert str(refused.value) == (
-            f"x.yaml: {name} needs {CUDA_ONLY[name]}, which CPU ranks have not: set {name}: "
-            "false here"
+        assert said == f"x.yaml: {name} needs {CUDA_ONLY[name]}, which CPU ranks have not: " + (
+            f"set {name}: false here"
         )
     else:
-        assert str(refused.value).endswith("use alltoall or allgather here")
-    _check_cuda_only(argparse.Namespace(moe_token_dispatcher_type="alltoall"), "x.yaml")
+        assert said.startswith(f"x.yaml: {next(iter(given))} ") and said.endswith(" here")
+    for harmless in (
+        {"moe_token_dispatcher_type": "alltoall"},
+        {"sequence_parallel": True, "tensor_model_parallel_size": 1},  # Megatron turns it off
+        {"log_memory_to_tensorboard": True, "tensorboard_dir": None},  # no writer: no read
+    ):
+        _check_cuda_only(argparse.Namespace(**harmless), "x.yaml")
 
 
 @pytest.mark.megatron
@@ -208,6 +216,7 @@ def test_cuda_s_memory_statistics_on_cpu_ranks_are_refused_before_any_rank() -> 
     from megatron_dualpipe.megatron.lm_launch import checked_run_argv, patched_training
 
     settings = {"train_iters": 3, "eval_interval": 3, "log_memory_to_tensorboard": True}
+    settings["tensorboard_dir"] = "tb"
     with patched_training(), pytest.raises(MegatronLMConfigError, match="^x.yaml: log_memory"):
         checked_run_argv(settings, "x.yaml", on_cpu=True)
 

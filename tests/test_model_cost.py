@@ -237,6 +237,8 @@ def test_query_groups_count_only_with_group_query_attention() -> None:
     assert ModelShape.from_values(values, "cfg.yaml").num_query_groups is None
     gqa = {**values, "group_query_attention": True}
     assert ModelShape.from_values(gqa, "cfg.yaml").num_query_groups == 2
+    del gqa["num_query_groups"]  # Megatron-LM's --num-query-groups defaults to 1
+    assert ModelShape.from_values(gqa, "cfg.yaml").num_query_groups == 1
 
 
 def _megatron_parameter_counts(rank: int, world_size: int) -> dict[str, int]:

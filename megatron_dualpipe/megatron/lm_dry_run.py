@@ -62,6 +62,9 @@ def dry_run_with_megatron_lm(
 
     started = time.perf_counter()
     set_cuda_device_max_connections(settings)  # validate_args asserts it, as in train
+    #: What the build leaves out and the memory model still counts (FP8's weight copies,
+    #: sequence parallelism's split activations).
+    modelled = {key: settings[key] for key in ("fp8", "sequence_parallel") if key in settings}
     with patched_training():
         settings, notes = _buildable(settings)
         on_cpu = not torch.cuda.is_available()
@@ -84,7 +87,7 @@ def dry_run_with_megatron_lm(
             reports.append(report)
             named.update(mine)
     assert setup is not None  # parse_ranks gives at least one rank
-    return finished(setup, {**settings, **values}, reports, named, notes, started)
+    return finished(setup, {**settings, **values, **modelled}, reports, named, notes, started)
 
 
 def _buildable(settings: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -108,11 +111,11 @@ def _buildable(settings: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
                 "built without FP8: TE's FP8 weight copies are not parameters; the memory "
                 "model counts them in the weights"
             )
-        if out.pop("sequence_parallel", None):  # torch's LayerNorm refuses it in Megatron
-            notes.append(
-                "built without sequence parallelism (Megatron-Core's local norms refuse it): "
-                "it splits activations, not parameters"
-            )
+    if not te and out.pop("sequence_parallel", None):  # Megatron's local norms refuse it
+        notes.append(
+            "built without sequence parallelism (Megatron-Core's local norms refuse it): it "
+            "splits activations, not parameters; the memory model counts it"
+        )
     if te:
         # TE's layers take the meta device from Megatron's --init-model-with-meta-device
         # (_get_extra_te_kwargs); Megatron-Core's own layers of the model (the embedding, the

@@ -308,10 +308,9 @@ def _check_intervals(parsed: argparse.Namespace, source: str) -> None:
         )
 
 
-#: Megatron-LM switches that need what CPU ranks have not, and what (each failed on every
-#: CPU rank, in a traceback or an error about CUDA, before it was refused here).
+#: Megatron-LM switches that need what CPU ranks have not, and what (each failed on CPU
+#: ranks, in a traceback or an error, before it was refused here).
 CUDA_ONLY = {
-    "log_memory_to_tensorboard": "CUDA's memory statistics (torch.cuda.memory_stats)",
     "moe_grouped_gemm": "grouped-GEMM kernels (validate_args asks the GPU's capability)",
     "moe_permute_fusion": "Transformer Engine's fused permutation",
     "tp_comm_overlap": "Transformer Engine's userbuffers",
@@ -321,8 +320,25 @@ CUDA_ONLY = {
 
 
 def _check_cuda_only(parsed: argparse.Namespace, source: str) -> None:
-    """On CPU ranks: a switch of :data:`CUDA_ONLY` on, or the ``flex`` token dispatcher
-    (DeepEP's or HybridEP's GPU kernels), is one sentence before any rank."""
+    """On CPU ranks: a switch of :data:`CUDA_ONLY` on, the ``flex`` token dispatcher
+    (DeepEP's or HybridEP's GPU kernels), sequence parallelism over TP > 1 (Megatron-Core's
+    local norms refuse it) or ``log_memory_to_tensorboard`` where a TensorBoard writer logs
+    (``torch.cuda.memory_stats()``) is one sentence before any rank."""
+    tensor_parallel = getattr(parsed, "tensor_model_parallel_size", 1)
+    if getattr(parsed, "sequence_parallel", False) and tensor_parallel > 1:
+        raise MegatronLMConfigError(
+            f"{source}: sequence_parallel needs Transformer Engine's or Apex's norms "
+            "(Megatron-Core's local ones refuse it), which CPU ranks cannot run: set "
+            "sequence_parallel: false here"
+        )
+    if getattr(parsed, "log_memory_to_tensorboard", False) and getattr(
+        parsed, "tensorboard_dir", None
+    ):
+        raise MegatronLMConfigError(
+            f"{source}: log_memory_to_tensorboard needs CUDA's memory statistics "
+            "(torch.cuda.memory_stats), which CPU ranks have not: set log_memory_to_tensorboard: "
+            "false here"
+        )
     for key, needs in CUDA_ONLY.items():
         if getattr(parsed, key, False):
             raise MegatronLMConfigError(

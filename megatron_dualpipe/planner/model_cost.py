@@ -229,9 +229,12 @@ class ModelShape:
     ) -> ModelShape:
         """Read the shape from a config's values; :class:`ConfigValueError` naming the key.
         ``num_query_groups`` counts only with ``group_query_attention``, as Megatron-LM's
-        ``core_transformer_config_from_args`` reads it (without, every head its own group)."""
+        ``core_transformer_config_from_args`` reads it (without, every head its own group;
+        with, Megatron-LM's default is one group)."""
         if not values.get("group_query_attention"):
             values = {**values, "num_query_groups": None}
+        elif values.get("num_query_groups") is None:
+            values = {**values, "num_query_groups": 1}
         return read_fields(ModelShape, values, source, origins)
 
     def summary(self) -> str:

@@ -197,6 +197,10 @@ def _device_properties(device: Any = None) -> types.SimpleNamespace:
     return _DEVICE_PROPERTIES
 
 
+def _device_capability(device: Any = None) -> tuple[int, int]:
+    return _DEVICE_PROPERTIES.major, _DEVICE_PROPERTIES.minor
+
+
 class _CudaOnCpu(types.ModuleType):
     """``torch.cuda`` as seen by a patched megatron module."""
 
@@ -211,6 +215,7 @@ class _CudaOnCpu(types.ModuleType):
         self.default_stream = _current_stream
         self.stream = _stream
         self.get_device_properties = _device_properties
+        self.get_device_capability = _device_capability
         # The device's generator is the CPU's (rerun state machine, checkpoint RNG state).
         self.get_rng_state = torch.get_rng_state
         self.set_rng_state = torch.set_rng_state
