@@ -54,3 +54,6 @@ def test_train_sets_it_before_any_rank_and_keeps_an_exported_value(
         lm_launch.set_cuda_device_max_connections({"overlap_moe_expert_parallel_comm": True})
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"  # the shell's, kept
     assert "cannot run beside compute" in caplog.text
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")  # a size Megatron-LM's parser refuses
+    lm_launch.set_cuda_device_max_connections({"tensor_model_parallel_size": "two"})
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ  # was a ValueError's traceback

@@ -217,12 +217,18 @@ def set_cuda_device_max_connections(settings: Mapping[str, Any]) -> None:
     shell left it unset, by the rule Megatron-LM's ``validate_args`` asserts (1 with tensor
     or context parallelism before Blackwell, not 1 with the MoE all-to-all overlap, FSDP or
     UCC): set from the config's values before anything here asks CUDA (the driver reads it
-    when CUDA starts); a value set against the rule is kept, with one warning."""
+    when CUDA starts); a value set against the rule is kept, with one warning. Sizes that
+    are not whole numbers set nothing: Megatron-LM's parser refuses them next."""
     from .schedule.checks import cuda_device_max_connections
 
+    try:
+        tensor_parallel = int(settings.get("tensor_model_parallel_size") or 1)
+        context_parallel = int(settings.get("context_parallel_size") or 1)
+    except (TypeError, ValueError):
+        return
     value, warning = cuda_device_max_connections(
-        tensor_parallel=int(settings.get("tensor_model_parallel_size") or 1),
-        context_parallel=int(settings.get("context_parallel_size") or 1),
+        tensor_parallel=tensor_parallel,
+        context_parallel=context_parallel,
         overlap=bool(settings.get("overlap_moe_expert_parallel_comm")),
         current=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
         more_than_one=bool(
