@@ -178,10 +178,11 @@ def test_a_send_never_received_is_named_as_a_wait_that_timed_out() -> None:
         for work in transport.works:
             work.released.set()
         comm.close()
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 10.0  # it gives up, however loaded the machine
     assert _MESSAGE.match(str(raised.value)), raised.value
-    assert re.fullmatch(
-        r"pipeline rank 0 gave up on \S+ \(peer: rank 1\) after 0\.2 s: no progress within the "
-        r"0\.2 s timeout \(Timed out waiting for send\)",
+    said = re.fullmatch(
+        r"pipeline rank 0 gave up on \S+ \(peer: rank 1\) after (\d+\.\d) s: no progress "
+        r"within the 0\.2 s timeout \(Timed out waiting for send\)",
         str(raised.value),
-    ), raised.value
+    )
+    assert said and float(said[1]) >= 0.2, raised.value  # 0.3 s seen on a loaded machine
