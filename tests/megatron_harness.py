@@ -60,8 +60,10 @@ NUM_MICROBATCHES = 8
 MICRO_BATCH_SIZE = 2
 INIT_SEED = 1234
 DATA_SEED = 99
-TIMEOUT_MIN = 0.1
-PG_TIMEOUT_S = 6.0
+#: The waits' bounds (times the ranks per core): long enough for a loaded CI machine (a
+#: 12 s gloo send timed out in a clean-clone CI run), short enough that a hang fails.
+TIMEOUT_MIN = 0.5
+PG_TIMEOUT_S = 30.0
 RUN_TIMEOUT_S = 60.0
 #: More ranks than cores wait on one another longer: timeouts grow with ranks per core.
 CORES = max(1, os.cpu_count() or 1)
