@@ -62,8 +62,8 @@ def dry_run_with_megatron_lm(
 
     started = time.perf_counter()
     set_cuda_device_max_connections(settings)  # validate_args asserts it, as in train
-    #: What the build leaves out and the memory model still counts (FP8's weight copies,
-    #: sequence parallelism's split activations).
+    # What the build leaves out and the memory model still counts (FP8's weight copies,
+    # sequence parallelism's split activations).
     modelled = {key: settings[key] for key in ("fp8", "sequence_parallel") if key in settings}
     with patched_training():
         settings, notes = _buildable(settings)

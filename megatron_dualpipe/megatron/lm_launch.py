@@ -337,15 +337,10 @@ def _check_cuda_only(parsed: argparse.Namespace, source: str) -> None:
             "(Megatron-Core's local ones refuse it), which CPU ranks cannot run: set "
             "sequence_parallel: false here"
         )
-    if getattr(parsed, "log_memory_to_tensorboard", False) and getattr(
-        parsed, "tensorboard_dir", None
-    ):
-        raise MegatronLMConfigError(
-            f"{source}: log_memory_to_tensorboard needs CUDA's memory statistics "
-            "(torch.cuda.memory_stats), which CPU ranks have not: set log_memory_to_tensorboard: "
-            "false here"
-        )
-    for key, needs in CUDA_ONLY.items():
+    needing = dict(CUDA_ONLY)
+    if getattr(parsed, "tensorboard_dir", None):  # only a TensorBoard writer reads them
+        needing["log_memory_to_tensorboard"] = "CUDA's memory statistics (torch.cuda.memory_stats)"
+    for key, needs in needing.items():
         if getattr(parsed, key, False):
             raise MegatronLMConfigError(
                 f"{source}: {key} needs {needs}, which CPU ranks have not: set {key}: false here"
