@@ -15,8 +15,9 @@ docs/runtime.md, "Communication on NCCL".
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from .comm_plan import Comm, CommOp, CommPlan, Init, Issue, PlanKey, Wait, key_text
 from .ir import ScheduleError
@@ -110,6 +111,36 @@ def _stream_label(streams: Streams) -> Callable[[int, Comm], Hashable]:
     return lambda rank, comm: streams.get((rank, comm), comm)
 
 
+T = TypeVar("T")
+
+
+class _Pending(Generic[T]):
+    """A first-in first-out queue that holds each item once: an item already waiting is
+    looked at after whatever woke it again, so a second entry would find nothing new."""
+
+    def __init__(self, items: Iterable[T] = ()) -> None:
+        self._order: deque[T] = deque()
+        self._held: set[T] = set()
+        self.extend(items)
+
+    def __bool__(self) -> bool:
+        return bool(self._order)
+
+    def append(self, item: T) -> None:
+        if item not in self._held:
+            self._held.add(item)
+            self._order.append(item)
+
+    def extend(self, items: Iterable[T]) -> None:
+        for item in items:
+            self.append(item)
+
+    def popleft(self) -> T:
+        item = self._order.popleft()
+        self._held.discard(item)
+        return item
+
+
 class _Model:
     """The state of one run of the rules over a plan."""
 
@@ -126,8 +157,8 @@ class _Model:
         self.ready: set[Comm] = set()
         self.arrived: dict[Comm, set[int]] = {}
         self.eager_comms = {s.comm for steps in plan.ranks for s in steps if isinstance(s, Init)}
-        self.touched: deque[tuple[int, Hashable]] = deque()  # streams that may progress
-        self.woken: deque[int] = deque(range(n))  # hosts that may go on
+        self.touched: _Pending[tuple[int, Hashable]] = _Pending()  # streams that may progress
+        self.woken: _Pending[int] = _Pending(range(n))  # hosts that may go on
 
     # -- hosts -----------------------------------------------------------------------
     def _setup(self, rank: int, comm: Comm) -> bool:
