@@ -61,7 +61,7 @@ part() {  # part NAME COMMAND...
 # other 1,522 s (docs/megatron-versions.md).
 route_a=(tests/test_megatron_lm_loop.py tests/test_fault_orphans.py tests/test_fault_ranks.py
   tests/test_megatron_lm_faults.py tests/test_slurm.py tests/test_megatron_lm_dry_run.py
-  tests/test_megatron_lm_patch.py)
+  tests/test_megatron_lm_patch.py tests/test_profile_trace.py)
 python -m pytest -m "route and slow" -p no:cacheprovider "${route_a[@]}" > .ci/route-a.log 2>&1 &
 route_a_pid=$!
 # Half A goes with the script however it ends (in the background it ignores Ctrl-C).

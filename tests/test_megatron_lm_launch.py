@@ -12,6 +12,7 @@ The key-to-flag rules run against a parser with the kinds of argument Megatron-L
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -482,6 +483,18 @@ def _train(*sets: str) -> subprocess.CompletedProcess:
     return subprocess.run(_command(*sets), cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
+#: Megatron-LM's default, set over the tiny config's untied embeddings.
+TIED = "untie_embeddings_and_output_weights=false"
+
+
+@functools.cache
+def _trained(schedule: str) -> subprocess.CompletedProcess:
+    """The tiny config trained from scratch under ``schedule``, tied: one run that every
+    test comparing against it reads (it saves nothing, and the same flags print the same
+    digits)."""
+    return _train(f"pipeline_schedule={schedule}", TIED)
+
+
 def _refused(*sets: str) -> str:
     """The last line of a :func:`_train` that refused before any rank (exit 2, nothing
     trained)."""
@@ -530,8 +543,8 @@ def test_the_tiny_config_trains_as_1f1b_under_every_schedule() -> None:
     4.876 at step 1, then barely learning)."""
     printed = {}
     for schedule in ("1f1b", "zb1p", "dualpipev", "dualpipe"):
-        sets = (f"pipeline_schedule={schedule}", "untie_embeddings_and_output_weights=false")
-        done = _train(*sets)
+        sets = (f"pipeline_schedule={schedule}", TIED)
+        done = _trained(schedule)
         assert done.returncode == 0, done.stderr[-3000:]
         built = {int(r): int(n) for r, n in PRETRAIN_BUILT.findall(done.stdout)}
         assert built == _dry_run_built(*sets), schedule
@@ -650,9 +663,9 @@ def test_under_srun_each_process_is_a_rank_and_trains_as_forked(tmp_path: Path) 
     digits that the two ranks the command forks itself train."""
     from megatron_dualpipe.runtime.launch import pick_port
 
-    forked = _train("pipeline_schedule=dualpipev")
+    forked = _trained("dualpipev")
     assert forked.returncode == 0, forked.stderr[-3000:]
-    command = _command("pipeline_schedule=dualpipev")
+    command = _command("pipeline_schedule=dualpipev", TIED)
     port, ranks = str(pick_port()), []
     try:
         for rank in range(2):
@@ -733,8 +746,8 @@ def test_a_saved_order_trains_with_the_generated_order_s_losses(tmp_path: Path) 
                 str(order)]  # fmt: skip
     saved = subprocess.run(simulate, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert saved.returncode == 0, saved.stderr[-2000:]
-    generated = _train("pipeline_schedule=dualpipev")
-    reordered = _train("pipeline_schedule=dualpipev", f"pipeline_schedule_file={order}")
+    generated = _trained("dualpipev")
+    reordered = _train("pipeline_schedule=dualpipev", TIED, f"pipeline_schedule_file={order}")
     for done in (generated, reordered):
         assert done.returncode == 0, done.stderr[-3000:]
     said = f"pipeline schedule: dualpipev (megatron-dualpipe's, in the order saved in {order})"
@@ -756,8 +769,8 @@ def test_the_timeline_of_a_run_is_drawn_and_summarised_and_changes_no_digit(
     prediction, each rank's measured and simulated bubble printed; the losses are the
     run's without it."""
     png = tmp_path / "out" / "timeline.png"
-    plain = _train(f"pipeline_schedule={schedule}")
-    drawn = _train(f"pipeline_schedule={schedule}", f"pipeline_timeline={png}")
+    plain = _trained(schedule)
+    drawn = _train(f"pipeline_schedule={schedule}", TIED, f"pipeline_timeline={png}")
     for done in (plain, drawn):
         assert done.returncode == 0, done.stderr[-3000:]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
