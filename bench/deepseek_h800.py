@@ -8,7 +8,7 @@ runs ``megatron-dualpipe simulate --profile TRACE`` (the per-layer figures) and
 ``simulate --profile TRACE --config configs/deepseek_v3_pp16.yaml --schedule all`` at the
 config's 120 micro-batches and at 32, 64 and 128 (and at PP=8, with ``--set``, at 32, 64
 and 128), and writes their output into the section
-(replacing the one there; ``megatron-dualpipe bench --out docs`` keeps it). ``--print`` writes the
+(replacing the one there; ``python -m bench --out docs`` keeps it). ``--print`` writes the
 section to stdout instead.
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from megatron_dualpipe.bench.suite import DEEPSEEK_TITLE, replace_section  # noqa: E402
+from bench.suite import DEEPSEEK_TITLE, replace_section  # noqa: E402
 
 CONFIG = "configs/deepseek_v3_pp16.yaml"
 MICROBATCHES = (120, 32, 64, 128)

@@ -21,14 +21,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from megatron_dualpipe.bench.measured import (  # noqa: E402
+from bench.measured import (  # noqa: E402
     BASELINE,
     OPTIMISED_PEERS,
     MeasuredConfig,
     MeasuredRun,
     measure,
 )
-from megatron_dualpipe.bench.measured_report import measured_table  # noqa: E402
+from bench.measured_report import measured_table  # noqa: E402
 from megatron_dualpipe.planner.report import markdown_table  # noqa: E402
 
 

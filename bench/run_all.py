@@ -1,6 +1,6 @@
 """Regenerate docs/BENCHMARKS.md, its figures and docs/benchmarks.json (the simulated grid,
 Megatron's, torch's and our schedules measured side by side, and torch's runtime alone).
-Takes a few minutes. Extra arguments go to ``megatron-dualpipe bench``, e.g. ``--quick``.
+Takes a few minutes. Extra arguments go to ``python -m bench``, e.g. ``--quick``.
 
     python bench/run_all.py
 """
@@ -13,10 +13,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from megatron_dualpipe.cli import main  # noqa: E402
+from bench.__main__ import main  # noqa: E402
 
 if __name__ == "__main__":
     docs = ROOT / "docs"
-    sys.exit(
-        main(["bench", "--out", str(docs), "--json", str(docs / "benchmarks.json"), *sys.argv[1:]])
-    )
+    sys.exit(main(["--out", str(docs), "--json", str(docs / "benchmarks.json"), *sys.argv[1:]]))

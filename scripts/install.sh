@@ -14,7 +14,8 @@ pip_install() { python -m pip install --no-input "$@"; }
 say "into $(python -c 'import sys; print(sys.prefix)') (Python $(python -c 'import platform; print(platform.python_version())'))"
 if ! python -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
   say "note: train runs Megatron-LM's loop from megatron-core 0.19, published for Python 3.12" \
-    "only; on this Python, simulate, bench, preprocess and the tests run, and train says so"
+    "only; on this Python, simulate, python -m bench, preprocess and the tests run, and" \
+    "train says so"
 fi
 if python -c "import torch" 2>/dev/null; then
   say "keeping the installed torch $(python -c 'import torch; print(torch.__version__)')"

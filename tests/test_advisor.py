@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dualpipe.bench.catalog import SCHEDULES as CATALOG
 from megatron_dualpipe.planner.advisor import (
     ParallelSetup,
     StageTiming,
@@ -23,6 +22,7 @@ from megatron_dualpipe.planner.config_advice import ConfigModel
 from megatron_dualpipe.planner.memory import MemoryModel, MemorySettings
 from megatron_dualpipe.planner.model_cost import ModelShape
 from megatron_dualpipe.planner.retime import Retimer
+from megatron_dualpipe.planner.schedule_catalog import SCHEDULES as CATALOG
 from megatron_dualpipe.schedules.cost import CostModel
 from megatron_dualpipe.schedules.ir import ScheduleError
 from megatron_dualpipe.schedules.layer_split import stages_from_counts

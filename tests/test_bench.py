@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_dualpipe.bench import simulated, suite
-from megatron_dualpipe.bench.catalog import PROFILES, SCHEDULES
-from megatron_dualpipe.bench.launch import BenchError, run_ranks
-from megatron_dualpipe.bench.simulated import LOWER_BOUND, simulate_cell, simulated_table
-from megatron_dualpipe.bench.sleep_model import SleepClock, SleepCosts, SleepLinear, SleepStage
-from megatron_dualpipe.cli import main
+from bench import simulated, suite
+from bench.__main__ import main
+from bench.launch import BenchError, run_ranks
+from bench.simulated import LOWER_BOUND, simulate_cell, simulated_table
+from bench.sleep_model import SleepClock, SleepCosts, SleepLinear, SleepStage
 from megatron_dualpipe.planner.optimize import Effort
+from megatron_dualpipe.planner.schedule_catalog import PROFILES, SCHEDULES
 
 # -- simulated ---------------------------------------------------------------------------
 
@@ -44,7 +44,7 @@ def test_every_line_of_the_bubble_figure_has_a_colour_of_its_own() -> None:
 
     from matplotlib.colors import to_hex
 
-    from megatron_dualpipe.bench.plots import bubble_figure
+    from bench.plots import bubble_figure
 
     rows = [r for m in (8, 16) for r in simulate_cell(PROFILES[0], 4, m)]
     optimised = [
@@ -125,7 +125,7 @@ def test_quick_bench_writes_tables_figures_and_json(
         simulated, "OPTIMISER_EFFORT", Effort(builds=4, evaluations=20, milp_nodes=20)
     )
     out, data = tmp_path / "out", tmp_path / "bench.json"
-    argv = ["bench", "--quick", "--only", "simulated", "--out", str(out), "--json", str(data)]
+    argv = ["--quick", "--only", "simulated", "--out", str(out), "--json", str(data)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "**F=B=W, PP=4**" in printed and "torch-dualpipev" in printed
@@ -246,7 +246,7 @@ def test_run_ranks_names_the_failing_rank() -> None:
 
 
 def test_measured_peers_run_end_to_end_tiny() -> None:
-    from megatron_dualpipe.bench.peers import PeerConfig, measure_peers, peers_table
+    from bench.peers import PeerConfig, measure_peers, peers_table
 
     config = PeerConfig(pp=2, microbatches=4, share_ms=1.0, steps=1, warmup=1, timeout_s=120)
     results = measure_peers(config)

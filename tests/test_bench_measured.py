@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dualpipe.bench import measured as measured_mod
-from megatron_dualpipe.bench import suite
-from megatron_dualpipe.bench.measured import (
+from bench import measured as measured_mod
+from bench import suite
+from bench.__main__ import main
+from bench.measured import (
     BASELINE,
     MEASURED_SCHEDULES,
     OPTIMISED,
@@ -27,14 +28,13 @@ from megatron_dualpipe.bench.measured import (
     measure,
     per_action_overhead_ms,
 )
-from megatron_dualpipe.bench.measured_report import (
+from bench.measured_report import (
     OURS,
     comparison_table,
     measured_table,
     memory_table,
     not_ahead,
 )
-from megatron_dualpipe.cli import main
 from megatron_dualpipe.schedules import generate, simulate
 
 pytestmark = [pytest.mark.megatron, pytest.mark.multiproc, pytest.mark.slow]
@@ -172,7 +172,7 @@ def test_measured_section_writes_tables_figures_and_json(
     monkeypatch.setattr(measured_mod, "QUICK", TINY)
     monkeypatch.setattr(measured_mod, "measure", lambda config, verbose=False: tiny_run())
     out, data = tmp_path / "out", tmp_path / "bench.json"
-    argv = ["bench", "--quick", "--only", "measured", "--out", str(out), "--json", str(data)]
+    argv = ["--quick", "--only", "measured", "--out", str(out), "--json", str(data)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "**Measured on sleep ops, PP=2" in printed
@@ -188,11 +188,12 @@ def test_measured_section_writes_tables_figures_and_json(
 @pytest.mark.megatron
 @pytest.mark.multiproc
 def test_the_measured_section_prints_no_warnings() -> None:
-    """The smallest equivalent of ``bench --quick``'s measured section (the one that runs
-    megatron-core), in a fresh interpreter where pytest's warning filters do not apply:
-    megatron-core's TE/apex-missing and deprecation warnings are hidden as in ``train``."""
+    """The smallest equivalent of ``python -m bench --quick``'s measured section (the one
+    that runs megatron-core), in a fresh interpreter where pytest's warning filters do not
+    apply: megatron-core's TE/apex-missing and deprecation warnings are hidden as in
+    ``train``."""
     code = (
-        "from megatron_dualpipe.bench.measured import MeasuredConfig, measure\n"
+        "from bench.measured import MeasuredConfig, measure\n"
         "measure(MeasuredConfig(pp=2, microbatches=4, share_ms=2.0, launches=1, steps=1,"
         " warmup=1, schedules=('megatron-1f1b', 'megatron-interleaved', 'dualpipev'),"
         " timeline=None, timeout_s=120.0, pg_timeout_s=30.0))\n"

@@ -28,8 +28,9 @@ def test_top_level_help_is_plain_text(capsys: pytest.CaptureFixture) -> None:
         main(["--help"])
     text = capsys.readouterr().out
     assert "``" not in text and ":class:" not in text and ":mod:" not in text
-    for command in ("simulate", "train", "bench", "--version"):
+    for command in ("simulate", "train", "--version"):
         assert command in text
+    assert "bench" not in text  # the benchmark is the checkout's python -m bench
 
 
 def test_simulate_help_shows_the_defaults(capsys: pytest.CaptureFixture) -> None:
@@ -51,22 +52,27 @@ def test_simulates_micro_batch_error_names_its_own_options(capsys: pytest.Captur
     assert err.strip().endswith("got 3: change --microbatches")
 
 
+_CLI = "megatron_dualpipe.cli"
+
+
 @pytest.mark.parametrize(
-    ("argv", "expected"),
+    ("front", "argv", "expected"),
     [
-        (["train", "--config", "missing.yaml"], "missing.yaml: cannot read the config"),
-        (["--help"], "usage: megatron-dualpipe"),
-        (["train", "--help"], "usage: megatron-dualpipe train"),
-        (["bench", "--help"], "usage: megatron-dualpipe bench"),
-        (["simulate", "--help"], "usage: megatron-dualpipe simulate"),
+        (_CLI, ["train", "--config", "missing.yaml"], "missing.yaml: cannot read the config"),
+        (_CLI, ["--help"], "usage: megatron-dualpipe"),
+        (_CLI, ["train", "--help"], "usage: megatron-dualpipe train"),
+        (_CLI, ["simulate", "--help"], "usage: megatron-dualpipe simulate"),
+        ("bench.__main__", ["--help"], "usage: python -m bench"),
     ],
 )
-def test_help_and_a_missing_config_import_no_torch(argv: list[str], expected: str) -> None:
+def test_help_and_a_missing_config_import_no_torch(
+    front: str, argv: list[str], expected: str
+) -> None:
     """torch and megatron load only when a command needs them (a second or more of
-    imports): help and a config error come before."""
+    imports): help and a config error come before (the checkout's ``python -m bench`` too)."""
     code = (
         "import sys\n"
-        "from megatron_dualpipe.cli import main\n"
+        f"from {front} import main\n"
         f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'megatron'}))\n"
     )

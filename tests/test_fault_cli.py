@@ -1,8 +1,9 @@
-"""Files ``simulate`` and ``bench`` read or write: what cannot be read is one sentence, and
-what cannot be written is refused before any work (``simulate --png /proc/x.png`` failed
-after simulating, ``bench --json /proc/x.json`` after 26 s of work, losing the results).
-Before, random bytes given to ``--load`` or ``--config`` were a ``UnicodeDecodeError``
-traceback, and ``bench --out FILE`` said only ``[Errno 17] File exists``."""
+"""Files ``simulate`` and ``python -m bench`` read or write: what cannot be read is one
+sentence, and what cannot be written is refused before any work (``simulate --png
+/proc/x.png`` failed after simulating, ``bench --json /proc/x.json`` after 26 s of work,
+losing the results). Before, random bytes given to ``--load`` or ``--config`` were a
+``UnicodeDecodeError`` traceback, and ``bench --out FILE`` said only ``[Errno 17] File
+exists``."""
 
 from __future__ import annotations
 
@@ -12,16 +13,21 @@ from pathlib import Path
 
 import pytest
 
+from bench.__main__ import main as bench_main
 from megatron_dualpipe.cli import main
 
 
-def _error(capsys, *args: str) -> str:
+def _error(capsys, *args: str, main=main, prog: str = "megatron-dualpipe") -> str:
     started = time.monotonic()
     assert main(list(args)) == 2
     assert time.monotonic() - started < 2.0  # before any work
     captured = capsys.readouterr()
-    assert captured.err.startswith("megatron-dualpipe: error: ") and captured.err.count("\n") == 1
-    return captured.err[len("megatron-dualpipe: error: ") : -1]
+    assert captured.err.startswith(f"{prog}: error: ") and captured.err.count("\n") == 1
+    return captured.err[len(f"{prog}: error: ") : -1]
+
+
+def _bench_error(capsys, *args: str) -> str:
+    return _error(capsys, *args, main=bench_main, prog="python -m bench")
 
 
 @pytest.mark.parametrize("suffix", [".txt", ".json"])
@@ -65,12 +71,12 @@ def test_an_output_that_is_a_folder_is_refused(tmp_path: Path, capsys) -> None:
 
 
 def test_bench_outputs_are_checked_before_work(tmp_path: Path, capsys) -> None:
-    assert _error(capsys, "bench", "--json", "/proc/megatron-dualpipe-x.json") == (
+    assert _bench_error(capsys, "--json", "/proc/megatron-dualpipe-x.json") == (
         "--json: cannot write /proc/megatron-dualpipe-x.json (No such file or directory): "
         "name a file in a folder you can write to"
     )
     file = tmp_path / "afile"
     file.write_text("")
-    assert _error(capsys, "bench", "--out", str(file)) == (
+    assert _bench_error(capsys, "--out", str(file)) == (
         f"--out: {file} is a file: name a folder for BENCHMARKS.md and the figures"
     )

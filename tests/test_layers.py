@@ -2,13 +2,16 @@
 loads when torch and megatron cannot be imported at all.
 
 1. ``schedules/`` and ``planner/`` are pure Python: no torch, no megatron, nothing of the
-   layers above them; nothing of the core (schedules, runtime, the adapter but our own
-   trainer, the Megatron-LM hooks) imports the planner.
+   layers above them (``planner/torch_schedules.py`` alone imports torch's
+   ``torch.distributed.pipelining``, inside the function that imports one of its
+   schedules); nothing of the core (schedules, runtime, the adapter but our own trainer,
+   the Megatron-LM hooks) imports the planner.
 2. ``runtime/`` imports torch but never megatron, and nothing of ``megatron_dualpipe.megatron``.
-3. Only ``megatron_dualpipe/megatron/`` imports ``megatron`` (entry points reach Megatron
-   through it), and no module of the installed package imports ``tests`` (the test
-   scaffolding, such as ``tests/tiny_models.py`` and ``tests/nccl_emulation.py``, is not
-   installed).
+3. Only ``megatron_dualpipe/megatron/`` imports ``megatron`` (entry points and the
+   checkout's ``bench/`` reach Megatron through it), and no module of the installed package
+   imports ``tests`` or ``bench`` (the test scaffolding, such as ``tests/tiny_models.py``
+   and ``tests/nccl_emulation.py``, and the benchmark are not installed); ``bench/`` may
+   import any of ``megatron_dualpipe``, never ``tests``.
 4. With torch and megatron blocked, the CLI's ``simulate`` works and the config layer loads.
 5. ``runtime/`` never prints (nor writes to ``sys.stdout``/``sys.stderr``): it logs.
 6. Each command's module of ``cli/`` imports no other command's (nor ``cli.command``).
@@ -29,6 +32,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megatron_dualpipe"
+BENCH = ROOT / "bench"
 
 
 @functools.cache
@@ -71,9 +75,40 @@ def _violations(paths: list[Path], forbidden: tuple[str, ...]) -> list[str]:
     ]
 
 
+_NOT_PURE = ("torch", "megatron", "megatron_dualpipe.runtime", "megatron_dualpipe.megatron")
+#: The planner's one way to torch: torch.distributed.pipelining's schedules, imported into
+#: our IR (``simulate --profile --config --schedule all`` and the benchmark compare them).
+_PLANNER_TORCH = PACKAGE / "planner" / "torch_schedules.py"
+
+
 def test_schedules_and_the_planner_are_pure_python() -> None:
-    forbidden = ("torch", "megatron", "megatron_dualpipe.runtime", "megatron_dualpipe.megatron")
-    assert _violations(_modules("schedules") + _modules("planner"), forbidden) == []
+    pure = [p for p in _modules("schedules") + _modules("planner") if p != _PLANNER_TORCH]
+    assert _violations(pure, _NOT_PURE) == []
+
+
+def _eager_imports(path: Path) -> list[str]:
+    """Modules ``path`` imports when it loads: its imports outside any function."""
+    found: list[str] = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                found.extend(alias.name for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                found.append("." * child.level + (child.module or ""))
+            elif not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+                visit(child)
+
+    visit(_tree(path))
+    return found
+
+
+def test_the_planner_reaches_torch_only_lazily_for_torchs_schedules() -> None:
+    """``planner/torch_schedules.py`` imports torch.distributed.pipelining and nothing else
+    of the forbidden, and only inside functions: the planner loads without torch."""
+    found = _violations([_PLANNER_TORCH], _NOT_PURE)
+    assert found and all(" imports torch.distributed.pipelining" in v for v in found), found
+    assert [n for n in _eager_imports(_PLANNER_TORCH) if n.split(".")[0] == "torch"] == []
 
 
 def test_nothing_of_the_core_imports_the_planner() -> None:
@@ -116,8 +151,16 @@ def test_only_the_adapter_package_imports_megatron() -> None:
     assert _violations(outside, ("megatron",)) == []
 
 
-def test_the_installed_package_never_imports_the_tests() -> None:
-    assert _violations(_modules(""), ("tests",)) == []
+def test_the_installed_package_never_imports_the_tests_nor_the_bench() -> None:
+    assert _violations(_modules(""), ("tests", "bench")) == []
+
+
+def test_the_bench_reaches_megatron_through_the_adapter_and_never_imports_the_tests() -> None:
+    """The checkout's ``bench/`` may import any of ``megatron_dualpipe`` (it is not installed),
+    but megatron only through ``megatron_dualpipe.megatron``, and not the test scaffolding."""
+    paths = sorted(BENCH.rglob("*.py"))
+    assert BENCH / "suite.py" in paths
+    assert _violations(paths, ("megatron", "tests")) == []
 
 
 # Which sibling rooms of ``megatron_dualpipe/megatron/`` each room may import.

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dualpipe.bench.catalog import SCHEDULES as CATALOG
-from megatron_dualpipe.bench.profiled import twin_schedule
 from megatron_dualpipe.cli import main
 from megatron_dualpipe.planner.config_advice import ConfigModel
 from megatron_dualpipe.planner.memory import MemoryModel
+from megatron_dualpipe.planner.profile_comparison import twin_schedule
 from megatron_dualpipe.planner.profile_config import config_costs, profile_timing, timed_costs
 from megatron_dualpipe.planner.profile_report import ProfileRow, deepseek_bubble
 from megatron_dualpipe.planner.profile_trace import read_profile
+from megatron_dualpipe.planner.schedule_catalog import SCHEDULES as CATALOG
 from megatron_dualpipe.schedules import CostModel, ScheduleError, generate, simulate
 from megatron_dualpipe.schedules.ir import Action, Kind
 from megatron_dualpipe.schedules.layout import parse_layout
@@ -360,7 +360,7 @@ def _check_traces(traces: list[Path], capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_the_bench_suite_keeps_the_deepseek_section_when_it_rewrites_the_page() -> None:
-    from megatron_dualpipe.bench.suite import DEEPSEEK_TITLE, _document, replace_section
+    from bench.suite import DEEPSEEK_TITLE, _document, replace_section
 
     page = "# Benchmarks\n\nhead\n\n## Simulated\n\nold table\n\n## GPU checks\n\nnot run\n"
     page = replace_section(page, DEEPSEEK_TITLE, "per layer: F 24.3 ms")
@@ -460,8 +460,8 @@ def test_megatron_s_interleaved_is_compared_at_its_fastest_virtual_stage_count(
     """Megatron's interleaved 1F1B with its all-to-all overlap, each at the advisor's split:
     at 2, 3 and 4 virtual stages per rank, the row kept is the fastest, and it says what the
     others took."""
-    from megatron_dualpipe.bench.catalog import VIRTUAL_STAGES
-    from megatron_dualpipe.bench.profiled import profile_comparison
+    from megatron_dualpipe.planner.profile_comparison import profile_comparison
+    from megatron_dualpipe.planner.schedule_catalog import VIRTUAL_STAGES
 
     profile = read_profile(_write(tmp_path / "t.json", _trace()))
     model = ConfigModel.read(ROOT / "configs" / "tiny_deepseek_cpu.yaml", [])
@@ -482,7 +482,7 @@ def test_the_plan_under_the_table_trains_the_fastest_schedule_at_the_split_it_wa
     """``simulate --profile --config --schedule all``: the plan names the fastest schedule
     that trains on Megatron (not torch's), against Megatron's interleaved-1f1b-a2a; its
     lines, set on the config, time that schedule (by the table's name) at the same step."""
-    from megatron_dualpipe.bench.profiled import profile_comparison
+    from megatron_dualpipe.planner.profile_comparison import profile_comparison
 
     profile = read_profile(_write(tmp_path / "t.json", _trace()))
     config = ROOT / "configs" / "tiny_deepseek_cpu.yaml"
@@ -516,7 +516,7 @@ def test_a_schedule_with_no_split_within_the_memory_cap_is_named_never_planned(
     fits, naming dualpipe as faster but over the cap (it planned dualpipe, at DeepSeek-V3's
     PP=8 split that needs 85.3 GiB under a 74.5 GiB cap); under a cap none fits, the plan
     says so in one sentence."""
-    from megatron_dualpipe.bench.profiled import profile_comparison
+    from megatron_dualpipe.planner.profile_comparison import profile_comparison
 
     profile = read_profile(_write(tmp_path / "t.json", _trace()))
     model = ConfigModel.read(ROOT / "configs" / "tiny_deepseek_cpu.yaml", [])

@@ -15,7 +15,7 @@ def _our_order(name: str, ranks: int, microbatches: int, rank: int) -> list[str]
 @pytest.mark.parametrize(("ranks", "microbatches"), [(2, 4), (4, 8), (4, 10), (8, 16), (8, 23)])
 def test_dualpipev_matches_torch_pipelining(ranks: int, microbatches: int) -> None:
     pipelining = pytest.importorskip("torch.distributed.pipelining.schedules")
-    from megatron_dualpipe.bench.torch_schedules import from_torch_pipelining
+    from megatron_dualpipe.planner.torch_schedules import from_torch_pipelining
 
     ours = generate("dualpipev", ranks, microbatches)
     theirs = from_torch_pipelining(

@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import pytest
 
-from megatron_dualpipe.bench.torch_schedules import import_torch_schedule
 from megatron_dualpipe.planner.optimize import lower_bound, measured_costs, optimize
 from megatron_dualpipe.planner.optimize.bound import tails
 from megatron_dualpipe.planner.optimize.instance import Instance
@@ -16,6 +15,7 @@ from megatron_dualpipe.planner.optimize.listsched import Policy, build
 from megatron_dualpipe.planner.optimize.local_search import improve
 from megatron_dualpipe.planner.optimize.timing import from_actions, time_orders, to_actions
 from megatron_dualpipe.planner.optimize.window_milp import reorder_window
+from megatron_dualpipe.planner.torch_schedules import import_torch_schedule
 from megatron_dualpipe.schedules import (
     CostModel,
     Placement,
@@ -286,8 +286,8 @@ IMPOSSIBLE_OVERLAP = {"interleaved-1f1b-a2a"}
 def _peers_unbeaten(profile, pp: int, microbatches: int, effort=None) -> list[str]:
     """Schedules of the cell that no optimiser row of their placement matches at equal or
     lower peak activations."""
-    from megatron_dualpipe.bench.catalog import SCHEDULES
-    from megatron_dualpipe.bench.simulated import OPTIMISED, simulate_cell
+    from bench.simulated import OPTIMISED, simulate_cell
+    from megatron_dualpipe.planner.schedule_catalog import SCHEDULES
 
     rows = simulate_cell(
         profile, pp, microbatches, optimise=True, **({"effort": effort} if effort else {})
@@ -325,7 +325,7 @@ def _peers_unbeaten(profile, pp: int, microbatches: int, effort=None) -> list[st
 
 
 def _profile(key: str):
-    from megatron_dualpipe.bench.simulated import profile_by_key
+    from bench.simulated import profile_by_key
 
     return profile_by_key(key)
 

@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("torch.distributed.pipelining.schedules")
 
-from megatron_dualpipe.bench.torch_schedules import (  # noqa: E402
+from megatron_dualpipe.planner.torch_schedules import (  # noqa: E402
     TORCH_SCHEDULES,
     as_torch_runs,
     import_torch_schedule,

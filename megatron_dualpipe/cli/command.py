@@ -9,13 +9,14 @@ import gc
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 from .. import __version__
 from ..errors import DualPipeError
-from . import bench, make_tokenizer, patch_megatron_lm, preprocess, simulate, train
+from . import make_tokenizer, patch_megatron_lm, preprocess, simulate, train
 from .common import Terminated
 
-__all__ = ["main"]
+__all__ = ["main", "quiet_exit", "run_command"]
 
 #: The commands in ``--help``'s order: each module's ``add(sub)`` and ``run(args)``.
 COMMANDS = {
@@ -23,7 +24,6 @@ COMMANDS = {
     "train": train,
     "preprocess": preprocess,
     "make-tokenizer": make_tokenizer,
-    "bench": bench,
     "patch-megatron-lm": patch_megatron_lm,
 }
 
@@ -33,15 +33,15 @@ def main(argv: list[str] | None = None) -> int:
     exit status. Run as the command, it leaves its objects out of the interpreter's last
     garbage collections (``gc.freeze``): torch's and Megatron's module graphs made the exit
     take 4 to 10 s on a loaded machine, after the work was done; and what the interpreter's
-    shutdown writes to stderr after the command's last line is dropped (:func:`_quiet_exit`)."""
+    shutdown writes to stderr after the command's last line is dropped (:func:`quiet_exit`)."""
     code = _main(argv)
     if argv is None:
         gc.freeze()
-        _quiet_exit()
+        quiet_exit()
     return code
 
 
-def _quiet_exit() -> None:
+def quiet_exit() -> None:
     """Point stderr at the null device once the command's work and output are done, so
     that its last line stays the last: torch 2.15 loads Triton, whose nanobind bindings
     print some 30 lines of "nanobind: leaked ..." when the interpreter tears them down."""
@@ -57,26 +57,34 @@ def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
         prog="megatron-dualpipe",
         description="DualPipe and DualPipeV pipeline schedules for Megatron-Core: simulate a "
-        "schedule, train a GPT with one, benchmark them all. Each command's --help says more.",
+        "schedule, train a GPT with one. Each command's --help says more.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS.values():
         command.add(sub)
     args = parser.parse_args(argv)
+    return run_command("megatron-dualpipe", args.command, lambda: COMMANDS[args.command].run(args))
+
+
+def run_command(prog: str, command: str, work: Callable[[], None]) -> int:
+    """Run ``work``, the command ``command`` of ``prog``; its exit status. Each way it can
+    fail ends in one line on stderr: an error of ours or of the file system (2), a signal
+    (128 + its number; 130 for Ctrl-C), torch or megatron-core not installed (2), the
+    reader of the output gone (1)."""
     try:
-        COMMANDS[args.command].run(args)
+        work()
     except KeyboardInterrupt:
         # The embedded launchers kill every rank they started on the way out.
-        print(f"megatron-dualpipe: {args.command} interrupted", file=sys.stderr)
+        print(f"{prog}: {command} interrupted", file=sys.stderr)
         return 130
     except Terminated as stop:
         name = signal.Signals(stop.signum).name
         with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
             fault = _fault_before(stop)
             if fault is not None:
-                print(f"megatron-dualpipe: error: {fault}", file=sys.stderr)
-            print(f"megatron-dualpipe: {args.command} terminated ({name})", file=sys.stderr)
+                print(f"{prog}: error: {fault}", file=sys.stderr)
+            print(f"{prog}: {command} terminated ({name})", file=sys.stderr)
         return 128 + stop.signum
     except BrokenPipeError:  # the reader of our output went away (| head)
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the interpreter's final flush
@@ -85,15 +93,14 @@ def _main(argv: list[str] | None) -> int:
         if (err.name or "").split(".")[0] not in ("torch", "megatron"):
             raise
         print(
-            f"megatron-dualpipe: error: {args.command} needs torch and megatron-core, and "
-            f"{err.name} is not installed: from the megatron-dualpipe checkout (it is not on "
-            "PyPI), pip install -e '.[megatron]' (or install your own CUDA build of torch "
-            "first)",
+            f"{prog}: error: {command} needs torch and megatron-core, and {err.name} is not "
+            "installed: from the megatron-dualpipe checkout (it is not on PyPI), pip install "
+            "-e '.[megatron]' (or install your own CUDA build of torch first)",
             file=sys.stderr,
         )
         return 2
     except (DualPipeError, OSError) as err:
-        print(f"megatron-dualpipe: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     return 0
 

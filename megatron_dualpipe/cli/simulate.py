@@ -1,9 +1,9 @@
 """``megatron-dualpipe simulate``: generate, validate and simulate a schedule (or load
 one); with ``--config`` the balance advisor, with ``--optimize`` the optimiser, with
 ``--profile`` a profiler trace's costs. Here the flags are parsed and checked; the work is
-the schedule layer's (:mod:`megatron_dualpipe.planner.simulation`, ``.config_advice``,
-``.optimize``, ``.profile_trace``) and the benchmark's (:mod:`megatron_dualpipe.bench.profiled`).
-Pure Python, as the schedule layer."""
+the planner's (:mod:`megatron_dualpipe.planner.simulation`, ``.config_advice``,
+``.optimize``, ``.profile_trace``, ``.profile_comparison``). Pure Python, as the schedule
+layer."""
 
 from __future__ import annotations
 
@@ -334,11 +334,11 @@ def _read_profile(args: argparse.Namespace) -> TraceCosts:
 
 def _run_profile_config(args: argparse.Namespace, profile: TraceCosts) -> None:
     """``simulate --profile --config``: the profile's costs over the config's split and
-    the advisor's (:func:`megatron_dualpipe.bench.profiled.profile_comparison`)."""
+    the advisor's (:func:`megatron_dualpipe.planner.profile_comparison.profile_comparison`)."""
     import json
 
-    from ..bench.profiled import profile_comparison
     from ..planner.config_advice import ConfigModel
+    from ..planner.profile_comparison import profile_comparison
 
     if args.optimize:
         raise ScheduleError(

@@ -2,8 +2,8 @@
 run of ours: optional packages absent (Transformer Engine, apex, absl), deprecations and
 experimental notices inside their own code, and megatron-core 0.19's logged notice that
 GPTModel takes bug fixes only (the model we build; docs/megatron-versions.md). Our entry
-points that run megatron-core (``train``, ``bench``) hide them; a library caller keeps
-Python's defaults. Imports neither torch nor megatron."""
+points that run megatron-core (``train``; ``python -m bench`` in the checkout) hide them; a
+library caller keeps Python's defaults. Imports neither torch nor megatron."""
 
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
 """The simulated benchmark: every schedule (ours and torch's imported ones) through the same
 simulator, on a grid of pipeline sizes, micro-batch counts and cost profiles.
 
-Costs are per rank share (see :mod:`.catalog`), so all schedules run the same model. For
-each (profile, PP, micro-batches) cell the rows are one per schedule, then, if asked, the
-optimiser's rows (:data:`OPTIMISED`), then a lower bound. Each schedule's step is also set
-against its compute bound (:func:`..planner.bound.step_bound`). Imports only the schedule
-layer, the planner's pure-Python bound and tables (the optimiser, with SciPy, only when
-asked for) and ``bench.torch_schedules``.
+Costs are per rank share (see :mod:`megatron_dualpipe.planner.schedule_catalog`), so all
+schedules run the same model. For each (profile, PP, micro-batches) cell the rows are one
+per schedule, then, if asked, the optimiser's rows (:data:`OPTIMISED`), then a lower bound.
+Each schedule's step is also set against its compute bound
+(:func:`megatron_dualpipe.planner.bound.step_bound`). Imports only the schedule layer and
+the planner: its pure-Python bound, tables, catalog and torch's schedules (the optimiser,
+with SciPy, only when asked for).
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from ..planner.bound import step_bound
-from ..planner.optimize import Effort  # the optimiser imports SciPy only when it runs
-from ..planner.report import markdown_table, spread
-from ..schedules import Schedule, ScheduleError, SimResult, simulate, validate
-from .catalog import PROFILES, SCHEDULES, Profile, ScheduleEntry
+from megatron_dualpipe.planner.bound import step_bound
+from megatron_dualpipe.planner.optimize import (
+    Effort,  # the optimiser imports SciPy only when it runs
+)
+from megatron_dualpipe.planner.report import markdown_table, spread
+from megatron_dualpipe.planner.schedule_catalog import PROFILES, SCHEDULES, Profile, ScheduleEntry
+from megatron_dualpipe.schedules import Schedule, ScheduleError, SimResult, simulate, validate
 
 __all__ = [
     "BASELINE",
@@ -209,7 +212,7 @@ def _optimised_rows(
     more than any of them), then, only where a schedule of that kind holding more is
     still faster, under that schedule's peak (a row named after the schedule whose memory
     it is given)."""
-    from ..planner.optimize import optimize_on_placements  # imports SciPy
+    from megatron_dualpipe.planner.optimize import optimize_on_placements  # imports SciPy
 
     rows = []
     for name, hand in OPTIMISED:

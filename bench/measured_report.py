@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import statistics
 
-from ..planner.report import markdown_table
-from ..schedules import SimResult, simulate
-from ..schedules.registry import OUR_SCHEDULES
+from megatron_dualpipe.planner.report import markdown_table
+from megatron_dualpipe.schedules import SimResult, simulate
+from megatron_dualpipe.schedules.registry import OUR_SCHEDULES
+
 from .measured import BASELINE, OPTIMISED_PEERS, MeasuredRun
 
 __all__ = [

@@ -19,10 +19,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..schedules import CostModel, Kind, Placement, Schedule, SimResult, generate, lower, simulate
-from ..schedules.registry import OUR_SCHEDULES
+from megatron_dualpipe.planner.torch_schedules import as_torch_runs, import_torch_schedule
+from megatron_dualpipe.schedules import (
+    CostModel,
+    Kind,
+    Placement,
+    Schedule,
+    SimResult,
+    generate,
+    lower,
+    simulate,
+)
+from megatron_dualpipe.schedules.registry import OUR_SCHEDULES
+
 from .launch import run_ranks
-from .torch_schedules import as_torch_runs, import_torch_schedule
 
 __all__ = [
     "BASELINE",
@@ -139,7 +149,7 @@ class Calibration:
     overhead_ms: float
 
 
-#: ``bench --quick``: 2 launches x (1 warm-up + 2 measured) rounds of the 8 schedules.
+#: ``python -m bench --quick``: 2 launches x (1 warm-up + 2 measured) rounds of the 8 schedules.
 QUICK = MeasuredConfig(launches=2, steps=2)
 
 
@@ -252,7 +262,7 @@ def optimised_schedule(
     for the config's costs (calibrated where given): on each of the peers' placements,
     starting from the peers' orders, within the first peer's peak of live activations
     (our hand-made schedule's); the faster placement's result, lowered."""
-    from ..planner.optimize import Effort, optimize_on_placements  # imports SciPy
+    from megatron_dualpipe.planner.optimize import Effort, optimize_on_placements  # imports SciPy
 
     peers = [compute_order(n, config.pp, config.microbatches) for n in OPTIMISED_PEERS[name]]
     level = _peak_in_1f1b_stages(peers[0], config.cost_for(peers[0].placement, calibration))
@@ -353,8 +363,9 @@ class _OurRunner(_Runner):
     ) -> None:
         import torch
 
-        from ..runtime import PipelineExecutor, TensorSpec
-        from ..runtime.mirror import MirrorPair
+        from megatron_dualpipe.runtime import PipelineExecutor, TensorSpec
+        from megatron_dualpipe.runtime.mirror import MirrorPair
+
         from .sleep_model import SleepCosts, SleepStage
 
         p = schedule.placement
@@ -403,7 +414,8 @@ class _MegatronRunner(_Runner):
     ) -> None:
         import torch
 
-        from ..megatron.model.module_chunks import module_chunks, mse_forward_step
+        from megatron_dualpipe.megatron.model.module_chunks import module_chunks, mse_forward_step
+
         from .sleep_model import SleepCosts, SleepStage
 
         chunks = INTERLEAVED_CHUNKS if name == "megatron-interleaved" else 1
@@ -475,13 +487,14 @@ def _measured_rank(
 
     import torch.distributed as dist
 
-    from ..runtime import gather_timeline
+    from megatron_dualpipe.runtime import gather_timeline
+
     from .sleep_model import SleepClock
 
     names = list(config.schedules)
     with contextlib.ExitStack() as stack:
         if any(MEASURED_SCHEDULES[n][0] == "megatron" for n in names):
-            from ..megatron.model.module_chunks import megatron_pipeline
+            from megatron_dualpipe.megatron.model.module_chunks import megatron_pipeline
 
             stack.enter_context(megatron_pipeline(config.pp, config.pg_timeout_s))
         clock = SleepClock()
@@ -537,7 +550,8 @@ def _calibration_rank(
     then one warm-up and one recorded step of our hand-made DualPipeV, gathered on rank 0."""
     import torch.distributed as dist
 
-    from ..runtime import gather_timeline, p2p_latency_s
+    from megatron_dualpipe.runtime import gather_timeline, p2p_latency_s
+
     from .sleep_model import SleepClock
 
     latency_s = p2p_latency_s(rounds=50)
@@ -582,14 +596,14 @@ def calibrate(config: MeasuredConfig) -> Calibration:
 def _prepare_parent(config: MeasuredConfig) -> None:
     """Import (and patch) what the workers need before forking, so they start warm; hide
     megatron-core's known warnings (as ``train`` does) in the parent and the ranks."""
-    from ..megatron.compat.known_warnings import silence_known_warnings
+    from megatron_dualpipe.megatron.compat.known_warnings import silence_known_warnings
 
     silence_known_warnings()
     import torch
     import torch.distributed.pipelining  # noqa: F401
 
     if any(MEASURED_SCHEDULES[n][0] == "megatron" for n in config.schedules):
-        from ..megatron.model.module_chunks import prepare_megatron
+        from megatron_dualpipe.megatron.model.module_chunks import prepare_megatron
 
         prepare_megatron()
     # The first backward from a non-scalar output imports torch.fx: pay it once, here.

@@ -1,5 +1,6 @@
-"""What the benchmarks compare: the schedules (ours and torch.distributed.pipelining's,
-imported into our IR) and the cost profiles.
+"""What ``simulate --profile`` and the benchmark (``bench/`` in the checkout) compare: the
+schedules (ours, Megatron's, torch.distributed.pipelining's imported into our IR) and the
+benchmark's cost profiles.
 
 Costs in a profile are for one rank's share of the model (one 1F1B stage); a benchmark
 converts them with :meth:`CostModel.per_stage` so that schedules with more, smaller stages

@@ -1,8 +1,9 @@
 """``simulate --profile --config``'s work: a profile's costs over a split, for the
-config's schedule or every schedule of :mod:`.catalog` (ours, Megatron's, torch's), in ms:
-the split the balance advisor finds for each on the profile's time within the memory cap
-(the config's where none is faster; the config's, or the most even, where none fits).
-Imports the schedule layer only (torch's schedules where torch is installed)."""
+config's schedule or every schedule of :mod:`.schedule_catalog` (ours, Megatron's,
+torch's), in ms: the split the balance advisor finds for each on the profile's time within
+the memory cap (the config's where none is faster; the config's, or the most even, where
+none fits). Imports the schedule layer and the planner only (torch's schedules where torch
+is installed)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,15 @@ import shlex
 from collections.abc import Callable
 from dataclasses import replace
 
-from ..planner.advisor import StageTiming, advise, config_split_lines, split_changes, yaml_lines
-from ..planner.config_advice import ConfigModel
-from ..planner.profile_config import ConfigCosts, config_costs, profile_timing, timed_costs
-from ..planner.profile_report import ProfileRow, deepseek_bubble, profile_table
-from ..planner.profile_trace import TraceCosts
 from ..schedules import Placement, Schedule, ScheduleError, simulate, validate
 from ..schedules.registry import SCHEDULES as REGISTERED
 from ..schedules.registry import spec
-from .catalog import SCHEDULES as ENTRIES
+from .advisor import StageTiming, advise, config_split_lines, split_changes, yaml_lines
+from .config_advice import ConfigModel
+from .profile_config import ConfigCosts, config_costs, profile_timing, timed_costs
+from .profile_report import ProfileRow, deepseek_bubble, profile_table
+from .profile_trace import TraceCosts
+from .schedule_catalog import SCHEDULES as ENTRIES
 
 GIB = 2**30
 

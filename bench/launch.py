@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import DualPipeError
-from ..runtime import launch
+from megatron_dualpipe.errors import DualPipeError
+from megatron_dualpipe.runtime import launch
 
 __all__ = ["BenchError", "run_ranks"]
 

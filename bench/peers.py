@@ -20,10 +20,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ..planner.report import markdown_table
-from ..schedules import CostModel, Placement, simulate
+from megatron_dualpipe.planner.report import markdown_table
+from megatron_dualpipe.planner.torch_schedules import (
+    TORCH_SCHEDULES,
+    as_torch_runs,
+    import_torch_schedule,
+)
+from megatron_dualpipe.schedules import CostModel, Placement, simulate
+
 from .launch import run_ranks
-from .torch_schedules import TORCH_SCHEDULES, as_torch_runs, import_torch_schedule
 
 __all__ = ["PeerConfig", "PeerResult", "measure_peers", "peers_table"]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..runtime.weight_grad_store import (
+from megatron_dualpipe.runtime.weight_grad_store import (
     WeightGradStore,
     accumulate_grad,
     active_store,

@@ -1,22 +1,28 @@
-"""``megatron-dualpipe bench``: every schedule, simulated on a grid and measured; the work
-is :func:`megatron_dualpipe.bench.run`."""
+"""``python -m bench`` (from the checkout's root): every schedule, simulated on a grid and
+measured; the work is :func:`bench.run`. Each error is one sentence on stderr and exit
+status 2, as a ``megatron-dualpipe`` command's."""
 
 from __future__ import annotations
 
 import argparse
+import gc
+import sys
 from pathlib import Path
 
-from ..bench import SECTIONS
-from ..schedules.ir import ScheduleError
-from .common import check_outputs
+from megatron_dualpipe.cli.command import quiet_exit, run_command
+from megatron_dualpipe.cli.common import check_outputs
+from megatron_dualpipe.schedules.ir import ScheduleError
 
-__all__ = ["add", "run"]
+from . import SECTIONS
+
+__all__ = ["main"]
+
+PROG = "python -m bench"
 
 
-def add(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "bench",
-        help="benchmark every schedule: simulated grid and measured runs",
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
         description="Simulate every schedule (ours and torch.distributed.pipelining's) on a "
         "grid of PP, micro-batches and cost profiles, then measure ours, Megatron's and "
         "torch's runtimes side by side on sleep-op stages; print tables as it goes.",
@@ -35,10 +41,11 @@ def add(sub: argparse._SubParsersAction) -> None:
         choices=list(SECTIONS),
         help="run only this section (repeatable); default: all",
     )
+    return p
 
 
-def run(args: argparse.Namespace) -> None:
-    from ..bench import run as run_bench  # the bench sections import torch only when they run
+def _run(args: argparse.Namespace) -> None:
+    from . import run as run_bench  # the bench sections import torch only when they run
 
     check_outputs({"--json": args.json})
     if args.out is not None:
@@ -49,3 +56,23 @@ def run(args: argparse.Namespace) -> None:
         check_outputs({"--out": args.out / "BENCHMARKS.md"} if args.out.is_dir() else {})
     sections = tuple(args.only) if args.only else None
     run_bench(quick=args.quick, json_path=args.json, out_dir=args.out, sections=sections)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark with ``argv`` (default: this process's command line); its exit
+    status. Run as the command, it exits as ``megatron-dualpipe`` does (``gc.freeze``, and
+    nothing the interpreter's shutdown prints after the last line)."""
+    code = _main(argv)
+    if argv is None:
+        gc.freeze()
+        quiet_exit()
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
+    args = _parser().parse_args(argv)
+    return run_command(PROG, "bench", lambda: _run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
