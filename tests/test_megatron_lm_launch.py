@@ -181,14 +181,15 @@ def test_a_profile_megatron_lm_would_not_write_is_one_sentence(given: dict, said
      "use_torch_fsdp2", "use_megatron_fsdp")]
     + [{"moe_token_dispatcher_type": "flex"},
        {"sequence_parallel": True, "tensor_model_parallel_size": 2},
-       {"log_memory_to_tensorboard": True, "tensorboard_dir": "tb"}],
-    ids=lambda given: given.get("name") or next(iter(given)),
+       {"log_memory_to_tensorboard": True, "tensorboard_dir": "tb"},
+       {"cuda_graph_impl": "transformer_engine"}, {"cuda_graph_impl": "local"}],
+    ids=lambda given: given.get("name") or "-".join(map(str, next(iter(given.items())))),
 )  # fmt: skip
 def test_what_needs_cuda_is_refused_on_cpu_ranks_in_one_sentence(given: dict) -> None:
     """Each failed on CPU ranks ("Cannot re-initialize CUDA in forked subprocess", "install
     TE >= 2.1.0", "DeepEP is not installed", "sequence parallel not supported by torch
     LayerNorm", a KeyError from torch.cuda.memory_stats() on the TensorBoard writer's rank,
-    Megatron-FSDP's CUDA device)."""
+    Megatron-FSDP's CUDA device; CUDA graphs were refused by each rank once started)."""
     from megatron_dualpipe.megatron.lm_launch import CUDA_ONLY, _check_cuda_only
 
     name = given.get("name")
@@ -206,6 +207,7 @@ def test_what_needs_cuda_is_refused_on_cpu_ranks_in_one_sentence(given: dict) ->
         {"moe_token_dispatcher_type": "alltoall"},
         {"sequence_parallel": True, "tensor_model_parallel_size": 1},  # Megatron turns it off
         {"log_memory_to_tensorboard": True, "tensorboard_dir": None},  # no writer: no read
+        {"cuda_graph_impl": "none"},
     ):
         _check_cuda_only(argparse.Namespace(**harmless), "x.yaml")
 

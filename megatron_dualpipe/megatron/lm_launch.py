@@ -328,8 +328,9 @@ CUDA_ONLY = {
 def _check_cuda_only(parsed: argparse.Namespace, source: str) -> None:
     """On CPU ranks: a switch of :data:`CUDA_ONLY` on, the ``flex`` token dispatcher
     (DeepEP's or HybridEP's GPU kernels), sequence parallelism over TP > 1 (Megatron-Core's
-    local norms refuse it) or ``log_memory_to_tensorboard`` where a TensorBoard writer logs
-    (``torch.cuda.memory_stats()``) is one sentence before any rank."""
+    local norms refuse it), ``log_memory_to_tensorboard`` where a TensorBoard writer logs
+    (``torch.cuda.memory_stats()``) or a ``cuda_graph_impl`` but ``none`` (each rank refused
+    it after starting) is one sentence before any rank."""
     tensor_parallel = getattr(parsed, "tensor_model_parallel_size", 1)
     if getattr(parsed, "sequence_parallel", False) and tensor_parallel > 1:
         raise MegatronLMConfigError(
@@ -345,6 +346,12 @@ def _check_cuda_only(parsed: argparse.Namespace, source: str) -> None:
             raise MegatronLMConfigError(
                 f"{source}: {key} needs {needs}, which CPU ranks have not: set {key}: false here"
             )
+    impl = getattr(parsed, "cuda_graph_impl", None) or "none"
+    if impl != "none":
+        raise MegatronLMConfigError(
+            f"{source}: cuda_graph_impl {impl} captures CUDA graphs, which CPU ranks cannot: "
+            "set cuda_graph_impl: none here"
+        )
     if getattr(parsed, "moe_token_dispatcher_type", None) == "flex":
         raise MegatronLMConfigError(
             f"{source}: moe_token_dispatcher_type flex needs DeepEP's or HybridEP's GPU "
