@@ -112,6 +112,23 @@ def test_ranks_that_do_not_apply_are_one_sentence(flags: list[str], said: str) -
 
 
 @pytest.mark.route
+def test_an_exported_cuda_device_max_connections_at_tp_2_is_one_sentence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Megatron-LM's validate_args asserted 1 with TP > 1 (the CPU view reports a Hopper):
+    the dry run says so in one sentence, as ``train`` does."""
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    sets = ("tensor_model_parallel_size=2", "world_size=4")
+    done = _command(TINY, "--dry-run", sets=sets)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.splitlines()[-1].endswith(
+        ": CUDA_DEVICE_MAX_CONNECTIONS=8 is exported, and Megatron-LM requires 1 with tensor or "
+        "context parallelism (validate_args asserts it on every rank): unset it, or export "
+        "CUDA_DEVICE_MAX_CONNECTIONS=1"
+    ), done.stderr[-2000:]
+
+
+@pytest.mark.route
 def test_the_wheel_s_dataset_helpers_are_not_compiled_again() -> None:
     """Megatron-LM's initialize_megatron has rank 0 run ``make`` in the wheel's
     megatron/core/datasets (no Makefile there: ``sys.exit(1)``), with or without a GPU; the

@@ -212,6 +212,34 @@ def test_what_needs_cuda_is_refused_on_cpu_ranks_in_one_sentence(given: dict) ->
         _check_cuda_only(argparse.Namespace(**harmless), "x.yaml")
 
 
+def test_an_exported_cuda_device_max_connections_megatron_asserts_against_is_one_sentence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TP > 1 with CUDA_DEVICE_MAX_CONNECTIONS=8 exported: Megatron-LM's validate_args
+    asserted on every CPU rank (the CPU view reports a Hopper); 1, unset, or the all-to-all
+    overlap (which wants more queues) pass."""
+    from megatron_dualpipe.megatron.lm_launch import _check_cuda_only
+
+    tp2 = argparse.Namespace(tensor_model_parallel_size=2)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    with pytest.raises(MegatronLMConfigError) as refused:
+        _check_cuda_only(tp2, "x.yaml")
+    assert str(refused.value) == (
+        "x.yaml: CUDA_DEVICE_MAX_CONNECTIONS=8 is exported, and Megatron-LM requires 1 with "
+        "tensor or context parallelism (validate_args asserts it on every rank): unset it, or "
+        "export CUDA_DEVICE_MAX_CONNECTIONS=1"
+    )
+    with pytest.raises(MegatronLMConfigError):
+        _check_cuda_only(argparse.Namespace(context_parallel_size=2), "x.yaml")
+    _check_cuda_only(argparse.Namespace(tensor_model_parallel_size=1), "x.yaml")
+    overlapped = {"tensor_model_parallel_size": 2, "overlap_moe_expert_parallel_comm": True}
+    _check_cuda_only(argparse.Namespace(**overlapped), "x.yaml")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    _check_cuda_only(tp2, "x.yaml")
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    _check_cuda_only(tp2, "x.yaml")
+
+
 @pytest.mark.megatron
 @pytest.mark.route
 def test_cuda_s_memory_statistics_on_cpu_ranks_are_refused_before_any_rank() -> None:

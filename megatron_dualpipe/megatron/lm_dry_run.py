@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .lm_launch import (
+    check_max_connections,
     megatron_lm_run_argv,
     model_parallel_size,
     patched_training,
@@ -61,7 +62,7 @@ def dry_run_with_megatron_lm(
     from .lm_args import MegatronLMConfigError, megatron_lm_parser
 
     started = time.perf_counter()
-    set_cuda_device_max_connections(settings)  # validate_args asserts it, as in train
+    warning = set_cuda_device_max_connections(settings)  # validate_args asserts it, as in train
     # What the build leaves out and the memory model still counts (FP8's weight copies,
     # sequence parallelism's split activations).
     modelled = {key: settings[key] for key in ("fp8", "sequence_parallel") if key in settings}
@@ -69,6 +70,10 @@ def dry_run_with_megatron_lm(
         settings, notes = _buildable(settings)
         on_cpu = not torch.cuda.is_available()
         argv, parsed = megatron_lm_run_argv(settings, megatron_lm_parser(), source, on_cpu=on_cpu)
+        if on_cpu:
+            check_max_connections(parsed, source)
+        elif warning is not None:
+            logging.getLogger(__name__).warning(warning)
         if getattr(parsed, "use_tp_pp_dp_mapping", False):
             raise MegatronLMConfigError(
                 f"{source}: use_tp_pp_dp_mapping: the dry run builds the pipeline ranks of "

@@ -109,13 +109,16 @@ def train_with_megatron_lm(settings: Mapping[str, Any], source: str) -> Measured
     CPU ranks. Returns, in the process of global rank 0 (or the one that forked the ranks),
     the step ``pipeline_timeline`` measured, else None. Raises
     :class:`~.lm_args.MegatronLMConfigError` before any rank starts."""
-    set_cuda_device_max_connections(settings)  # before anything asks CUDA
+    warning = set_cuda_device_max_connections(settings)  # before anything asks CUDA
     with patched_training():
         import torch
 
         from ..runtime.rank_env import launcher_env
 
-        return _run(settings, source, launcher_env(), not torch.cuda.is_available())
+        on_cpu = not torch.cuda.is_available()
+        if warning is not None and not on_cpu:
+            logging.getLogger(__name__).warning(warning)
+        return _run(settings, source, launcher_env(), on_cpu)
 
 
 @contextlib.contextmanager
@@ -212,20 +215,22 @@ def checked_run_argv(
     return argv, parsed
 
 
-def set_cuda_device_max_connections(settings: Mapping[str, Any]) -> None:
+def set_cuda_device_max_connections(settings: Mapping[str, Any]) -> str | None:
     """``CUDA_DEVICE_MAX_CONNECTIONS`` for this process and the ranks, where the launching
     shell left it unset, by the rule Megatron-LM's ``validate_args`` asserts (1 with tensor
     or context parallelism before Blackwell, not 1 with the MoE all-to-all overlap, FSDP or
     UCC): set from the config's values before anything here asks CUDA (the driver reads it
-    when CUDA starts); a value set against the rule is kept, with one warning. Sizes that
-    are not whole numbers set nothing: Megatron-LM's parser refuses them next."""
+    when CUDA starts). A value set against the rule is kept; returns the one-sentence
+    warning that says so (on GPUs; CPU ranks have no queues, and :func:`check_max_connections`
+    refuses what Megatron-LM asserts), else None. Sizes that are not whole numbers set
+    nothing: Megatron-LM's parser refuses them next."""
     from .schedule.checks import cuda_device_max_connections
 
     try:
         tensor_parallel = int(settings.get("tensor_model_parallel_size") or 1)
         context_parallel = int(settings.get("context_parallel_size") or 1)
     except (TypeError, ValueError):
-        return
+        return None
     value, warning = cuda_device_max_connections(
         tensor_parallel=tensor_parallel,
         context_parallel=context_parallel,
@@ -239,8 +244,24 @@ def set_cuda_device_max_connections(settings: Mapping[str, Any]) -> None:
     )
     if value is not None:
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = value
-    if warning is not None:
-        logging.getLogger(__name__).warning(warning)
+    return warning
+
+
+def check_max_connections(parsed: argparse.Namespace, source: str) -> None:
+    """On CPU ranks: an exported ``CUDA_DEVICE_MAX_CONNECTIONS`` that Megatron-LM's
+    ``validate_args`` asserts against (not 1 with tensor or context parallelism, the
+    all-to-all overlap off; the CPU view reports a Hopper) is one sentence, not an
+    assertion on every rank."""
+    exported = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    tensor_parallel = getattr(parsed, "tensor_model_parallel_size", 1)
+    model_parallel = tensor_parallel > 1 or getattr(parsed, "context_parallel_size", 1) > 1
+    overlap = getattr(parsed, "overlap_moe_expert_parallel_comm", False)
+    if model_parallel and not overlap and exported not in (None, "1"):
+        raise MegatronLMConfigError(
+            f"{source}: CUDA_DEVICE_MAX_CONNECTIONS={exported} is exported, and Megatron-LM "
+            "requires 1 with tensor or context parallelism (validate_args asserts it on every "
+            "rank): unset it, or export CUDA_DEVICE_MAX_CONNECTIONS=1"
+        )
 
 
 def _on_disk(path: str) -> bool:
@@ -329,8 +350,10 @@ def _check_cuda_only(parsed: argparse.Namespace, source: str) -> None:
     """On CPU ranks: a switch of :data:`CUDA_ONLY` on, the ``flex`` token dispatcher
     (DeepEP's or HybridEP's GPU kernels), sequence parallelism over TP > 1 (Megatron-Core's
     local norms refuse it), ``log_memory_to_tensorboard`` where a TensorBoard writer logs
-    (``torch.cuda.memory_stats()``) or a ``cuda_graph_impl`` but ``none`` (each rank refused
-    it after starting) is one sentence before any rank."""
+    (``torch.cuda.memory_stats()``), a ``cuda_graph_impl`` but ``none`` (each rank refused
+    it after starting) or what :func:`check_max_connections` refuses is one sentence before
+    any rank."""
+    check_max_connections(parsed, source)
     tensor_parallel = getattr(parsed, "tensor_model_parallel_size", 1)
     if getattr(parsed, "sequence_parallel", False) and tensor_parallel > 1:
         raise MegatronLMConfigError(
