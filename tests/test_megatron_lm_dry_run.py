@@ -129,6 +129,19 @@ def test_an_exported_cuda_device_max_connections_at_tp_2_is_one_sentence(
 
 
 @pytest.mark.route
+def test_gpu_kernels_of_a_moe_config_build_without_them_on_this_machine() -> None:
+    """NVIDIA's MoE configs turn on grouped GEMMs, fused permutation and the flex
+    dispatcher: without Transformer Engine the dry run failed in a traceback on each
+    ("Found no NVIDIA driver", "install TE >= 2.1.0", "Fake process group is not supported
+    with flex"); it builds the same parameters without them, and says so."""
+    sets = ("moe_grouped_gemm=true", "moe_permute_fusion=true", "moe_token_dispatcher_type=flex")
+    report = _dry_run(ROOT / "configs" / "tiny_moe_cpu.yaml", *sets)
+    assert "note: built with the alltoall token dispatcher: Megatron-Core refuses flex" in report
+    assert "note: built without moe_grouped_gemm and moe_permute_fusion (CUDA kernels" in report
+    assert "the memory model and the built modules: 2 of 2 ranks agree exactly" in report
+
+
+@pytest.mark.route
 def test_the_wheel_s_dataset_helpers_are_not_compiled_again() -> None:
     """Megatron-LM's initialize_megatron has rank 0 run ``make`` in the wheel's
     megatron/core/datasets (no Makefile there: ``sys.exit(1)``), with or without a GPU; the

@@ -97,8 +97,9 @@ def dry_run_with_megatron_lm(
 
 def _buildable(settings: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """``settings`` as this machine builds them on the meta device, and what changed:
-    nothing read, written or started, no initial values drawn; local layers without FP8
-    where Transformer Engine is not installed."""
+    nothing read, written or started, no initial values drawn; local layers without FP8,
+    grouped GEMMs or fused permutation where Transformer Engine is not installed; the
+    alltoall dispatcher for flex."""
     keep = ("load",) if settings.get("use_checkpoint_args") else ()
     out = {k: v for k, v in settings.items() if k not in _LEFT_OUT or k in keep}
     out["perform_initialization"] = False  # --no-initialization: no values drawn
@@ -116,6 +117,20 @@ def _buildable(settings: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
                 "built without FP8: TE's FP8 weight copies are not parameters; the memory "
                 "model counts them in the weights"
             )
+    if out.get("moe_token_dispatcher_type") == "flex":  # Megatron refuses it without a group
+        out["moe_token_dispatcher_type"] = "alltoall"
+        notes.append(
+            "built with the alltoall token dispatcher: Megatron-Core refuses flex over the "
+            "dry run's fake process group, and a dispatcher holds no parameters"
+        )
+    kernels = [key for key in ("moe_grouped_gemm", "moe_permute_fusion") if out.get(key)]
+    if not te and kernels:  # Megatron-Core's local layers have neither
+        for key in kernels:
+            out.pop(key)
+        notes.append(
+            f"built without {' and '.join(kernels)} (CUDA kernels, through Transformer Engine "
+            "where it is installed): one MLP per expert holds the same parameters"
+        )
     if not te and out.pop("sequence_parallel", None):  # Megatron's local norms refuse it
         notes.append(
             "built without sequence parallelism (Megatron-Core's local norms refuse it): it "
