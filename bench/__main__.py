@@ -13,7 +13,7 @@ from megatron_dualpipe.cli.command import quiet_exit, run_command
 from megatron_dualpipe.cli.common import check_outputs
 from megatron_dualpipe.schedules.ir import ScheduleError
 
-from . import SECTIONS
+from . import SECTIONS, run
 
 __all__ = ["main"]
 
@@ -45,8 +45,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> None:
-    from . import run as run_bench  # the bench sections import torch only when they run
-
     check_outputs({"--json": args.json})
     if args.out is not None:
         if args.out.exists() and not args.out.is_dir():
@@ -55,7 +53,7 @@ def _run(args: argparse.Namespace) -> None:
             )
         check_outputs({"--out": args.out / "BENCHMARKS.md"} if args.out.is_dir() else {})
     sections = tuple(args.only) if args.only else None
-    run_bench(quick=args.quick, json_path=args.json, out_dir=args.out, sections=sections)
+    run(quick=args.quick, json_path=args.json, out_dir=args.out, sections=sections)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_dualpipe.planner.torch_schedules import as_torch_runs, import_torch_schedule
+from megatron_dualpipe.planner.torch_schedules import import_torch_schedule
 from megatron_dualpipe.schedules import (
     CostModel,
     Kind,
@@ -33,6 +33,7 @@ from megatron_dualpipe.schedules import (
 from megatron_dualpipe.schedules.registry import OUR_SCHEDULES
 
 from .launch import run_ranks
+from .peers import as_torch_runs
 
 __all__ = [
     "BASELINE",

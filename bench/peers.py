@@ -21,16 +21,12 @@ import time
 from dataclasses import dataclass, field
 
 from megatron_dualpipe.planner.report import markdown_table
-from megatron_dualpipe.planner.torch_schedules import (
-    TORCH_SCHEDULES,
-    as_torch_runs,
-    import_torch_schedule,
-)
-from megatron_dualpipe.schedules import CostModel, Placement, simulate
+from megatron_dualpipe.planner.torch_schedules import TORCH_SCHEDULES, import_torch_schedule
+from megatron_dualpipe.schedules import CostModel, Kind, Placement, Schedule, simulate
 
 from .launch import run_ranks
 
-__all__ = ["PeerConfig", "PeerResult", "measure_peers", "peers_table"]
+__all__ = ["PeerConfig", "PeerResult", "as_torch_runs", "measure_peers", "peers_table"]
 
 
 @dataclass(frozen=True)
@@ -233,3 +229,20 @@ def peers_table(results: list[PeerResult]) -> str:
         f"micro-batches={first.microbatches}** (median of {len(first.step_ms_all)} steps)"
     )
     return title + "\n\n" + markdown_table(header, rows)
+
+
+def as_torch_runs(schedule: Schedule) -> Schedule:
+    """The order torch's runtime really executes: its first stage (stage 0, whose input
+    needs no gradient) skips the dX pass and runs the whole backward at its W. Each stage-0
+    B is dropped and its W becomes a BW; everything else is unchanged."""
+    ranks = []
+    for actions in schedule.ranks:
+        out = []
+        for a in actions:
+            if a.stage == 0 and a.kind is Kind.B:
+                continue
+            if a.stage == 0 and a.kind is Kind.W:
+                a = a._replace(kind=Kind.BW)
+            out.append(a)
+        ranks.append(out)
+    return Schedule(f"{schedule.name} (as run)", schedule.placement, ranks)

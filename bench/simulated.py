@@ -1,7 +1,7 @@
 """The simulated benchmark: every schedule (ours and torch's imported ones) through the same
 simulator, on a grid of pipeline sizes, micro-batch counts and cost profiles.
 
-Costs are per rank share (see :mod:`megatron_dualpipe.planner.schedule_catalog`), so all
+Costs are per rank share (see :mod:`.profiles`), so all
 schedules run the same model. For each (profile, PP, micro-batches) cell the rows are one
 per schedule, then, if asked, the optimiser's rows (:data:`OPTIMISED`), then a lower bound.
 Each schedule's step is also set against its compute bound
@@ -21,8 +21,10 @@ from megatron_dualpipe.planner.optimize import (
     Effort,  # the optimiser imports SciPy only when it runs
 )
 from megatron_dualpipe.planner.report import markdown_table, spread
-from megatron_dualpipe.planner.schedule_catalog import PROFILES, SCHEDULES, Profile, ScheduleEntry
+from megatron_dualpipe.planner.schedule_catalog import SCHEDULES, ScheduleEntry
 from megatron_dualpipe.schedules import Schedule, ScheduleError, SimResult, simulate, validate
+
+from .profiles import PROFILES, Profile
 
 __all__ = [
     "BASELINE",

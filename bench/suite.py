@@ -99,9 +99,8 @@ brackets: the solve time (lower bound, candidates, local search, MILP) on this m
 def simulated_section(ctx: BenchContext) -> Section:
     """Simulate the grid, print a table per (profile, PP) as it completes, draw a figure
     per profile."""
-    from megatron_dualpipe.planner.schedule_catalog import PROFILES
-
     from .plots import plot_bubbles
+    from .profiles import PROFILES
     from .simulated import (
         OPTIMISED_UP_TO,
         OPTIMISER_EFFORT,
@@ -272,8 +271,6 @@ def _figure_pair(ctx: BenchContext, run: Any) -> str:
 
 def measured_section(ctx: BenchContext) -> Section:
     """Measure Megatron's, torch's and our schedules in one interleaved run."""
-    from megatron_dualpipe.planner.schedule_catalog import PROFILES
-
     from . import measured
     from .measured_report import (
         comparison_table,
@@ -282,6 +279,7 @@ def measured_section(ctx: BenchContext) -> Section:
         memory_table,
         not_ahead,
     )
+    from .profiles import PROFILES
     from .simulated import simulate_cell
 
     full = measured.MeasuredConfig()

@@ -11,10 +11,11 @@ import torch
 from bench import simulated, suite
 from bench.__main__ import main
 from bench.launch import BenchError, run_ranks
+from bench.profiles import PROFILES
 from bench.simulated import LOWER_BOUND, simulate_cell, simulated_table
 from bench.sleep_model import SleepClock, SleepCosts, SleepLinear, SleepStage
 from megatron_dualpipe.planner.optimize import Effort
-from megatron_dualpipe.planner.schedule_catalog import PROFILES, SCHEDULES
+from megatron_dualpipe.planner.schedule_catalog import SCHEDULES
 
 # -- simulated ---------------------------------------------------------------------------
 

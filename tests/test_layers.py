@@ -3,7 +3,7 @@ loads when torch and megatron cannot be imported at all.
 
 1. ``schedules/`` and ``planner/`` are pure Python: no torch, no megatron, nothing of the
    layers above them (``planner/torch_schedules.py`` alone imports torch's
-   ``torch.distributed.pipelining``, inside the function that imports one of its
+   ``torch.distributed.pipelining``, only inside the functions that import its
    schedules); nothing of the core (schedules, runtime, the adapter but our own trainer,
    the Megatron-LM hooks) imports the planner.
 2. ``runtime/`` imports torch but never megatron, and nothing of ``megatron_dualpipe.megatron``.

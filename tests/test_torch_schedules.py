@@ -5,9 +5,9 @@ import pytest
 
 pytest.importorskip("torch.distributed.pipelining.schedules")
 
+from bench.peers import as_torch_runs  # noqa: E402
 from megatron_dualpipe.planner.torch_schedules import (  # noqa: E402
     TORCH_SCHEDULES,
-    as_torch_runs,
     import_torch_schedule,
 )
 from megatron_dualpipe.schedules import Kind, ScheduleError, generate, validate  # noqa: E402

@@ -23,7 +23,6 @@ from ..schedules.ir import Action, Kind, Placement, Schedule, ScheduleError
 __all__ = [
     "TORCH_SCHEDULES",
     "TorchScheduleSpec",
-    "as_torch_runs",
     "from_torch_pipelining",
     "import_torch_schedule",
 ]
@@ -157,20 +156,3 @@ def import_torch_schedule(
     return from_torch_pipelining(
         getattr(schedules, spec.class_name), num_ranks, num_microbatches, placement, name
     )
-
-
-def as_torch_runs(schedule: Schedule) -> Schedule:
-    """The order torch's runtime really executes: its first stage (stage 0, whose input
-    needs no gradient) skips the dX pass and runs the whole backward at its W. Each stage-0
-    B is dropped and its W becomes a BW; everything else is unchanged."""
-    ranks = []
-    for actions in schedule.ranks:
-        out = []
-        for a in actions:
-            if a.stage == 0 and a.kind is Kind.B:
-                continue
-            if a.stage == 0 and a.kind is Kind.W:
-                a = a._replace(kind=Kind.BW)
-            out.append(a)
-        ranks.append(out)
-    return Schedule(f"{schedule.name} (as run)", schedule.placement, ranks)
