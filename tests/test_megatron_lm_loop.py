@@ -142,12 +142,13 @@ class Combination:
     name: str
     flags: tuple[str, ...]
     world_size: int = 2
+    moe: bool = False
     refused: str | None = None
 
     def argv(self, schedule: str, start: Path) -> list[str]:
         ours = [] if schedule == "1f1b" else ["--pipeline-schedule", schedule]
         sized = FOUR_RANKS if self.world_size == 4 else []
-        return [*sized, *self.flags, "--load", str(start), *ours]
+        return [*sized, *(MOE if self.moe else []), *self.flags, "--load", str(start), *ours]
 
 
 #: Without Apex or Transformer Engine (CPU), megatron-core's distributed optimizer cannot
@@ -158,8 +159,8 @@ WEIGHTS_ONLY = "--no-load-optim"
 #: The all-to-all overlap of F&B pairs (MoE, EP=2, bf16), against the same schedule without.
 EP_OVERLAP = ("--expert-model-parallel-size", "2", "--bf16", WEIGHTS_ONLY)
 #: A flag that another run already takes has no run of its own: the distributed optimizer
-#: runs within overlap-param-gather; MoE at EP=2, selective recomputation and the per-token
-#: loss within the DeepSeek router's runs (:func:`test_mtp_with_deepseeks_router_as_1f1b`).
+#: runs within overlap-param-gather; selective recomputation and the per-token loss within
+#: the DeepSeek router's runs (:func:`test_mtp_with_deepseeks_router_as_1f1b`).
 COMBINATIONS = (
     Combination("overlap-grad-reduce", ("--overlap-grad-reduce",)),
     Combination(
@@ -169,6 +170,7 @@ COMBINATIONS = (
         4,
     ),  # fmt: skip
     Combination("bf16", ("--bf16", WEIGHTS_ONLY)),
+    Combination("moe-ep2", ("--expert-model-parallel-size", "2"), 4, moe=True),
     Combination(
         "recompute-full",
         ("--recompute-granularity", "full", "--recompute-method", "uniform",
@@ -381,10 +383,9 @@ def two_ranks(patched: Path, checkpoints: Checkpoints) -> dict[tuple[str, str], 
 def four_ranks(
     patched: Path, checkpoints: Checkpoints, two_ranks: dict, tmp_path_factory
 ) -> dict[tuple[str, str], Printed]:
-    """Every 4-rank run, in one set of ranks: the MoE model's checkpoint (the all-to-all
-    overlap's runs start there), then each 4-rank combination (PP=2 x DP=2) under each
-    schedule from the 2-rank checkpoint, which dist_checkpointing reshards over the
-    data-parallel ranks; and at
+    """Every 4-rank run, in one set of ranks: the MoE model's shared checkpoint, then each
+    4-rank combination (PP=2 x DP=2) under each schedule (the dense ones from the 2-rank
+    checkpoint, which dist_checkpointing reshards over the data-parallel ranks); and at
     PP=4, a 1F1B checkpoint after one iteration and the first steps from it under 1F1B,
     dualpipev and dualpipe."""
     moe_start = tmp_path_factory.mktemp("moe") / "start"
@@ -407,8 +408,9 @@ def four_ranks(
         runs[("ep-overlap on", schedule)] = [*plain, "--overlap-moe-expert-parallel-comm"]
     for combination in COMBINATIONS:
         if combination.world_size == 4:
+            start = moe_start if combination.moe else checkpoints.start
             for schedule in SCHEDULES:
-                runs[(combination.name, schedule)] = combination.argv(schedule, checkpoints.start)
+                runs[(combination.name, schedule)] = combination.argv(schedule, start)
     found = dict(zip(runs, _pretrain(patched, 4, list(runs.values())), strict=True))
     for key, printed in found.items():
         print(f"\n{key}: {printed}")
