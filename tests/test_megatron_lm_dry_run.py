@@ -129,15 +129,23 @@ def test_an_exported_cuda_device_max_connections_at_tp_2_is_one_sentence(
 
 
 @pytest.mark.route
-def test_gpu_kernels_of_a_moe_config_build_without_them_on_this_machine() -> None:
-    """NVIDIA's MoE configs turn on grouped GEMMs, fused permutation and the flex
-    dispatcher: without Transformer Engine the dry run failed in a traceback on each
-    ("Found no NVIDIA driver", "install TE >= 2.1.0", "Fake process group is not supported
-    with flex"); it builds the same parameters without them, and says so."""
-    sets = ("moe_grouped_gemm=true", "moe_permute_fusion=true", "moe_token_dispatcher_type=flex")
-    report = _dry_run(ROOT / "configs" / "tiny_moe_cpu.yaml", *sets)
-    assert "note: built with the alltoall token dispatcher: Megatron-Core refuses flex" in report
+def test_gpu_kernels_of_a_moe_config_build_without_them_on_this_machine(tmp_path: Path) -> None:
+    """NVIDIA's MoE configs turn on grouped GEMMs (with ``moe_act`` recomputed, which
+    Megatron-Core takes only with them), fused permutation and the flex dispatcher: without
+    Transformer Engine the dry run failed in a traceback on each ("Found no NVIDIA driver",
+    "install TE >= 2.1.0", "Fake process group is not supported with flex"); it builds the
+    same parameters without them, and says so."""
+    config = tmp_path / "moe.yaml"
+    demo = (ROOT / "configs" / "tiny_moe_cpu.yaml").read_text()
+    config.write_text(
+        demo.replace("moe_token_dispatcher_type: alltoall", "moe_token_dispatcher_type: flex")
+        + "moe_grouped_gemm: true\nmoe_permute_fusion: true\n"
+        + "recompute_granularity: selective\nrecompute_modules: [moe_act, core_attn]\n"
+    )
+    report = _dry_run(config)
+    assert "note: built with the alltoall token dispatcher: Megatron-LM's validate_args" in report
     assert "note: built without moe_grouped_gemm and moe_permute_fusion (CUDA kernels" in report
+    assert "note: built without moe_act among the recomputed modules" in report
     assert "the memory model and the built modules: 2 of 2 ranks agree exactly" in report
 
 

@@ -178,7 +178,7 @@ def test_a_profile_megatron_lm_would_not_write_is_one_sentence(given: dict, said
 @pytest.mark.parametrize(
     "given",
     [{"name": key} for key in ("moe_grouped_gemm", "moe_permute_fusion", "tp_comm_overlap",
-     "use_torch_fsdp2", "use_megatron_fsdp")]
+     "use_torch_fsdp2", "use_megatron_fsdp", "enable_cuda_graph", "external_cuda_graph")]
     + [{"moe_token_dispatcher_type": "flex"},
        {"sequence_parallel": True, "tensor_model_parallel_size": 2},
        {"log_memory_to_tensorboard": True, "tensorboard_dir": "tb"},
@@ -216,9 +216,9 @@ def test_an_exported_cuda_device_max_connections_megatron_asserts_against_is_one
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """TP > 1 with CUDA_DEVICE_MAX_CONNECTIONS=8 exported: Megatron-LM's validate_args
-    asserted on every CPU rank (the CPU view reports a Hopper); 1, unset, or the all-to-all
-    overlap (which wants more queues) pass."""
-    from megatron_dualpipe.megatron.lm_launch import _check_cuda_only
+    asserted on every CPU rank (this project's CPU view reports a Hopper); 1, unset, the
+    all-to-all overlap (which wants more queues) or FSDP (Megatron-LM warns) pass."""
+    from megatron_dualpipe.megatron.lm_launch import _check_cuda_only, check_max_connections
 
     tp2 = argparse.Namespace(tensor_model_parallel_size=2)
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
@@ -234,6 +234,8 @@ def test_an_exported_cuda_device_max_connections_megatron_asserts_against_is_one
     _check_cuda_only(argparse.Namespace(tensor_model_parallel_size=1), "x.yaml")
     overlapped = {"tensor_model_parallel_size": 2, "overlap_moe_expert_parallel_comm": True}
     _check_cuda_only(argparse.Namespace(**overlapped), "x.yaml")
+    for fsdp in ("use_torch_fsdp2", "use_megatron_fsdp"):  # Megatron-LM only warns
+        check_max_connections(argparse.Namespace(tensor_model_parallel_size=2, **{fsdp: True}), "x")
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     _check_cuda_only(tp2, "x.yaml")
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")

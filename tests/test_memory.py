@@ -193,12 +193,24 @@ def test_every_copy_of_a_vocabulary_table_is_counted() -> None:
         ({"fp8": "e5m2"}, "fp8: 'e5m2' is not one of e4m3, hybrid"),
         ({"recompute_granularity": "full"}, "full needs recompute_method"),
         ({"recompute_granularity": "selective", "recompute_modules": "mlp attn"}, "'attn'"),
+        ({"recompute_granularity": "selective", "recompute_modules": ["mlp", "attn"]}, "'attn'"),
+        ({"recompute_granularity": "selective", "recompute_modules": 3}, "module names"),
     ],
 )
 def test_bad_settings_are_one_sentence(settings: dict, message: str) -> None:
     with pytest.raises(ConfigValueError, match=message) as err:
         MemorySettings.from_values(settings, "cfg.yaml")
     assert "\n" not in str(err.value)
+
+
+def test_recompute_modules_read_as_megatron_lms_list_or_as_words() -> None:
+    """A list is what Megatron-LM's ``--recompute-modules`` takes (``train`` passes it so);
+    the memory model read words only, and a list was a type error."""
+    listed = {"recompute_granularity": "selective", "recompute_modules": ["moe_act", "mlp"]}
+    words = {**listed, "recompute_modules": "moe_act mlp"}
+    assert MemorySettings.from_values(listed, "cfg.yaml") == MemorySettings.from_values(
+        words, "cfg.yaml"
+    )
 
 
 def _deepseek_ranks(overrides: list[str]) -> list[Any]:

@@ -65,7 +65,11 @@ def dry_run_with_megatron_lm(
     warning = set_cuda_device_max_connections(settings)  # validate_args asserts it, as in train
     # What the build leaves out and the memory model still counts (FP8's weight copies,
     # sequence parallelism's split activations).
-    modelled = {key: settings[key] for key in ("fp8", "sequence_parallel") if key in settings}
+    modelled = {
+        key: settings[key]
+        for key in ("fp8", "sequence_parallel", "recompute_modules")
+        if key in settings
+    }
     with patched_training():
         settings, notes = _buildable(settings)
         on_cpu = not torch.cuda.is_available()
@@ -120,8 +124,8 @@ def _buildable(settings: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if out.get("moe_token_dispatcher_type") == "flex":  # Megatron refuses it without a group
         out["moe_token_dispatcher_type"] = "alltoall"
         notes.append(
-            "built with the alltoall token dispatcher: Megatron-Core refuses flex over the "
-            "dry run's fake process group, and a dispatcher holds no parameters"
+            "built with the alltoall token dispatcher: Megatron-LM's validate_args refuses "
+            "flex over the dry run's fake process group, and a dispatcher holds no parameters"
         )
     kernels = [key for key in ("moe_grouped_gemm", "moe_permute_fusion") if out.get(key)]
     if not te and kernels:  # Megatron-Core's local layers have neither
@@ -131,6 +135,8 @@ def _buildable(settings: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
             f"built without {' and '.join(kernels)} (CUDA kernels, through Transformer Engine "
             "where it is installed): one MLP per expert holds the same parameters"
         )
+        if "moe_grouped_gemm" in kernels:  # what Megatron-Core takes only with grouped GEMMs
+            _drop_grouped_gemm_only(out, notes)
     if not te and out.pop("sequence_parallel", None):  # Megatron's local norms refuse it
         notes.append(
             "built without sequence parallelism (Megatron-Core's local norms refuse it): it "
@@ -151,6 +157,27 @@ def _buildable(settings: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
         # --use-cpu-initialization: the build's meta device then.
         out["use_cpu_initialization"] = True
     return out, notes
+
+
+def _drop_grouped_gemm_only(out: dict[str, Any], notes: list[str]) -> None:
+    """What Megatron-Core's ``TransformerConfig`` refuses without ``moe_grouped_gemm``:
+    ``moe_act`` among the recomputed modules (the memory model still counts it), and one
+    grouped weight or bias for all experts."""
+    modules = out.get("recompute_modules")
+    if isinstance(modules, list | tuple) and "moe_act" in modules:
+        out["recompute_modules"] = [m for m in modules if m != "moe_act"]
+        notes.append(
+            "built without moe_act among the recomputed modules (Megatron-Core takes it only "
+            "with grouped GEMMs; the memory model counts it)"
+        )
+    single = [k for k in ("moe_single_grouped_weight", "moe_single_grouped_bias") if out.get(k)]
+    for key in single:
+        out.pop(key)
+    if single:
+        notes.append(
+            f"built without {' and '.join(single)} (grouped GEMMs only): the same parameters, "
+            "one tensor per expert"
+        )
 
 
 @contextlib.contextmanager

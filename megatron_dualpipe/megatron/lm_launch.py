@@ -249,14 +249,17 @@ def set_cuda_device_max_connections(settings: Mapping[str, Any]) -> str | None:
 
 def check_max_connections(parsed: argparse.Namespace, source: str) -> None:
     """On CPU ranks: an exported ``CUDA_DEVICE_MAX_CONNECTIONS`` that Megatron-LM's
-    ``validate_args`` asserts against (not 1 with tensor or context parallelism, the
-    all-to-all overlap off; the CPU view reports a Hopper) is one sentence, not an
-    assertion on every rank."""
+    ``validate_args`` asserts against (not 1 with tensor or context parallelism, where
+    neither the all-to-all overlap nor FSDP is on, for which it only warns; this project's
+    CPU view reports a Hopper) is one sentence, not an assertion on every rank."""
     exported = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
     tensor_parallel = getattr(parsed, "tensor_model_parallel_size", 1)
     model_parallel = tensor_parallel > 1 or getattr(parsed, "context_parallel_size", 1) > 1
-    overlap = getattr(parsed, "overlap_moe_expert_parallel_comm", False)
-    if model_parallel and not overlap and exported not in (None, "1"):
+    warned_only = any(
+        getattr(parsed, key, False)
+        for key in ("overlap_moe_expert_parallel_comm", "use_torch_fsdp2", "use_megatron_fsdp")
+    )
+    if model_parallel and not warned_only and exported not in (None, "1"):
         raise MegatronLMConfigError(
             f"{source}: CUDA_DEVICE_MAX_CONNECTIONS={exported} is exported, and Megatron-LM "
             "requires 1 with tensor or context parallelism (validate_args asserts it on every "
@@ -336,13 +339,16 @@ def _check_intervals(parsed: argparse.Namespace, source: str) -> None:
 
 
 #: Megatron-LM switches that need what CPU ranks have not, and what (each failed on CPU
-#: ranks, in a traceback or an error, before it was refused here).
+#: ranks, in a traceback or an error, or each rank refused it, before it was refused here).
 CUDA_ONLY = {
     "moe_grouped_gemm": "grouped-GEMM kernels (validate_args asks the GPU's capability)",
     "moe_permute_fusion": "Transformer Engine's fused permutation",
     "tp_comm_overlap": "Transformer Engine's userbuffers",
     "use_torch_fsdp2": "torch's fully_shard over CUDA devices",
     "use_megatron_fsdp": "Megatron-FSDP's CUDA buffers",
+    "enable_cuda_graph": "CUDA graphs (Megatron-LM reads it as cuda_graph_impl local)",
+    "external_cuda_graph": "CUDA graphs (Megatron-LM reads it as cuda_graph_impl "
+    "transformer_engine)",
 }
 
 
@@ -353,7 +359,6 @@ def _check_cuda_only(parsed: argparse.Namespace, source: str) -> None:
     (``torch.cuda.memory_stats()``), a ``cuda_graph_impl`` but ``none`` (each rank refused
     it after starting) or what :func:`check_max_connections` refuses is one sentence before
     any rank."""
-    check_max_connections(parsed, source)
     tensor_parallel = getattr(parsed, "tensor_model_parallel_size", 1)
     if getattr(parsed, "sequence_parallel", False) and tensor_parallel > 1:
         raise MegatronLMConfigError(
@@ -369,6 +374,7 @@ def _check_cuda_only(parsed: argparse.Namespace, source: str) -> None:
             raise MegatronLMConfigError(
                 f"{source}: {key} needs {needs}, which CPU ranks have not: set {key}: false here"
             )
+    check_max_connections(parsed, source)
     impl = getattr(parsed, "cuda_graph_impl", None) or "none"
     if impl != "none":
         raise MegatronLMConfigError(

@@ -45,9 +45,17 @@ class MemorySettings:
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
-    recompute_modules: str | None = None
+    #: Words, or a list of them as Megatron-LM's ``--recompute-modules`` takes them.
+    recompute_modules: object = None
 
     def __post_init__(self) -> None:
+        modules = self.recompute_modules
+        if isinstance(modules, list | tuple) and all(isinstance(m, str) for m in modules):
+            object.__setattr__(self, "recompute_modules", " ".join(modules))
+        elif modules is not None and not isinstance(modules, str):
+            raise ScheduleError(
+                f"recompute_modules: expected module names (a list, or words), got {modules!r}"
+            )
         if self.fp8 not in (None, "e4m3", "hybrid"):
             raise ScheduleError(f"fp8: {self.fp8!r} is not one of e4m3, hybrid")
         problem = self.recompute.problem()
