@@ -520,11 +520,11 @@ TIED = "untie_embeddings_and_output_weights=false"
 
 
 @functools.cache
-def _trained(schedule: str) -> subprocess.CompletedProcess:
-    """The tiny config trained from scratch under ``schedule``, tied: one run that every
-    test comparing against it reads (it saves nothing, and the same flags print the same
-    digits)."""
-    return _train(f"pipeline_schedule={schedule}", TIED)
+def _trained(schedule: str, *sets: str) -> subprocess.CompletedProcess:
+    """The tiny config trained from scratch under ``schedule``, tied, with ``sets``: one run
+    that every test comparing against it reads (it saves nothing, and the same flags print
+    the same digits)."""
+    return _train(f"pipeline_schedule={schedule}", TIED, *sets)
 
 
 def _refused(*sets: str) -> str:
@@ -563,32 +563,36 @@ def _megatron_core_0_19() -> bool:
     return megatron_lm_tag() == "core_v0.19.0"
 
 
+def _printed(done: subprocess.CompletedProcess) -> tuple[dict[str, str], dict[str, str]]:
+    """A finished run's training and validation losses by iteration (3 and the last)."""
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses, validation = dict(LOSS.findall(done.stdout)), dict(VALIDATION.findall(done.stdout))
+    assert sorted(losses) == ["1", "2", "3"] and sorted(validation) == ["3"], done.stdout
+    return losses, validation
+
+
 @pytest.mark.megatron
 @pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.route
-def test_the_tiny_config_trains_as_1f1b_under_every_schedule() -> None:
+@pytest.mark.parametrize("schedule", ["1f1b", "zb1p", "dualpipev", "dualpipe"])
+def test_the_tiny_config_trains_as_1f1b_under_each_schedule(schedule: str) -> None:
     """From scratch, tied embeddings (Megatron-LM's default, set over the config's untied
     ones): zb1p and dualpipev print 1F1B's digits, dualpipe within a millionth; ``--dry-run``
     builds on each rank the parameters Megatron-LM's ``get_model`` says it built. dualpipe's
     last rank used to copy its zeroed output layer over its embedding (loss 4.863 against
     4.876 at step 1, then barely learning)."""
-    printed = {}
-    for schedule in ("1f1b", "zb1p", "dualpipev", "dualpipe"):
-        sets = (f"pipeline_schedule={schedule}", TIED)
-        done = _trained(schedule)
-        assert done.returncode == 0, done.stderr[-3000:]
-        built = {int(r): int(n) for r, n in PRETRAIN_BUILT.findall(done.stdout)}
-        assert built == _dry_run_built(*sets), schedule
-        said = "Megatron's own" if schedule == "1f1b" else f"{schedule} (megatron-dualpipe's)"
-        assert f"pipeline schedule: {said}" in done.stdout + done.stderr
-        losses = dict(LOSS.findall(done.stdout))
-        validation = dict(VALIDATION.findall(done.stdout))
-        assert sorted(losses) == ["1", "2", "3"] and sorted(validation) == ["3"], done.stdout
-        printed[schedule] = (losses, validation)
-    assert printed["zb1p"] == printed["1f1b"]
-    assert printed["dualpipev"] == printed["1f1b"]
-    for got, want in zip(printed["dualpipe"], printed["1f1b"], strict=True):
+    done = _trained(schedule)
+    printed = _printed(done)
+    built = {int(r): int(n) for r, n in PRETRAIN_BUILT.findall(done.stdout)}
+    assert built == _dry_run_built(f"pipeline_schedule={schedule}", TIED)
+    said = "Megatron's own" if schedule == "1f1b" else f"{schedule} (megatron-dualpipe's)"
+    assert f"pipeline schedule: {said}" in done.stdout + done.stderr
+    megatrons = _printed(_trained("1f1b"))
+    if schedule != "dualpipe":
+        assert printed == megatrons
+        return
+    for got, want in zip(printed, megatrons, strict=True):
         for step, loss in want.items():
             assert float(got[step]) == pytest.approx(float(loss), rel=1e-6), (step, got, want)
 
@@ -597,22 +601,19 @@ def test_the_tiny_config_trains_as_1f1b_under_every_schedule() -> None:
 @pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.route
-def test_tensor_parallel_ranks_train_as_1f1b() -> None:
+@pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
+def test_tensor_parallel_ranks_train_as_1f1b(schedule: str) -> None:
     """TP=2 x PP=2 on four CPU ranks, from scratch: dualpipev prints 1F1B's digits, and
     ``--dry-run`` builds the parameters Megatron-LM's ``get_model`` built. Megatron-LM's
     validate_args asks the device's architecture with TP > 1: on CPU ranks that was torch's
     "Cannot re-initialize CUDA in forked subprocess" on every rank (the dry run: "Found no
     NVIDIA driver")."""
-    printed = {}
-    for schedule in ("1f1b", "dualpipev"):
-        sets = (f"pipeline_schedule={schedule}", "tensor_model_parallel_size=2", "world_size=4")
-        done = _train(*sets)
-        assert done.returncode == 0, done.stderr[-3000:]
-        printed[schedule] = dict(LOSS.findall(done.stdout))
-        built = {int(r): int(n) for r, n in PRETRAIN_BUILT.findall(done.stdout)}
-        assert built == _dry_run_built(*sets), schedule
-    assert sorted(printed["1f1b"]) == ["1", "2", "3"], printed
-    assert printed["dualpipev"] == printed["1f1b"]
+    sets = ("tensor_model_parallel_size=2", "world_size=4")
+    done = _trained(schedule, *sets)
+    printed = _printed(done)
+    built = {int(r): int(n) for r, n in PRETRAIN_BUILT.findall(done.stdout)}
+    assert built == _dry_run_built(f"pipeline_schedule={schedule}", TIED, *sets)
+    assert printed == _printed(_trained("1f1b", *sets))
 
 
 @pytest.mark.megatron
