@@ -207,17 +207,21 @@ def test_cpu_launcher_missing_config_is_refused(tmp_path: Path) -> None:
 
 def _task_pid(job_id: str, task: int) -> int | None:
     """The pid of the training process of task ``task`` of job ``job_id`` (this machine
-    runs every pretend node), or None before it exists."""
+    runs every pretend node), or None before it exists. Its children (DataLoader workers)
+    share its environment and command line, and after the pids wrap around one can have a
+    lower pid: the process taken is the one whose parent is none of them."""
     wanted = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_PROCID={task}".encode()}
+    parents = {}
     for proc in Path("/proc").iterdir():
         try:
             environ = set((proc / "environ").read_bytes().split(b"\0"))
             command = (proc / "cmdline").read_bytes()
+            status = (proc / "status").read_text()
         except OSError:
             continue
         if wanted <= environ and b"megatron_dualpipe" in command and b"train" in command:
-            return int(proc.name)
-    return None
+            parents[int(proc.name)] = int(status.split("\nPPid:")[1].split()[0])
+    return next((pid for pid, parent in parents.items() if parent not in parents), None)
 
 
 @needs_slurm
