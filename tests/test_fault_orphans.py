@@ -409,7 +409,10 @@ def test_kill_9_of_the_whole_run_at_once_leaves_nothing(
             for victim in known:
                 with contextlib.suppress(psutil.NoSuchProcess):  # a writer that just finished
                     action(victim)
-        assert _survivors(tag) == []
+        # The resource trackers go last, once the managers' deaths close their pipes: 0.16-0.30
+        # s here alone, but beside CI's other leg and a second suite two were still running
+        # after 5 s (2026-12-07). What the test guards against is a tracker that runs on.
+        assert _survivors(tag, within_s=30.0) == []
     directories = _run_directories(proc.pid, temp)  # nobody was left to remove them ...
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
     run_ranks(_manager_directory, 1, timeout_s=120)
