@@ -4,7 +4,8 @@ loop is ``python -m pytest -m "not slow"``):
 
 - a session that runs a test marked ``megatron`` first applies Megatron-Core's CPU
   compatibility layer (:func:`~megatron_dualpipe.megatron.compat.cpu_compat.apply_cpu_compat`,
-  a no-op with CUDA), once and before any worker forks, so every worker inherits it;
+  a no-op with CUDA) and, on CPU, torch.compile's eager stance, once and before any worker
+  forks, so every worker inherits both;
 - a session that runs a test marked ``multiproc`` first pays torch's lazy imports, once in
   the parent rather than once per forked worker.
 
@@ -17,6 +18,7 @@ megatron-core installed does not ship the ``megatron/training`` it runs (0.16 to
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -49,12 +51,20 @@ def _runs_marked(session: pytest.Session, marker: str) -> bool:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def cpu_compat(request: pytest.FixtureRequest) -> None:
-    """Megatron-Core's CPU compatibility layer, where the session runs Megatron tests."""
+def cpu_compat(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Megatron-Core's CPU compatibility layer, where the session runs Megatron tests, and
+    on CPU ``torch.compile`` turned off for the session as ``train`` turns it off in its
+    ranks (Megatron-Core's fused functions run eagerly: compiling them cost each forked rank
+    of an MoE test about 6 s)."""
     if _runs_marked(request.session, "megatron"):
         from megatron_dualpipe.megatron.compat.cpu_compat import apply_cpu_compat
+        from megatron_dualpipe.megatron.compat.cpu_compat_training import eager_on_cpu
 
         apply_cpu_compat()
+        with eager_on_cpu():
+            yield
+        return
+    yield
 
 
 @pytest.fixture(scope="session", autouse=True)
