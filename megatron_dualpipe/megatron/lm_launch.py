@@ -173,6 +173,7 @@ def _run(
             # --use-persistent-ckpt-worker's: Megatron-LM spawns it; forked ranks: done)
             measured = _pretrain(argv, queue)
         else:
+            _import_what_every_rank_imports()
             world_size = int(settings.get("world_size") or model_parallel_size(settings))
             minutes = float(settings.get("distributed_timeout_minutes") or 10)
             measured = run_ranks(
@@ -185,6 +186,13 @@ def _run(
                 failure_as=lambda failure: PretrainExit(failure.cause),
             )[0]
     return measured if holder else None
+
+
+def _import_what_every_rank_imports() -> None:
+    """Import here, once, what each forked rank would import for itself: Megatron-Core's text
+    tokenizers (``build_tokenizer`` loads them by name; their Hugging Face library imports
+    ``transformers``, about 2 s per rank on CPU)."""
+    import megatron.core.tokenizers.text  # noqa: F401
 
 
 def checked_run_argv(
