@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dualpipe.cli import command
+from megatron_dualpipe.cli import command, common
 from megatron_dualpipe.cli.common import Terminated
 from megatron_dualpipe.runtime import PipelineWaitError
 
@@ -87,3 +87,27 @@ def test_a_plain_stop_is_one_line(monkeypatch, capsys) -> None:
     monkeypatch.setitem(command.COMMANDS, "train", fake)
     assert command.main(["train"]) == 128 + signal.SIGHUP
     assert capsys.readouterr().err == "megatron-dualpipe: train terminated (SIGHUP)\n"
+
+
+def test_torch_s_handler_run_within_the_switch_still_stops_with_terminated(monkeypatch) -> None:
+    """A worker ended by the same SIGTERM can run torch's DataLoader SIGCHLD handler within
+    the stop's switch of SIGCHLD to its default (its RuntimeError escaped once in a
+    clean-clone CI run of the test above): the stop still raises Terminated, SIGCHLD at its
+    default."""
+    real, before = signal.signal, signal.getsignal(signal.SIGCHLD)
+    calls: list[int] = []
+
+    def torch_s_handler_first(signum: int, handler: object) -> object:
+        calls.append(signum)
+        if len(calls) == 1:
+            raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Terminated.")
+        return real(signum, handler)
+
+    monkeypatch.setattr(signal, "signal", torch_s_handler_first)
+    try:
+        with pytest.raises(Terminated):
+            common._terminate(signal.SIGTERM, None)
+        assert calls == [signal.SIGCHLD, signal.SIGCHLD]
+        assert signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL
+    finally:
+        real(signal.SIGCHLD, before)

@@ -35,8 +35,15 @@ def _terminate(signum: int, frame: object) -> None:
     fault to report: SIGCHLD goes back to its default, for torch's DataLoader handler
     (``torch.utils.data._utils.signal_handling._set_SIGCHLD_handler``) raises a
     ``RuntimeError`` over the unwinding when srun's SIGTERM, which reaches every process of
-    a task, ends a worker."""
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    a task, ends a worker. A worker that the same signal ended first may still run that
+    handler here, before the switch takes effect: its error names that ending, so the switch
+    is made again."""
+    while True:
+        try:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            break
+        except RuntimeError:  # torch's handler, for a worker this stop has ended
+            continue
     raise Terminated(signum)
 
 
