@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -226,30 +227,31 @@ def _launch(
     watches: list[_Watch] = []
     group = _RunGroup()
     try:
-        for rank in range(world_size):
-            recv_end, send_end = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=_rank_main,
-                args=(
-                    send_end,
-                    os.getpid(),
-                    group,
-                    fn,
-                    rank,
-                    world_size,
-                    args,
-                    port,
-                    pg_timeout_s,
-                    threads,
-                    plain_errors,
-                ),
-                name=f"rank{rank}",
-            )
-            proc.start()
-            send_end.close()
-            group.join(proc.pid)
-            procs.append(proc)
-            watches.append(_Watch(rank, proc, recv_end))
+        with _objects_frozen():
+            for rank in range(world_size):
+                recv_end, send_end = ctx.Pipe(duplex=False)
+                proc = ctx.Process(
+                    target=_rank_main,
+                    args=(
+                        send_end,
+                        os.getpid(),
+                        group,
+                        fn,
+                        rank,
+                        world_size,
+                        args,
+                        port,
+                        pg_timeout_s,
+                        threads,
+                        plain_errors,
+                    ),
+                    name=f"rank{rank}",
+                )
+                proc.start()
+                send_end.close()
+                group.join(proc.pid)
+                procs.append(proc)
+                watches.append(_Watch(rank, proc, recv_end))
         results, errors, unfinished = _collect(watches, deadline, group)
         guard = group.death()
         stopped = [rank for rank in unfinished if _is_stopped(procs[rank].pid)]
@@ -266,6 +268,19 @@ def _launch(
             for watch in watches:
                 watch.close()
             group.close()
+
+
+@contextlib.contextmanager
+def _objects_frozen() -> Iterator[None]:
+    """Within the block, this process's objects are out of the garbage collector's reach
+    (``gc.freeze``), so processes forked meanwhile never collect what they inherit: their
+    collections neither walk it nor copy its pages (CPython's advice for forking without
+    exec). Back in reach on leaving."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 #: What stops a run from outside: Ctrl-C, ``kill``, a closed terminal.
