@@ -29,6 +29,9 @@ pytestmark = pytest.mark.multiproc
 
 RANKS, MICROBATCHES, FAULTY_RANK = 4, 4, 1
 TIMEOUT_S = 1.0
+#: The crash's timeout: a dead peer is found through the broken connection, never by a
+#: timeout, however long the ranks' compute takes on a loaded machine.
+NO_TIMEOUT_S = 600.0
 
 
 class Faulty(nn.Linear):
@@ -48,8 +51,8 @@ class Faulty(nn.Linear):
         return super().forward(x)
 
 
-def run_with_fault(rank: int, world_size: int, fault: str) -> tuple[str, str, float]:
-    """Run 1F1B with a fault on FAULTY_RANK; report (error type, message, seconds)."""
+def run_with_fault(rank: int, world_size: int, fault: str, timeout_s: float) -> tuple[str, str]:
+    """Run 1F1B with a fault on FAULTY_RANK; report (error type, message)."""
     module = Faulty(fault) if rank == FAULTY_RANK else nn.Linear(4, 4)
     executor = PipelineExecutor(
         generate("1f1b", world_size, MICROBATCHES),
@@ -57,21 +60,25 @@ def run_with_fault(rank: int, world_size: int, fault: str) -> tuple[str, str, fl
         [module],
         specs={s: TensorSpec((2, 4)) for s in range(world_size)},
         loss_fn=lambda out, mb: out.sum(),
-        timeout_s=TIMEOUT_S,
+        timeout_s=timeout_s,
     )
-    start = time.monotonic()
     try:
         executor.run([torch.ones(2, 4)] * MICROBATCHES)
     except Exception as error:  # report it, so that every rank's outcome comes back
-        return type(error).__name__, str(error), time.monotonic() - start
-    return "", "finished", time.monotonic() - start
+        return type(error).__name__, str(error)
+    return "", "finished"
 
 
-_MESSAGE = re.compile(r"pipeline rank (\d) gave up on (.+) \(peer: rank (\d)\) after [\d.]+ s: ")
+_MESSAGE = re.compile(
+    r"pipeline rank (\d) gave up on (.+) \(peer: rank (\d)\) after ([\d.]+) s: (.*)", re.S
+)
 
 
-def _check_waiters(outcomes: list[tuple[str, str, float]], deadline_s: float) -> None:
-    for rank, (kind, message, seconds) in enumerate(outcomes):
+def _waiters_causes(outcomes: list[tuple[str, str]]) -> list[str]:
+    """What each rank but the faulty one gave up for, having waited on a neighbour (its
+    message names the rank, the action and the peer)."""
+    causes = []
+    for rank, (kind, message) in enumerate(outcomes):
         if rank == FAULTY_RANK:
             continue
         assert kind == PipelineWaitError.__name__, f"rank {rank}: {kind}: {message}"
@@ -80,20 +87,26 @@ def _check_waiters(outcomes: list[tuple[str, str, float]], deadline_s: float) ->
         assert int(match.group(1)) == rank
         assert re.search(r"\d+(RECV_F|RECV_B|SEND_F|SEND_B)\d+", match.group(2)), message
         assert int(match.group(3)) in (rank - 1, rank + 1), message
-        assert seconds < deadline_s, f"rank {rank} took {seconds:.1f} s: {message}"
+        causes.append(match.group(5))
+    return causes
 
 
 def test_a_dead_peer_fails_every_waiting_rank_at_once() -> None:
-    outcomes = run_workers(run_with_fault, RANKS, args=("crash",), timeout_s=30)
-    assert outcomes[FAULTY_RANK][:2] == ("RuntimeError", "simulated crash")
-    _check_waiters(outcomes, deadline_s=TIMEOUT_S)
+    """Through the broken connection, not a timeout (the crash's is 10 minutes, and the
+    launcher's 30 s bound would fail the test first)."""
+    outcomes = run_workers(run_with_fault, RANKS, args=("crash", NO_TIMEOUT_S), timeout_s=30)
+    assert outcomes[FAULTY_RANK] == ("RuntimeError", "simulated crash")
+    for cause in _waiters_causes(outcomes):
+        assert cause.startswith("the connection broke, the peer has probably died"), cause
 
 
 @pytest.mark.slow
 def test_a_receive_that_never_arrives_fails_every_waiting_rank_within_the_timeout() -> None:
-    outcomes = run_workers(run_with_fault, RANKS, args=("stall",), timeout_s=30)
-    _check_waiters(outcomes, deadline_s=TIMEOUT_S + 1.0)
-    assert "no progress within the 1 s timeout" in "".join(m for _, m, _ in outcomes)
+    """The stalled rank's neighbour by its 1 s timeout, the others then through the
+    connections that its failure broke."""
+    outcomes = run_workers(run_with_fault, RANKS, args=("stall", TIMEOUT_S), timeout_s=30)
+    causes = _waiters_causes(outcomes)
+    assert any(c.startswith("no progress within the 1 s timeout") for c in causes), causes
 
 
 # The first lines of what gloo raises in each case (torch 2.13).
