@@ -697,14 +697,19 @@ class Training:
     grads: dict[str, torch.Tensor]
 
 
-def _training(model: Model, layout: Layout, steps: int = 5) -> Training:
+def _training(
+    model: Model, layout: Layout, steps: int = 5, timeout_factor: float | None = None
+) -> Training:
+    """``layout``'s run; its ranks wait ``timeout_factor`` (default the layout's own) times
+    the time bounds of ranks on a core each."""
     reference = _reference(model, layout.dp, layout.microbatches)
+    factor = layout.timeout_factor if timeout_factor is None else timeout_factor
     results = run_workers(
         _trajectory_worker,
         layout.world_size,
         args=(model, layout, reference["state"], steps),
-        timeout_s=RUN_TIMEOUT_S * layout.timeout_factor,
-        pg_timeout_s=PG_TIMEOUT_S * layout.timeout_factor,
+        timeout_s=RUN_TIMEOUT_S * factor,
+        pg_timeout_s=PG_TIMEOUT_S * factor,
     )
     means, mtp_means = [], []
     for step in range(steps):
@@ -725,8 +730,12 @@ def _training(model: Model, layout: Layout, steps: int = 5) -> Training:
 
 
 @functools.cache
-def _reference_training(model: Model, microbatches: int, steps: int) -> Training:
-    return _training(model, Layout(pp=1, microbatches=microbatches), steps)
+def _reference_training(
+    model: Model, microbatches: int, steps: int, timeout_factor: float
+) -> Training:
+    """The one-process run: all of the pipelined run's work on one rank, so it is given the
+    pipelined run's time bound (a loaded machine took over 60 s for eight micro-batches)."""
+    return _training(model, Layout(pp=1, microbatches=microbatches), steps, timeout_factor)
 
 
 def _trajectory(model: Model, layout: Layout, steps: int = 5) -> list[float]:
@@ -744,7 +753,7 @@ def check_training(model: Model, layout: Layout, steps: int = 5) -> dict[str, fl
     the order the schedule computes them, over their number. Summed in another order it
     may differ by the sum's rounding (up to one fp32 epsilon per micro-batch, relative),
     which can reach the 7th digit: it must agree to within that."""
-    reference = _reference_training(model, layout.microbatches, steps)
+    reference = _reference_training(model, layout.microbatches, steps, layout.timeout_factor)
     ours = _training(model, layout, steps)
     assert set(ours.grads) == set(reference.grads), (
         f"gradients missing: {sorted(set(reference.grads) - set(ours.grads))}, "
