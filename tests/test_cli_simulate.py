@@ -262,7 +262,7 @@ def test_check_nccl_beyond_its_bound_is_refused_before_any_work(capsys) -> None:
     started = time.monotonic()
     argv = ["simulate", "--schedule", "all", "--pp", "200", "--microbatches", "1000"]
     assert main([*argv, "--check-nccl"]) == 2
-    assert time.monotonic() - started < 2.0
+    assert time.monotonic() - started < 10.0  # the check itself: over a minute
     assert capsys.readouterr().err == (
         "megatron-dualpipe: error: checking PP=200 x 1000 micro-batches under NCCL's rules "
         "would take about 2.5 GB and 60 s (about 13 KB and 0.3 ms per PP x micro-batch): "

@@ -152,7 +152,7 @@ def test_a_stuck_mirror_exchange_is_named_by_the_hang_monitor(monkeypatch) -> No
         "pipeline rank 0 gave up on the mirror copy's gradients (peer: rank 3) after "
     )
     assert "seen by the rank's hang monitor" in message
-    assert elapsed < 5.0
+    assert elapsed < 30.0  # the monitor named it: no hang (its timeout is 0.2 s)
     assert len(log.batches) == 5  # the fourth's wait came after the fifth's issue
 
 

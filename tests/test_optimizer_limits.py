@@ -125,7 +125,7 @@ def test_what_does_not_fit_in_memory_is_refused_before_any_work(capsys) -> None:
         ["simulate", "--schedule", "dualpipev", "--pp", "500", "--microbatches", "4000"]
         + ["--optimize", "--time-limit", "3"]
     )
-    assert code == 2 and time.monotonic() - started < 1.0
+    assert code == 2 and time.monotonic() - started < 2.5  # the search's limit: 3 s
     assert capsys.readouterr().err == (
         "megatron-dualpipe: error: optimising PP=500 x 4000 micro-batches would take about "
         "13.4 GB (about 7 KB per PP x micro-batch): the optimiser takes PP x micro-batches up "

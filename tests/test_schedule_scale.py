@@ -126,7 +126,7 @@ def test_progress_is_reported_in_actions() -> None:
 def test_sizes_beyond_a_minute_are_refused_before_any_work(capsys) -> None:
     started = time.monotonic()
     assert main(["simulate", "--pp", "2000", "--microbatches", "4000"]) == 2
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 10.0  # the work: over a minute
     assert capsys.readouterr().err == (
         "megatron-dualpipe: error: PP=2000 x 4000 micro-batches is too large to simulate "
         "here: PP x micro-batches must be at most 2,000,000 (PP=1000 x 2000 takes about a "
